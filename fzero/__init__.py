@@ -1,0 +1,15 @@
+"""fzero: ZeRO sharded data-parallel training for PyTorch, with plans as plain data."""
+
+from fzero import optim, partition
+from fzero._version import __version__
+from fzero.config import Config, add_config_arguments, load_config, resolve_auto
+
+__all__ = [
+    "Config",
+    "__version__",
+    "add_config_arguments",
+    "load_config",
+    "optim",
+    "partition",
+    "resolve_auto",
+]

@@ -1,0 +1,74 @@
+"""The `fzero` command: `fzero estimate ...` (more subcommands arrive with the engine)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _load_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"--model {spec!r}: expected 'module:factory'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(f"--model {spec!r}: {error}") from None
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from fzero.estimate import estimate, format_estimate, manifest_of_size
+    from fzero.partition import describe
+
+    if (args.model is None) == (args.params is None):
+        raise SystemExit("fzero estimate: give exactly one of --model module:factory or --params N")
+    if args.model is not None:
+        with torch.device("meta"):
+            model = _load_factory(args.model)()
+        manifest = describe(model)
+    else:
+        manifest = manifest_of_size(int(float(args.params)))
+    rows = estimate(
+        manifest,
+        args.world_sizes,
+        param_dtype={"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[args.precision],
+        optimizer=args.optimizer,
+        persistence_threshold=args.persistence_threshold,
+    )
+    print(format_estimate(rows, manifest.numel))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fzero", description="ZeRO training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    est = sub.add_parser("estimate", help="model-state memory per rank for ZeRO stages 0-3")
+    est.add_argument("--model", help="module:factory building the model (built on meta)")
+    est.add_argument("--params", help="number of parameters instead of a model, e.g. 7.5e9")
+    est.add_argument(
+        "--world-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 64],
+        help="comma-separated data-parallel sizes (default 1,8,64)",
+    )
+    est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
+    est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")
+    est.add_argument("--persistence-threshold", type=int, default=0)
+    est.set_defaults(func=_estimate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `fzero` console script."""
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,639 @@
+"""DeepSpeed-style JSON configuration, parsed into frozen, validated dataclasses.
+
+`load_config` accepts a DeepSpeed `ds_config.json` (path or dict) as is. Every
+key is checked: an unknown key is an error naming the closest known one, a
+key DeepSpeed has but fzero does not implement is a "not supported yet" error
+(unless it is switched off), and a wrong type or value names the key, the value
+and what is allowed. `"auto"` values (the Hugging Face Transformers convention)
+stay as the string `"auto"` until `resolve_auto` fills them in; the engine
+refuses a config with any left (`check_resolved`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+__all__ = [
+    "AUTO",
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BF16Config",
+    "BatchSizes",
+    "Config",
+    "ConfigError",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "add_config_arguments",
+    "batch_sizes",
+    "check_resolved",
+    "load_config",
+    "resolve_auto",
+    "unresolved_auto",
+]
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A config key has a wrong name, type or value; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """Where fp32 master weights and optimizer state live (ZeRO-Offload / ZeRO-Infinity)."""
+    nvme_path: str | None = None
+    """Directory for state files when `device` is `nvme`."""
+    pin_memory: bool = False
+    """Page-lock host buffers (only meaningful with CUDA)."""
+    buffer_count: int = 4
+    """Number of swap buffers for NVMe offload."""
+    fast_init: bool = False
+    """Skip writing initial state files eagerly (NVMe)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """Where stage-3 parameter shards live between uses."""
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    stage: int = 0
+    """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient-reduction bucket."""
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with backward; DeepSpeed's default is on for stage 3 only."""
+    contiguous_gradients: bool = True
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    sub_group_size: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3 keeps tensors with fewer elements than this whole on every rank."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    round_robin_gradients: bool = False
+    ignore_unused_parameters: bool = True
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0
+    """0 means dynamic loss scaling; any other value is a static scale."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    enabled: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    type: str
+    """Adam, AdamW, Lamb or SGD (any case)."""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or WarmupExpDecayExp."""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    train_batch_size: int | None = None
+    """Global batch: micro batch x accumulation steps x data-parallel world size."""
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    gradient_clipping: float = 0.0
+    """Clip gradients to this global L2 norm; 0 disables."""
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    zero_allow_untested_optimizer: bool = False
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+
+
+# Keys DeepSpeed knows that fzero does not implement: accepted only while off.
+_NOT_SUPPORTED = {
+    "": {
+        "amp",
+        "autotuning",
+        "checkpoint",
+        "comms_logger",
+        "communication_data_type",
+        "compression_training",
+        "csv_monitor",
+        "data_efficiency",
+        "data_types",
+        "dump_state",
+        "elasticity",
+        "flops_profiler",
+        "nebula",
+        "pipeline",
+        "sparse_attention",
+        "sparse_gradients",
+        "tensorboard",
+        "wandb",
+        "zero_force_ds_cpu_optimizer",
+    },
+    "zero_optimization": {
+        "cpu_offload",
+        "cpu_offload_params",
+        "cpu_offload_use_pin_memory",
+        "mics_shard_size",
+        "zero_hpz_partition_size",
+        "zero_quantized_gradients",
+        "zero_quantized_weights",
+        "zeropp_loco_param",
+        "stage3_module_granularity_threshold",
+        "use_multi_rank_bucket_allreduce",
+        "memory_efficient_linear",
+    },
+    "fp16": {"auto_cast", "fp16_master_weights_and_grads"},
+    "bf16": {"immediate_grad_update", "check_grad_overflow"},
+    "zero_optimization.offload_optimizer": {"ratio"},
+}
+
+_ALIASES = {
+    "": {"bfloat16": "bf16"},
+    "zero_optimization": {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    },
+}
+
+_OPTIMIZER_PARAMS = {
+    "adam": {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"},
+    "adamw": {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"},
+    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
+    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
+}
+
+_SCHEDULER_PARAMS = {
+    "warmuplr": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+    "warmupdecaylr": {
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+    },
+    "warmupcosinelr": {
+        "total_num_steps",
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+    },
+    "onecycle": {
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+    },
+    "lrrangetest": {
+        "lr_range_test_min_lr",
+        "lr_range_test_step_size",
+        "lr_range_test_step_rate",
+        "lr_range_test_staircase",
+    },
+    "warmupexpdecayexp": {
+        "total_steps",
+        "warmup_proportion",
+        "decay_rate",
+        "decay_steps",
+        "degree",
+    },
+}
+
+
+def _is_off(value: Any) -> bool:
+    """A block that is present but disabled (`{"enabled": false}`, `false`, `null`)."""
+    if value is None or value is False:
+        return True
+    return isinstance(value, Mapping) and value.get("enabled", True) is False
+
+
+def _unknown_key(key: str, known: set[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {where + key!r}{hint} Known keys here: {sorted(known)}")
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    """Check/convert one JSON value to the field's annotated type."""
+    if value == AUTO:
+        return AUTO
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"config key {key!r} is {value!r}; allowed: {list(allowed)}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r} must be an object, found {value!r}")
+        return _parse_section(hint, value, key + ".")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be true or false, found {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config key {key!r} must be an integer, found {value!r}")
+        if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
+            raise ConfigError(f"config key {key!r} must be a whole number, found {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config key {key!r} must be a number, found {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r} must be a string, found {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r} must be an object, found {value!r}")
+        return dict(value)
+    raise TypeError(f"config field {key!r} has an annotation fzero cannot parse: {hint!r}")
+
+
+def _parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
+    section = where.rstrip(".")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    aliases = _ALIASES.get(section, {})
+    unsupported = _NOT_SUPPORTED.get(section, set())
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = aliases.get(key, key)
+        if name in known:
+            if name in values:
+                raise ConfigError(f"config key {where + name!r} is given twice (once as {key!r})")
+            values[name] = _convert(value, hints[name], where + key)
+        elif name in unsupported:
+            if not _is_off(value):
+                raise ConfigError(
+                    f"config key {where + key!r} is not supported yet by fzero "
+                    f"(found {value!r}); remove it or switch it off"
+                )
+        else:
+            raise _unknown_key(key, known | set(aliases) | unsupported, where)
+    return cls(**values)
+
+
+def _check_params(block: str, kind: str, params: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in params:
+        if key not in allowed:
+            raise _unknown_key(key, allowed, f"{block}.params.({kind}).")
+
+
+def _take_max_grad_norm(raw: dict[str, Any]) -> dict[str, Any]:
+    """Move `optimizer.params.max_grad_norm` to `gradient_clipping`, with a warning."""
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    if "max_grad_norm" not in params:
+        return raw
+    norm = params["max_grad_norm"]
+    warnings.warn(
+        "config key 'optimizer.params.max_grad_norm' is deprecated; fzero reads it as "
+        f"'gradient_clipping': {norm!r}",
+        FutureWarning,
+        stacklevel=3,
+    )
+    given = raw.get("gradient_clipping")
+    if given not in (None, 0, 0.0, norm):
+        raise ConfigError(
+            f"'optimizer.params.max_grad_norm' is {norm!r} but 'gradient_clipping' is {given!r}; "
+            "give one of them"
+        )
+    optimizer = dict(raw["optimizer"])
+    optimizer["params"] = {k: v for k, v in params.items() if k != "max_grad_norm"}
+    return {**raw, "optimizer": optimizer, "gradient_clipping": norm}
+
+
+def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
+    """Parse a DeepSpeed JSON config (a path or a dict) into a validated `Config`."""
+    if isinstance(source, Config):
+        return source
+    if isinstance(source, str | Path):
+        path = Path(source)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {error}") from None
+    elif isinstance(source, Mapping):
+        raw = source
+    else:
+        raise ConfigError(
+            f"config must be a path, a dict or a Config, found {type(source).__name__}"
+        )
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a JSON object, found {type(raw).__name__}")
+    config = _parse_section(Config, _take_max_grad_norm(dict(raw)), "")
+    _check(config)
+    return config
+
+
+def _check(config: Config) -> None:
+    """Semantic checks across keys (skipped for values still "auto")."""
+    zero = config.zero_optimization
+    if zero.stage != AUTO and zero.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config key 'zero_optimization.stage' is {zero.stage}; allowed: 0-3")
+    if config.fp16.enabled is True and config.bf16.enabled is True:
+        raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
+    for name in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+    ):
+        value = getattr(config, name)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"config key {name!r} is {value}; it must be >= 1")
+    if isinstance(config.gradient_clipping, float) and config.gradient_clipping < 0:
+        raise ConfigError(f"'gradient_clipping' is {config.gradient_clipping}; it must be >= 0")
+    for block in ("offload_optimizer", "offload_param"):
+        offload = getattr(zero, block)
+        if offload.device == "nvme" and not offload.nvme_path:
+            raise ConfigError(f"'zero_optimization.{block}.device' is 'nvme' but no nvme_path")
+    if zero.offload_param.device not in ("none", AUTO) and zero.stage not in (3, AUTO):
+        raise ConfigError(
+            f"'zero_optimization.offload_param' needs stage 3, found stage {zero.stage}"
+        )
+    if zero.offload_optimizer.device not in ("none", AUTO) and zero.stage == 0:
+        raise ConfigError("'zero_optimization.offload_optimizer' needs stage 1, 2 or 3, found 0")
+    if config.optimizer is not None:
+        kind = config.optimizer.type.lower()
+        if kind not in _OPTIMIZER_PARAMS:
+            raise ConfigError(
+                f"'optimizer.type' is {config.optimizer.type!r}; allowed: Adam, AdamW, Lamb, SGD"
+            )
+        _check_params("optimizer", kind, config.optimizer.params, _OPTIMIZER_PARAMS[kind])
+    if config.scheduler is not None:
+        kind = config.scheduler.type.lower().replace("_", "")
+        if kind not in _SCHEDULER_PARAMS:
+            raise ConfigError(
+                f"'scheduler.type' is {config.scheduler.type!r}; allowed: WarmupLR, "
+                "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
+            )
+        _check_params("scheduler", kind, config.scheduler.params, _SCHEDULER_PARAMS[kind])
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def batch_sizes(config: Config, world_size: int) -> BatchSizes:
+    """DeepSpeed's batch arithmetic: train = micro x accumulation x world.
+
+    Any two given derive the third; only `train_batch_size` gives accumulation
+    1; only the micro batch gives accumulation 1; all three must agree.
+    """
+    train = config.train_batch_size
+    micro = config.train_micro_batch_size_per_gpu
+    accum = config.gradient_accumulation_steps
+    for name, value in (
+        ("train_batch_size", train),
+        ("train_micro_batch_size_per_gpu", micro),
+        ("gradient_accumulation_steps", accum),
+    ):
+        if value == AUTO:
+            raise ConfigError(f'config key {name!r} is still "auto"; call resolve_auto first')
+    if train is not None and micro is not None and accum is not None:
+        if train != micro * accum * world_size:
+            raise ConfigError(
+                "train_batch_size != train_micro_batch_size_per_gpu x "
+                f"gradient_accumulation_steps x world_size: {train} != "
+                f"{micro} x {accum} x {world_size} = {micro * accum * world_size}"
+            )
+        return BatchSizes(train, micro, accum)
+    if train is not None and micro is not None:
+        accum, left = divmod(train, micro * world_size)
+    elif train is not None and accum is not None:
+        micro, left = divmod(train, accum * world_size)
+    elif micro is not None:
+        accum = accum or 1
+        train, left = micro * accum * world_size, 0
+    elif train is not None:
+        accum = 1
+        micro, left = divmod(train, world_size)
+    else:
+        raise ConfigError(
+            "give train_batch_size or train_micro_batch_size_per_gpu "
+            f"(found gradient_accumulation_steps={accum!r} only)"
+        )
+    if left or micro < 1 or accum < 1:
+        raise ConfigError(
+            f"train_batch_size {train} cannot be split as micro batch x accumulation steps "
+            f"x world_size {world_size} (micro={micro}, accumulation={accum}, remainder {left})"
+        )
+    return BatchSizes(train, micro, accum)
+
+
+def unresolved_auto(config: Any, where: str = "") -> list[str]:
+    """Dotted keys of every value still `"auto"`."""
+    if config == AUTO:
+        return [where.rstrip(".")]
+    if dataclasses.is_dataclass(config):
+        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    elif isinstance(config, Mapping):
+        items = list(config.items())
+    elif isinstance(config, list | tuple):
+        return [where.rstrip(".")] if AUTO in config else []
+    else:
+        return []
+    return [key for name, value in items for key in unresolved_auto(value, f"{where}{name}.")]
+
+
+def check_resolved(config: Config) -> Config:
+    """Raise naming every key still `"auto"`; the engine calls this before it starts."""
+    left = unresolved_auto(config)
+    if left:
+        raise ConfigError(
+            f'config keys still "auto": {left}; resolve them with fzero.resolve_auto(...) '
+            "or give values"
+        )
+    return config
+
+
+def _replace(obj: Any, path: list[str], value: Any) -> Any:
+    """`obj` with the value at `path` set to `value` where it is currently "auto"."""
+    head, rest = path[0], path[1:]
+    current = obj.get(head) if isinstance(obj, Mapping) else getattr(obj, head, None)
+    if rest:
+        if current is None:
+            return obj
+        new = _replace(current, rest, value)
+    elif current == AUTO or (isinstance(current, list | tuple) and AUTO in current):
+        new = value
+    else:
+        return obj
+    if isinstance(obj, Mapping):
+        return {**obj, head: new}
+    return dataclasses.replace(obj, **{head: new})
+
+
+def resolve_auto(
+    config: Config,
+    *,
+    world_size: int | None = None,
+    micro_batch_size: int | None = None,
+    gradient_accumulation_steps: int | None = None,
+    lr: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    warmup_steps: int | None = None,
+    total_steps: int | None = None,
+    max_grad_norm: float | None = None,
+    fp16: bool | None = None,
+    bf16: bool | None = None,
+    hidden_size: int | None = None,
+) -> Config:
+    """Fill `"auto"` values from training arguments, as the Transformers integration does.
+
+    Batch keys from the micro batch, accumulation steps and world size;
+    optimizer lr/betas/eps/weight_decay; scheduler warmup_min_lr = 0,
+    warmup_max_lr = lr, warmup_num_steps, total_num_steps; gradient_clipping;
+    fp16/bf16 enabled; and from the model's hidden size h: reduce_bucket_size =
+    h², stage3_prefetch_bucket_size = 0.9·h², stage3_param_persistence_threshold
+    = 10·h. A value not given leaves its key "auto".
+    """
+    plan: list[tuple[str, Any]] = [
+        ("train_micro_batch_size_per_gpu", micro_batch_size),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ("gradient_clipping", None if max_grad_norm is None else float(max_grad_norm)),
+        ("optimizer.params.lr", lr),
+        ("optimizer.params.betas", None if betas is None else list(betas)),
+        ("optimizer.params.eps", eps),
+        ("optimizer.params.weight_decay", weight_decay),
+        ("scheduler.params.warmup_min_lr", 0.0),
+        ("scheduler.params.warmup_max_lr", lr),
+        ("scheduler.params.warmup_num_steps", warmup_steps),
+        ("scheduler.params.total_num_steps", total_steps),
+        ("fp16.enabled", fp16),
+        ("bf16.enabled", bf16),
+    ]
+    if hidden_size is not None:
+        plan += [
+            ("zero_optimization.reduce_bucket_size", hidden_size * hidden_size),
+            ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size),
+        ]
+    for key, value in plan:
+        if value is not None:
+            config = _replace(config, key.split("."), value)
+    micro, accum = config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    if world_size is not None and isinstance(micro, int) and isinstance(accum, int):
+        config = _replace(config, ["train_batch_size"], micro * accum * world_size)
+    if config.fp16.enabled is True and config.bf16.enabled is True:
+        raise ConfigError('resolving "auto" enabled both fp16 and bf16; enable at most one')
+    return config
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's launcher flags (and fzero's own names for them) to `parser`.
+
+    `--deepspeed` / `--fzero` switch the engine on; `--deepspeed_config` /
+    `--fzero_config` name the JSON config. A DeepSpeed script's argument parsing
+    therefore ports unchanged.
+    """
+    group = parser.add_argument_group("fzero", "fzero (DeepSpeed-compatible) configuration")
+    group.add_argument("--deepspeed", action="store_true", help="enable fzero (DeepSpeed flag)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="JSON config path")
+    group.add_argument("--fzero", action="store_true", help="enable fzero")
+    group.add_argument("--fzero_config", default=None, type=str, help="JSON config path")
+    return parser

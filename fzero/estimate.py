@@ -1,0 +1,72 @@
+"""Model-state memory per rank for every stage, from the exact plan (pure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fzero.partition import Manifest, TensorSpec, memory_per_rank, plan
+
+__all__ = ["EstimateRow", "estimate", "format_estimate", "manifest_of_size"]
+
+
+@dataclass(frozen=True)
+class EstimateRow:
+    stage: int
+    world_size: int
+    offload_optimizer: bool
+    device_bytes: int
+    host_bytes: int
+
+
+def manifest_of_size(num_params: int, *, dtype: str = "float32") -> Manifest:
+    """A stand-in manifest of `num_params` elements when no model is given."""
+    return Manifest((TensorSpec("params", (num_params,), dtype),))
+
+
+def estimate(
+    manifest: Manifest,
+    world_sizes: Sequence[int],
+    *,
+    param_dtype: str = "float16",
+    optimizer: str = "adam",
+    persistence_threshold: int = 0,
+) -> list[EstimateRow]:
+    """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload."""
+    rows = []
+    for world_size in world_sizes:
+        for stage in (0, 1, 2, 3):
+            p = plan(
+                manifest,
+                world_size=world_size,
+                stage=stage,
+                persistence_threshold=persistence_threshold,
+            )
+            for offload in (False, True) if stage else (False,):
+                mem = memory_per_rank(
+                    p, 0, param_dtype=param_dtype, optimizer=optimizer, offload_optimizer=offload
+                )
+                rows.append(EstimateRow(stage, world_size, offload, mem.device, mem.host))
+    return rows
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e7 else f"{num_bytes / 1e6:.2f} MB"
+
+
+def format_estimate(rows: Sequence[EstimateRow], num_params: int) -> str:
+    """The table `fzero estimate` prints."""
+    exponent = int(math.log10(num_params)) if num_params else 0
+    lines = [
+        f"model states per rank for {num_params:,} params (~{num_params / 10**exponent:.1f}e"
+        f"{exponent}); rank 0; activations not included",
+        f"{'stage':>5} {'ranks':>6} {'offload_optimizer':>17} "
+        f"{'device/rank':>14} {'host/rank':>12}",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row.stage:>5} {row.world_size:>6} {('cpu' if row.offload_optimizer else '-'):>17} "
+            f"{_gb(row.device_bytes):>14} {_gb(row.host_bytes):>12}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Functional optimizers, schedules, loss scaling and clipping math — all pure.
+
+opt = fzero.optim.adamw(lr=1e-3, weight_decay=0.01)
+state = opt.init(param)
+param, state = opt.update(grad, state, param, lr=schedule(step, 1e-3))
+"""
+
+from fzero.optim._adam import (
+    AdamHParams,
+    AdamState,
+    adam,
+    adam_init,
+    adam_update,
+    adam_update_,
+    adamw,
+)
+from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._clip import clip_coefficient, global_norm
+from fzero.optim._lamb import (
+    LambHParams,
+    LambState,
+    lamb,
+    lamb_apply_,
+    lamb_direction_,
+    lamb_init,
+    lamb_update,
+    lamb_update_,
+    segment_sq_sums,
+    trust_ratio,
+)
+from fzero.optim._loss_scale import DynamicLossScale, LossScaleState, StaticLossScale
+from fzero.optim._registry import OPTIMIZERS, SCHEDULES, optimizer_from_name, schedule_from_name
+from fzero.optim._schedules import (
+    LRRangeTest,
+    OneCycle,
+    Schedule,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupExpDecayExp,
+    WarmupLR,
+    constant,
+)
+from fzero.optim._sgd import SgdHParams, SgdState, sgd, sgd_init, sgd_update, sgd_update_
+
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "AdamHParams",
+    "AdamState",
+    "DynamicLossScale",
+    "LRRangeTest",
+    "LambHParams",
+    "LambState",
+    "LossScaleState",
+    "OneCycle",
+    "Optimizer",
+    "Schedule",
+    "SgdHParams",
+    "SgdState",
+    "StaticLossScale",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupExpDecayExp",
+    "WarmupLR",
+    "adam",
+    "adam_init",
+    "adam_update",
+    "adam_update_",
+    "adamw",
+    "clip_coefficient",
+    "constant",
+    "global_norm",
+    "lamb",
+    "lamb_apply_",
+    "lamb_direction_",
+    "lamb_init",
+    "lamb_update",
+    "lamb_update_",
+    "optimizer_from_name",
+    "schedule_from_name",
+    "segment_sq_sums",
+    "sgd",
+    "sgd_init",
+    "sgd_update",
+    "sgd_update_",
+    "trust_ratio",
+    "with_overrides",
+]

@@ -1,0 +1,166 @@
+"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2).
+
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g²
+    u = m̂ / (sqrt(v̂) + eps) + wd · p          (m̂, v̂ bias-corrected if enabled)
+    trust = clamp(‖p‖ / ‖u‖, min_coeff, max_coeff) when both norms are non-zero, else 1
+    p = p - lr · trust · u
+
+The trust ratio is per tensor, as in DeepSpeed's FusedLamb (whose clamp bounds
+`max_coeff`/`min_coeff` these are; the BERT tutorial uses 0.3 / 0.01). A flat
+buffer holding several tensors is updated segment by segment. Under sharding a
+tensor's norms span ranks, so the in-place path is split: `lamb_direction_`
+computes u (and the moments), the engine sums `segment_sq_sums` across ranks,
+then `lamb_apply_` applies the trust ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fzero.optim._base import Optimizer, with_overrides
+
+__all__ = [
+    "LambHParams",
+    "LambState",
+    "lamb",
+    "lamb_apply_",
+    "lamb_direction_",
+    "lamb_init",
+    "lamb_update",
+    "lamb_update_",
+    "segment_sq_sums",
+    "trust_ratio",
+]
+
+
+@dataclass(frozen=True)
+class LambHParams:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+
+
+class LambState(NamedTuple):
+    step: int
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+
+
+def lamb_init(param: Tensor) -> LambState:
+    return LambState(0, torch.zeros_like(param), torch.zeros_like(param))
+
+
+def trust_ratio(param_norm: float, update_norm: float, hparams: LambHParams) -> float:
+    """‖p‖ / ‖u‖ clamped to [min_coeff, max_coeff]; 1 when either norm is zero."""
+    if param_norm > 0 and update_norm > 0:
+        return min(max(param_norm / update_norm, hparams.min_coeff), hparams.max_coeff)
+    return 1.0
+
+
+def _corrections(hp: LambHParams, step: int) -> tuple[float, float]:
+    beta1, beta2 = hp.betas
+    if not hp.bias_correction:
+        return 1.0, 1.0
+    return 1 - beta1**step, 1 - beta2**step
+
+
+def lamb_update(
+    grad: Tensor, state: LambState, param: Tensor, hparams: LambHParams
+) -> tuple[Tensor, LambState]:
+    """One LAMB step on one tensor (one trust ratio), pure."""
+    hp, step = hparams, state.step + 1
+    beta1, beta2 = hp.betas
+    exp_avg = state.exp_avg.mul(beta1).add(grad, alpha=1 - beta1)
+    exp_avg_sq = state.exp_avg_sq.mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    c1, c2 = _corrections(hp, step)
+    update = (exp_avg / c1) / ((exp_avg_sq / c2).sqrt().add(hp.eps))
+    if hp.weight_decay:
+        update = update.add(param, alpha=hp.weight_decay)
+    ratio = trust_ratio(param.norm().item(), update.norm().item(), hp)
+    return param.add(update, alpha=-hp.lr * ratio), LambState(step, exp_avg, exp_avg_sq)
+
+
+def lamb_direction_(grad: Tensor, state: LambState, param: Tensor, hparams: LambHParams) -> Tensor:
+    """Advance the moments in place and return the update direction u (a new tensor)."""
+    hp = hparams
+    beta1, beta2 = hp.betas
+    state.exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    state.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    c1, c2 = _corrections(hp, state.step + 1)
+    update = (state.exp_avg / c1) / ((state.exp_avg_sq / c2).sqrt().add_(hp.eps))
+    if hp.weight_decay:
+        update.add_(param, alpha=hp.weight_decay)
+    return update
+
+
+def segment_sq_sums(values: Tensor, segments: Sequence[tuple[int, int]]) -> Tensor:
+    """Sum of squares of `values[start:stop]` for each segment, in float64."""
+    if not segments:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([values[a:b].double().square().sum() for a, b in segments])
+
+
+def lamb_apply_(
+    param: Tensor,
+    update: Tensor,
+    segments: Sequence[tuple[int, int]],
+    param_norms: Sequence[float],
+    update_norms: Sequence[float],
+    hparams: LambHParams,
+) -> None:
+    """p -= lr · trust · u for each segment, given the segments' full-tensor norms."""
+    for (a, b), p_norm, u_norm in zip(segments, param_norms, update_norms):
+        ratio = trust_ratio(float(p_norm), float(u_norm), hparams)
+        param[a:b].add_(update[a:b], alpha=-hparams.lr * ratio)
+
+
+def lamb_update_(
+    grad: Tensor,
+    state: LambState,
+    param: Tensor,
+    hparams: LambHParams,
+    segments: Sequence[tuple[int, int]] | None = None,
+) -> LambState:
+    """`lamb_update` in place over a flat buffer of whole tensors at `segments`
+    (default: the buffer is one tensor)."""
+    segments = [(0, param.numel())] if segments is None else list(segments)
+    update = lamb_direction_(grad, state, param, hparams)
+    param_norms = segment_sq_sums(param, segments).sqrt().tolist()
+    update_norms = segment_sq_sums(update, segments).sqrt().tolist()
+    lamb_apply_(param, update, segments, param_norms, update_norms, hparams)
+    return LambState(state.step + 1, state.exp_avg, state.exp_avg_sq)
+
+
+def lamb(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
+) -> Optimizer:
+    """LAMB with DeepSpeed FusedLamb's defaults (eps 1e-6, trust clamp [0.01, 10])."""
+    hp = LambHParams(lr, tuple(betas), eps, weight_decay, bias_correction, max_coeff, min_coeff)
+    if not 0 <= min_coeff <= max_coeff:
+        raise ValueError(f"min_coeff {min_coeff} and max_coeff {max_coeff}: need 0 <= min <= max")
+    if len(hp.betas) != 2 or not all(0.0 <= b < 1.0 for b in hp.betas):
+        raise ValueError(f"betas is {hp.betas}; expected two values in [0, 1)")
+
+    def update(grad: Tensor, state: LambState, param: Tensor, **overrides: Any):
+        return lamb_update(grad, state, param, with_overrides(hp, overrides))
+
+    def update_(grad: Tensor, state: LambState, param: Tensor, segments=None, **overrides: Any):
+        return lamb_update_(grad, state, param, with_overrides(hp, overrides), segments)
+
+    return Optimizer("lamb", hp, lamb_init, update, update_, state_slots=2)

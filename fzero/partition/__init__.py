@@ -1,0 +1,74 @@
+"""Sharding plans as plain data: pure functions, no process group, no I/O.
+
+manifest = describe(model)                       # works on the meta device
+p = plan(manifest, world_size=4, stage=3)        # or strategy=per_tensor_dim0 / your own
+local_slices(p, rank=1); memory_per_rank(p, 1, param_dtype="bfloat16")
+"""
+
+from fzero.partition._manifest import Manifest, TensorSpec, describe, dtype_name, dtype_of
+from fzero.partition._plan import (
+    Piece,
+    Placement,
+    Plan,
+    PlanError,
+    Unit,
+    from_bytes,
+    to_bytes,
+    validate,
+)
+from fzero.partition._queries import (
+    LocalSlice,
+    MemoryEstimate,
+    Read,
+    format_plan,
+    local_slices,
+    memory_per_rank,
+    optimizer_state_slots,
+    owned_numel,
+    owner_of,
+    reshard_reads,
+)
+from fzero.partition._strategies import (
+    DEFAULT_ALIGNMENT,
+    Strategy,
+    UnitGroup,
+    flat_even,
+    group_units,
+    module_key,
+    per_tensor_dim0,
+    plan,
+)
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "LocalSlice",
+    "Manifest",
+    "MemoryEstimate",
+    "Piece",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "Read",
+    "Strategy",
+    "TensorSpec",
+    "Unit",
+    "UnitGroup",
+    "describe",
+    "dtype_name",
+    "dtype_of",
+    "flat_even",
+    "format_plan",
+    "from_bytes",
+    "group_units",
+    "local_slices",
+    "memory_per_rank",
+    "module_key",
+    "optimizer_state_slots",
+    "owned_numel",
+    "owner_of",
+    "per_tensor_dim0",
+    "plan",
+    "reshard_reads",
+    "to_bytes",
+    "validate",
+]

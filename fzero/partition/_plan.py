@@ -1,0 +1,268 @@
+"""The plan: how every trainable tensor is laid out and split across ranks.
+
+A plan groups tensors into units. A unit is one flat buffer of `numel` elements
+(one all-gather / one reduce-scatter); rank `r` owns the contiguous range
+`[r * shard_numel, (r + 1) * shard_numel)` of it. Where each tensor lies in the
+buffer is a list of pieces, so a plan can place a tensor in one run (flat split)
+or in one run per rank (dim-0 split). Which states use the split is the stage:
+0 none, 1 optimizer state, 2 + gradients, 3 + parameters (ZeRO, Rajbhandari et
+al. 2020, section 5).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import msgpack
+
+from fzero.partition._manifest import Manifest, TensorSpec
+
+__all__ = ["Piece", "Placement", "Plan", "PlanError", "Unit", "from_bytes", "to_bytes", "validate"]
+
+FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the unit or tensor."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`numel` elements of a flattened tensor, from element `start`, at buffer `offset`."""
+
+    start: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor lies in its unit's flat buffer."""
+
+    fqn: str
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One flat, padded buffer of tensors sharing optimizer group and dtype.
+
+    `module` is the module path whose forward uses all of the unit's tensors
+    ("" is the root): stage 3 gathers the unit when that module runs.
+    `persistent` units keep their parameters whole in stage 3.
+    """
+
+    name: str
+    module: str
+    group: int
+    dtype: str
+    placements: tuple[Placement, ...]
+    shard_numel: int
+    numel: int
+    persistent: bool = False
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, validated sharding plan: plain data, hashable, serialisable."""
+
+    manifest: Manifest
+    world_size: int
+    stage: int
+    alignment: int
+    units: tuple[Unit, ...]
+    strategy: str = "custom"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        return self.stage >= 3
+
+    def unit_of(self, fqn: str) -> int:
+        """Index of the unit that holds tensor `fqn` (a name or an alias)."""
+        for index, unit in enumerate(self.units):
+            for placement in unit.placements:
+                if placement.fqn == fqn:
+                    return index
+        for spec in self.manifest.tensors:
+            if fqn in spec.aliases:
+                return self.unit_of(spec.fqn)
+        raise KeyError(f"tensor {fqn!r} is in no unit of the plan")
+
+
+def validate(plan: Plan) -> Plan:
+    """Check every invariant the engine relies on; return the plan or raise `PlanError`.
+
+    - `world_size >= 1`, `stage` in 0..3, `alignment >= 1`, unit names unique;
+    - units cover the manifest: every tensor in exactly one unit, nothing else;
+    - a unit's tensors share its optimizer group and dtype (a unit never mixes
+      hyper-parameters);
+    - `numel == world_size * shard_numel`, shards a multiple of `alignment`, so
+      every rank's shard has the same size (what the collectives need);
+    - each tensor's pieces cover it exactly once and no two pieces overlap in
+      the buffer: every element is owned by exactly one rank;
+    - `persistent` units only in stage 3.
+    """
+    if plan.world_size < 1:
+        raise PlanError(f"world_size is {plan.world_size}; it must be >= 1")
+    if plan.stage not in (0, 1, 2, 3):
+        raise PlanError(f"stage is {plan.stage!r}; allowed: 0, 1, 2, 3")
+    if plan.alignment < 1:
+        raise PlanError(f"alignment is {plan.alignment}; it must be >= 1")
+    specs = {spec.fqn: spec for spec in plan.manifest.tensors}
+    placed: set[str] = set()
+    names: set[str] = set()
+    for unit in plan.units:
+        if unit.name in names:
+            raise PlanError(f"unit name {unit.name!r} is used twice")
+        names.add(unit.name)
+        _validate_unit(plan, unit, specs, placed)
+    missing = [fqn for fqn in specs if fqn not in placed]
+    if missing:
+        raise PlanError(f"tensors in no unit: {missing}")
+    return plan
+
+
+def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed: set[str]) -> None:
+    where = f"unit {unit.name!r}"
+    if unit.shard_numel < 0 or unit.shard_numel % plan.alignment:
+        raise PlanError(
+            f"{where}: shard_numel {unit.shard_numel} is not a multiple of "
+            f"alignment {plan.alignment}"
+        )
+    if unit.numel != unit.shard_numel * plan.world_size:
+        raise PlanError(
+            f"{where}: numel {unit.numel} != world_size {plan.world_size} "
+            f"x shard_numel {unit.shard_numel}"
+        )
+    if unit.persistent and plan.stage != 3:
+        raise PlanError(f"{where} is persistent, which only stage 3 allows (stage {plan.stage})")
+    spans: list[tuple[int, int, str]] = []
+    for placement in unit.placements:
+        spec = specs.get(placement.fqn)
+        if spec is None:
+            raise PlanError(f"{where} places {placement.fqn!r}, which is not in the manifest")
+        if placement.fqn in placed:
+            raise PlanError(f"tensor {placement.fqn!r} is placed in more than one unit")
+        placed.add(placement.fqn)
+        if spec.group != unit.group or spec.dtype != unit.dtype:
+            raise PlanError(
+                f"{where} (group {unit.group}, {unit.dtype}) holds {spec.fqn!r} "
+                f"(group {spec.group}, {spec.dtype}); a unit never mixes groups or dtypes"
+            )
+        _validate_pieces(where, spec, placement.pieces, unit.numel)
+        spans += [(p.offset, p.offset + p.numel, spec.fqn) for p in placement.pieces if p.numel]
+    spans.sort()
+    for (_, stop, a), (start, _, b) in itertools.pairwise(spans):
+        if start < stop:
+            raise PlanError(f"{where}: tensors {a!r} and {b!r} overlap at buffer offset {start}")
+
+
+def _validate_pieces(where: str, spec: TensorSpec, pieces: tuple[Piece, ...], size: int) -> None:
+    covered = 0
+    for piece in sorted(pieces, key=lambda p: p.start):
+        if piece.numel < 0 or piece.start != covered:
+            raise PlanError(
+                f"{where}: pieces of {spec.fqn!r} do not cover it exactly once "
+                f"(piece starts at {piece.start}, expected {covered})"
+            )
+        if piece.offset < 0 or piece.offset + piece.numel > size:
+            raise PlanError(
+                f"{where}: a piece of {spec.fqn!r} lies at [{piece.offset}, "
+                f"{piece.offset + piece.numel}), outside the buffer of {size} elements"
+            )
+        covered += piece.numel
+    if covered != spec.numel:
+        raise PlanError(f"{where}: pieces of {spec.fqn!r} cover {covered} of {spec.numel} elements")
+
+
+def to_bytes(plan: Plan) -> bytes:
+    """Serialise a plan with msgpack (no pickle); `from_bytes` inverts it exactly."""
+    manifest = {
+        "tensors": [
+            [s.fqn, list(s.shape), s.dtype, s.group, list(s.aliases)] for s in plan.manifest.tensors
+        ],
+        "frozen": list(plan.manifest.frozen),
+    }
+    units = [
+        {
+            "name": u.name,
+            "module": u.module,
+            "group": u.group,
+            "dtype": u.dtype,
+            "placements": [
+                [p.fqn, [[x.start, x.offset, x.numel] for x in p.pieces]] for p in u.placements
+            ],
+            "shard_numel": u.shard_numel,
+            "numel": u.numel,
+            "persistent": u.persistent,
+        }
+        for u in plan.units
+    ]
+    return msgpack.packb(
+        {
+            "format": FORMAT_VERSION,
+            "manifest": manifest,
+            "world_size": plan.world_size,
+            "stage": plan.stage,
+            "alignment": plan.alignment,
+            "strategy": plan.strategy,
+            "units": units,
+        }
+    )
+
+
+def from_bytes(data: bytes) -> Plan:
+    """Read a plan written by `to_bytes`; raise `PlanError` on any other input."""
+    try:
+        raw = msgpack.unpackb(data)
+        if raw.get("format") != FORMAT_VERSION:
+            raise PlanError(f"plan format {raw.get('format')!r}; this fzero reads {FORMAT_VERSION}")
+        manifest = Manifest(
+            tensors=tuple(
+                TensorSpec(fqn, tuple(shape), dtype, group, tuple(aliases))
+                for fqn, shape, dtype, group, aliases in raw["manifest"]["tensors"]
+            ),
+            frozen=tuple(raw["manifest"]["frozen"]),
+        )
+        units = tuple(
+            Unit(
+                name=u["name"],
+                module=u["module"],
+                group=u["group"],
+                dtype=u["dtype"],
+                placements=tuple(
+                    Placement(fqn, tuple(Piece(*x) for x in pieces))
+                    for fqn, pieces in u["placements"]
+                ),
+                shard_numel=u["shard_numel"],
+                numel=u["numel"],
+                persistent=u["persistent"],
+            )
+            for u in raw["units"]
+        )
+        plan = Plan(
+            manifest=manifest,
+            world_size=raw["world_size"],
+            stage=raw["stage"],
+            alignment=raw["alignment"],
+            units=units,
+            strategy=raw["strategy"],
+        )
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
+        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
+    return validate(plan)

@@ -1,0 +1,255 @@
+"""Pure questions asked of a plan: who owns what, what it costs, what to read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fzero.partition._manifest import dtype_of
+from fzero.partition._plan import Plan, PlanError
+
+__all__ = [
+    "LocalSlice",
+    "MemoryEstimate",
+    "Read",
+    "format_plan",
+    "local_slices",
+    "memory_per_rank",
+    "optimizer_state_slots",
+    "owned_numel",
+    "owner_of",
+    "reshard_reads",
+]
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Elements `[start, stop)` of flattened tensor `fqn` live in rank's shard of
+    unit `unit`, from element `shard_offset` of that shard."""
+
+    fqn: str
+    unit: int
+    start: int
+    stop: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def local_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
+    """The part of every tensor that `rank` owns, in unit then buffer order.
+
+    Ownership is the plan's partition; whether a state is actually held
+    sharded depends on the stage (`Plan.shards_*`).
+    """
+    _check_rank(plan, rank)
+    found = []
+    for index, unit in enumerate(plan.units):
+        lo, hi = unit.shard_range(rank)
+        for placement in unit.placements:
+            for piece in placement.pieces:
+                begin = max(lo, piece.offset)
+                end = min(hi, piece.offset + piece.numel)
+                if end > begin:
+                    start = piece.start + begin - piece.offset
+                    found.append(
+                        LocalSlice(placement.fqn, index, start, start + end - begin, begin - lo)
+                    )
+    return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
+
+
+def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
+    """The rank that owns element `flat_index` of flattened tensor `fqn`."""
+    name = fqn if fqn in plan.manifest.fqns else _canonical(plan, fqn)
+    unit = plan.units[plan.unit_of(name)]
+    for placement in unit.placements:
+        if placement.fqn != name:
+            continue
+        for piece in placement.pieces:
+            if piece.start <= flat_index < piece.start + piece.numel:
+                return (piece.offset + flat_index - piece.start) // unit.shard_numel
+    numel = plan.manifest[name].numel
+    raise IndexError(f"index {flat_index} is out of range for tensor {fqn!r} of {numel} elements")
+
+
+def _canonical(plan: Plan, alias: str) -> str:
+    for spec in plan.manifest.tensors:
+        if alias in spec.aliases:
+            return spec.fqn
+    raise KeyError(f"tensor {alias!r} is not in the plan")
+
+
+def owned_numel(plan: Plan) -> list[int]:
+    """Real (non-padding) elements each rank owns, summed over all units."""
+    owned = [0] * plan.world_size
+    for rank in range(plan.world_size):
+        owned[rank] = sum(s.numel for s in local_slices(plan, rank))
+    return owned
+
+
+# fp32 state tensors per element of each built-in optimizer (Adam: m and v).
+_STATE_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "sgd_nomomentum": 0}
+
+
+def optimizer_state_slots(optimizer: str | int | object) -> int:
+    """fp32 optimizer-state tensors per parameter element: an int, a name or an optimizer."""
+    if isinstance(optimizer, int):
+        if optimizer < 0:
+            raise ValueError(f"optimizer state slots is {optimizer}; it must be >= 0")
+        return optimizer
+    slots = getattr(optimizer, "state_slots", None)
+    if isinstance(slots, int):
+        return slots
+    key = str(optimizer).lower()
+    if key not in _STATE_SLOTS:
+        raise ValueError(f"optimizer {optimizer!r} is unknown; allowed: {sorted(_STATE_SLOTS)}")
+    return _STATE_SLOTS[key]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds for model states (no activations, no buffers).
+
+    `params`: the compute-dtype parameters; `master`: fp32 master copy (only
+    when params are not fp32); `grads`; `optimizer_state`. With optimizer
+    offload, master and optimizer state are host bytes.
+    """
+
+    params: int
+    master: int
+    grads: int
+    optimizer_state: int
+    offload_optimizer: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.params + self.master + self.grads + self.optimizer_state
+
+    @property
+    def host(self) -> int:
+        return self.master + self.optimizer_state if self.offload_optimizer else 0
+
+    @property
+    def device(self) -> int:
+        return self.total - self.host
+
+
+def memory_per_rank(
+    plan: Plan,
+    rank: int,
+    *,
+    param_dtype: str = "float32",
+    grad_dtype: str | None = None,
+    optimizer: str | int | object = "adam",
+    offload_optimizer: bool = False,
+) -> MemoryEstimate:
+    """Model-state bytes on `rank`, the ZeRO paper's formula made exact for this plan.
+
+    Per element, with Ψ elements, N ranks, K = 4 (fp32 master, when params are
+    not fp32) + 4 * optimizer slots: stage 0 holds params + grads + K·Ψ;
+    stage 1 shards the K part; stage 2 also the grads; stage 3 also the params
+    (except persistent units). Buffers are counted padded, as allocated.
+    """
+    _check_rank(plan, rank)
+    param_size = dtype_of(param_dtype).itemsize
+    grad_size = dtype_of(grad_dtype or param_dtype).itemsize
+    slots = optimizer_state_slots(optimizer)
+    master_size = 0 if param_dtype == "float32" else 4
+    params = grads = optimizer_numel = 0
+    for unit in plan.units:
+        shard, full = unit.shard_numel, unit.numel
+        params += shard if plan.shards_params and not unit.persistent else full
+        grads += shard if plan.shards_grads else full
+        optimizer_numel += shard if plan.shards_optimizer else full
+    return MemoryEstimate(
+        params=params * param_size,
+        master=optimizer_numel * master_size,
+        grads=grads * grad_size,
+        optimizer_state=optimizer_numel * 4 * slots,
+        offload_optimizer=offload_optimizer,
+    )
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy `numel` elements of `fqn` from `old_rank`'s shard of old unit
+    `old_unit` (at `old_offset`) to this rank's shard of new unit `new_unit`
+    (at `new_offset`)."""
+
+    fqn: str
+    old_rank: int
+    old_unit: int
+    old_offset: int
+    new_unit: int
+    new_offset: int
+    numel: int
+
+
+def reshard_reads(old_plan: Plan, new_plan: Plan, rank: int) -> tuple[Read, ...]:
+    """The reads that fill `rank`'s shards under `new_plan` from shards saved under `old_plan`.
+
+    Both plans must describe the same tensors (names and shapes); world size,
+    stage, strategy and units may all differ. The reads cover each of the new
+    rank's slices exactly once.
+    """
+    _check_same_tensors(old_plan, new_plan)
+    old_by_fqn: dict[str, list[tuple[int, LocalSlice]]] = {}
+    for old_rank in range(old_plan.world_size):
+        for piece in local_slices(old_plan, old_rank):
+            old_by_fqn.setdefault(piece.fqn, []).append((old_rank, piece))
+    reads = []
+    for new in local_slices(new_plan, rank):
+        for old_rank, old in old_by_fqn.get(new.fqn, ()):
+            begin, end = max(new.start, old.start), min(new.stop, old.stop)
+            if end > begin:
+                reads.append(
+                    Read(
+                        fqn=new.fqn,
+                        old_rank=old_rank,
+                        old_unit=old.unit,
+                        old_offset=old.shard_offset + begin - old.start,
+                        new_unit=new.unit,
+                        new_offset=new.shard_offset + begin - new.start,
+                        numel=end - begin,
+                    )
+                )
+    return tuple(reads)
+
+
+def _check_same_tensors(old_plan: Plan, new_plan: Plan) -> None:
+    old = {s.fqn: s.shape for s in old_plan.manifest.tensors}
+    new = {s.fqn: s.shape for s in new_plan.manifest.tensors}
+    missing = sorted(set(new) - set(old))
+    unexpected = sorted(set(old) - set(new))
+    changed = sorted(f"{k}: {old[k]} -> {new[k]}" for k in set(old) & set(new) if old[k] != new[k])
+    if missing or unexpected or changed:
+        raise PlanError(
+            "plans describe different tensors: "
+            f"missing from the old plan {missing}, not in the new plan {unexpected}, "
+            f"shape changed {changed}"
+        )
+
+
+def _check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {plan.world_size}")
+
+
+def format_plan(plan: Plan) -> str:
+    """A table of units: tensors, buffer size and which elements each rank owns."""
+    lines = [
+        f"plan: strategy={plan.strategy} stage={plan.stage} world_size={plan.world_size} "
+        f"alignment={plan.alignment} units={len(plan.units)} params={plan.manifest.numel:,}"
+    ]
+    for index, unit in enumerate(plan.units):
+        flags = " persistent" if unit.persistent else ""
+        lines.append(
+            f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
+            f"{unit.dtype} numel={unit.numel:,} shard={unit.shard_numel:,}{flags}"
+        )
+        for rank in range(plan.world_size):
+            owned = [s for s in local_slices(plan, rank) if s.unit == index]
+            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or "(padding only)"
+            lines.append(f"    rank {rank}: {text}")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""Built-in partitioning strategies and `plan`, the function that runs one.
+
+A strategy is any function `(manifest, *, world_size, stage, **options) -> Plan`.
+Two are built in:
+
+- `flat_even` (DeepSpeed-like): a unit's tensors lie end to end in one flat
+  buffer, cut into `world_size` equal, aligned shards; a tensor may straddle
+  shards.
+- `per_tensor_dim0` (FSDP2-like): every tensor is split along dim 0 into
+  `ceil(rows / world_size)`-row chunks and rank r's chunks of all the unit's
+  tensors are stored together, so a rank holds whole rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from fzero.partition._manifest import Manifest, TensorSpec
+from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, validate
+
+__all__ = ["Strategy", "flat_even", "group_units", "module_key", "per_tensor_dim0", "plan"]
+
+# 16 fp32 elements = 64 bytes: one cache line, one AVX-512 register.
+DEFAULT_ALIGNMENT = 16
+
+
+class Strategy(Protocol):
+    def __call__(
+        self, manifest: Manifest, *, world_size: int, stage: int, **options: object
+    ) -> Plan:
+        """Return a plan for `manifest`."""
+        ...
+
+
+@dataclass(frozen=True)
+class UnitGroup:
+    """Tensors that share one unit, before any layout: the output of `group_units`."""
+
+    module: str
+    group: int
+    dtype: str
+    persistent: bool
+    tensors: tuple[TensorSpec, ...]
+
+
+def module_key(fqn: str) -> str:
+    """The module a tensor's unit hangs on: its path up to the first numbered
+    child (one block of a ModuleList or Sequential), else its top-level child.
+
+    `blocks.3.attn.weight` -> `blocks.3`; `bert.encoder.layer.0.x.bias` ->
+    `bert.encoder.layer.0`; `embed.weight` -> `embed`; `bias` -> `""` (root).
+    """
+    path = fqn.split(".")[:-1]
+    for index, part in enumerate(path):
+        if part.isdigit():
+            return ".".join(path[: index + 1])
+    return path[0] if path else ""
+
+
+def _common_module(keys: list[str]) -> str:
+    split = [key.split(".") if key else [] for key in keys]
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def group_units(
+    manifest: Manifest,
+    *,
+    stage: int,
+    persistence_threshold: int = 0,
+    unit_numel: int | None = None,
+) -> tuple[UnitGroup, ...]:
+    """Group tensors into units, in manifest order of first appearance.
+
+    Default: one unit per `module_key` (a tied tensor goes to the common parent
+    of all its names). With `unit_numel`, consecutive tensors are instead packed
+    up to that many elements per unit (a size budget). Either way a unit holds
+    one optimizer group and one dtype, and in stage 3 tensors with fewer than
+    `persistence_threshold` elements go to separate persistent units.
+    """
+    if unit_numel is not None and unit_numel < 1:
+        raise PlanError(f"unit_numel is {unit_numel}; it must be >= 1 or None")
+    buckets: dict[tuple[object, ...], list[TensorSpec]] = {}
+    budget_index = 0
+    budget_fill = 0
+    for spec in manifest.tensors:
+        persistent = stage == 3 and spec.numel < persistence_threshold
+        if unit_numel is None:
+            where: object = _common_module([module_key(n) for n in (spec.fqn, *spec.aliases)])
+        else:
+            if budget_fill and budget_fill + spec.numel > unit_numel:
+                budget_index, budget_fill = budget_index + 1, 0
+            budget_fill += spec.numel
+            where = budget_index
+        buckets.setdefault((where, spec.group, spec.dtype, persistent), []).append(spec)
+    groups = []
+    for (_, group, dtype, persistent), specs in buckets.items():
+        keys = [module_key(n) for s in specs for n in (s.fqn, *s.aliases)]
+        groups.append(UnitGroup(_common_module(keys), group, dtype, persistent, tuple(specs)))
+    return tuple(groups)
+
+
+def _unit_names(groups: tuple[UnitGroup, ...]) -> list[str]:
+    names = []
+    for group in groups:
+        base = group.module or "<root>"
+        siblings = [g for g in groups if g.module == group.module]
+        if len(siblings) > 1:
+            base += f"#g{group.group}" + ("/persistent" if group.persistent else "")
+            if len({g.dtype for g in siblings}) > 1:
+                base += f"/{group.dtype}"
+        names.append(base)
+    counts: dict[str, int] = {}
+    unique = []
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+        unique.append(name if names.count(name) == 1 else f"{name}#{counts[name] - 1}")
+    return unique
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flat_even(
+    manifest: Manifest,
+    *,
+    world_size: int,
+    stage: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    persistence_threshold: int = 0,
+    unit_numel: int | None = None,
+) -> Plan:
+    """DeepSpeed-like plan: each unit's tensors end to end, cut into equal aligned shards."""
+    groups = group_units(
+        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+    )
+    units = []
+    for name, group in zip(_unit_names(groups), groups):
+        placements, offset = [], 0
+        for spec in group.tensors:
+            pieces = (Piece(0, offset, spec.numel),) if spec.numel else ()
+            placements.append(Placement(spec.fqn, pieces))
+            offset += spec.numel
+        shard = _round_up(-(-offset // world_size), alignment)
+        units.append(_unit(name, group, tuple(placements), shard, world_size))
+    return Plan(manifest, world_size, stage, alignment, tuple(units), strategy="flat_even")
+
+
+def per_tensor_dim0(
+    manifest: Manifest,
+    *,
+    world_size: int,
+    stage: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    persistence_threshold: int = 0,
+    unit_numel: int | None = None,
+) -> Plan:
+    """FSDP2-like plan: every tensor split on dim 0, rank r's row chunks stored together.
+
+    A tensor of `rows` rows gives rank r rows `[r * c, min(rows, (r + 1) * c))`
+    with `c = ceil(rows / world_size)`; a 0-dim tensor counts as one row.
+    """
+    groups = group_units(
+        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+    )
+    units = []
+    for name, group in zip(_unit_names(groups), groups):
+        chunks = []  # per tensor: (rows per chunk, elements per row)
+        for spec in group.tensors:
+            rows = spec.shape[0] if spec.shape else 1
+            chunks.append((-(-rows // world_size), spec.numel // rows if rows else 0))
+        shard = _round_up(sum(c * r for c, r in chunks), alignment)
+        placements, column = [], 0
+        for spec, (chunk_rows, row_numel) in zip(group.tensors, chunks):
+            pieces = []
+            for rank in range(world_size):
+                start = min(spec.numel, rank * chunk_rows * row_numel)
+                stop = min(spec.numel, (rank + 1) * chunk_rows * row_numel)
+                if stop > start:
+                    pieces.append(Piece(start, rank * shard + column, stop - start))
+            placements.append(Placement(spec.fqn, tuple(pieces)))
+            column += chunk_rows * row_numel
+        units.append(_unit(name, group, tuple(placements), shard, world_size))
+    return Plan(manifest, world_size, stage, alignment, tuple(units), strategy="per_tensor_dim0")
+
+
+def _unit(
+    name: str,
+    group: UnitGroup,
+    placements: tuple[Placement, ...],
+    shard_numel: int,
+    world_size: int,
+) -> Unit:
+    return Unit(
+        name=name,
+        module=group.module,
+        group=group.group,
+        dtype=group.dtype,
+        placements=placements,
+        shard_numel=shard_numel,
+        numel=shard_numel * world_size,
+        persistent=group.persistent,
+    )
+
+
+def plan(
+    manifest: Manifest,
+    *,
+    world_size: int,
+    stage: int,
+    strategy: Strategy | Callable[..., Plan] = flat_even,
+    **options: object,
+) -> Plan:
+    """Run `strategy` (a built-in or your own function) and validate what it returns."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
+    if stage not in (0, 1, 2, 3):
+        raise PlanError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
+    result = strategy(manifest, world_size=world_size, stage=stage, **options)
+    if not isinstance(result, Plan):
+        raise PlanError(
+            f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
+            f"{type(result).__name__}, expected fzero.partition.Plan"
+        )
+    if (result.manifest, result.world_size, result.stage) != (manifest, world_size, stage):
+        raise PlanError(
+            f"strategy {getattr(strategy, '__name__', strategy)!r} returned a plan for "
+            f"world_size={result.world_size}, stage={result.stage} or another manifest; "
+            f"asked for world_size={world_size}, stage={stage}"
+        )
+    return validate(result)

@@ -1,0 +1,39 @@
+"""`fzero estimate` prints the ZeRO memory table from the exact plan."""
+
+from __future__ import annotations
+
+import torch
+
+from fzero.cli import main
+
+
+def tiny_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+
+
+def test_estimate_from_param_count(capsys):
+    assert main(["estimate", "--params", "7.5e9", "--world-sizes", "64"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("120.00 GB", "31.41 GB", "16.64 GB", "1.88 GB"):
+        assert expected in out
+
+
+def test_estimate_from_a_model_built_on_meta(capsys):
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "tests.test_cli_estimate:tiny_model",
+                "--world-sizes",
+                "1,2",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "4,680 params" in out
+    # stage 0, 1 rank, fp32 Adam: (4,680 + padding to 16) x 16 bytes
+    assert "0.08 MB" in out

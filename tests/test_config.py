@@ -1,0 +1,255 @@
+"""DeepSpeed-style config: the tutorials' configs unchanged, errors, batch arithmetic, auto."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+
+from fzero.config import (
+    AUTO,
+    ConfigError,
+    add_config_arguments,
+    batch_sizes,
+    check_resolved,
+    load_config,
+    resolve_auto,
+    unresolved_auto,
+)
+
+REGRESSION = """
+{"train_batch_size": 32, "fp16": {"enabled": true},
+ "zero_optimization": {"stage": 1, "allgather_partitions": true, "reduce_scatter": true,
+   "allgather_bucket_size": 2e8, "overlap_comm": true},
+ "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8,
+   "weight_decay": 3e-7}}}
+"""
+BERT = """
+{"train_batch_size": 4096, "train_micro_batch_size_per_gpu": 64, "steps_per_print": 1000,
+ "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "max_grad_norm": 1.0, "weight_decay": 0.01,
+   "bias_correction": false}},
+ "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16}}
+"""
+T5_ZERO2 = """
+{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
+   "allgather_partitions": true, "allgather_bucket_size": 2e8, "overlap_comm": true,
+   "reduce_scatter": true, "reduce_bucket_size": 2e8, "contiguous_gradients": true},
+ "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 20,
+ "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+ "wall_clock_breakdown": false,
+ "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+   "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+ "bf16": {"enabled": "auto"},
+ "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+   "weight_decay": "auto"}},
+ "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+   "warmup_num_steps": "auto"}}}
+"""
+ZERO3 = """
+{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true},
+   "offload_param": {"device": "cpu", "pin_memory": true}, "overlap_comm": true,
+   "contiguous_gradients": true, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+   "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+   "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+   "stage3_gather_16bit_weights_on_model_save": true},
+ "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 20,
+ "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+ "wall_clock_breakdown": false}
+"""
+
+
+def test_regression_tutorial_config(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(REGRESSION)
+    config = load_config(str(path))
+    assert config.train_batch_size == 32 and config.fp16.enabled
+    assert config.zero_optimization.stage == 1
+    assert config.zero_optimization.allgather_bucket_size == 200_000_000
+    assert isinstance(config.zero_optimization.allgather_bucket_size, int)
+    assert config.optimizer.type == "Adam" and config.optimizer.params["lr"] == 0.001
+    assert batch_sizes(config, 2).micro_batch_size == 16
+
+
+def test_bert_tutorial_config_moves_max_grad_norm_with_a_warning():
+    with pytest.warns(FutureWarning, match="max_grad_norm.*deprecated"):
+        config = load_config(json.loads(BERT))
+    assert config.gradient_clipping == 1.0
+    assert "max_grad_norm" not in config.optimizer.params
+    assert config.fp16.loss_scale == 0.0 and config.fp16.initial_scale_power == 16
+    assert batch_sizes(config, 8).gradient_accumulation_steps == 8
+
+
+def test_t5_zero2_config_with_auto_values():
+    config = load_config(json.loads(T5_ZERO2))
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    assert set(unresolved_auto(config)) == {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_min_lr",
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
+        "fp16.enabled",
+        "bf16.enabled",
+    }
+    with pytest.raises(ConfigError, match=r'still "auto".*train_batch_size'):
+        check_resolved(config)
+    resolved = resolve_auto(
+        config,
+        world_size=2,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        lr=3e-4,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+        weight_decay=0.0,
+        warmup_steps=10,
+        max_grad_norm=1.0,
+        fp16=False,
+        bf16=True,
+    )
+    check_resolved(resolved)
+    assert resolved.train_batch_size == 16
+    assert resolved.optimizer.params == {
+        "lr": 3e-4,
+        "betas": [0.9, 0.98],
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    }
+    assert resolved.scheduler.params == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 10,
+    }
+    assert resolved.bf16.enabled is True and resolved.fp16.enabled is False
+    assert config.train_batch_size == AUTO  # the original is a value, untouched
+
+
+def test_zero3_config_resolves_bucket_sizes_from_hidden_size():
+    config = load_config(json.loads(ZERO3))
+    assert config.zero_optimization.offload_param.device == "cpu"
+    assert config.zero_optimization.stage3_max_live_parameters == 1_000_000_000
+    resolved = resolve_auto(
+        config,
+        world_size=1,
+        micro_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_grad_norm=0.5,
+        hidden_size=512,
+    )
+    zero = resolved.zero_optimization
+    assert zero.reduce_bucket_size == 512 * 512
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * 512 * 512)
+    assert zero.stage3_param_persistence_threshold == 5120
+    assert check_resolved(resolved).zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+
+def test_unresolved_key_left_when_value_not_given():
+    config = resolve_auto(load_config(json.loads(ZERO3)), micro_batch_size=2)
+    assert "gradient_accumulation_steps" in unresolved_auto(config)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"zero_optimisation": {"stage": 2}}, "did you mean 'zero_optimization'"),
+        ({"zero_optimization": {"stagee": 2}}, "'zero_optimization.stagee'.*did you mean 'stage'"),
+        ({"zero_optimization": {"stage": 5}}, "stage' is 5; allowed: 0-3"),
+        ({"zero_optimization": {"stage": "2"}}, "must be an integer, found '2'"),
+        ({"zero_optimization": {"reduce_bucket_size": 1.5}}, "whole number, found 1.5"),
+        ({"fp16": {"enabled": 1}}, "'fp16.enabled' must be true or false, found 1"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+        ({"train_batch_size": 0}, "'train_batch_size' is 0"),
+        ({"tensorboard": {"enabled": True}}, "'tensorboard' is not supported yet"),
+        ({"fp16": {"auto_cast": True}}, "'fp16.auto_cast' is not supported yet"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "allowed: \\['none'"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "no nvme_path"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs stage 3"),
+        ({"optimizer": {"type": "Adagrad"}}, "allowed: Adam, AdamW, Lamb, SGD"),
+        ({"optimizer": {"type": "Adam", "params": {"betas1": 0.9}}}, "did you mean 'betas'"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}}, "total_num_steps"),
+        ({"scheduler": {"type": "Cosine"}}, "allowed: WarmupLR"),
+        (
+            {
+                "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}},
+                "gradient_clipping": 2.0,
+            },
+            "give one of them",
+        ),
+    ],
+)
+def test_bad_configs_name_the_key(raw, message):
+    with pytest.raises(ConfigError, match=message), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        load_config(raw)
+
+
+def test_switched_off_unsupported_blocks_are_accepted():
+    config = load_config(
+        {"train_batch_size": 8, "tensorboard": {"enabled": False}, "bfloat16": {"enabled": True}}
+    )
+    assert config.bf16.enabled
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "world", "expected"),
+    [
+        ({"train_batch_size": 32}, 2, (32, 16, 1)),
+        ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1)),
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 2, (32, 4, 4)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        (
+            {
+                "train_batch_size": 24,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 3,
+            },
+            2,
+            (24, 4, 3),
+        ),
+    ],
+)
+def test_batch_arithmetic(given, world, expected):
+    got = batch_sizes(load_config(given), world)
+    assert (got.train_batch_size, got.micro_batch_size, got.gradient_accumulation_steps) == expected
+
+
+def test_batch_arithmetic_errors_show_the_equation():
+    config = load_config(
+        {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 3,
+        }
+    )
+    with pytest.raises(ConfigError, match="32 != 4 x 3 x 2 = 24"):
+        batch_sizes(config, 2)
+    with pytest.raises(ConfigError, match="cannot be split"):
+        batch_sizes(load_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}), 2)
+    with pytest.raises(ConfigError, match="give train_batch_size"):
+        batch_sizes(load_config({"gradient_accumulation_steps": 2}), 2)
+
+
+def test_add_config_arguments_accepts_deepspeed_flags():
+    parser = add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed and args.deepspeed_config == "ds.json" and not args.fzero
+    args = parser.parse_args(["--fzero", "--fzero_config", "c.json"])
+    assert args.fzero and args.fzero_config == "c.json"
