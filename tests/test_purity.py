@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = re.compile(
     r"torch\.distributed|import\s+os\b|from\s+os\b|\bopen\(|pathlib|shutil|ProcessGroup|"
-    r"safetensors|\bio\b\.|tempfile|socket|subprocess|torch\.save|torch\.load|import pickle|pickle\."
+    r"safetensors|\bio\b\.|tempfile|socket|subprocess|torch\.save|torch\.load|"
+    r"import pickle|pickle\."
 )
 
 
