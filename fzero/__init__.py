@@ -2,14 +2,19 @@
 
 from fzero import optim, partition
 from fzero._version import __version__
+from fzero.api import initialize, shard
 from fzero.config import Config, add_config_arguments, load_config, resolve_auto
+from fzero.engine import Engine
 
 __all__ = [
     "Config",
+    "Engine",
     "__version__",
     "add_config_arguments",
+    "initialize",
     "load_config",
     "optim",
     "partition",
     "resolve_auto",
+    "shard",
 ]

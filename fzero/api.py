@@ -1,0 +1,209 @@
+"""The two front doors: functional `shard` and DeepSpeed-compatible `initialize`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fzero import comm
+from fzero.config import Config, ConfigError, load_config
+from fzero.engine import Engine
+from fzero.optim import Optimizer, adam, adamw, optimizer_from_name, schedule_from_name, sgd
+from fzero.partition import Plan
+
+__all__ = ["initialize", "shard"]
+
+log = logging.getLogger("fzero")
+
+
+def _config(config: Config | Mapping[str, Any] | str | None) -> Config:
+    return load_config(config if config is not None else {})
+
+
+def _param_groups(model_parameters: Iterable[Any] | None) -> list[dict[str, Any]] | None:
+    """`model_parameters` as torch param-group dicts (DeepSpeed accepts tensors or dicts)."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if not items:
+        raise ValueError("model_parameters is empty; pass the parameters to train")
+    if all(isinstance(item, Mapping) for item in items):
+        return [dict(item) for item in items]
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    raise TypeError("model_parameters must be an iterable of tensors or of param-group dicts")
+
+
+def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[str, Any]]]:
+    """A functional optimizer equivalent to a `torch.optim` instance, and its groups."""
+    kind = type(client).__name__
+    keep = {
+        "Adam": ("lr", "betas", "eps", "weight_decay"),
+        "AdamW": ("lr", "betas", "eps", "weight_decay"),
+        "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    }
+    if kind not in keep:
+        raise TypeError(
+            f"client optimizer {kind} is not supported; allowed: torch.optim.Adam, AdamW, SGD "
+            "(or configure Adam/AdamW/Lamb/SGD in the config)"
+        )
+    for group in client.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"client optimizer {kind} with {flag}=True is not supported")
+    defaults = {k: client.defaults[k] for k in keep[kind]}
+    base = {"Adam": adam, "AdamW": adamw, "SGD": sgd}[kind](**defaults)
+    groups = [
+        {"params": g["params"], **{k: g[k] for k in keep[kind] if k != "lr"}}
+        for g in client.param_groups
+    ]
+    return base, groups
+
+
+def shard(
+    model: torch.nn.Module,
+    stage: int | None = None,
+    optimizer: Optimizer | None = None,
+    *,
+    precision: str | None = None,
+    config: Config | Mapping[str, Any] | str | None = None,
+    strategy: Callable[..., Plan] | None = None,
+    param_groups: Iterable[Any] | None = None,
+    schedule: Callable[[int, float], float] | None = None,
+) -> Engine:
+    """Shard `model` with ZeRO `stage` and train it with a functional `optimizer`.
+
+    `stage` overrides the config's `zero_optimization.stage`; `precision`
+    ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
+    partitioning function (default `fzero.partition.flat_even`).
+    """
+    cfg = _config(config)
+    if stage is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(
+            cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, stage=stage)
+        )
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
+    if optimizer is None:
+        optimizer = (
+            optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
+            if cfg.optimizer
+            else adamw()
+        )
+    if schedule is None and cfg.scheduler is not None:
+        schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
+    return Engine(
+        model,
+        optimizer=optimizer,
+        config=cfg,
+        param_groups=_param_groups(param_groups),
+        precision=precision,
+        strategy=strategy,
+        schedule=schedule,
+    )
+
+
+class _LRScheduler:
+    """What `initialize` returns as the lr scheduler: the engine steps it; this reads it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def get_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    def get_last_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    def step(self, *_: Any, **__: Any) -> None:
+        """The engine steps the schedule at each optimizer step; this is a no-op."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": self._engine.lr_steps - 1}
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Optimizer | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Config | Mapping[str, Any] | str | None = None,
+    config_params: Mapping[str, Any] | None = None,
+) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
+    """DeepSpeed's `deepspeed.initialize`, same arguments and returns.
+
+    Returns `(engine, optimizer, dataloader, lr_scheduler)`. The config comes
+    from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
+    A client `torch.optim` optimizer (Adam, AdamW, SGD) is run as fzero's
+    functional equivalent with its hyper-parameters and param groups; a client
+    lr scheduler is stepped after each optimizer step.
+    """
+    if model is None:
+        raise ValueError("initialize needs model=")
+    if mpu is not None:
+        raise NotImplementedError("mpu (model parallelism) is not supported yet")
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "fzero_config", None) or getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ConfigError(
+            "no config: pass config=... or set args.deepspeed_config / args.fzero_config"
+        )
+    comm.init_distributed(required=dist_init_required)
+    cfg = _config(source)
+    groups = _param_groups(model_parameters)
+    client = None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        client = optimizer
+        functional, groups = _from_client(optimizer)
+    elif isinstance(optimizer, Optimizer):
+        functional = optimizer
+    elif optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("no optimizer: pass optimizer= or give an 'optimizer' block")
+        functional = optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
+    else:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or fzero.optim.Optimizer, "
+            f"found {type(optimizer).__name__}"
+        )
+    schedule = None
+    if lr_scheduler is None and cfg.scheduler is not None:
+        schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
+    if lr_scheduler is not None and client is None:
+        raise ValueError("a client lr_scheduler needs a client torch.optim optimizer to drive")
+    engine = Engine(
+        model,
+        optimizer=functional,
+        config=cfg,
+        param_groups=groups,
+        schedule=schedule,
+        client_optimizer=client,
+        client_scheduler=lr_scheduler,
+    )
+    loader = None
+    if training_data is not None:
+        if engine.batch is None:
+            raise ConfigError("training_data needs a batch size in the config")
+        sampler = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=dist.get_world_size(), rank=dist.get_rank()
+        )
+        loader = torch.utils.data.DataLoader(
+            training_data,
+            batch_size=engine.batch.micro_batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+        )
+    scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
+    return engine, (client or functional), loader, scheduler

@@ -1,0 +1,90 @@
+"""The collectives fzero uses, on `torch.distributed` (gloo on CPU, NCCL on CUDA).
+
+fzero adds no transport of its own. The process group comes from `torchrun`'s
+environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); with none, a one-process
+group on an in-memory store, so the same script runs under `python` and
+`torchrun`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_into",
+    "all_reduce",
+    "backend_device",
+    "init_distributed",
+    "reduce_scatter_into",
+]
+
+log = logging.getLogger("fzero")
+
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_distributed(
+    *, backend: str | None = None, timeout_s: float | None = None, required: bool | None = None
+) -> None:
+    """Start the default process group if it is not running.
+
+    `required=False` (DeepSpeed's `dist_init_required=False`) expects the caller
+    to have started it. Collectives time out after `timeout_s` seconds
+    (default: `FZERO_TIMEOUT_S` or 600), so a rank that dies cannot leave the
+    others waiting forever.
+    """
+    if dist.is_initialized():
+        return
+    if required is False:
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialised; "
+            "call torch.distributed.init_process_group first or pass dist_init_required=None"
+        )
+    timeout = datetime.timedelta(
+        seconds=timeout_s or float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    )
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if all(name in os.environ for name in _LAUNCHER_VARIABLES):
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # No launcher: a world of one, on an in-memory store (no network).
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    log.info(
+        "fzero: process group %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
+    )
+
+
+def backend_device() -> torch.device:
+    """The device collectives run on: the local CUDA device under NCCL, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
+    """Concatenate every rank's equal-size `shard` into `output` (rank order)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, shard, async_op=async_op)
+
+
+def reduce_scatter_into(
+    shard: torch.Tensor, full: torch.Tensor, *, average: bool = True, async_op: bool = False
+):
+    """Sum (or average) `full` over ranks and leave rank r's equal part in `shard`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return scatter(shard, full, op=op, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce with op `sum`, `avg` or `max`."""
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+    return dist.all_reduce(tensor, op=ops[op], async_op=async_op)

@@ -1,0 +1,783 @@
+"""The engine: a thin stateful shell that executes a sharding plan on torch.distributed.
+
+Everything about layout comes from the plan (`fzero.partition`); every update is
+a functional optimizer's in-place path (`fzero.optim`). Per unit and rank the
+engine holds (ZeRO, Rajbhandari et al. 2020):
+
+- `full`: the unit's compute-dtype flat buffer, which the module's parameters
+  view (stages 0-2 and stage-3 persistent units; in stage 3 it exists only
+  while the unit is gathered);
+- `param_shard`: stage 3's compute-dtype shard (the master itself when fp32);
+- `master`: fp32 weights of the optimizer partition (this rank's shard for
+  stages 1-3, the whole buffer for stage 0); a view of `full` when fp32;
+- `grad`: fp32 gradient accumulator (whole buffer for stages 0-1, shard for 2-3);
+- the optimizer state over `master`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fzero import comm, partition
+from fzero.config import Config, batch_sizes, check_resolved, load_config
+from fzero.optim import (
+    DynamicLossScale,
+    Optimizer,
+    StaticLossScale,
+    clip_coefficient,
+    lamb_apply_,
+    lamb_direction_,
+    schedule_from_name,
+    segment_sq_sums,
+    with_overrides,
+)
+from fzero.partition import MemoryEstimate, Placement, Plan, Unit
+
+__all__ = ["Engine", "Precision"]
+
+log = logging.getLogger("fzero")
+
+Precision = str  # "fp32" | "bf16" | "fp16"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class _UnitRuntime:
+    """Mutable per-unit buffers of one rank (engine-internal)."""
+
+    unit: Unit
+    params: list[tuple[torch.nn.Parameter, Placement, tuple[int, ...]]]
+    master: Tensor
+    state: Any
+    grad: Tensor
+    full: Tensor | None = None
+    param_shard: Tensor | None = None
+    flat_grad: Tensor | None = None
+    reported: int = 0
+    ready: bool = False
+    hparams: Any = None
+    base_lr: float = 0.0
+
+
+@dataclass
+class _Timers:
+    totals: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+
+class Engine:
+    """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        optimizer: Optimizer,
+        config: Config,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
+        precision: Precision | None = None,
+        strategy: Callable[..., Plan] | None = None,
+        schedule: Callable[[int, float], float] | None = None,
+        client_optimizer: torch.optim.Optimizer | None = None,
+        client_scheduler: Any = None,
+    ) -> None:
+        comm.init_distributed()
+        self.config = check_resolved(config)
+        self.module = module
+        self.optimizer = optimizer
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = comm.backend_device()
+        self.precision = precision or _precision_of(config)
+        if self.precision not in _DTYPES:
+            raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(_DTYPES)}")
+        self.compute_dtype = _DTYPES[self.precision]
+        zero = config.zero_optimization
+        self.stage = zero.stage
+        self._check_supported(zero)
+        self.batch = _batch_or_none(config, self.world_size)
+        self.schedule = schedule
+        self._client_optimizer = client_optimizer
+        self._client_scheduler = client_scheduler
+        self.overlap_comm = zero.overlap_comm if zero.overlap_comm is not None else self.stage == 3
+        self.loss_scaler = _loss_scaler(config) if self.precision == "fp16" else None
+        self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.lr_steps = 0
+        self._skipped_last = False
+        self._losses: list[float] = []
+        self._timers = _Timers()
+        self._last_print = time.perf_counter()
+        self._pending: list[tuple[_UnitRuntime, Any, Tensor | None]] = []
+        self._launch_next = 0
+        self._hooks: list[Any] = []
+
+        self._groups = (
+            list(param_groups) if param_groups else [{"params": list(module.parameters())}]
+        )
+        manifest = partition.describe(module, self._groups)
+        options: dict[str, Any] = {}
+        if self.stage == 3:
+            options["persistence_threshold"] = zero.stage3_param_persistence_threshold
+        self.plan = partition.plan(
+            manifest,
+            world_size=self.world_size,
+            stage=self.stage,
+            strategy=strategy or partition.flat_even,
+            **options,
+        )
+        self._cast_module()
+        self.units = [self._build_unit(unit) for unit in self.plan.units]
+        self._param_unit = {
+            id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
+        }
+        for rt in self.units:
+            for p, _, _ in rt.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.stage == 3:
+            self._install_stage3_hooks()
+        self._set_hparams()
+        log.info(
+            "fzero: stage %d, %s, world %d, %d units, %s params",
+            self.stage,
+            self.precision,
+            self.world_size,
+            len(self.units),
+            f"{manifest.numel:,}",
+        )
+
+    # ---- construction ------------------------------------------------------------------
+
+    def _check_supported(self, zero: Any) -> None:
+        if zero.offload_optimizer.device not in ("none",) or zero.offload_param.device not in (
+            "none",
+        ):
+            raise NotImplementedError(
+                "zero_optimization.offload_optimizer / offload_param are not supported yet "
+                f"(found {zero.offload_optimizer.device!r} / {zero.offload_param.device!r})"
+            )
+
+    def _cast_module(self) -> None:
+        """Compute dtype for frozen params and floating buffers (trainable ones are rebound)."""
+        if self.compute_dtype == torch.float32:
+            return
+        managed = {id(p) for p in self._managed_parameters()}
+        for p in self.module.parameters():
+            if id(p) not in managed and p.is_floating_point():
+                p.data = p.data.to(self.compute_dtype)
+        for b in self.module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(self.compute_dtype)
+
+    def _managed_parameters(self) -> list[torch.nn.Parameter]:
+        named = dict(self.module.named_parameters())
+        return [named[spec.fqn] for spec in self.plan.manifest.tensors]
+
+    def _partition(self, unit: Unit) -> slice:
+        """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
+        if self.stage == 0:
+            return slice(0, unit.numel)
+        start, stop = unit.shard_range(self.rank)
+        return slice(start, stop)
+
+    def _owned(self, unit: Unit) -> slice:
+        start, stop = unit.shard_range(self.rank)
+        return slice(start, stop)
+
+    def _build_unit(self, unit: Unit) -> _UnitRuntime:
+        named = dict(self.module.named_parameters())
+        params = [(named[pl.fqn], pl, tuple(named[pl.fqn].shape)) for pl in unit.placements]
+        flat = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for p, placement, _ in params:
+                _scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
+        if self.world_size > 1:
+            dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights
+        keeps_full = self.stage < 3 or unit.persistent
+        part = self._partition(unit)
+        full = master = param_shard = None
+        if keeps_full:
+            full = flat if self.compute_dtype == torch.float32 else flat.to(self.compute_dtype)
+            master = full[part] if self.compute_dtype == torch.float32 else flat[part].clone()
+        else:
+            master = flat[part].clone()
+            if self.compute_dtype != torch.float32:
+                param_shard = master.to(self.compute_dtype)
+        del flat
+        grad_numel = unit.numel if self.stage < 2 else unit.shard_numel
+        rt = _UnitRuntime(
+            unit=unit,
+            params=params,
+            master=master,
+            state=self.optimizer.init(master),
+            grad=torch.zeros(grad_numel, dtype=torch.float32, device=self.device),
+            full=full,
+            param_shard=param_shard,
+        )
+        if keeps_full:
+            self._bind(rt)
+        else:
+            self._unbind(rt)
+        return rt
+
+    # ---- parameter binding (the module's tensors view the unit buffer) ------------------
+
+    def _bind(self, rt: _UnitRuntime) -> None:
+        assert rt.full is not None
+        for p, placement, shape in rt.params:
+            p.data = _gather_pieces(rt.full, placement, shape)
+
+    def _unbind(self, rt: _UnitRuntime) -> None:
+        for p, _, _ in rt.params:
+            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    # ---- stage 3: gather before use, release after ---------------------------------------
+
+    def _gather(self, rt: _UnitRuntime) -> None:
+        if rt.full is not None:
+            return
+        shard = rt.param_shard if rt.param_shard is not None else rt.master
+        full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
+        with self._timers("comm"):
+            comm.all_gather_into(full, shard)
+        rt.full = full
+        self._bind(rt)
+
+    def _release(self, rt: _UnitRuntime) -> None:
+        if rt.unit.persistent or rt.full is None:
+            return
+        rt.full = None
+        self._unbind(rt)
+
+    def _install_stage3_hooks(self) -> None:
+        by_module: dict[str, list[_UnitRuntime]] = {}
+        for rt in self.units:
+            if not rt.unit.persistent:
+                by_module.setdefault(rt.unit.module, []).append(rt)
+        for path, rts in by_module.items():
+            module = self.module.get_submodule(path)
+
+            def pre(_module: Any, _inputs: Any, rts: list[_UnitRuntime] = rts) -> None:
+                for rt in rts:
+                    self._gather(rt)
+
+            def post(_module: Any, _inputs: Any, _output: Any, rts=rts) -> None:
+                for rt in rts:
+                    self._release(rt)
+
+            self._hooks.append(module.register_forward_pre_hook(pre))
+            self._hooks.append(module.register_forward_hook(post))
+        self._stage3_params = {id(p): rt for rt in self.units for p, _, _ in rt.params}
+
+    def _pack(self, tensor: Tensor) -> Any:
+        """Saved-tensor hook: a saved stage-3 parameter (or a view of one) is kept as a
+        reference and re-gathered when backward needs it, so no full unit stays alive."""
+        base = tensor._base if tensor._base is not None else tensor
+        rt = self._stage3_params.get(id(base))
+        if rt is None or rt.unit.persistent:
+            return tensor
+        if base is tensor:
+            return ("param", tensor, None)
+        return (
+            "view",
+            base,
+            (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset()),
+        )
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if not isinstance(packed, tuple):
+            return packed
+        kind, param, geometry = packed
+        self._gather(self._stage3_params[id(param)])
+        if kind == "param":
+            return param
+        size, stride, offset = geometry
+        return param.detach().as_strided(size, stride, param.storage_offset() + offset)
+
+    # ---- forward / backward / step ------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; floating inputs are cast to the compute dtype."""
+        if self.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+        with self._timers("forward"):
+            if self.stage == 3:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
+        """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale);
+        reduces gradients as the plan says."""
+        accumulation = self.gradient_accumulation_steps()
+        scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
+        self._losses.append(float(loss.detach().float()))
+        self._boundary_now = self.is_gradient_accumulation_boundary()
+        self._launch_next = len(self.units) - 1
+        with self._timers("backward"):
+            (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
+            self._finish_reduction()
+        return loss
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        rt, placement = self._param_unit[id(p)]
+        grad = p.grad
+        p.grad = None
+        if grad is None:
+            return
+        target = rt.grad if self.stage < 2 else self._flat_grad(rt)
+        _add_pieces(target, grad.reshape(-1), placement)
+        rt.reported += 1
+        if rt.reported == len(rt.params):
+            rt.ready = True
+            if self.stage == 3:
+                self._release(rt)
+            if self.overlap_comm:
+                self._launch_ready()
+
+    def _flat_grad(self, rt: _UnitRuntime) -> Tensor:
+        if rt.flat_grad is None:
+            rt.flat_grad = torch.zeros(rt.unit.numel, dtype=torch.float32, device=self.device)
+        return rt.flat_grad
+
+    def _needs_reduction(self) -> bool:
+        return self.stage >= 2 or self._boundary_now
+
+    def _launch_ready(self) -> None:
+        """Launch reductions in reverse unit order (the same on every rank), as far as
+        units are ready: collectives must be issued in one order everywhere."""
+        while self._launch_next >= 0 and self.units[self._launch_next].ready:
+            self._launch(self.units[self._launch_next])
+            self._launch_next -= 1
+
+    def _launch(self, rt: _UnitRuntime) -> None:
+        if not self._needs_reduction() or self.world_size == 1:
+            if self.stage >= 2:
+                rt.grad.add_(self._flat_grad(rt)[self._owned(rt.unit)])
+                rt.flat_grad = None
+            return
+        if self.stage < 2:
+            work = comm.all_reduce(rt.grad, op="avg", async_op=True)
+            self._pending.append((rt, work, None))
+            return
+        shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
+        work = comm.reduce_scatter_into(shard, self._flat_grad(rt), async_op=True)
+        self._pending.append((rt, work, shard))
+
+    def _finish_reduction(self) -> None:
+        for rt in self.units:
+            rt.ready = True  # parameters unused in this backward contribute zeros
+            if self.stage >= 2:
+                self._flat_grad(rt)
+        with self._timers("comm"):
+            self._launch_ready()
+            for rt, work, shard in self._pending:
+                work.wait()
+                if shard is not None:
+                    rt.grad.add_(shard)
+                    rt.flat_grad = None
+        self._pending.clear()
+        for rt in self.units:
+            rt.reported, rt.ready = 0, False
+            if self.stage == 3:
+                self._release(rt)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self) -> None:
+        """At the accumulation boundary: unscale, clip, update owned shards, regather."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        with self._timers("step"):
+            self._take_step()
+        self.global_steps += 1
+        if self.batch is not None:
+            self.global_samples += self.batch.train_batch_size
+        self._maybe_print()
+
+    def _owned_grads(self) -> list[Tensor]:
+        return [rt.grad[self._owned(rt.unit)] if self.stage < 2 else rt.grad for rt in self.units]
+
+    def _take_step(self) -> None:
+        scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
+        owned = self._owned_grads()
+        if self.loss_scaler is not None and self.loss_scaler.dynamic:
+            flag = torch.tensor(
+                [float(any(not torch.isfinite(g).all() for g in owned))], device=self.device
+            )
+            comm.all_reduce(flag, op="max")
+            found_inf = bool(flag.item())
+            self.loss_scale_state = self.loss_scaler.update(self.loss_scale_state, found_inf)
+            if found_inf:
+                self._skipped_last = True
+                self.skipped_steps += 1
+                log.warning(
+                    "fzero: step %d skipped: gradient overflow; loss scale now %s",
+                    self.global_steps,
+                    self.loss_scale_state.scale,
+                )
+                self._zero_grads()
+                return
+        self._skipped_last = False
+        factor = 1.0 / scale
+        if self.config.gradient_clipping > 0:
+            sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+            for g in owned:
+                sq += g.double().square().sum()
+            comm.all_reduce(sq, op="sum")
+            norm = math.sqrt(sq.item()) * factor
+            factor *= clip_coefficient(norm, self.config.gradient_clipping)
+        lrs = self._current_lrs()
+        if self.optimizer.name == "lamb":
+            self._lamb_step(factor, lrs)
+        else:
+            for rt in self.units:
+                grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+                if factor != 1.0:
+                    grad.mul_(factor)
+                hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
+                rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
+        self._publish()
+        self._zero_grads()
+        self.lr_steps += 1
+        if self._client_scheduler is not None:
+            self._client_scheduler.step()
+
+    def _step_overrides(self, rt: _UnitRuntime, lrs: list[float]) -> dict[str, Any]:
+        overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
+        momentum = getattr(self.schedule, "momentum", None)
+        if momentum is not None:
+            beta1 = momentum(self.lr_steps)
+            if beta1 is not None and hasattr(rt.hparams, "betas"):
+                overrides["betas"] = (beta1, rt.hparams.betas[1])
+        return overrides
+
+    def _lamb_step(self, factor: float, lrs: list[float]) -> None:
+        """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
+        squares locally, one all-reduce, then apply."""
+        slices = partition.local_slices(self.plan, self.rank)
+        names = list(self.plan.manifest.fqns)
+        index = {fqn: i for i, fqn in enumerate(names)}
+        sums = torch.zeros(2, len(names), dtype=torch.float64, device=self.device)
+        work = []
+        for unit_index, rt in enumerate(self.units):
+            grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+            if factor != 1.0:
+                grad.mul_(factor)
+            hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
+            update = lamb_direction_(grad, rt.state, rt.master, hp)
+            rt.state = rt.state._replace(step=rt.state.step + 1)
+            if self.stage == 0:
+                segments = [
+                    (pc.offset, pc.offset + pc.numel, pl.fqn)
+                    for pl in rt.unit.placements
+                    for pc in pl.pieces
+                ]
+            else:
+                segments = [
+                    (s.shard_offset, s.shard_offset + s.numel, s.fqn)
+                    for s in slices
+                    if s.unit == unit_index
+                ]
+            spans = [(a, b) for a, b, _ in segments]
+            for (a, b, fqn), p_sq, u_sq in zip(
+                segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
+            ):
+                sums[0, index[fqn]] += p_sq
+                sums[1, index[fqn]] += u_sq
+            work.append((rt, hp, update, segments))
+        if self.stage > 0:
+            comm.all_reduce(sums, op="sum")
+        norms = sums.sqrt().tolist()
+        for rt, hp, update, segments in work:
+            spans = [(a, b) for a, b, _ in segments]
+            p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
+            u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
+            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+
+    def _publish(self) -> None:
+        """Write updated fp32 masters back to the compute-dtype parameters everyone uses."""
+        with self._timers("comm"):
+            for rt in self.units:
+                if rt.full is not None and (self.stage < 3 or rt.unit.persistent):
+                    if self.stage == 0:
+                        if self.compute_dtype != torch.float32:
+                            rt.full.copy_(rt.master)
+                    else:
+                        shard = rt.master.to(self.compute_dtype)
+                        if self.world_size > 1:
+                            comm.all_gather_into(rt.full, shard)
+                        else:
+                            rt.full.copy_(shard)
+                    if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
+                        self._bind(rt)  # copies, not views: refresh them
+                elif rt.param_shard is not None:
+                    rt.param_shard.copy_(rt.master)
+
+    def _zero_grads(self) -> None:
+        for rt in self.units:
+            rt.grad.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in fzero's buffers and are cleared after each step; this clears
+        any `.grad` left on parameters fzero does not manage."""
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad = None
+
+    # ---- learning rate --------------------------------------------------------------------
+
+    def _set_hparams(self) -> None:
+        base = self.optimizer.hparams
+        for rt in self.units:
+            overrides = {
+                k: (tuple(v) if k == "betas" else v)
+                for k, v in self._groups[rt.unit.group].items()
+                if k not in ("params", "name")
+            }
+            rt.hparams = with_overrides(base, overrides)
+            rt.base_lr = rt.hparams.lr
+
+    def _current_lrs(self) -> list[float]:
+        """The lr of each param group for the step about to run."""
+        if self._client_optimizer is not None:
+            return [g["lr"] for g in self._client_optimizer.param_groups]
+        lrs = []
+        for group_index in range(len(self._groups)):
+            base = next(
+                (rt.base_lr for rt in self.units if rt.unit.group == group_index),
+                self.optimizer.hparams.lr,
+            )
+            lrs.append(self.schedule(self.lr_steps, base) if self.schedule else base)
+        return lrs
+
+    def get_lr(self) -> list[float]:
+        return self._current_lrs()
+
+    # ---- DeepSpeed-compatible accessors -------------------------------------------------
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def local_rank(self) -> int:
+        import os
+
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scale_state.scale if self.loss_scale_state else 1.0
+
+    def was_step_skipped(self) -> bool:
+        return self._skipped_last
+
+    def train_batch_size(self) -> int | None:
+        return self.batch.train_batch_size if self.batch else None
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.batch.micro_batch_size if self.batch else None
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps if self.batch else 1
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters()
+
+    # ---- whole-model views ----------------------------------------------------------------
+
+    def full_master(self, rt: _UnitRuntime) -> Tensor:
+        """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
+        if self.stage == 0:
+            return rt.master
+        full = torch.empty(rt.unit.numel, dtype=torch.float32, device=self.device)
+        comm.all_gather_into(full, rt.master.contiguous())
+        return full
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The consolidated model state dict, on rank 0 ({} elsewhere); collective.
+
+        Trainable tensors come from the fp32 masters (cast to `dtype`, default the
+        compute dtype); every alias of a tied tensor gets it; frozen parameters and
+        buffers come from the module.
+        """
+        dtype = dtype or self.compute_dtype
+        result: dict[str, Tensor] = {}
+        for rt in self.units:
+            full = self.full_master(rt)
+            if self.rank == 0:
+                for p, placement, shape in rt.params:
+                    tensor = _gather_pieces(full, placement, shape).to(dtype).clone()
+                    spec = self.plan.manifest[placement.fqn]
+                    for name in (spec.fqn, *spec.aliases):
+                        result[name] = tensor
+        if self.rank != 0:
+            return {}
+        managed = set(result)
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if name not in managed:
+                result[name] = tensor.detach().clone()
+        return {name: result[name] for name in self.module.state_dict(keep_vars=True)}
+
+    def memory_held(self) -> MemoryEstimate:
+        """Bytes of every model-state tensor this rank holds now, by kind (no duplicates)."""
+        seen: set[int] = set()
+
+        def size(t: Tensor | None) -> int:
+            if t is None or t.numel() == 0:
+                return 0
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return t.untyped_storage().nbytes()
+
+        params = master = grads = state = 0
+        for rt in self.units:
+            params += size(rt.full) + size(rt.param_shard)
+            if rt.full is None and rt.param_shard is None:
+                params += size(rt.master)  # fp32 stage 3: the master is the shard
+            for p, _, _ in rt.params:
+                params += size(p.data)
+            master += size(rt.master)
+            grads += size(rt.grad) + size(rt.flat_grad)
+            state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
+        return MemoryEstimate(params=params, master=master, grads=grads, optimizer_state=state)
+
+    def memory_planned(self) -> MemoryEstimate:
+        """What the plan says this rank holds (`partition.memory_per_rank`)."""
+        return partition.memory_per_rank(
+            self.plan,
+            self.rank,
+            param_dtype=partition.dtype_name(self.compute_dtype),
+            grad_dtype="float32",
+            optimizer=self.optimizer,
+        )
+
+    # ---- telemetry ------------------------------------------------------------------------
+
+    def _maybe_print(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        now = time.perf_counter()
+        elapsed, self._last_print = now - self._last_print, now
+        loss = sum(self._losses) / max(1, len(self._losses))
+        self._losses.clear()
+        if self.rank != 0:
+            return
+        samples = (self.batch.train_batch_size * every / elapsed) if self.batch else float("nan")
+        lrs = ", ".join(f"{lr:.3g}" for lr in self._current_lrs())
+        text = (
+            f"[fzero] step {self.global_steps} loss {loss:.4f} lr [{lrs}] "
+            f"loss_scale {self.loss_scale:g} samples/s {samples:.1f}"
+        )
+        if self.config.wall_clock_breakdown:
+            text += " | " + " ".join(
+                f"{k} {1e3 * v / every:.1f}ms" for k, v in sorted(self._timers.totals.items())
+            )
+            self._timers.totals.clear()
+        print(text, flush=True)
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _fields(hparams: Any) -> dict[str, Any]:
+    return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
+
+
+def _scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
+    for pc in placement.pieces:
+        flat[pc.offset : pc.offset + pc.numel].copy_(values[pc.start : pc.start + pc.numel])
+
+
+def _add_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
+    for pc in placement.pieces:
+        flat[pc.offset : pc.offset + pc.numel].add_(values[pc.start : pc.start + pc.numel])
+
+
+def _gather_pieces(full: Tensor, placement: Placement, shape: tuple[int, ...]) -> Tensor:
+    """The tensor at `placement` in `full`: a view when it is one piece, else a copy."""
+    pieces = sorted(placement.pieces, key=lambda pc: pc.start)
+    if len(pieces) == 1:
+        pc = pieces[0]
+        return full[pc.offset : pc.offset + pc.numel].view(shape)
+    if not pieces:
+        return full.new_zeros(shape)
+    return torch.cat([full[pc.offset : pc.offset + pc.numel] for pc in pieces]).view(shape)
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _precision_of(config: Config) -> Precision:
+    if config.fp16.enabled:
+        return "fp16"
+    if config.bf16.enabled:
+        return "bf16"
+    return "fp32"
+
+
+def _loss_scaler(config: Config) -> DynamicLossScale | StaticLossScale:
+    fp16 = config.fp16
+    if fp16.loss_scale:
+        return StaticLossScale(fp16.loss_scale)
+    return DynamicLossScale(
+        initial_scale_power=fp16.initial_scale_power,
+        window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        min_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )
+
+
+def _batch_or_none(config: Config, world_size: int):
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        if config.gradient_accumulation_steps not in (None, 1):
+            return batch_sizes(config, world_size)  # raises: accumulation without a batch size
+        return None
+    return batch_sizes(config, world_size)

@@ -1,0 +1,86 @@
+"""Run a function on N local gloo ranks (spawned processes) and collect rank 0's result."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_TENSOR = "__tensor__"
+
+
+def _encode(value: Any) -> Any:
+    """Tensors as safetensors bytes: nothing shares memory with a process that exits."""
+    if isinstance(value, torch.Tensor):
+        return (_TENSOR, st_save({"t": value.detach().contiguous()}))
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_encode(v) for v in value)
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
+        return st_load(value[1])["t"]
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_decode(v) for v in value)
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        FZERO_TIMEOUT_S="120",
+    )
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            queue.put(("ok", _encode(result)))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable, world: int, *args: Any) -> Any:
+    """`fn(rank, world, *args)` on `world` processes; returns rank 0's return value."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world, port, fn, args, queue), daemon=True)
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    status, payload = queue.get()
+    for p in procs:
+        p.join(timeout=120)
+    if status == "error":
+        raise AssertionError(payload)
+    return _decode(payload)
