@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero.config import Config, batch_sizes, check_resolved, load_config
+from fzero.config import Config, batch_sizes, check_resolved
 from fzero.optim import (
     DynamicLossScale,
     Optimizer,
@@ -37,7 +37,6 @@ from fzero.optim import (
     clip_coefficient,
     lamb_apply_,
     lamb_direction_,
-    schedule_from_name,
     segment_sq_sums,
     with_overrides,
 )
@@ -506,7 +505,7 @@ class Engine:
                     if s.unit == unit_index
                 ]
             spans = [(a, b) for a, b, _ in segments]
-            for (a, b, fqn), p_sq, u_sq in zip(
+            for (_, _, fqn), p_sq, u_sq in zip(
                 segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
             ):
                 sums[0, index[fqn]] += p_sq
@@ -640,7 +639,7 @@ class Engine:
         for rt in self.units:
             full = self.full_master(rt)
             if self.rank == 0:
-                for p, placement, shape in rt.params:
+                for _, placement, shape in rt.params:
                     tensor = _gather_pieces(full, placement, shape).to(dtype).clone()
                     spec = self.plan.manifest[placement.fqn]
                     for name in (spec.fqn, *spec.aliases):
