@@ -31,7 +31,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 demo: venv
-	$(BIN)/fzero run -n 2 examples/train_transformer.py
+	$(BIN)/fzero run -n 2 examples/train_transformer.py --steps 100
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""The `fzero` command: `fzero estimate ...` (more subcommands arrive with the engine)."""
+"""The `fzero` command: `fzero run` (launch on torchrun) and `fzero estimate` (memory)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,25 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")
     est.add_argument("--persistence-threshold", type=int, default=0)
     est.set_defaults(func=_estimate)
+
+    run = sub.add_parser("run", help="run a training script on N local processes via torchrun")
+    run.add_argument("-n", "--nproc_per_node", "--num_gpus", type=int, default=1)
+    run.add_argument("--num_nodes", type=int, default=1)
+    run.add_argument("--node_rank", type=int, default=0)
+    run.add_argument("--master_addr", default=None)
+    run.add_argument("--master_port", type=int, default=29500)
+    run.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'host slots=N' lines")
+    run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=_run)
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fzero.launcher import run
+
+    return run(args, args.script_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -287,6 +287,20 @@ class Engine:
             self._hooks.append(module.register_forward_pre_hook(pre))
             self._hooks.append(module.register_forward_hook(post))
         self._stage3_params = {id(p): rt for rt in self.units for p, _, _ in rt.params}
+        for rt in self.units:
+            if not rt.unit.persistent:
+                for p, _, shape in rt.params:
+                    self._hooks.append(p.register_hook(self._shape_for_accumulation(p, shape)))
+
+    def _shape_for_accumulation(self, p: torch.nn.Parameter, shape: tuple[int, ...]):
+        """Before autograd stores a gradient in `p.grad` it matches it to `p`'s layout; a
+        released parameter gets a zero-stride stand-in of the right shape (no memory)."""
+
+        def hook(grad: Tensor) -> None:
+            if p.data.shape != shape:
+                p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
+
+        return hook
 
     def _pack(self, tensor: Tensor) -> Any:
         """Saved-tensor hook: a saved stage-3 parameter (or a view of one) is kept as a
@@ -349,6 +363,8 @@ class Engine:
             return
         target = rt.grad if self.stage < 2 else self._flat_grad(rt)
         _add_pieces(target, grad.reshape(-1), placement)
+        if self.stage == 3 and rt.full is None:
+            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         rt.reported += 1
         if rt.reported == len(rt.params):
             rt.ready = True

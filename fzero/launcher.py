@@ -1,0 +1,96 @@
+"""`fzero run`: start a training script on local (or several) nodes with PyTorch's torchrun.
+
+fzero has no transport of its own: this builds a `torch.distributed.run` command line
+(DeepSpeed's launcher flags mapped onto torchrun's) and runs it, passing its exit code on.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Host", "parse_hostfile", "torchrun_command"]
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """DeepSpeed's hostfile: one `hostname slots=N` per line, `#` comments."""
+    hosts = []
+    for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = raw.split("#")[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = [p for p in parts[1:] if p.startswith("slots=")]
+        if len(parts) != 2 or not slots or not slots[0][6:].isdigit() or int(slots[0][6:]) < 1:
+            raise ValueError(
+                f"hostfile {str(path)!r} line {number}: {raw!r}; expected 'hostname slots=N'"
+            )
+        hosts.append(Host(parts[0], int(slots[0][6:])))
+    if not hosts:
+        raise ValueError(f"hostfile {str(path)!r} names no hosts")
+    return hosts
+
+
+def torchrun_command(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc_per_node: int = 1,
+    num_nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int = 29500,
+    hosts: Sequence[Host] | None = None,
+) -> list[str]:
+    """The `python -m torch.distributed.run ...` argv for these launcher settings."""
+    if hosts:
+        slots = {h.slots for h in hosts}
+        if len(slots) != 1:
+            raise ValueError(
+                f"hosts have different slot counts {sorted(slots)}; torchrun needs one"
+            )
+        nproc_per_node, num_nodes = slots.pop(), len(hosts)
+        master_addr = master_addr or hosts[0].name
+    if nproc_per_node < 1 or num_nodes < 1:
+        raise ValueError(f"nproc_per_node {nproc_per_node} and num_nodes {num_nodes} must be >= 1")
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if num_nodes == 1 and master_addr is None:
+        command.append("--standalone")
+    else:
+        command += [
+            f"--nnodes={num_nodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={master_addr or '127.0.0.1'}:{master_port}",
+            "--rdzv-id=fzero",
+        ]
+    return [*command, script, *script_args]
+
+
+def run(args, script_args: Sequence[str]) -> int:
+    """Run the command for parsed `fzero run` arguments; return its exit code."""
+    hosts = parse_hostfile(args.hostfile) if args.hostfile else None
+    command = torchrun_command(
+        args.script,
+        script_args,
+        nproc_per_node=args.nproc_per_node,
+        num_nodes=args.num_nodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        hosts=hosts,
+    )
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    return subprocess.call(command)
