@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from torch import nn
 
 import fzero
@@ -82,7 +82,7 @@ def main() -> None:
     data = batches(text, micro=args.micro, length=args.length, rank=rank, world=world, seed=1)
     first = last = None
     start = time.perf_counter()
-    for step in range(args.steps):
+    for _ in range(args.steps):
         tokens, targets = next(data)
         logits = engine(tokens)
         loss = nn.functional.cross_entropy(

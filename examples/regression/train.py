@@ -1,7 +1,8 @@
 """The DeepSpeed tutorial's regression model, ported by changing the import.
 
 Linear 10->50, ReLU, Linear 50->1 on 1,000 random samples, batch 32, the tutorial's
-ds_config.json (fp16, ZeRO stage 1, Adam) unchanged. Run:  fzero run -n 2 examples/regression/train.py
+ds_config.json (fp16, ZeRO stage 1, Adam) unchanged.
+Run:  fzero run -n 2 examples/regression/train.py
 """
 
 import argparse
@@ -25,7 +26,7 @@ def main() -> None:
     dataset = torch.utils.data.TensorDataset(x, y)
     model = nn.Sequential(nn.Linear(10, 50), nn.ReLU(), nn.Linear(50, 1))
 
-    engine, optimizer, loader, _ = deepspeed.initialize(
+    engine, _optimizer, loader, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), training_data=dataset, config=args.config
     )
     for epoch in range(args.epochs):
