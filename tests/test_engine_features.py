@@ -310,7 +310,7 @@ def test_launcher_builds_torchrun_commands(tmp_path):
     ]
     assert "--standalone" in torchrun_command("t.py", [], nproc_per_node=2)
     hostfile.write_text("worker-1 4\n")
-    with pytest.raises(ValueError, match="line 1.*hostname slots=N"):
+    with pytest.raises(ValueError, match=r"line 1.*hostname slots=N"):
         parse_hostfile(hostfile)
     dry = _fzero_run(["--dry-run", "-n", "3", "t.py", "--a"])
     assert dry.returncode == 0 and "--nproc-per-node=3 --standalone t.py --a" in dry.stdout
