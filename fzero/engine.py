@@ -715,12 +715,12 @@ class Engine:
         self._losses.clear()
         if self.rank != 0:
             return
-        samples = (self.batch.train_batch_size * every / elapsed) if self.batch else float("nan")
         lrs = ", ".join(f"{lr:.3g}" for lr in self._current_lrs())
-        text = (
-            f"[fzero] step {self.global_steps} loss {loss:.4f} lr [{lrs}] "
-            f"loss_scale {self.loss_scale:g} samples/s {samples:.1f}"
-        )
+        text = f"[fzero] step {self.global_steps} loss {loss:.4f} lr [{lrs}]"
+        if self.loss_scaler is not None:
+            text += f" loss_scale {self.loss_scale:g}"
+        if self.batch is not None:
+            text += f" samples/s {self.batch.train_batch_size * every / elapsed:.1f}"
         if self.config.wall_clock_breakdown:
             text += " | " + " ".join(
                 f"{k} {1e3 * v / every:.1f}ms" for k, v in sorted(self._timers.totals.items())
