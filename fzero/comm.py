@@ -8,6 +8,7 @@ group on an in-memory store, so the same script runs under `python` and
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -57,9 +58,15 @@ def init_distributed(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+    atexit.register(_destroy)  # fzero started it, fzero ends it: gloo aborts if left running
     log.info(
         "fzero: process group %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def backend_device() -> torch.device:

@@ -10,16 +10,20 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 _TENSOR = "__tensor__"
 
 
 def _encode(value: Any) -> Any:
-    """Tensors as safetensors bytes: nothing shares memory with a process that exits."""
+    """Tensors as raw bytes: nothing shares memory with a process that exits."""
     if isinstance(value, torch.Tensor):
-        return (_TENSOR, st_save({"t": value.detach().contiguous()}))
+        flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
+        return (
+            _TENSOR,
+            str(value.dtype).removeprefix("torch."),
+            tuple(value.shape),
+            bytes(flat.tolist()),
+        )
     if isinstance(value, dict):
         return {k: _encode(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -28,8 +32,11 @@ def _encode(value: Any) -> Any:
 
 
 def _decode(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
-        return st_load(value[1])["t"]
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
+        _, dtype, shape, data = value
+        if not data:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
     if isinstance(value, dict):
         return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
