@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -83,8 +84,6 @@ def shard(
     """
     cfg = _config(config)
     if stage is not None:
-        import dataclasses
-
         cfg = dataclasses.replace(
             cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, stage=stage)
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -606,8 +607,6 @@ class Engine:
 
     @property
     def local_rank(self) -> int:
-        import os
-
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
