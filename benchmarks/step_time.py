@@ -1,6 +1,7 @@
 """Seconds per training step: DDP, FSDP2 and fzero stages 0-3, same model and batches, 2 ranks.
 
     fzero run -n 2 benchmarks/step_time.py [--width 1024 --depth 8 --micro 8 --steps 20]
+                                           [--bucket 1048576]
 
 Model: `depth` blocks of Linear(width, width) + GELU (8.4M params at 1024 x 8), AdamW.
 Prints one table on rank 0: s/step (median over timed steps), ratio to DDP measured
@@ -48,6 +49,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        default=2**20,
+        help="fzero reduce_bucket_size in elements (DDP's bucket is 25 MB)",
+    )
     args = parser.parse_args()
     fzero.comm.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,19 +97,26 @@ def main() -> None:
         )
         del model
 
-    for stage in range(4):
+    # Stage 3 twice: DeepSpeed's defaults (a unit reused within stage3_max_reuse_distance
+    # elements stays gathered from forward into backward) and strict release after every
+    # use (reuse distance 0: like FSDP2's reshard_after_forward=True).
+    variants = [(stage, {}) for stage in range(4)]
+    variants.append((3, {"stage3_max_reuse_distance": 0}))
+    for stage, extra in variants:
+        zero = {"overlap_comm": True, "reduce_bucket_size": args.bucket, **extra}
         engine = fzero.shard(
             make_model(args.width, args.depth),
             stage=stage,
             optimizer=fzero.optim.adamw(lr=1e-3),
-            config={"steps_per_print": 0, "zero_optimization": {"overlap_comm": True}},
+            config={"steps_per_print": 0, "zero_optimization": zero},
         )
 
         def step(_, engine=engine):
             engine.backward(engine(x).square().mean())
             engine.step()
 
-        rows.append((f"fzero stage {stage}", timed(step, args.steps), peak_rss_mb()))
+        name = f"fzero stage {stage}" + "".join(f" {k[7:]}={v}" for k, v in extra.items())
+        rows.append((name, timed(step, args.steps), peak_rss_mb()))
         del engine
 
     if rank == 0:

@@ -1,8 +1,9 @@
 """fzero: ZeRO sharded data-parallel training for PyTorch, with plans as plain data."""
 
 from fzero import optim, partition
+from fzero._meta_init import init_context
 from fzero._version import __version__
-from fzero.api import initialize, shard
+from fzero.api import gathered_parameters, initialize, shard
 from fzero.config import Config, add_config_arguments, load_config, resolve_auto
 from fzero.engine import Engine
 
@@ -11,6 +12,8 @@ __all__ = [
     "Engine",
     "__version__",
     "add_config_arguments",
+    "gathered_parameters",
+    "init_context",
     "initialize",
     "load_config",
     "optim",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -16,7 +17,7 @@ from fzero.engine import Engine
 from fzero.optim import Optimizer, adam, adamw, optimizer_from_name, schedule_from_name, sgd
 from fzero.partition import Plan
 
-__all__ = ["initialize", "shard"]
+__all__ = ["gathered_parameters", "initialize", "shard"]
 
 log = logging.getLogger("fzero")
 
@@ -75,12 +76,15 @@ def shard(
     strategy: Callable[..., Plan] | None = None,
     param_groups: Iterable[Any] | None = None,
     schedule: Callable[[int, float], float] | None = None,
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None,
 ) -> Engine:
     """Shard `model` with ZeRO `stage` and train it with a functional `optimizer`.
 
     `stage` overrides the config's `zero_optimization.stage`; `precision`
     ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
-    partitioning function (default `fzero.partition.flat_even`).
+    partitioning function (default `fzero.partition.flat_even`). A model built on
+    the meta device (`fzero.init_context()`) is initialised module by module with
+    `param_init_fn(module)`, or each module's `reset_parameters()`.
     """
     cfg = _config(config)
     if stage is not None:
@@ -105,6 +109,7 @@ def shard(
         precision=precision,
         strategy=strategy,
         schedule=schedule,
+        param_init_fn=param_init_fn,
     )
 
 
@@ -139,6 +144,7 @@ def initialize(
     collate_fn: Callable[..., Any] | None = None,
     config: Config | Mapping[str, Any] | str | None = None,
     config_params: Mapping[str, Any] | None = None,
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None,
 ) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
     """DeepSpeed's `deepspeed.initialize`, same arguments and returns.
 
@@ -146,7 +152,7 @@ def initialize(
     from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
     A client `torch.optim` optimizer (Adam, AdamW, SGD) is run as fzero's
     functional equivalent with its hyper-parameters and param groups; a client
-    lr scheduler is stepped after each optimizer step.
+    lr scheduler is stepped after each optimizer step. `param_init_fn` as in `shard`.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -190,6 +196,7 @@ def initialize(
         schedule=schedule,
         client_optimizer=client,
         client_scheduler=lr_scheduler,
+        param_init_fn=param_init_fn,
     )
     loader = None
     if training_data is not None:
@@ -206,3 +213,22 @@ def initialize(
         )
     scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
     return engine, (client or functional), loader, scheduler
+
+
+def gathered_parameters(
+    params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
+    modifier_rank: int | None = None,
+    enabled: bool = True,
+) -> contextlib.AbstractContextManager[None]:
+    """DeepSpeed's `zero.GatheredParameters`: inside the block the `params` of an fzero
+    engine are whole on every rank; with `modifier_rank`, that rank's edits are
+    broadcast on exit and kept. Collective. Parameters no engine manages pass through.
+    """
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    refs = {id(ref()): ref() for p in params if (ref := getattr(p, "_fzero_engine", None))}
+    engines = [engine for engine in refs.values() if engine is not None]
+    if not enabled or not engines:
+        return contextlib.nullcontext()
+    if len(engines) > 1:
+        raise ValueError("gathered_parameters got parameters of more than one fzero engine")
+    return engines[0].gathered_parameters(params, modifier_rank)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
+from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.optim import (
     DynamicLossScale,
@@ -55,6 +57,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class _UnitRuntime:
     """Mutable per-unit buffers of one rank (engine-internal)."""
 
+    index: int
     unit: Unit
     params: list[tuple[torch.nn.Parameter, Placement, tuple[int, ...]]]
     master: Tensor
@@ -63,10 +66,25 @@ class _UnitRuntime:
     full: Tensor | None = None
     param_shard: Tensor | None = None
     flat_grad: Tensor | None = None
+    gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
+    used: bool = False  # gathered for use since the current phase began (stage 3)
+    bucket: _Bucket | None = None
     reported: int = 0
     ready: bool = False
     hparams: Any = None
     base_lr: float = 0.0
+
+
+@dataclass
+class _Bucket:
+    """Units whose gradients one collective reduces (`partition.reduction_buckets`)."""
+
+    units: list[_UnitRuntime]
+    buffer: Tensor | None = None  # contiguous fp32 gradients of all its units
+
+    @property
+    def numel(self) -> int:
+        return sum(rt.unit.numel for rt in self.units)
 
 
 @dataclass
@@ -97,6 +115,7 @@ class Engine:
         schedule: Callable[[int, float], float] | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
         client_scheduler: Any = None,
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         comm.init_distributed()
         self.config = check_resolved(config)
@@ -128,8 +147,21 @@ class Engine:
         self._losses: list[float] = []
         self._timers = _Timers()
         self._last_print = time.perf_counter()
-        self._pending: list[tuple[_UnitRuntime, Any, Tensor | None]] = []
+        self._pending: list[tuple[Any, Callable[[], None]]] = []
+        self._publishing: list[tuple[Any, _UnitRuntime, Tensor | None]] = []
         self._launch_next = 0
+        # Gloo's reduce-scatter measured slower than its all-reduce at every size from
+        # 1 MB to 32 MB (2 ranks): there, stages 2-3 all-reduce and keep their part.
+        self._scatter_by_all_reduce = dist.get_backend() == "gloo"
+        # Stage 3 prefetch: the order units are first used in each phase, recorded on
+        # the first pass and followed after (DeepSpeed's trace; FSDP2's fixed order).
+        self._phase = "forward"
+        self._trace: dict[str, list[int]] = {"forward": [], "backward": []}
+        self._traced: set[str] = set()
+        self._cursor = 0
+        self._prefetch_numel = zero.stage3_prefetch_bucket_size
+        self._max_live = zero.stage3_max_live_parameters
+        self._max_reuse = zero.stage3_max_reuse_distance
         self._hooks: list[Any] = []
 
         self._groups = (
@@ -147,13 +179,23 @@ class Engine:
             **options,
         )
         self._cast_module()
-        self.units = [self._build_unit(unit) for unit in self.plan.units]
+        named = dict(module.named_parameters())
+        meta = None
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            meta = MetaInitializer(module, self.device, param_init_fn)
+        self.units = [
+            self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
+        ]
+        if meta is not None:
+            meta.finish()
+        self.buckets = self._build_buckets(zero.reduce_bucket_size)
         self._param_unit = {
             id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
         }
         for rt in self.units:
             for p, _, _ in rt.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                p._fzero_engine = weakref.ref(self)  # for fzero.gathered_parameters
         if self.stage == 3:
             self._install_stage3_hooks()
         self._set_hparams()
@@ -204,9 +246,16 @@ class Engine:
         start, stop = unit.shard_range(self.rank)
         return slice(start, stop)
 
-    def _build_unit(self, unit: Unit) -> _UnitRuntime:
-        named = dict(self.module.named_parameters())
-        params = [(named[pl.fqn], pl, tuple(named[pl.fqn].shape)) for pl in unit.placements]
+    def _build_unit(
+        self,
+        index: int,
+        unit: Unit,
+        named: Mapping[str, torch.nn.Parameter],
+        meta: MetaInitializer | None,
+    ) -> _UnitRuntime:
+        fqns = [pl.fqn for pl in unit.placements]
+        tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
+        params = [(p, pl, tuple(p.shape)) for p, pl in zip(tensors, unit.placements)]
         flat = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for p, placement, _ in params:
@@ -224,8 +273,9 @@ class Engine:
             if self.compute_dtype != torch.float32:
                 param_shard = master.to(self.compute_dtype)
         del flat
-        grad_numel = unit.numel if self.stage < 2 else unit.shard_numel
+        grad_numel = 0 if self.stage < 2 else unit.shard_numel  # stages 0-1: bucket views
         rt = _UnitRuntime(
+            index=index,
             unit=unit,
             params=params,
             master=master,
@@ -240,6 +290,26 @@ class Engine:
             self._unbind(rt)
         return rt
 
+    def _build_buckets(self, bucket_numel: int) -> list[_Bucket]:
+        """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
+        accumulators and each unit's `grad` is a view of its bucket's buffer."""
+        buckets = []
+        for indices in partition.reduction_buckets(self.plan, bucket_numel):
+            bucket = _Bucket([self.units[i] for i in indices])
+            for rt in bucket.units:
+                rt.bucket = bucket
+            if self.stage < 2:
+                self._bucket_views(bucket, "grad")
+            buckets.append(bucket)
+        return buckets
+
+    def _bucket_views(self, bucket: _Bucket, name: str) -> None:
+        bucket.buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        offset = 0
+        for rt in bucket.units:
+            setattr(rt, name, bucket.buffer[offset : offset + rt.unit.numel])
+            offset += rt.unit.numel
+
     # ---- parameter binding (the module's tensors view the unit buffer) ------------------
 
     def _bind(self, rt: _UnitRuntime) -> None:
@@ -253,21 +323,90 @@ class Engine:
 
     # ---- stage 3: gather before use, release after ---------------------------------------
 
-    def _gather(self, rt: _UnitRuntime) -> None:
-        if rt.full is not None:
-            return
-        shard = rt.param_shard if rt.param_shard is not None else rt.master
-        full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
-        with self._timers("comm"):
-            comm.all_gather_into(full, shard)
-        rt.full = full
-        self._bind(rt)
+    def _gather(self, rt: _UnitRuntime, *, wait: bool = True) -> None:
+        """All-gather the unit's parameters (asynchronously unless `wait`)."""
+        if rt.full is None:
+            shard = rt.param_shard if rt.param_shard is not None else rt.master
+            rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
+            rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
+        if wait and rt.gather_work is not None:
+            with self._timers("comm"):
+                rt.gather_work.wait()
+            rt.gather_work = None
+            self._bind(rt)
 
     def _release(self, rt: _UnitRuntime) -> None:
         if rt.unit.persistent or rt.full is None:
             return
+        if rt.gather_work is not None:  # a prefetch nobody used: let it land first
+            rt.gather_work.wait()
+            rt.gather_work = None
         rt.full = None
+        rt.used = False
         self._unbind(rt)
+
+    def _use(self, rt: _UnitRuntime) -> None:
+        """Gather `rt` for use now and prefetch the units the trace says come next.
+
+        The first pass of each phase (forward, backward) records the order units are
+        first used in; later passes follow it and keep up to
+        `stage3_prefetch_bucket_size` elements of the next units in flight. All ranks
+        run the same program, so they issue the same collectives in the same order.
+        """
+        if rt.unit.persistent:
+            return
+        if not rt.used:
+            rt.used = True
+            self._advance_trace(rt)
+        self._gather(rt)
+
+    def _advance_trace(self, rt: _UnitRuntime) -> None:
+        trace = self._trace[self._phase]
+        if self._phase not in self._traced:
+            trace.append(rt.index)
+            return
+        if self._cursor >= len(trace) or trace[self._cursor] != rt.index:
+            self._cursor = len(trace) + 1  # the program took another path: stop prefetching
+            return
+        self._cursor += 1
+        budget = self._prefetch_numel
+        for index in trace[self._cursor :]:
+            ahead = self.units[index]
+            if budget <= 0:
+                break
+            budget -= ahead.unit.numel
+            if ahead.full is None:
+                if self._live_numel() + ahead.unit.numel > self._max_live:
+                    break
+                self._gather(ahead, wait=False)
+
+    def _live_numel(self) -> int:
+        """Elements of stage-3 units gathered (or being gathered) now."""
+        return sum(
+            rt.unit.numel for rt in self.units if rt.full is not None and not rt.unit.persistent
+        )
+
+    def _begin_phase(self, phase: str) -> None:
+        self._phase, self._cursor = phase, 0
+        for rt in self.units:
+            rt.used = False
+
+    def _end_phase(self) -> None:
+        self._traced.add(self._phase)  # a recorded phase is followed from now on
+
+    def _keeps_after_forward(self, rt: _UnitRuntime) -> bool:
+        """DeepSpeed's `stage3_max_reuse_distance`: a unit whose next use (later in this
+        forward, or in backward) comes within that many elements of other units' use is
+        kept gathered instead of being released and gathered again, as long as the live
+        total stays within `stage3_max_live_parameters`. The unit used last in forward
+        is the first backward needs (distance 0), as FSDP keeps its root."""
+        if "forward" not in self._traced or "backward" not in self._traced:
+            return False
+        upcoming = self._trace["forward"][self._cursor :] + self._trace["backward"]
+        if rt.index not in upcoming:
+            return False
+        distance = sum(self.units[i].unit.numel for i in upcoming[: upcoming.index(rt.index)])
+        return distance <= self._max_reuse and self._live_numel() <= self._max_live
 
     def _install_stage3_hooks(self) -> None:
         by_module: dict[str, list[_UnitRuntime]] = {}
@@ -279,11 +418,16 @@ class Engine:
 
             def pre(_module: Any, _inputs: Any, rts: list[_UnitRuntime] = rts) -> None:
                 for rt in rts:
-                    self._gather(rt)
+                    self._use(rt)
 
             def post(_module: Any, _inputs: Any, _output: Any, rts=rts) -> None:
+                # In backward (activation-checkpoint recomputation) autograd holds the
+                # parameters themselves: they are released when their gradients arrive.
+                if self._phase != "forward":
+                    return
                 for rt in rts:
-                    self._release(rt)
+                    if not self._keeps_after_forward(rt):
+                        self._release(rt)
 
             self._hooks.append(module.register_forward_pre_hook(pre))
             self._hooks.append(module.register_forward_hook(post))
@@ -322,7 +466,7 @@ class Engine:
         if not isinstance(packed, tuple):
             return packed
         kind, param, geometry = packed
-        self._gather(self._stage3_params[id(param)])
+        self._use(self._stage3_params[id(param)])
         if kind == "param":
             return param
         size, stride, offset = geometry
@@ -338,10 +482,13 @@ class Engine:
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         with self._timers("forward"):
-            if self.stage == 3:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    return self.module(*args, **kwargs)
-            return self.module(*args, **kwargs)
+            if self.stage != 3:
+                return self.module(*args, **kwargs)
+            self._begin_phase("forward")
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                output = self.module(*args, **kwargs)
+            self._end_phase()
+            return output
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale);
@@ -350,7 +497,8 @@ class Engine:
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
         self._losses.append(float(loss.detach().float()))
         self._boundary_now = self.is_gradient_accumulation_boundary()
-        self._launch_next = len(self.units) - 1
+        self._launch_next = 0
+        self._begin_phase("backward")
         with self._timers("backward"):
             (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
             self._finish_reduction()
@@ -375,51 +523,71 @@ class Engine:
                 self._launch_ready()
 
     def _flat_grad(self, rt: _UnitRuntime) -> Tensor:
+        """Stages 2-3: the unit's full-size gradient, a view of its bucket's buffer,
+        alive from the first gradient until the bucket is reduced."""
         if rt.flat_grad is None:
-            rt.flat_grad = torch.zeros(rt.unit.numel, dtype=torch.float32, device=self.device)
+            assert rt.bucket is not None
+            self._bucket_views(rt.bucket, "flat_grad")
+        assert rt.flat_grad is not None
         return rt.flat_grad
 
     def _needs_reduction(self) -> bool:
         return self.stage >= 2 or self._boundary_now
 
     def _launch_ready(self) -> None:
-        """Launch reductions in reverse unit order (the same on every rank), as far as
-        units are ready: collectives must be issued in one order everywhere."""
-        while self._launch_next >= 0 and self.units[self._launch_next].ready:
-            self._launch(self.units[self._launch_next])
-            self._launch_next -= 1
+        """Launch bucket reductions in bucket order (the same on every rank), as far as
+        their units are ready: collectives must be issued in one order everywhere."""
+        while self._launch_next < len(self.buckets) and all(
+            rt.ready for rt in self.buckets[self._launch_next].units
+        ):
+            self._launch(self.buckets[self._launch_next])
+            self._launch_next += 1
 
-    def _launch(self, rt: _UnitRuntime) -> None:
-        if not self._needs_reduction() or self.world_size == 1:
-            if self.stage >= 2:
-                rt.grad.add_(self._flat_grad(rt)[self._owned(rt.unit)])
-                rt.flat_grad = None
-            return
+    def _launch(self, bucket: _Bucket) -> None:
+        if not self._needs_reduction():
+            return  # stage 0-1 inside an accumulation window: keep summing locally
         if self.stage < 2:
-            work = comm.all_reduce(rt.grad, op="avg", async_op=True)
-            self._pending.append((rt, work, None))
+            assert bucket.buffer is not None
+            if self.world_size > 1:
+                work = comm.all_reduce(bucket.buffer, op="avg", async_op=True)
+                self._pending.append((work, lambda: None))
             return
-        shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
-        work = comm.reduce_scatter_into(shard, self._flat_grad(rt), async_op=True)
-        self._pending.append((rt, work, shard))
+        flats = [self._flat_grad(rt) for rt in bucket.units]
+
+        def keep_owned() -> None:
+            for rt, flat in zip(bucket.units, flats):
+                rt.grad.add_(flat[self._owned(rt.unit)])
+            _drop_flat(bucket)
+
+        if self.world_size == 1:
+            keep_owned()
+        elif self._scatter_by_all_reduce:
+            assert bucket.buffer is not None
+            self._pending.append(
+                (comm.all_reduce(bucket.buffer, op="avg", async_op=True), keep_owned)
+            )
+        else:
+            for rt, flat in zip(bucket.units, flats):
+                shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
+                work = comm.reduce_scatter_into(shard, flat, async_op=True)
+                self._pending.append((work, _adder(rt.grad, shard)))
+            self._pending.append((None, lambda: _drop_flat(bucket)))
 
     def _finish_reduction(self) -> None:
         for rt in self.units:
             rt.ready = True  # parameters unused in this backward contribute zeros
-            if self.stage >= 2:
-                self._flat_grad(rt)
         with self._timers("comm"):
             self._launch_ready()
-            for rt, work, shard in self._pending:
-                work.wait()
-                if shard is not None:
-                    rt.grad.add_(shard)
-                    rt.flat_grad = None
+            for work, finish in self._pending:
+                if work is not None:
+                    work.wait()
+                finish()
         self._pending.clear()
         for rt in self.units:
             rt.reported, rt.ready = 0, False
             if self.stage == 3:
                 self._release(rt)
+        self._end_phase()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -479,7 +647,8 @@ class Engine:
                     grad.mul_(factor)
                 hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
                 rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-        self._publish()
+                self._publish(rt)
+        self._finish_publish()
         self._zero_grads()
         self.lr_steps += 1
         if self._client_scheduler is not None:
@@ -536,25 +705,32 @@ class Engine:
             p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
             u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
             lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+            self._publish(rt)
 
-    def _publish(self) -> None:
-        """Write updated fp32 masters back to the compute-dtype parameters everyone uses."""
+    def _publish(self, rt: _UnitRuntime) -> None:
+        """Start writing the unit's updated fp32 master back to the compute-dtype
+        parameters everyone uses; the all-gather overlaps the next units' updates."""
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+            if rt.param_shard is not None:
+                rt.param_shard.copy_(rt.master)
+            return
+        if self.stage == 0 or self.world_size == 1:
+            if rt.full.data_ptr() != rt.master.data_ptr():
+                rt.full[self._partition(rt.unit)].copy_(rt.master)
+            self._publishing.append((None, rt, None))
+            return
+        shard = rt.master.to(self.compute_dtype)
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self._publishing.append((work, rt, shard))
+
+    def _finish_publish(self) -> None:
         with self._timers("comm"):
-            for rt in self.units:
-                if rt.full is not None and (self.stage < 3 or rt.unit.persistent):
-                    if self.stage == 0:
-                        if self.compute_dtype != torch.float32:
-                            rt.full.copy_(rt.master)
-                    else:
-                        shard = rt.master.to(self.compute_dtype)
-                        if self.world_size > 1:
-                            comm.all_gather_into(rt.full, shard)
-                        else:
-                            rt.full.copy_(shard)
-                    if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
-                        self._bind(rt)  # copies, not views: refresh them
-                elif rt.param_shard is not None:
-                    rt.param_shard.copy_(rt.master)
+            for work, rt, _shard in self._publishing:
+                if work is not None:
+                    work.wait()
+                if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
+                    self._bind(rt)  # copies, not views: refresh them
+        self._publishing.clear()
 
     def _zero_grads(self) -> None:
         for rt in self.units:
@@ -631,6 +807,54 @@ class Engine:
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters()
+
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, params: Sequence[torch.nn.Parameter], modifier_rank: int | None = None
+    ) -> Iterator[None]:
+        """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
+
+        With `modifier_rank`, that rank's edits are broadcast on exit and become the
+        new weights (fp32 masters included; edits are made in the compute dtype).
+        """
+        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
+            raise ValueError(
+                f"modifier_rank is {modifier_rank}; allowed: None or 0..{self.world_size - 1}"
+            )
+        wanted = {id(p) for p in params}
+        units = [rt for rt in self.units if any(id(p) in wanted for p, _, _ in rt.params)]
+        managed = {id(p) for rt in units for p, _, _ in rt.params}
+        others = [p for p in params if id(p) not in managed]  # frozen: whole everywhere
+        gathered_here = [rt for rt in units if rt.full is None]
+        for rt in units:
+            self._gather(rt)
+        try:
+            yield
+        except BaseException:
+            for rt in gathered_here:
+                self._release(rt)
+            raise
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for rt in units:
+                    self._accept_edits(rt, modifier_rank)
+                for p in others:
+                    if self.world_size > 1:
+                        dist.broadcast(p.data, src=modifier_rank)
+        for rt in gathered_here:
+            self._release(rt)
+
+    def _accept_edits(self, rt: _UnitRuntime, source: int) -> None:
+        assert rt.full is not None
+        for p, placement, _ in rt.params:  # parameters that are copies write back
+            _scatter_pieces(rt.full, p.detach().reshape(-1), placement)
+        if self.world_size > 1:
+            dist.broadcast(rt.full, src=source)
+        if rt.master.data_ptr() != rt.full[self._partition(rt.unit)].data_ptr():
+            rt.master.copy_(rt.full[self._partition(rt.unit)])
+        if rt.param_shard is not None:
+            rt.param_shard.copy_(rt.full[self._owned(rt.unit)])
+        self._bind(rt)
 
     # ---- whole-model views ----------------------------------------------------------------
 
@@ -733,6 +957,16 @@ class Engine:
 
 def _fields(hparams: Any) -> dict[str, Any]:
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
+
+
+def _adder(target: Tensor, value: Tensor) -> Callable[[], None]:
+    return lambda: target.add_(value)
+
+
+def _drop_flat(bucket: _Bucket) -> None:
+    for rt in bucket.units:
+        rt.flat_grad = None
+    bucket.buffer = None
 
 
 def _scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:

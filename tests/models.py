@@ -27,6 +27,26 @@ class Net(nn.Module):
         return self.head(h)
 
 
+class Awkward(nn.Module):
+    """Tied embedding/head, a frozen layer, an unused layer, a block called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.block = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(6, 5)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h)) + self.frozen(h)
+        return self.head(h)
+
+
 def param_groups(model: nn.Module, weight_decay: float = 0.01) -> list[dict]:
     """Two groups, as BERT pre-training does: no decay for biases and LayerNorm."""
     decay, no_decay = [], []

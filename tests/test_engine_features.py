@@ -15,7 +15,7 @@ from torch import nn
 
 import fzero
 from tests._dist import run_world
-from tests.models import Net, global_batch, param_groups
+from tests.models import Awkward, Net, global_batch, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 MICRO = 2
@@ -46,7 +46,13 @@ def memory_cases(rank, world):
                 model,
                 stage=stage,
                 precision=precision,
-                config={"train_micro_batch_size_per_gpu": MICRO},
+                config={
+                    "train_micro_batch_size_per_gpu": MICRO,
+                    "zero_optimization": {
+                        "stage3_param_persistence_threshold": 0,
+                        "reduce_bucket_size": 300,
+                    },
+                },
                 param_groups=param_groups(model),
             )
             _train(engine, rank, world, 2)
@@ -97,26 +103,6 @@ def test_fp16_overflow_skips_the_step_and_follows_hysteresis():
     # scale 256: overflow 1 absorbed by hysteresis 2, overflow 2 halves it
     assert [r[4] for r in record] == [256.0, 256.0, 128.0, 128.0]
     assert (skipped, steps) == (2, 4)
-
-
-class Awkward(nn.Module):
-    """Tied embedding/head, a frozen layer, an unused layer, a block called twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.block = nn.Linear(6, 6)
-        self.frozen = nn.Linear(6, 6)
-        self.frozen.requires_grad_(False)
-        self.unused = nn.Linear(6, 5)
-        self.head = nn.Linear(6, 11, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        h = torch.tanh(self.block(h))
-        h = torch.tanh(self.block(h)) + self.frozen(h)
-        return self.head(h)
 
 
 def _awkward_batch(step, size):

@@ -44,6 +44,13 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> dict:
             "gradient_accumulation_steps": accum,
             "gradient_clipping": clip,
             "steps_per_print": 0,
+            # Several reduction buckets and prefetch of the next unit (Net's units hold
+            # 42-208 elements); stage 3 shards every tensor.
+            "zero_optimization": {
+                "reduce_bucket_size": 300,
+                "stage3_prefetch_bucket_size": 200,
+                "stage3_param_persistence_threshold": 0,
+            },
         }
         engine = fzero.shard(
             model,

@@ -26,6 +26,7 @@ from fzero.partition import (
     owner_of,
     per_tensor_dim0,
     plan,
+    reduction_buckets,
     reshard_reads,
     to_bytes,
     validate,
@@ -301,3 +302,20 @@ def test_stage3_memory_sums_to_total_plus_padding(manifest, world_size, strategy
     assert sum(m.params for m in totals) == padded * 2
     assert sum(m.grads for m in totals) == padded * 4
     assert sum(m.master + m.optimizer_state for m in totals) == padded * 12
+
+
+@settings(max_examples=100, deadline=None)
+@given(manifest=manifests(), world_size=st.integers(1, 4), bucket=st.integers(1, 200))
+def test_reduction_buckets_cover_units_in_reverse_within_budget(manifest, world_size, bucket):
+    p = plan(manifest, world_size=world_size, stage=2)
+    buckets = reduction_buckets(p, bucket)
+    order = [index for b in buckets for index in b]
+    assert order == list(reversed(range(len(p.units))))
+    for b in buckets:
+        assert len(b) == 1 or sum(p.units[i].numel for i in b) <= bucket
+
+
+def test_reduction_buckets_reject_a_bad_size():
+    p = plan(describe(Tied()), world_size=2, stage=2)
+    with pytest.raises(PlanError, match="reduce_bucket_size is 0"):
+        reduction_buckets(p, 0)

@@ -26,6 +26,7 @@ from fzero.partition._queries import (
     optimizer_state_slots,
     owned_numel,
     owner_of,
+    reduction_buckets,
     reshard_reads,
 )
 from fzero.partition._strategies import (
@@ -68,6 +69,7 @@ __all__ = [
     "owner_of",
     "per_tensor_dim0",
     "plan",
+    "reduction_buckets",
     "reshard_reads",
     "to_bytes",
     "validate",

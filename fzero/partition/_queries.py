@@ -17,6 +17,7 @@ __all__ = [
     "optimizer_state_slots",
     "owned_numel",
     "owner_of",
+    "reduction_buckets",
     "reshard_reads",
 ]
 
@@ -57,6 +58,31 @@ def local_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
                         LocalSlice(placement.fqn, index, start, start + end - begin, begin - lo)
                     )
     return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
+
+
+def reduction_buckets(plan: Plan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
+    """Unit indices grouped into gradient-reduction buckets, in launch order.
+
+    Backward produces gradients roughly in reverse unit order, so buckets take
+    consecutive units from the last one back, each holding at most
+    `bucket_numel` elements (DeepSpeed's `reduce_bucket_size`); a unit larger
+    than that is a bucket of its own. One collective reduces a whole bucket.
+    """
+    if bucket_numel < 1:
+        raise PlanError(f"reduce_bucket_size is {bucket_numel}; it must be >= 1")
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    filled = 0
+    for index in reversed(range(len(plan.units))):
+        numel = plan.units[index].numel
+        if current and filled + numel > bucket_numel:
+            buckets.append(tuple(current))
+            current, filled = [], 0
+        current.append(index)
+        filled += numel
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
 
 
 def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
