@@ -3,6 +3,9 @@ the DeepSpeed entry point with client optimizers, and the launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import subprocess
 import sys
 import textwrap
@@ -60,19 +63,47 @@ def memory_cases(rank, world):
     return out
 
 
+def telemetry_case(rank, world):
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "fp16": {"enabled": True},
+    }
+    engine = fzero.shard(Net(), stage=3, config=config)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = _train(engine, rank, world, 4)
+    return out.getvalue(), losses
+
+
+def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
+    text, losses = run_world(telemetry_case, 2)
+    lines = text.splitlines()
+    assert [line.split()[2] for line in lines] == ["2", "4"]
+    pattern = (
+        r"\[fzero\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ \| "
+        r"backward [\d.]+ms comm [\d.]+ms forward [\d.]+ms step [\d.]+ms"
+    )
+    assert re.fullmatch(pattern, lines[1]), lines[1]
+    assert lines[1].split()[4] == f"{(losses[2] + losses[3]) / 2:.4f}"  # mean since last line
+
+
 def test_memory_held_equals_plan_for_every_stage():
     for case, (held, planned) in run_world(memory_cases, 2).items():
         assert held == planned, case
 
 
-def overflow_case(rank, world):
+def overflow_case(rank, world, stage):
     torch.manual_seed(0)
     model = Net()
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 2},
+        "zero_optimization": {"stage3_param_persistence_threshold": 0},
     }
-    engine = fzero.shard(model, stage=2, config=config)
+    engine = fzero.shard(model, stage=stage, config=config)
     # step 0 good; steps 1 and 2 overflow on rank 1 only; step 3 good
     poison = {1: float("inf"), 2: float("nan")}
     record = []
@@ -94,8 +125,9 @@ def overflow_case(rank, world):
     return record, engine.skipped_steps, engine.global_steps
 
 
-def test_fp16_overflow_skips_the_step_and_follows_hysteresis():
-    record, skipped, steps = run_world(overflow_case, 2)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_overflow_skips_the_step_and_follows_hysteresis(stage):
+    record, skipped, steps = run_world(overflow_case, 2, stage)
     assert [r[0] for r in record] == [False, True, True, False]
     assert [r[1] for r in record] == [False, True, True, False]  # params untouched when skipped
     assert [r[2] for r in record] == [False, True, True, False]  # optimizer state too
