@@ -1,4 +1,5 @@
-"""The `fzero` command: `fzero run` (launch on torchrun) and `fzero estimate` (memory)."""
+"""The `fzero` command: `fzero run` (launch on torchrun), `fzero estimate` (memory) and
+`fzero checkpoint consolidate|inspect`."""
 
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--persistence-threshold", type=int, default=0)
     est.set_defaults(func=_estimate)
 
+    ckpt = sub.add_parser("checkpoint", help="consolidate or inspect a sharded checkpoint")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    cons = ckpt_sub.add_parser(
+        "consolidate", help="write model.safetensors (or HF-style shards) from a checkpoint"
+    )
+    cons.add_argument("save_dir")
+    cons.add_argument("out_dir")
+    cons.add_argument("--tag", default=None, help="default: the tag in SAVE_DIR/latest")
+    cons.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    cons.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    cons.set_defaults(func=_consolidate)
+    insp = ckpt_sub.add_parser("inspect", help="tags, sizes, and every checksum verified")
+    insp.add_argument("save_dir")
+    insp.set_defaults(func=_inspect)
+
     run = sub.add_parser("run", help="run a training script on N local processes via torchrun")
     run.add_argument("-n", "--nproc_per_node", "--num_gpus", type=int, default=1)
     run.add_argument("--num_nodes", type=int, default=1)
@@ -74,6 +90,27 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
     return parser
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from fzero.checkpoint import CheckpointError, consolidate
+
+    try:
+        files = consolidate(args.save_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
+    except (CheckpointError, ValueError) as error:
+        print(f"fzero checkpoint consolidate: {error}", file=sys.stderr)
+        return 1
+    for path in files:
+        print(path)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fzero.checkpoint import inspect
+
+    report, intact = inspect(args.save_dir)
+    print(report)
+    return 0 if intact else 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ group on an in-memory store, so the same script runs under `python` and
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import logging
 import os
@@ -95,3 +96,21 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False)
     """In-place all-reduce with op `sum`, `avg` or `max`."""
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
     return dist.all_reduce(tensor, op=ops[op], async_op=async_op)
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's `data`, in rank order, over a CPU (gloo) group; no pickle."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    size = max(int(n.item()) for n in lengths)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(size, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, buffer, group=group)
+    return [
+        ctypes.string_at(t.data_ptr(), int(n.item())) if int(n.item()) else b""
+        for t, n in zip(gathered, lengths)
+    ]

@@ -16,6 +16,7 @@ engine holds (ZeRO, Rajbhandari et al. 2020):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -163,6 +164,9 @@ class Engine:
         self._max_live = zero.stage3_max_live_parameters
         self._max_reuse = zero.stage3_max_reuse_distance
         self._hooks: list[Any] = []
+        self._checkpoint_group: Any = None
+        self._async_save: Any = None
+        self._exit_wait_registered = False
 
         self._groups = (
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
@@ -855,6 +859,54 @@ class Engine:
         if rt.param_shard is not None:
             rt.param_shard.copy_(rt.full[self._owned(rt.unit)])
         self._bind(rt)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        *,
+        async_save: bool = False,
+    ) -> str:
+        """Save a sharded checkpoint to `save_dir/tag` (default tag `global_step{N}`) and
+        point `save_dir/latest` at it; collective. `client_state` (ints, floats, strings,
+        lists, dicts, tensors) comes back from `load_checkpoint`. With `async_save` the
+        state is copied to host memory and written by a background thread; the next
+        save, load or the process exit waits for it and raises its error."""
+        from fzero.checkpoint import _engine_io
+
+        if async_save and self._async_save is None and not self._exit_wait_registered:
+            atexit.register(_engine_io.wait_for_save, self)
+            self._exit_wait_registered = True
+        return _engine_io.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, async_save=async_save
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, Any]:
+        """Load `load_dir/tag` (default: the tag in `load_dir/latest`), whatever world
+        size, stage or strategy saved it; collective. Returns `(path, client_state)`, or
+        `(None, None)` with a warning when there is no checkpoint (as DeepSpeed)."""
+        from fzero.checkpoint import _engine_io
+
+        return _engine_io.load_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save has been written and committed."""
+        from fzero.checkpoint import _engine_io
+
+        _engine_io.wait_for_save(self)
 
     # ---- whole-model views ----------------------------------------------------------------
 

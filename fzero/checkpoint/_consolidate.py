@@ -1,0 +1,244 @@
+"""One model from a sharded checkpoint, streamed; and verifying a checkpoint directory.
+
+Consolidation needs no process group and no model: the index lists the
+model's `state_dict` keys in order with shapes and dtypes, and where each
+trainable tensor's slices lie. Tensors are built and written one at a time, so
+peak memory is about the largest tensor (in fp32) and its cast, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero import partition
+from fzero.checkpoint._engine_io import CLIENT_FILE, MODEL_16BIT, read_index, read_latest
+from fzero.checkpoint._files import (
+    CheckpointError,
+    SafetensorsFile,
+    tensor_bytes,
+    write_safetensors_stream,
+)
+
+__all__ = ["consolidate", "consolidated_state_dict", "inspect", "iter_consolidated", "parse_size"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _resolve(save_dir: str, tag: str | None) -> tuple[str, dict[str, Any]]:
+    if tag is None:
+        tag = read_latest(save_dir)
+        if tag is None:
+            raise CheckpointError(f"{os.path.join(save_dir, 'latest')} does not exist; pass a tag")
+    directory = os.path.join(save_dir, tag)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint {directory} does not exist")
+    return directory, read_index(directory)
+
+
+def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype is {name!r}; allowed: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _out_dtype(entry: dict[str, Any], dtype: torch.dtype | None) -> torch.dtype:
+    """Trainable tensors come from fp32 masters; `dtype` casts every floating tensor."""
+    saved = torch.float32 if entry["fqn"] is not None else partition.dtype_of(entry["dtype"])
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def iter_consolidated(
+    save_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """The model's `state_dict` entries, whole, one at a time, in the model's order."""
+    directory, index = _resolve(save_dir, tag)
+    cast = _dtype(dtype)
+    pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, info in enumerate(index["ranks"]):
+        for record in info["slices"]:
+            if record["kind"] == "master":
+                pieces.setdefault(record["fqn"], []).append((rank, record))
+    files: dict[int, SafetensorsFile] = {}
+
+    def file(rank: int) -> SafetensorsFile:
+        if rank not in files:
+            info = index["ranks"][rank]
+            files[rank] = SafetensorsFile(os.path.join(directory, info["file"]), info["size"])
+        return files[rank]
+
+    try:
+        for entry in index["tensors"]:
+            shape = tuple(entry["shape"])
+            if entry["fqn"] is None:
+                module_crcs = {r["key"]: r["crc"] for r in index["ranks"][0]["slices"]}
+                key = f"module/{entry['key']}"
+                tensor = file(0).read(key, module_crcs[key])
+            else:
+                tensor = torch.empty(math.prod(shape), dtype=torch.float32)
+                covered = 0
+                for rank, record in pieces.get(entry["fqn"], []):
+                    part = tensor[record["start"] : record["stop"]]
+                    file(rank).read_into(record["key"], part, record["crc"])
+                    covered += record["stop"] - record["start"]
+                if covered != tensor.numel():
+                    raise CheckpointError(
+                        f"{directory}: slices of {entry['fqn']!r} cover {covered} of "
+                        f"{tensor.numel()} elements"
+                    )
+            yield entry["key"], tensor.view(shape).to(_out_dtype(entry, cast))
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def consolidated_state_dict(
+    save_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None
+) -> dict[str, Tensor]:
+    """The whole model's `state_dict` from a checkpoint (in memory; `consolidate`
+    streams to files instead). Trainable tensors are fp32 unless `dtype` says."""
+    return dict(iter_consolidated(save_dir, tag, dtype))
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '10KiB' or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size {text!r} is not understood; examples: 5GB, 500MB, 1048576")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+def consolidate(
+    save_dir: str,
+    out_dir: str,
+    tag: str | None = None,
+    dtype: str = "fp32",
+    max_shard_size: str | int = "5GB",
+) -> list[str]:
+    """Write the model to `out_dir/model.safetensors`, or to HF-style shards with
+    `model.safetensors.index.json` when it exceeds `max_shard_size`; keys are the
+    model's own `state_dict` keys (tied weights under each name). Returns the files."""
+    directory, index = _resolve(save_dir, tag)
+    cast = _dtype(dtype)
+    limit = parse_size(max_shard_size)
+    specs = [(e["key"], _out_dtype(e, cast), tuple(e["shape"])) for e in index["tensors"]]
+    groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    filled = 0
+    for spec in specs:
+        size = math.prod(spec[2]) * spec[1].itemsize
+        if groups[-1] and filled + size > limit:
+            groups.append([])
+            filled = 0
+        groups[-1].append(spec)
+        filled += size
+    os.makedirs(out_dir, exist_ok=True)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    stream = (
+        tensor for _, tensor in iter_consolidated(save_dir, os.path.basename(directory), cast)
+    )
+    written = []
+    for name, group in zip(names, groups):
+        path = os.path.join(out_dir, name)
+        tensors = (next(stream) for _ in group)
+        write_safetensors_stream(path, group, tensors, metadata={"format": "pt"})
+        written.append(path)
+    if len(groups) > 1:
+        weight_map = {key: name for name, group in zip(names, groups) for key, _, _ in group}
+        total = sum(math.prod(s) * d.itemsize for _, d, s in specs)
+        path = os.path.join(out_dir, "model.safetensors.index.json")
+        with open(path, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append(path)
+    return written
+
+
+def inspect(save_dir: str) -> tuple[str, bool]:
+    """A report of every tag under `save_dir`, verifying every checksum; and whether
+    all of it is intact."""
+    lines = []
+    latest = None
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError as error:
+        lines.append(f"latest: DAMAGED ({error})")
+    tags = sorted(
+        name
+        for name in os.listdir(save_dir)
+        if not name.startswith(".") and os.path.isdir(os.path.join(save_dir, name))
+    )
+    if latest is not None:
+        lines.append(f"latest: {latest}")
+    intact = not lines or latest is not None
+    for tag in tags:
+        directory = os.path.join(save_dir, tag)
+        try:
+            index = read_index(directory)
+        except CheckpointError as error:
+            lines.append(f"{tag}: DAMAGED ({error})")
+            intact = False
+            continue
+        counters = index["counters"]
+        lines.append(
+            f"{tag}: world size {index['world_size']}, stage {index['stage']}, "
+            f"{index['precision']}, step {counters['global_steps']}, "
+            f"optimizer {index['optimizer']['name']}, fzero {index['fzero_version']}"
+        )
+        sizes: dict[str, int] = {}
+        problems = []
+        files = [(info["file"], info["size"], info["checksum"]) for info in index["ranks"]]
+        files += [(name, i["size"], i["checksum"]) for name, i in index["files"].items()]
+        for name, size, checksum in files:
+            try:
+                for kind, nbytes in _verify(os.path.join(directory, name), size, checksum):
+                    sizes[kind] = sizes.get(kind, 0) + nbytes
+            except CheckpointError as error:
+                problems.append(str(error))
+        for kind, nbytes in sorted(sizes.items()):
+            lines.append(f"    {kind:<22} {nbytes:>16,} bytes")
+        if problems:
+            intact = False
+            lines.extend(f"    DAMAGED: {p}" for p in problems)
+        else:
+            lines.append(f"    checksums: {len(files)} files ok")
+    return "\n".join(lines), intact
+
+
+def _verify(path: str, size: int, checksum: int) -> list[tuple[str, int]]:
+    """Read every tensor of `path`, recompute its checksum; (kind, bytes) per tensor."""
+    out = []
+    with SafetensorsFile(path, size) as f:
+        running = zlib.crc32(f.header_bytes)
+        for entry in sorted(f.entries.values(), key=lambda e: e.begin):
+            tensor = f.read(entry.key, None)  # alive while its bytes are read
+            crc = zlib.crc32(tensor_bytes(tensor))
+            running = zlib.crc32(crc.to_bytes(4, "little"), running)
+            out.append((_kind(os.path.basename(path), entry.key), entry.end - entry.begin))
+    if running != checksum:
+        raise CheckpointError(f"{path} fails its checksum: the file is damaged")
+    return out
+
+
+def _kind(file: str, key: str) -> str:
+    if file == CLIENT_FILE:
+        return "client_state"
+    if file == MODEL_16BIT:
+        return "model (16-bit)"
+    return key.split("/", 1)[0]

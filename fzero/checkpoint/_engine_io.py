@@ -1,0 +1,729 @@
+"""`Engine.save_checkpoint` / `Engine.load_checkpoint`: DeepSpeed's semantics, fzero's format.
+
+A save is collective. Every rank writes the slices it owns under the engine's
+plan (`partition.local_slices`) — fp32 masters and each optimizer state tensor,
+named `{kind}/{fqn}/{start}:{stop}` — to `rank{r:05d}.safetensors`; rank 0 also
+writes the module's frozen parameters and buffers. All of it goes to
+`save_dir/.{tag}.partial/`; each file is fsynced, rank 0 writes the index once
+every rank has reported its checksums, fsyncs, renames the directory to
+`save_dir/{tag}` and only then replaces `save_dir/latest` (write, fsync, rename).
+A crash at any point leaves the previous `latest` loadable.
+
+A load reads the old plan from the index and fills this engine's shards with
+`partition.reshard_reads`, so world size, stage and strategy may all change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fzero import comm, partition
+from fzero._version import __version__
+from fzero.checkpoint._files import (
+    CheckpointError,
+    SafetensorsFile,
+    fsync_dir,
+    write_safetensors,
+)
+from fzero.checkpoint._index import decode_client_state, encode_client_state, pack, unpack
+from fzero.optim import LossScaleState
+from fzero.partition import LocalSlice, Plan, PlanError
+
+if TYPE_CHECKING:
+    from fzero.engine import Engine
+
+__all__ = ["AsyncSave", "load_checkpoint", "read_index", "read_latest", "save_checkpoint"]
+
+log = logging.getLogger("fzero")
+
+INDEX = "index.msgpack"
+CLIENT_FILE = "client.safetensors"
+MODEL_16BIT = "model.safetensors"
+FAULT_VARIABLE = "FZERO_CHECKPOINT_FAULT"  # tests: "kill-rank-R" kills rank R mid-save
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def slice_key(kind: str, fqn: str, start: int, stop: int) -> str:
+    return f"{kind}/{fqn}/{start}:{stop}"
+
+
+def check_tag(tag: str, where: str) -> str:
+    if not isinstance(tag, str) or not _TAG.match(tag):
+        raise CheckpointError(
+            f"{where}: tag {tag!r} is not allowed: use 1-200 letters, digits, '_', '-', '.', "
+            "not starting with '.' or '-'"
+        )
+    return tag
+
+
+# ---- what a rank holds ---------------------------------------------------------------
+
+
+def _state_kinds(engine: Engine) -> list[str]:
+    first = engine.units[0].state if engine.units else None
+    if first is None:
+        return []
+    return [f"optim.{name}" for name, value in first._asdict().items() if isinstance(value, Tensor)]
+
+
+def _buffer_of(engine: Engine, rt: Any, kind: str) -> Tensor:
+    """The rank's partition buffer holding `kind` for unit `rt` (master or a state tensor)."""
+    if kind == "master":
+        return rt.master
+    return getattr(rt.state, kind.removeprefix("optim."))
+
+
+def _partition_start(engine: Engine, rt: Any) -> int:
+    """Where the rank's owned shard starts inside its partition buffer (stage 0 holds all)."""
+    return rt.unit.shard_range(engine.rank)[0] if engine.stage == 0 else 0
+
+
+def _rank_tensors(
+    engine: Engine, plan_slices: tuple[LocalSlice, ...]
+) -> list[tuple[str, str, LocalSlice, Tensor]]:
+    kinds = ["master", *_state_kinds(engine)]
+    out = []
+    for kind in kinds:
+        for s in plan_slices:
+            rt = engine.units[s.unit]
+            at = _partition_start(engine, rt) + s.shard_offset
+            tensor = _buffer_of(engine, rt, kind)[at : at + s.numel]
+            out.append((slice_key(kind, s.fqn, s.start, s.stop), kind, s, tensor))
+    return out
+
+
+def _module_tensors(engine: Engine) -> dict[str, Tensor]:
+    """Frozen parameters and buffers: state_dict entries the plan does not manage."""
+    managed = set()
+    for spec in engine.plan.manifest.tensors:
+        managed.update((spec.fqn, *spec.aliases))
+    return {
+        key: t.detach()
+        for key, t in engine.module.state_dict(keep_vars=True).items()
+        if key not in managed
+    }
+
+
+def _tensor_table(engine: Engine, module: Mapping[str, Tensor]) -> list[dict[str, Any]]:
+    """The model's state_dict keys in order, with shape, dtype and source."""
+    canonical = {}
+    for spec in engine.plan.manifest.tensors:
+        for name in (spec.fqn, *spec.aliases):
+            canonical[name] = spec
+    table = []
+    for key in engine.module.state_dict(keep_vars=True):
+        if key in canonical:
+            spec = canonical[key]
+            table.append(
+                {"key": key, "shape": list(spec.shape), "dtype": spec.dtype, "fqn": spec.fqn}
+            )
+        else:
+            t = module[key]
+            dtype = partition.dtype_name(t.dtype)
+            table.append({"key": key, "shape": list(t.shape), "dtype": dtype, "fqn": None})
+    return table
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": bytes(torch.get_rng_state().tolist()),
+        "python": _to_lists(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [bytes(s.tolist()) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+    state["numpy"] = [
+        kind,
+        bytes(keys.astype("<u4").tobytes()),
+        int(pos),
+        int(has_gauss),
+        float(cached),
+    ]
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(list(state["torch"]), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.tensor(list(s), dtype=torch.uint8) for s in state["cuda"]]
+        )
+    if "numpy" in state:
+        try:
+            import numpy
+        except ImportError:
+            return
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, numpy.frombuffer(keys, dtype="<u4"), pos, has_gauss, cached))
+
+
+def _to_lists(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_to_lists(v) for v in value]
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
+
+
+def _scheduler_state(engine: Engine) -> dict[str, Any]:
+    state: dict[str, Any] = {"lr_steps": engine.lr_steps, "client": None, "client_groups": None}
+    if engine._client_scheduler is not None:
+        client = {k: v for k, v in engine._client_scheduler.state_dict().items() if not callable(v)}
+        state["client"] = _jsonable(client)
+    if engine._client_optimizer is not None:
+        state["client_groups"] = [
+            {k: _jsonable(v) for k, v in g.items() if k != "params"}
+            for g in engine._client_optimizer.param_groups
+        ]
+    return state
+
+
+# ---- save -------------------------------------------------------------------------------
+
+
+class AsyncSave:
+    """A save running in a background thread; `wait()` joins it and re-raises its error."""
+
+    def __init__(self, target: Any) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                target()
+            except BaseException as error:  # surfaced by wait()
+                self.error = error
+
+        self._thread = threading.Thread(target=run, name="fzero-checkpoint", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+
+
+def _group(engine: Engine) -> Any:
+    """A gloo group of its own, so a save thread's collectives never interleave with
+    training's."""
+    if engine._checkpoint_group is None:
+        engine._checkpoint_group = dist.new_group(backend="gloo")
+    return engine._checkpoint_group
+
+
+def save_checkpoint(
+    engine: Engine,
+    save_dir: str,
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    async_save: bool = False,
+) -> str:
+    """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
+    wait_for_save(engine)
+    tag = check_tag(
+        tag if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint"
+    )
+    save_dir = os.fspath(save_dir)
+    final = os.path.join(save_dir, tag)
+    partial = os.path.join(save_dir, f".{tag}.partial")
+    if engine.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    client_tensors: dict[str, Tensor] = {}
+    encoded_client = encode_client_state(dict(client_state or {}), client_tensors)
+    owned = _rank_tensors(engine, partition.local_slices(engine.plan, engine.rank))
+    tensors = [(key, t) for key, _, _, t in owned]
+    records = [
+        {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
+        for key, kind, s, _ in owned
+    ]
+    mid_accumulation = engine.micro_steps % engine.gradient_accumulation_steps() != 0
+    if mid_accumulation:
+        for rt in engine.units:
+            key = f"grad/unit{rt.index}"
+            tensors.append((key, rt.grad))
+            records.append(
+                {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": rt.grad.numel()}
+            )
+    module = _module_tensors(engine)
+    if engine.rank == 0:
+        for key, t in module.items():
+            tensors.append((f"module/{key}", t))
+            records.append(
+                {
+                    "key": f"module/{key}",
+                    "kind": "module",
+                    "fqn": key,
+                    "start": 0,
+                    "stop": t.numel(),
+                }
+            )
+    body = _index_body(engine, tag, module, mid_accumulation, encoded_client)
+    rng = _rng_state()
+    if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        # DeepSpeed's switch: also a consolidated 16-bit model next to the shards
+        model_16bit = engine.state_dict()
+        client_tensors_16bit = {k: v.contiguous() for k, v in model_16bit.items()}
+    else:
+        client_tensors_16bit = {}
+    dist.barrier(group=_group(engine))  # the partial directory exists for everyone
+    if async_save:
+        tensors = [(key, t.detach().to("cpu", copy=True).contiguous()) for key, t in tensors]
+        client_tensors = {k: v.clone() for k, v in client_tensors.items()}
+    else:
+        tensors = [(key, t.detach().cpu().contiguous()) for key, t in tensors]
+
+    def write() -> None:
+        _write(
+            engine,
+            (save_dir, tag, partial, final),
+            tensors,
+            records,
+            rng,
+            body,
+            {CLIENT_FILE: client_tensors, MODEL_16BIT: client_tensors_16bit},
+            save_latest,
+        )
+
+    if async_save:
+        engine._async_save = AsyncSave(write)
+    else:
+        write()
+    return final
+
+
+def wait_for_save(engine: Engine) -> None:
+    pending, engine._async_save = engine._async_save, None
+    if pending is not None:
+        pending.wait()
+
+
+def _index_body(
+    engine: Engine, tag: str, module: Mapping[str, Tensor], mid: bool, client: Any
+) -> dict[str, Any]:
+    first = engine.units[0].state if engine.units else None
+    scalars = {
+        k: v for k, v in (first._asdict().items() if first else ()) if not isinstance(v, Tensor)
+    }
+    batch = engine.batch
+    return {
+        "tag": tag,
+        "fzero_version": __version__,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "precision": engine.precision,
+        "plan": partition.to_bytes(engine.plan),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+            "lr_steps": engine.lr_steps,
+        },
+        "batch": {
+            "train_batch_size": batch.train_batch_size if batch else None,
+            "micro_batch_size": batch.micro_batch_size if batch else None,
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        },
+        "mid_accumulation": mid,
+        "config": _jsonable(engine.config),
+        "optimizer": {
+            "name": engine.optimizer.name,
+            "hparams": _jsonable(engine.optimizer.hparams),
+            "scalars": scalars,
+            "kinds": _state_kinds(engine),
+        },
+        "scheduler": _scheduler_state(engine),
+        "loss_scale": list(engine.loss_scale_state) if engine.loss_scale_state else None,
+        "tensors": _tensor_table(engine, module),
+        "client_state": client,
+    }
+
+
+def _write(
+    engine: Engine,
+    paths: tuple[str, str, str, str],
+    tensors: list[tuple[str, Tensor]],
+    records: list[dict[str, Any]],
+    rng: dict[str, Any],
+    body: dict[str, Any],
+    extra_files: dict[str, dict[str, Tensor]],
+    save_latest: bool,
+) -> None:
+    save_dir, tag, partial, final = paths
+    group = _group(engine)
+    written = write_safetensors(os.path.join(partial, rank_file(engine.rank)), tensors)
+    if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{engine.rank}":
+        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with a half-written save
+    for record in records:
+        record["crc"] = written.crcs[record["key"]]
+    mine = {
+        "file": written.name,
+        "size": written.size,
+        "checksum": written.checksum,
+        "slices": records,
+        "rng": rng,
+    }
+    reports = comm.all_gather_bytes(msgpack.packb(mine, use_bin_type=True), group=group)
+    if engine.rank == 0:
+        files = {}
+        for name, contents in extra_files.items():
+            if contents:
+                extra = write_safetensors(os.path.join(partial, name), contents.items())
+                files[name] = {"size": extra.size, "checksum": extra.checksum, "crcs": extra.crcs}
+        body = {**body, "ranks": [msgpack.unpackb(r, raw=False) for r in reports], "files": files}
+        _write_durably(os.path.join(partial, INDEX), pack(body))
+        fsync_dir(partial)
+        if os.path.exists(final):
+            old = os.path.join(save_dir, f".{tag}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(partial, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, final)
+        fsync_dir(save_dir)
+        if save_latest:
+            _write_durably(os.path.join(save_dir, "latest.partial"), tag.encode())
+            os.replace(os.path.join(save_dir, "latest.partial"), os.path.join(save_dir, "latest"))
+            fsync_dir(save_dir)
+        log.info("fzero: saved checkpoint %s", final)
+    dist.barrier(group=group)  # committed for everyone
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- load -------------------------------------------------------------------------------
+
+
+def read_latest(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read(256)
+    try:
+        tag = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        tag = repr(raw[:40])
+    return check_tag(tag, f"{path}")
+
+
+def read_index(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, INDEX)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing: {directory} is not a complete checkpoint"
+        ) from None
+    return unpack(raw, path)
+
+
+def load_checkpoint(
+    engine: Engine,
+    load_dir: str,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, Any]:
+    """See `Engine.load_checkpoint`."""
+    wait_for_save(engine)
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            warnings.warn(
+                f"no checkpoint to load: {os.path.join(load_dir, 'latest')} does not exist",
+                stacklevel=3,
+            )
+            return None, None
+    directory = os.path.join(load_dir, check_tag(tag, "load_checkpoint"))
+    if not os.path.isdir(directory):
+        warnings.warn(f"no checkpoint to load: {directory} does not exist", stacklevel=3)
+        return None, None
+    try:
+        index, staged, client_state = _read(
+            engine, directory, load_optimizer_states and not load_module_only
+        )
+        failure = ""
+    except CheckpointError as error:
+        failure = str(error)
+    # Every rank learns whether every rank could read its part before anything changes:
+    # a damaged file seen by one rank fails the load everywhere, and no state is lost.
+    failures = comm.all_gather_bytes(failure.encode(), group=_group(engine))
+    messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+    if messages:
+        raise CheckpointError("; ".join(messages))
+    with torch.no_grad():
+        for (unit_index, kind), tensor in staged.items():
+            if unit_index < 0:
+                continue  # module tensors, below
+            rt = engine.units[unit_index]
+            if kind == "grad":
+                rt.grad.copy_(tensor)
+            elif kind == "optim.init":
+                rt.state = tensor
+            else:
+                _buffer_of(engine, rt, kind).copy_(tensor)
+        for key, tensor in _module_tensors(engine).items():
+            tensor.copy_(staged[(-1, key)])
+    if load_optimizer_states and not load_module_only:
+        scalars = index["optimizer"]["scalars"]
+        for rt in engine.units:
+            rt.state = rt.state._replace(**scalars)
+    for rt in engine.units:
+        engine._publish(rt)
+    engine._finish_publish()
+    if not load_module_only:
+        _restore_counters(engine, index, load_lr_scheduler_states)
+        if engine.rank < index["world_size"]:
+            _restore_rng(index["ranks"][engine.rank]["rng"])
+    _log_world_change(engine, index)
+    return directory, client_state
+
+
+def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, Any], dict, Any]:
+    """Everything this rank needs from the checkpoint, read into new buffers."""
+    index = read_index(directory)
+    old_plan = partition.from_bytes(index["plan"])
+    _check_model(engine, old_plan, index, directory)
+    if index["mid_accumulation"] and (
+        index["world_size"] != engine.world_size or old_plan != engine.plan
+    ):
+        raise CheckpointError(
+            f"{directory} was saved mid gradient-accumulation at world size "
+            f"{index['world_size']}, stage {index['stage']}; it loads only into the same world "
+            f"size, stage and plan (here world size {engine.world_size}, stage {engine.stage})"
+        )
+    staged: dict[tuple[int, str], Any] = {}
+    with _Reader(directory, index, old_plan) as reader:
+        kinds = ["master"]
+        if with_state:
+            _check_optimizer(engine, index, directory)
+            kinds += _state_kinds(engine)
+        for kind in kinds:
+            for rt in engine.units:
+                staged[(rt.index, kind)] = torch.zeros_like(_buffer_of(engine, rt, kind))
+            _fill(engine, reader, kind, staged)
+        if not with_state:
+            for rt in engine.units:
+                staged[(rt.index, "optim.init")] = engine.optimizer.init(
+                    staged[(rt.index, "master")]
+                )
+        if index["mid_accumulation"]:
+            for rt in engine.units:
+                staged[(rt.index, "grad")] = torch.empty_like(rt.grad)
+                reader.read_whole(engine.rank, f"grad/unit{rt.index}", staged[(rt.index, "grad")])
+        for key, tensor in _module_tensors(engine).items():
+            saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
+            reader.read_whole(0, f"module/{key}", saved)
+            staged[(-1, key)] = saved
+        client_state = reader.client_state(index)
+    return index, staged, client_state
+
+
+def _check_model(engine: Engine, old_plan: Plan, index: Mapping[str, Any], directory: str) -> None:
+    try:
+        partition.reshard_reads(old_plan, engine.plan, engine.rank)
+    except PlanError as error:
+        raise CheckpointError(f"{directory} does not fit this model: {error}") from None
+    saved = {t["key"]: t for t in index["tensors"] if t["fqn"] is None}
+    here = _module_tensors(engine)
+    missing = sorted(set(here) - set(saved))
+    unexpected = sorted(set(saved) - set(here))
+    changed = sorted(
+        f"{k}: {tuple(saved[k]['shape'])} -> {tuple(here[k].shape)}"
+        for k in set(saved) & set(here)
+        if tuple(saved[k]["shape"]) != tuple(here[k].shape)
+    )
+    if missing or unexpected or changed:
+        raise CheckpointError(
+            f"{directory} does not fit this model's frozen parameters and buffers: missing "
+            f"{missing}, unexpected {unexpected}, shape changed {changed}"
+        )
+
+
+def _check_optimizer(engine: Engine, index: Mapping[str, Any], directory: str) -> None:
+    saved = index["optimizer"]
+    if saved["name"] != engine.optimizer.name or saved["kinds"] != _state_kinds(engine):
+        raise CheckpointError(
+            f"{directory} holds {saved['name']} state {saved['kinds']}; this engine runs "
+            f"{engine.optimizer.name} with {_state_kinds(engine)}: pass "
+            "load_optimizer_states=False to load the weights only"
+        )
+
+
+class _Reader:
+    """Open rank files of one checkpoint on demand; slices looked up by old position."""
+
+    def __init__(self, directory: str, index: Mapping[str, Any], old_plan: Plan) -> None:
+        self.directory = directory
+        self.index = index
+        self.old_plan = old_plan
+        self._files: dict[int, SafetensorsFile] = {}
+        self._crcs = [{r["key"]: r["crc"] for r in rank["slices"]} for rank in index["ranks"]]
+        self._slices: dict[tuple[int, int], list[LocalSlice]] = {}
+        self._cached: tuple[int, str, Tensor] | None = None
+
+    def file(self, rank: int) -> SafetensorsFile:
+        if rank not in self._files:
+            info = self.index["ranks"][rank]
+            self._files[rank] = SafetensorsFile(
+                os.path.join(self.directory, info["file"]), info["size"]
+            )
+        return self._files[rank]
+
+    def old_slice(self, rank: int, unit: int, offset: int) -> LocalSlice:
+        if (rank, unit) not in self._slices:
+            for s in partition.local_slices(self.old_plan, rank):
+                self._slices.setdefault((rank, s.unit), []).append(s)
+        for s in self._slices[(rank, unit)]:
+            if s.shard_offset <= offset < s.shard_offset + s.numel:
+                return s
+        raise CheckpointError(
+            f"{self.directory}: no saved slice at rank {rank} unit {unit} offset {offset}"
+        )
+
+    def read_range(self, rank: int, key: str, begin: int, out: Tensor) -> None:
+        """Elements `[begin, begin + out.numel())` of saved tensor `key` into `out`."""
+        crc = self._crcs[rank].get(key)
+        if crc is None:
+            raise CheckpointError(
+                f"tensor {key!r} is not listed for rank {rank} in {self.directory}"
+            )
+        entry = self.file(rank).entry(key)
+        whole = begin == 0 and out.numel() == _numel(entry.shape)
+        if whole and out.is_contiguous() and out.device.type == "cpu":
+            self.file(rank).read_into(key, out, crc)
+            return
+        if self._cached is None or self._cached[:2] != (rank, key):
+            self._cached = (rank, key, self.file(rank).read(key, crc))
+        out.copy_(self._cached[2][begin : begin + out.numel()])
+
+    def read_whole(self, rank: int, key: str, out: Tensor) -> None:
+        self.read_range(rank, key, 0, out.view(-1))
+
+    def client_state(self, index: Mapping[str, Any]) -> Any:
+        tensors = {}
+        info = index["files"].get(CLIENT_FILE)
+        if info is not None:
+            with SafetensorsFile(os.path.join(self.directory, CLIENT_FILE), info["size"]) as f:
+                tensors = {key: f.read(key, crc) for key, crc in info["crcs"].items()}
+        return decode_client_state(index["client_state"], tensors)
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fill(engine: Engine, reader: _Reader, kind: str, staged: dict) -> None:
+    """This rank's partition buffers of `kind` (new ones, in `staged`), from whichever
+    old ranks hold them."""
+    targets = range(engine.world_size) if engine.stage == 0 else [engine.rank]
+    for target in targets:
+        for read in partition.reshard_reads(reader.old_plan, engine.plan, target):
+            rt = engine.units[read.new_unit]
+            at = read.new_offset + (rt.unit.shard_range(target)[0] if engine.stage == 0 else 0)
+            out = staged[(rt.index, kind)][at : at + read.numel]
+            old = reader.old_slice(read.old_rank, read.old_unit, read.old_offset)
+            key = slice_key(kind, old.fqn, old.start, old.stop)
+            reader.read_range(read.old_rank, key, read.old_offset - old.shard_offset, out)
+
+
+def _saved_dtype(index: Mapping[str, Any], key: str) -> str:
+    return next(t["dtype"] for t in index["tensors"] if t["key"] == key)
+
+
+def _restore_counters(engine: Engine, index: Mapping[str, Any], with_scheduler: bool) -> None:
+    counters = index["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.micro_steps = counters["micro_steps"]
+    if not index["mid_accumulation"]:  # at a boundary; the accumulation may have changed
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    engine.skipped_steps = counters["skipped_steps"]
+    if index["loss_scale"] is not None and engine.loss_scaler is not None:
+        engine.loss_scale_state = LossScaleState(*index["loss_scale"])
+    if not with_scheduler:
+        return
+    scheduler = index["scheduler"]
+    engine.lr_steps = scheduler["lr_steps"]
+    if engine._client_optimizer is not None and scheduler["client_groups"] is not None:
+        for group, saved in zip(engine._client_optimizer.param_groups, scheduler["client_groups"]):
+            for k, v in saved.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    if engine._client_scheduler is not None and scheduler["client"] is not None:
+        engine._client_scheduler.load_state_dict(scheduler["client"])
+
+
+def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:
+    old_world, old_accum = index["world_size"], index["batch"]["gradient_accumulation_steps"]
+    if old_world == engine.world_size or engine.rank != 0:
+        return
+    message = (
+        f"fzero: checkpoint saved at world size {old_world} (gradient_accumulation_steps "
+        f"{old_accum}) loaded at world size {engine.world_size}: gradient_accumulation_steps "
+        f"is now {engine.gradient_accumulation_steps()}"
+    )
+    if engine.batch is not None:
+        message += (
+            f" (train_batch_size {engine.batch.train_batch_size} = micro "
+            f"{engine.batch.micro_batch_size} x {engine.gradient_accumulation_steps()} x "
+            f"{engine.world_size})"
+        )
+    log.warning(message)

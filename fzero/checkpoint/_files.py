@@ -1,0 +1,238 @@
+"""safetensors files written and read without copies, with a CRC-32 per tensor.
+
+The format is safetensors' own (8-byte little-endian header length, a JSON
+header of dtype/shape/data_offsets per key, the bytes), so `safetensors.safe_open`
+reads every file fzero writes. fzero writes tensor bytes straight from the
+tensors' memory and reads them straight into the destination buffers; nothing
+is unpickled, ever: a file whose header is not safetensors' is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CheckpointError",
+    "SafetensorsFile",
+    "TensorEntry",
+    "WrittenFile",
+    "fsync_dir",
+    "tensor_bytes",
+    "write_safetensors",
+    "write_safetensors_stream",
+]
+
+DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged or does not fit the model; the message says which."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte offset in the file
+    end: int
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    checksum: int  # CRC-32 of the header and of the tensor CRC-32s, in order
+    crcs: dict[str, int]
+
+
+def tensor_bytes(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy. The view does not keep the
+    tensor alive: hold a reference to `tensor` for as long as the view is used."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"expected a contiguous CPU tensor, found {tensor.device} {tensor.stride()}"
+        )
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
+
+
+Spec = tuple[str, torch.dtype, tuple[int, ...]]  # key, dtype, shape
+
+
+def _header(specs: list[Spec], metadata: dict[str, str]) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype, shape in specs:
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"tensor {key!r} has dtype {dtype}; allowed: {list(DTYPE_CODES)}")
+        size = math.prod(shape) * dtype.itemsize
+        header[key] = {
+            "dtype": DTYPE_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+
+
+def write_safetensors(
+    path: str, tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, str] | None = None
+) -> WrittenFile:
+    """Write `tensors` (contiguous CPU) to `path` in safetensors format and fsync it."""
+    items = list(tensors)
+    specs = [(key, t.dtype, tuple(t.shape)) for key, t in items]
+    return write_safetensors_stream(path, specs, (t for _, t in items), metadata)
+
+
+def write_safetensors_stream(
+    path: str,
+    specs: list[Spec],
+    tensors: Iterable[Tensor],
+    metadata: dict[str, str] | None = None,
+) -> WrittenFile:
+    """Write a safetensors file whose header is known up front (`specs`) and whose
+    tensors arrive one at a time, so only one need be in memory; fsync it."""
+    header = _header(specs, metadata or {})
+    crcs: dict[str, int] = {}
+    checksum = zlib.crc32(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for (key, dtype, shape), tensor in zip(specs, tensors, strict=True):
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}; the header says "
+                    f"{dtype} {shape}"
+                )
+            tensor = tensor.contiguous()  # kept alive while its bytes are written
+            data = tensor_bytes(tensor)
+            crcs[key] = zlib.crc32(data)
+            checksum = zlib.crc32(crcs[key].to_bytes(4, "little"), checksum)
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    return WrittenFile(os.path.basename(path), size, checksum, crcs)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SafetensorsFile:
+    """Reads tensors (or element ranges of them) into given buffers, checking CRC-32s."""
+
+    def __init__(self, path: str, expected_size: int | None = None) -> None:
+        self.path = path
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        size = os.fstat(self._file.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            self.close()
+            raise CheckpointError(
+                f"checkpoint file {path} has {size} bytes, the index says {expected_size} "
+                "(truncated or replaced)"
+            )
+        self.header_bytes, self.entries = self._read_header(size)
+
+    def _read_header(self, size: int) -> tuple[bytes, dict[str, TensorEntry]]:
+        prefix = self._file.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER, size - 8):
+            raise CheckpointError(
+                f"{self.path} is not a safetensors file (header length {length} for a file of "
+                f"{size} bytes); fzero never reads pickle"
+            )
+        raw = self._file.read(length)
+        try:
+            header = json.loads(raw)
+            entries = {}
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                entries[key] = TensorEntry(
+                    key,
+                    CODE_DTYPES[info["dtype"]],
+                    tuple(info["shape"]),
+                    8 + length + begin,
+                    8 + length + end,
+                )
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"{self.path} has a damaged safetensors header: {error}"
+            ) from None
+        if any(e.end > size for e in entries.values()):
+            raise CheckpointError(f"{self.path} is truncated: tensors end past its {size} bytes")
+        return raw, entries
+
+    def entry(self, key: str) -> TensorEntry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise CheckpointError(f"tensor {key!r} is missing from {self.path}") from None
+
+    def read_into(self, key: str, out: Tensor, crc: int | None) -> None:
+        """All of tensor `key` into `out` (contiguous CPU, same number of bytes)."""
+        entry = self.entry(key)
+        view = tensor_bytes(out)
+        if len(view) != entry.end - entry.begin:
+            raise CheckpointError(
+                f"tensor {key!r} in {self.path} has {entry.end - entry.begin} bytes, "
+                f"expected {len(view)}"
+            )
+        self._file.seek(entry.begin)
+        if self._file.readinto(view) != len(view):
+            raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
+        if crc is not None and zlib.crc32(view) != crc:
+            raise CheckpointError(
+                f"tensor {key!r} in {self.path} fails its CRC-32 check: the file is damaged"
+            )
+
+    def read(self, key: str, crc: int | None) -> Tensor:
+        entry = self.entry(key)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_into(key, out, crc)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
