@@ -209,11 +209,14 @@ def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
 
 
 def consolidate_case(rank, world, root):
-    engine = _engine(3, world=world, model=Awkward())
+    engine = _engine(
+        3, world=world, model=Awkward(), stage3_gather_16bit_weights_on_model_save=True
+    )
     x = torch.randint(0, 11, (MICRO, 5), generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x).float().square().mean())
     engine.step()
     engine.save_checkpoint(root, tag="t1")
+    engine.save_16bit_model(f"{root}/export")
     return engine.state_dict(dtype=torch.float32)
 
 
@@ -244,6 +247,13 @@ def test_consolidation_gives_the_models_own_state_dict(tmp_path):
         merged.update(load_file(shard))
     assert set(merged) == set(expected) and '"weight_map"' in index
     assert all(torch.equal(merged[k], v) for k, v in expected.items())
+    # stage3_gather_16bit_weights_on_model_save and save_16bit_model: whole 16-bit models
+    for path in (
+        tmp_path / "ckpt" / "t1" / "model.safetensors",
+        tmp_path / "ckpt" / "export" / "model.safetensors",
+    ):
+        model.load_state_dict(load_file(path))
+        assert torch.equal(model.block.weight, expected["block.weight"])  # fp32 run: as is
 
 
 # ---- damage, pickle, missing --------------------------------------------------------------

@@ -29,6 +29,8 @@ def test_no_pickle_anywhere_in_fzero():
     hits = [
         str(p.relative_to(ROOT))
         for p in (ROOT / "fzero").glob("**/*.py")
-        if re.search(r"torch\.(save|load)\(|pickle\.|weights_only=False", p.read_text())
+        if re.search(
+            r"torch\.(save|load)\(|\bimport pickle|pickle\.\w+\(|weights_only=False", p.read_text()
+        )
     ]
     assert not hits, hits

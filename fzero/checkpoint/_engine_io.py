@@ -38,6 +38,7 @@ from fzero.checkpoint._files import (
     CheckpointError,
     SafetensorsFile,
     fsync_dir,
+    hugepage_hint,
     write_safetensors,
 )
 from fzero.checkpoint._index import decode_client_state, encode_client_state, pack, unpack
@@ -508,8 +509,12 @@ def load_checkpoint(
                 rt.grad.copy_(tensor)
             elif kind == "optim.init":
                 rt.state = tensor
+            elif kind == "master" and rt.master._base is not None:
+                rt.master.copy_(tensor)  # a view of the parameters' buffer: copy into it
+            elif kind == "master":
+                rt.master = tensor
             else:
-                _buffer_of(engine, rt, kind).copy_(tensor)
+                rt.state = rt.state._replace(**{kind.removeprefix("optim."): tensor})
         for key, tensor in _module_tensors(engine).items():
             tensor.copy_(staged[(-1, key)])
     if load_optimizer_states and not load_module_only:
@@ -547,8 +552,7 @@ def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, A
             _check_optimizer(engine, index, directory)
             kinds += _state_kinds(engine)
         for kind in kinds:
-            for rt in engine.units:
-                staged[(rt.index, kind)] = torch.zeros_like(_buffer_of(engine, rt, kind))
+            staged.update(_new_partitions(engine, kind))
             _fill(engine, reader, kind, staged)
         if not with_state:
             for rt in engine.units:
@@ -565,6 +569,28 @@ def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, A
             staged[(-1, key)] = saved
         client_state = reader.client_state(index)
     return index, staged, client_state
+
+
+def _new_partitions(engine: Engine, kind: str) -> dict[tuple[int, str], Tensor]:
+    """Uninitialised buffers like the rank's partitions of `kind`, their padding zeroed
+    (the reads fill every other element)."""
+    ranks = range(engine.world_size) if engine.stage == 0 else [engine.rank]
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for r in ranks:
+        for s in partition.local_slices(engine.plan, r):
+            base = engine.units[s.unit].unit.shard_range(r)[0] if engine.stage == 0 else 0
+            covered.setdefault(s.unit, []).append((base + s.shard_offset, s.numel))
+    buffers = {}
+    for rt in engine.units:
+        buffer = torch.empty_like(_buffer_of(engine, rt, kind))
+        hugepage_hint(buffer)
+        at = 0
+        for start, numel in sorted(covered.get(rt.index, [])):
+            buffer[at:start].zero_()
+            at = start + numel
+        buffer[at:].zero_()
+        buffers[(rt.index, kind)] = buffer
+    return buffers
 
 
 def _check_model(engine: Engine, old_plan: Plan, index: Mapping[str, Any], directory: str) -> None:
