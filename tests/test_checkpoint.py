@@ -507,3 +507,46 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path
     again = launch()
     assert again.returncode == 0, again.stderr
     assert "loaded" in again.stdout and "global_step1 at step 1" in again.stdout
+
+
+# ---- Transformers --------------------------------------------------------------------------
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    return BertForMaskedLM(config)
+
+
+def bert_case(rank, world, root):
+    model = _tiny_bert()
+    engine = _engine(3, world=world, model=model)
+    tokens = torch.randint(0, 64, (MICRO, 8), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    engine.step()
+    engine.save_checkpoint(root)
+    if rank == 0:
+        model.config.save_pretrained(f"{root}/hf")
+    return engine.state_dict(dtype=torch.float32)
+
+
+def test_consolidated_bert_loads_with_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    expected = run_world(bert_case, 2, str(tmp_path))
+    consolidate(str(tmp_path), str(tmp_path / "hf"))
+    loaded = transformers.BertForMaskedLM.from_pretrained(str(tmp_path / "hf"))
+    state = loaded.state_dict()
+    assert state["cls.predictions.decoder.weight"].data_ptr() == (
+        state["bert.embeddings.word_embeddings.weight"].data_ptr()
+    )  # still tied after loading
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
