@@ -1,0 +1,209 @@
+/* fzero native optimizer kernels over contiguous fp32 buffers (one optimizer shard).
+ *
+ * References they implement (each has a pure-torch twin in fzero/optim, and a test
+ * comparing the two):
+ *   Adam / AdamW: Kingma & Ba 2015; Loshchilov & Hutter 2019 (decoupled decay),
+ *     operation for operation as torch.optim's single-tensor path (fzero/optim/_adam.py);
+ *   LAMB: You et al. 2020, direction and per-tensor trust-ratio apply
+ *     (fzero/optim/_lamb.py);
+ *   SGD with momentum / Nesterov (fzero/optim/_sgd.py);
+ *   sum of squares + non-finite flag of a gradient (fzero/optim/_clip.py).
+ *
+ * Every loop is plain C the compiler vectorises; `FZ_CLONES` builds it for AVX-512,
+ * AVX2 and baseline x86-64 and picks one at load time (GCC/Clang target_clones), so one
+ * binary runs on any x86-64; other architectures get the portable build. Compiled with
+ * -ffp-contract=off: the compiler fuses nothing; the fmaf calls below are where ATen's
+ * vectorised kernels fuse (lerp, add with alpha), so each element rounds as torch's
+ * vector body does. (torch's scalar tail, under one vector per chunk, rounds those two
+ * without FMA: there results may differ by 1 ulp.) Threads: OpenMP, `threads` per call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(FZ_NO_CLONES)
+#define FZ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FZ_CLONES
+#endif
+
+#define FZ_OUT_NONE 0
+#define FZ_OUT_BF16 1
+#define FZ_OUT_FP16 2
+
+static inline uint32_t fz_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float fz_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)). */
+static inline uint16_t fz_bf16(float f) {
+    uint32_t u = fz_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* float -> IEEE half, round to nearest even, overflow to inf (Maratyszcza's FP16). */
+static inline uint16_t fz_fp16(float f) {
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = fz_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = fz_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = fz_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
+    const uint32_t mantissa_bits = bits & 0x00000fffu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+static inline void fz_copy_out(void *out, int out_kind, int64_t i, float value) {
+    if (out_kind == FZ_OUT_BF16) ((uint16_t *)out)[i] = fz_bf16(value);
+    else if (out_kind == FZ_OUT_FP16) ((uint16_t *)out)[i] = fz_fp16(value);
+}
+
+/* torch.lerp(start, end, weight) for one element, as ATen's vectorised kernel computes
+ * it: one fused multiply-add from the nearer end. */
+static inline float fz_lerp(float start, float end, float weight) {
+    return fabsf(weight) < 0.5f ? fmaf(weight, end - start, start)
+                                : fmaf(weight - 1.0f, end - start, end);
+}
+
+/* Adam / AdamW in place. With `decoupled`, p *= decay (decay = 1 - lr*wd);
+ * otherwise g += l2 * p. Then m = lerp(m, g, 1-beta1); v = v*beta2 + (1-beta2)*g*g;
+ * p += (neg_step * m) / (sqrt(v) / c2sqrt + eps). Gradients are first multiplied by
+ * `grad_scale` (loss-scale inverse x clip coefficient) unless it is 1. */
+FZ_CLONES
+void fz_adam(float *p, const float *g, float *m, float *v, int64_t n, float grad_scale,
+             int decoupled, float decay, float l2, float one_minus_beta1, float beta2,
+             float one_minus_beta2, float c2sqrt, float eps, float neg_step, void *out,
+             int out_kind, int threads) {
+    const int scaled = grad_scale != 1.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float gi = scaled ? g[i] * grad_scale : g[i];
+        float pi = p[i];
+        if (decoupled) pi = pi * decay;
+        else if (l2 != 0.0f) gi = fmaf(l2, pi, gi); /* torch's add(alpha=): an FMA */
+        const float mi = fz_lerp(m[i], gi, one_minus_beta1);
+        float vi = v[i] * beta2;
+        vi = vi + one_minus_beta2 * gi * gi;
+        const float denom = sqrtf(vi) / c2sqrt + eps;
+        pi = pi + neg_step * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        if (out_kind) fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* In what follows fmaf(a, b, c) stands wherever torch calls add(c, b, alpha=a): ATen
+ * computes that as one fused multiply-add. */
+
+/* LAMB, first pass: advance the moments and write the direction
+ * u = (m / c1) / (sqrt(v / c2) + eps) + wd * p. */
+FZ_CLONES
+void fz_lamb_direction(const float *p, const float *g, float *m, float *v, float *u, int64_t n,
+                       float grad_scale, float beta1, float one_minus_beta1, float beta2,
+                       float one_minus_beta2, float c1, float c2, float eps, float wd,
+                       int threads) {
+    const int scaled = grad_scale != 1.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = scaled ? g[i] * grad_scale : g[i];
+        const float mi = fmaf(one_minus_beta1, gi, m[i] * beta1);
+        float vi = v[i] * beta2;
+        vi = vi + one_minus_beta2 * gi * gi;
+        float ui = (mi / c1) / (sqrtf(vi / c2) + eps);
+        if (wd != 0.0f) ui = fmaf(wd, p[i], ui);
+        m[i] = mi;
+        v[i] = vi;
+        u[i] = ui;
+    }
+}
+
+/* LAMB, second pass: p += scale[s] * u over each segment s = [starts[s], stops[s]),
+ * scale[s] = -lr * trust_ratio(s). */
+FZ_CLONES
+void fz_lamb_apply(float *p, const float *u, const int64_t *starts, const int64_t *stops,
+                   const float *scales, int64_t segments, void *out, int out_kind,
+                   int threads) {
+    for (int64_t s = 0; s < segments; s++) {
+        const float scale = scales[s];
+        const int64_t stop = stops[s];
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = starts[s]; i < stop; i++) {
+            const float pi = fmaf(scale, u[i], p[i]);
+            p[i] = pi;
+            if (out_kind) fz_copy_out(out, out_kind, i, pi);
+        }
+    }
+}
+
+/* SGD: g += wd * p; buf = first ? g : buf * momentum + (1 - dampening) * g;
+ * d = nesterov ? g + momentum * buf : buf (or g without momentum); p += neg_lr * d. */
+FZ_CLONES
+void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, float wd,
+            float momentum, float one_minus_dampening, int first, int nesterov, float neg_lr,
+            void *out, int out_kind, int threads) {
+    const int scaled = grad_scale != 1.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float gi = scaled ? g[i] * grad_scale : g[i];
+        if (wd != 0.0f) gi = fmaf(wd, p[i], gi);
+        float d = gi;
+        if (momentum != 0.0f) {
+            float bi;
+            if (first) {
+                bi = gi;
+            } else {
+                bi = fmaf(one_minus_dampening, gi, buf[i] * momentum);
+            }
+            buf[i] = bi;
+            d = nesterov ? fmaf(momentum, bi, gi) : bi;
+        }
+        const float pi = fmaf(neg_lr, d, p[i]);
+        p[i] = pi;
+        if (out_kind) fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* Sum of squares in double and whether any element is inf or NaN, in one pass. */
+FZ_CLONES
+void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threads) {
+    double total = 0.0;
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total) reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        const double x = (double)g[i];
+        total += x * x;
+        bad |= !isfinite(g[i]);
+    }
+    *sum = total;
+    *nonfinite = bad;
+}
+
+/* The memory floor of an Adam step: read p, g, m, v and write p, m, v (28 bytes per
+ * element) with the least arithmetic, for benchmarks/cpu_adam.py. */
+FZ_CLONES
+void fz_stream_floor(float *p, const float *g, float *m, float *v, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i];
+        m[i] = m[i] + gi;
+        v[i] = v[i] + gi;
+        p[i] = p[i] + gi;
+    }
+}

@@ -1,0 +1,176 @@
+"""Native kernels against their pure fzero.optim twins.
+
+Tolerance: rtol 3e-7 (about 2 float32 ulps), not bitwise, and why: the C code does
+the same float32 operations in the same order as the torch path, with an FMA where
+ATen's vectorised kernels use one (lerp, add with alpha). But torch itself does not
+round one way: its scalar tail (the elements after the last full vector of each
+chunk) is compiled with FMA contraction where the vector body is not (addcmul), and
+the reverse for lerp. So whichever rule the kernel follows, some elements differ from
+torch by one rounding; measured here, m and v are bitwise on torch's vector body and
+the updated parameter differs on about 0.05% of elements, by 1-2 ulps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fzero import native
+from fzero.optim import adam, adamw, lamb, lamb_apply_, lamb_direction_, segment_sq_sums, sgd
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.why())
+
+SIZES = [0, 1, 15, 16, 17, 1000, 65_537]
+
+
+def _data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+
+def _close(native_p, ref_p):
+    # atol: 1e-6 of the step size (lr 1e-3) for elements whose value is near zero
+    torch.testing.assert_close(native_p, ref_p, rtol=3e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("decoupled", "bias_correction", "grad_scale"),
+    [(True, True, 1.0), (False, True, 1.0), (True, False, 0.25), (False, False, 0.5)],
+)
+def test_adam_matches_pure(n, threads, decoupled, bias_correction, grad_scale):
+    torch.set_num_threads(threads)
+    make = adamw if decoupled else adam
+    opt = make(lr=1e-3, weight_decay=0.01, bias_correction=bias_correction)
+    p, g = _data(n)
+    ref_p, nat_p = p.clone(), p.clone()
+    ref, nat = opt.init(p), opt.init(p)
+    for step in range(1, 4):
+        g = _data(n, seed=step)[1]
+        ref = opt.update_(g * grad_scale, ref, ref_p)
+        native.adam_(
+            nat_p, g, nat.exp_avg, nat.exp_avg_sq, step=step, lr=1e-3, betas=(0.9, 0.999),
+            eps=1e-8, weight_decay=0.01, decoupled=decoupled, bias_correction=bias_correction,
+            grad_scale=grad_scale,
+        )  # fmt: skip
+        _close(nat.exp_avg, ref.exp_avg)
+        _close(nat.exp_avg_sq, ref.exp_avg_sq)
+        _close(nat_p, ref_p)
+        nat_p.copy_(ref_p)  # compare one step at a time from equal inputs
+        nat.exp_avg.copy_(ref.exp_avg)
+        nat.exp_avg_sq.copy_(ref.exp_avg_sq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_copy_out_is_the_rounded_parameter(dtype, n):
+    p, g = _data(n)
+    m, v = torch.zeros(n), torch.zeros(n)
+    p[:3] = torch.tensor([70000.0, -1e-8, float("inf")])[: min(3, n)]  # overflow, subnormal
+    out = torch.empty(n, dtype=dtype)
+    native.adam_(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, decoupled=True, out=out)  # fmt: skip
+    assert torch.equal(out, p.to(dtype))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(
+    ("momentum", "nesterov", "weight_decay"),
+    [(0.0, False, 0.0), (0.9, False, 1e-2), (0.9, True, 0.0)],
+)
+def test_sgd_matches_pure(n, momentum, nesterov, weight_decay):
+    opt = sgd(lr=0.1, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    p, _ = _data(n)
+    ref_p, nat_p = p.clone(), p.clone()
+    ref, buf = opt.init(p), torch.zeros(n)
+    for step in range(3):
+        g = _data(n, seed=step + 1)[1]
+        ref = opt.update_(g, ref, ref_p)
+        native.sgd_(nat_p, g, buf, first=step == 0, lr=0.1, momentum=momentum, dampening=0.0,
+                    weight_decay=weight_decay, nesterov=nesterov)  # fmt: skip
+        if momentum:
+            _close(buf, ref.momentum_buffer)
+            buf.copy_(ref.momentum_buffer)
+        _close(nat_p, ref_p)
+        nat_p.copy_(ref_p)
+
+
+@pytest.mark.parametrize("n", [1, 17, 1000])
+def test_lamb_matches_pure(n):
+    opt = lamb(lr=1e-2, weight_decay=0.01)
+    p, g = _data(n)
+    segments = [(0, n // 3), (n // 3, n)]
+    ref_p, nat_p = p.clone(), p.clone()
+    ref, nat = opt.init(p), opt.init(p)
+    update = torch.empty(n)
+    ref_update = lamb_direction_(g, ref, ref_p, opt.hparams)
+    hp = opt.hparams
+    native.lamb_direction_(
+        nat_p, g, nat.exp_avg, nat.exp_avg_sq, update, step=1, betas=hp.betas, eps=hp.eps,
+        weight_decay=0.01,
+    )  # fmt: skip
+    _close(nat.exp_avg, ref.exp_avg)
+    _close(nat.exp_avg_sq, ref.exp_avg_sq)
+    torch.testing.assert_close(update, ref_update, rtol=3e-7, atol=0)
+    p_norms = segment_sq_sums(ref_p, segments).sqrt().tolist()
+    u_norms = segment_sq_sums(ref_update, segments).sqrt().tolist()
+    lamb_apply_(ref_p, ref_update, segments, p_norms, u_norms, opt.hparams)
+    from fzero.optim import trust_ratio
+
+    scales = [-1e-2 * trust_ratio(a, b, opt.hparams) for a, b in zip(p_norms, u_norms)]
+    native.lamb_apply_(nat_p, ref_update, segments, scales)
+    _close(nat_p, ref_p)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sq_sum_and_nonfinite_flag(n):
+    _, g = _data(n)
+    total, bad = native.sq_sum(g)
+    assert not bad
+    assert total == pytest.approx(g.double().square().sum().item(), rel=1e-12, abs=1e-12)
+    if n:
+        g[n // 2] = float("nan")
+        assert native.sq_sum(g)[1]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"grad": torch.zeros(4, dtype=torch.float64)}, "grad has dtype torch.float64"),
+        ({"grad": torch.zeros(8)[::2]}, "grad is not contiguous"),
+        ({"exp_avg": torch.zeros(5)}, "exp_avg has 5 elements; expected 4"),
+        ({"exp_avg_sq": "x"}, "exp_avg_sq must be a torch.Tensor"),
+        ({"out": torch.zeros(4, dtype=torch.int32)}, "out has dtype torch.int32"),
+    ],
+)
+def test_bad_arguments_are_named(arguments, message):
+    tensors = {
+        "param": torch.zeros(4),
+        "grad": torch.zeros(4),
+        "exp_avg": torch.zeros(4),
+        "exp_avg_sq": torch.zeros(4),
+    }
+    tensors.update(arguments)
+    out = tensors.pop("out", None)
+    with pytest.raises(ValueError, match=message):
+        native.adam_(*tensors.values(), step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0.0, decoupled=True, out=out)  # fmt: skip
+
+
+def test_aliasing_is_refused():
+    buffer = torch.zeros(8)
+    with pytest.raises(ValueError, match="param and exp_avg overlap"):
+        native.adam_(buffer[:4], torch.zeros(4), buffer[2:6], torch.zeros(4), step=1, lr=1e-3,
+                     betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=True)  # fmt: skip
+
+
+def test_fzero_native_0_switches_the_kernels_off():
+    code = "import fzero.native as n; print(n.available(), n.why())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "FZERO_NATIVE": "0"}, check=True)  # fmt: skip
+    assert run.stdout.startswith("False") and "FZERO_NATIVE=0" in run.stdout
