@@ -22,7 +22,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(FZ_NO_CLONES)
-#define FZ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define FZ_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FZ_CLONES
 #endif
@@ -43,12 +43,14 @@ static inline float fz_float(uint32_t u) {
     return f;
 }
 
-/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)). */
+/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays
+ * NaN. Branch-free so the loops that call it vectorise. */
 static inline uint16_t fz_bf16(float f) {
-    uint32_t u = fz_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t u = fz_bits(f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+    const uint32_t is_nan = 0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u); /* all ones */
+    return (uint16_t)((quiet_nan & is_nan) | (rounded & ~is_nan));
 }
 
 /* float -> IEEE half, round to nearest even, overflow to inf (Maratyszcza's FP16). */
@@ -59,14 +61,16 @@ static inline uint16_t fz_fp16(float f) {
     const uint32_t w = fz_bits(f);
     const uint32_t shl1_w = w + w;
     const uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xff000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t raw_bias = shl1_w & 0xff000000u;
+    const uint32_t small = 0u - (uint32_t)(raw_bias < 0x71000000u);
+    const uint32_t bias = (0x71000000u & small) | (raw_bias & ~small);
     base = fz_float((bias >> 1) + 0x07800000u) + base;
     const uint32_t bits = fz_bits(base);
     const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
     const uint32_t mantissa_bits = bits & 0x00000fffu;
     const uint32_t nonsign = exp_bits + mantissa_bits;
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+    const uint32_t is_nan = 0u - (uint32_t)(shl1_w > 0xff000000u);
+    return (uint16_t)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
 }
 
 static inline void fz_copy_out(void *out, int out_kind, int64_t i, float value) {
@@ -84,28 +88,65 @@ static inline float fz_lerp(float start, float end, float weight) {
 /* Adam / AdamW in place. With `decoupled`, p *= decay (decay = 1 - lr*wd);
  * otherwise g += l2 * p. Then m = lerp(m, g, 1-beta1); v = v*beta2 + (1-beta2)*g*g;
  * p += (neg_step * m) / (sqrt(v) / c2sqrt + eps). Gradients are first multiplied by
- * `grad_scale` (loss-scale inverse x clip coefficient) unless it is 1. */
+ * `grad_scale` (loss-scale inverse x clip coefficient) unless it is 1.
+ *
+ * The body is instantiated per combination of the loop-invariant switches (constant
+ * arguments to an always-inline function), so each inner loop is branch-free and
+ * vectorises. */
+typedef struct {
+    float grad_scale, decay, l2, w, beta2, one_minus_beta2, c2sqrt, eps, neg_step;
+} fz_adam_args;
+
+static inline __attribute__((always_inline)) void fz_adam_range(
+    float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+    uint16_t *restrict out, int64_t lo, int64_t hi, const fz_adam_args a, const int decoupled,
+    const int l2, const int scaled, const int small_w, const int out_kind) {
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = scaled ? g[i] * a.grad_scale : g[i];
+        float pi = p[i];
+        if (decoupled) pi = pi * a.decay;
+        if (l2) gi = fmaf(a.l2, pi, gi); /* torch's add(alpha=): one FMA */
+        const float diff = gi - m[i];
+        const float mi = small_w ? fmaf(a.w, diff, m[i]) : fmaf(a.w - 1.0f, diff, gi);
+        float vi = v[i] * a.beta2;
+        vi = vi + a.one_minus_beta2 * gi * gi;
+        const float denom = sqrtf(vi) / a.c2sqrt + a.eps;
+        pi = pi + a.neg_step * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        if (out_kind == FZ_OUT_BF16) out[i] = fz_bf16(pi);
+        if (out_kind == FZ_OUT_FP16) out[i] = fz_fp16(pi);
+    }
+}
+
+#define FZ_ADAM_CASE(D, L, S, W, O)                                                         \
+    if (decoupled == D && use_l2 == L && scaled == S && small_w == W && out_kind == O) {     \
+        fz_adam_range(p, g, m, v, out16, lo, hi, a, D, L, S, W, O);                          \
+        continue;                                                                          \
+    }
+#define FZ_ADAM_OUT(D, L, S, W) FZ_ADAM_CASE(D, L, S, W, 0) FZ_ADAM_CASE(D, L, S, W, 1) FZ_ADAM_CASE(D, L, S, W, 2)
+#define FZ_ADAM_W(D, L, S) FZ_ADAM_OUT(D, L, S, 0) FZ_ADAM_OUT(D, L, S, 1)
+#define FZ_ADAM_S(D, L) FZ_ADAM_W(D, L, 0) FZ_ADAM_W(D, L, 1)
+
 FZ_CLONES
 void fz_adam(float *p, const float *g, float *m, float *v, int64_t n, float grad_scale,
              int decoupled, float decay, float l2, float one_minus_beta1, float beta2,
              float one_minus_beta2, float c2sqrt, float eps, float neg_step, void *out,
              int out_kind, int threads) {
+    const fz_adam_args a = {grad_scale, decay, l2, one_minus_beta1, beta2, one_minus_beta2,
+                            c2sqrt, eps, neg_step};
     const int scaled = grad_scale != 1.0f;
+    const int use_l2 = !decoupled && l2 != 0.0f;
+    const int small_w = fabsf(one_minus_beta1) < 0.5f;
+    uint16_t *out16 = (uint16_t *)out;
+    const int64_t chunk = 16384; /* whole vectors per chunk; chunks spread over threads */
+    const int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float gi = scaled ? g[i] * grad_scale : g[i];
-        float pi = p[i];
-        if (decoupled) pi = pi * decay;
-        else if (l2 != 0.0f) gi = fmaf(l2, pi, gi); /* torch's add(alpha=): an FMA */
-        const float mi = fz_lerp(m[i], gi, one_minus_beta1);
-        float vi = v[i] * beta2;
-        vi = vi + one_minus_beta2 * gi * gi;
-        const float denom = sqrtf(vi) / c2sqrt + eps;
-        pi = pi + neg_step * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi;
-        if (out_kind) fz_copy_out(out, out_kind, i, pi);
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t lo = c * chunk;
+        const int64_t hi = lo + chunk < n ? lo + chunk : n;
+        FZ_ADAM_S(0, 0) FZ_ADAM_S(0, 1) FZ_ADAM_S(1, 0)
     }
 }
 
