@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm, partition
+from fzero import comm, native, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.optim import (
@@ -129,6 +129,8 @@ class Engine:
         if self.precision not in _DTYPES:
             raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(_DTYPES)}")
         self.compute_dtype = _DTYPES[self.precision]
+        # fzero's native kernels run the update where the state lives on the CPU
+        self._native = native.available() and self.device.type == "cpu"
         zero = config.zero_optimization
         self.stage = zero.stage
         self._check_supported(zero)
@@ -647,16 +649,55 @@ class Engine:
         else:
             for rt in self.units:
                 grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
-                if factor != 1.0:
-                    grad.mul_(factor)
                 hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-                rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-                self._publish(rt)
+                written = self._copy_target(rt)
+                if not self._native_update(rt, grad, factor, hp, written):
+                    written = None
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                    rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
+                self._publish(rt, written)
         self._finish_publish()
         self._zero_grads()
         self.lr_steps += 1
         if self._client_scheduler is not None:
             self._client_scheduler.step()
+
+    def _native_update(
+        self, rt: _UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
+    ) -> bool:
+        """The update through fzero's native kernel, gradient scaling and the
+        compute-dtype copy fused into one pass; False when it does not apply."""
+        if not self._native:
+            return False
+        state = rt.state
+        if self.optimizer.name in ("adam", "adamw"):
+            native.adam_(
+                rt.master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
+                lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
+                out=out,
+            )  # fmt: skip
+        elif self.optimizer.name == "sgd":
+            native.sgd_(
+                rt.master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
+                momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
+                nesterov=hp.nesterov, grad_scale=factor, out=out,
+            )  # fmt: skip
+        else:
+            return False
+        rt.state = state._replace(step=state.step + 1)
+        return True
+
+    def _copy_target(self, rt: _UnitRuntime) -> Tensor | None:
+        """Where a native update writes the compute-dtype copy of the new master."""
+        if not self._native or self.compute_dtype == torch.float32:
+            return None
+        if rt.full is None:
+            return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
+        if self.stage == 0 or self.world_size == 1:
+            return rt.full[self._partition(rt.unit)]
+        return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
     def _step_overrides(self, rt: _UnitRuntime, lrs: list[float]) -> dict[str, Any]:
         overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
@@ -711,19 +752,20 @@ class Engine:
             lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
             self._publish(rt)
 
-    def _publish(self, rt: _UnitRuntime) -> None:
+    def _publish(self, rt: _UnitRuntime, written: Tensor | None = None) -> None:
         """Start writing the unit's updated fp32 master back to the compute-dtype
-        parameters everyone uses; the all-gather overlaps the next units' updates."""
+        parameters everyone uses; the all-gather overlaps the next units' updates.
+        `written`: the compute-dtype copy a native update already made."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            if rt.param_shard is not None:
+            if rt.param_shard is not None and written is None:
                 rt.param_shard.copy_(rt.master)
             return
         if self.stage == 0 or self.world_size == 1:
-            if rt.full.data_ptr() != rt.master.data_ptr():
+            if rt.full.data_ptr() != rt.master.data_ptr() and written is None:
                 rt.full[self._partition(rt.unit)].copy_(rt.master)
             self._publishing.append((None, rt, None))
             return
-        shard = rt.master.to(self.compute_dtype)
+        shard = written if written is not None else rt.master.to(self.compute_dtype)
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 

@@ -174,3 +174,27 @@ def test_fzero_native_0_switches_the_kernels_off():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "FZERO_NATIVE": "0"}, check=True)  # fmt: skip
     assert run.stdout.startswith("False") and "FZERO_NATIVE=0" in run.stdout
+
+
+def test_engine_trains_the_same_with_native_kernels_on_and_off(monkeypatch):
+    """Every stage, fp32 and bf16, with clipping and accumulation (the parity cases):
+    losses and weights agree within the kernels' tolerance (see the module docstring)."""
+    from tests._dist import run_world
+    from tests.test_engine_parity import train_cases
+
+    cases = [
+        (stage, precision, 2, 0.05, "flat_even")
+        for stage in range(4)
+        for precision in ("fp32", "bf16")
+    ]
+    native_results = run_world(train_cases, 2, cases)
+    monkeypatch.setenv("FZERO_NATIVE", "0")
+    torch_results = run_world(train_cases, 2, cases)
+    for case in cases:
+        losses, state = native_results[case]
+        ref_losses, ref_state = torch_results[case]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, msg=str(case))
+        for name, value in ref_state.items():
+            torch.testing.assert_close(
+                state[name], value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}"
+            )
