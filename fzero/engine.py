@@ -129,11 +129,17 @@ class Engine:
         if self.precision not in _DTYPES:
             raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(_DTYPES)}")
         self.compute_dtype = _DTYPES[self.precision]
-        # fzero's native kernels run the update where the state lives on the CPU
-        self._native = native.available() and self.device.type == "cpu"
         zero = config.zero_optimization
         self.stage = zero.stage
         self._check_supported(zero)
+        # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
+        # on the host; the device keeps compute-dtype parameters and gradients.
+        self.offload = zero.offload_optimizer.device == "cpu"
+        self._pin = (
+            self.offload and zero.offload_optimizer.pin_memory and (torch.cuda.is_available())
+        )
+        # fzero's native kernels run the update where the state lives on the CPU
+        self._native = native.available() and (self.device.type == "cpu" or self.offload)
         self.batch = _batch_or_none(config, self.world_size)
         self.schedule = schedule
         self._client_optimizer = client_optimizer
@@ -217,12 +223,16 @@ class Engine:
     # ---- construction ------------------------------------------------------------------
 
     def _check_supported(self, zero: Any) -> None:
-        if zero.offload_optimizer.device not in ("none",) or zero.offload_param.device not in (
-            "none",
-        ):
+        where = zero.offload_optimizer.device
+        if where == "nvme":
             raise NotImplementedError(
-                "zero_optimization.offload_optimizer / offload_param are not supported yet "
-                f"(found {zero.offload_optimizer.device!r} / {zero.offload_param.device!r})"
+                "zero_optimization.offload_optimizer.device 'nvme' is not supported yet; "
+                "allowed: 'none', 'cpu'"
+            )
+        if zero.offload_param.device != "none":
+            raise NotImplementedError(
+                f"zero_optimization.offload_param.device {zero.offload_param.device!r} is not "
+                "supported yet; allowed: 'none'"
             )
 
     def _cast_module(self) -> None:
@@ -271,13 +281,14 @@ class Engine:
         keeps_full = self.stage < 3 or unit.persistent
         part = self._partition(unit)
         full = master = param_shard = None
+        shares_master = self.compute_dtype == torch.float32 and not self.offload
         if keeps_full:
             full = flat if self.compute_dtype == torch.float32 else flat.to(self.compute_dtype)
-            master = full[part] if self.compute_dtype == torch.float32 else flat[part].clone()
+            master = full[part] if shares_master else self._to_host(flat[part])
         else:
-            master = flat[part].clone()
-            if self.compute_dtype != torch.float32:
-                param_shard = master.to(self.compute_dtype)
+            master = self._to_host(flat[part])
+            if not shares_master:
+                param_shard = flat[part].to(self.compute_dtype, copy=True)
         del flat
         grad_numel = 0 if self.stage < 2 else unit.shard_numel  # stages 0-1: bucket views
         rt = _UnitRuntime(
@@ -295,6 +306,14 @@ class Engine:
         else:
             self._unbind(rt)
         return rt
+
+    def _to_host(self, tensor: Tensor) -> Tensor:
+        """A new fp32 copy where the optimizer runs: the host when offloading (pinned
+        with CUDA and `pin_memory`), else the device."""
+        if not self.offload:
+            return tensor.clone()
+        copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self._pin)
+        return copy.copy_(tensor)
 
     def _build_buckets(self, bucket_numel: int) -> list[_Bucket]:
         """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
@@ -648,7 +667,7 @@ class Engine:
             self._lamb_step(factor, lrs)
         else:
             for rt in self.units:
-                grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+                grad = self._step_grad(rt)
                 hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
                 written = self._copy_target(rt)
                 if not self._native_update(rt, grad, factor, hp, written):
@@ -662,6 +681,15 @@ class Engine:
         self.lr_steps += 1
         if self._client_scheduler is not None:
             self._client_scheduler.step()
+
+    def _step_grad(self, rt: _UnitRuntime) -> Tensor:
+        """The gradient of the rank's optimizer partition, where the optimizer runs
+        (offload: a host copy, made per step)."""
+        grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+        if not self.offload:
+            return grad
+        host = torch.empty(grad.shape, dtype=torch.float32, pin_memory=self._pin)
+        return host.copy_(grad)
 
     def _native_update(
         self, rt: _UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
@@ -693,6 +721,8 @@ class Engine:
         """Where a native update writes the compute-dtype copy of the new master."""
         if not self._native or self.compute_dtype == torch.float32:
             return None
+        if self.offload:  # a host buffer; _publish moves it to the device
+            return torch.empty(rt.master.numel(), dtype=self.compute_dtype, pin_memory=self._pin)
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.stage == 0 or self.world_size == 1:
@@ -717,7 +747,7 @@ class Engine:
         sums = torch.zeros(2, len(names), dtype=torch.float64, device=self.device)
         work = []
         for unit_index, rt in enumerate(self.units):
-            grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+            grad = self._step_grad(rt)
             if factor != 1.0:
                 grad.mul_(factor)
             hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
@@ -757,15 +787,17 @@ class Engine:
         parameters everyone uses; the all-gather overlaps the next units' updates.
         `written`: the compute-dtype copy a native update already made."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            if rt.param_shard is not None and written is None:
-                rt.param_shard.copy_(rt.master)
+            if rt.param_shard is not None and written is not rt.param_shard:
+                rt.param_shard.copy_(written if written is not None else rt.master)
             return
         if self.stage == 0 or self.world_size == 1:
-            if rt.full.data_ptr() != rt.master.data_ptr() and written is None:
-                rt.full[self._partition(rt.unit)].copy_(rt.master)
+            target = rt.full[self._partition(rt.unit)]
+            if target.data_ptr() != rt.master.data_ptr() and written is not target:
+                target.copy_(written if written is not None else rt.master)
             self._publishing.append((None, rt, None))
             return
         shard = written if written is not None else rt.master.to(self.compute_dtype)
+        shard = shard.to(self.device)  # offload: the updated parameters move back
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
@@ -971,7 +1003,7 @@ class Engine:
         if self.stage == 0:
             return rt.master
         full = torch.empty(rt.unit.numel, dtype=torch.float32, device=self.device)
-        comm.all_gather_into(full, rt.master.contiguous())
+        comm.all_gather_into(full, rt.master.to(self.device).contiguous())
         return full
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -1022,7 +1054,13 @@ class Engine:
             master += size(rt.master)
             grads += size(rt.grad) + size(rt.flat_grad)
             state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
-        return MemoryEstimate(params=params, master=master, grads=grads, optimizer_state=state)
+        return MemoryEstimate(
+            params=params,
+            master=master,
+            grads=grads,
+            optimizer_state=state,
+            offload_optimizer=self.offload,
+        )
 
     def memory_planned(self) -> MemoryEstimate:
         """What the plan says this rank holds (`partition.memory_per_rank`)."""
@@ -1032,6 +1070,7 @@ class Engine:
             param_dtype=partition.dtype_name(self.compute_dtype),
             grad_dtype="float32",
             optimizer=self.optimizer,
+            offload_optimizer=self.offload,
         )
 
     # ---- telemetry ------------------------------------------------------------------------

@@ -181,7 +181,8 @@ def memory_per_rank(
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
-    master_size = 0 if param_dtype == "float32" else 4
+    # fp32 params are their own master, unless the master lives on the host (offload)
+    master_size = 0 if param_dtype == "float32" and not offload_optimizer else 4
     params = grads = optimizer_numel = 0
     for unit in plan.units:
         shard, full = unit.shard_numel, unit.numel
