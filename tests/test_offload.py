@@ -13,6 +13,15 @@ from tests.models import Net, global_batch
 MICRO, STEPS = 2, 20
 
 
+def _step(engine, rank, world, step):
+    x, y = global_batch(step, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def train(rank, world, stage, precision, offload, root=None):
     torch.manual_seed(0)
     config = {
@@ -29,12 +38,7 @@ def train(rank, world, stage, precision, offload, root=None):
     )
     losses = []
     for step in range(STEPS):
-        x, y = global_batch(step, MICRO * world)
-        rows = slice(rank * MICRO, (rank + 1) * MICRO)
-        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        losses.append(_step(engine, rank, world, step))
         if root is not None and step == STEPS // 2:
             engine.save_checkpoint(root)
     held, planned = engine.memory_held(), engine.memory_planned()
@@ -45,14 +49,7 @@ def train(rank, world, stage, precision, offload, root=None):
             Net(), optimizer=fzero.optim.adamw(lr=1e-2), precision=precision, config=config
         )
         again.load_checkpoint(root)
-        resumed = []
-        for step in range(STEPS // 2 + 1, STEPS):
-            x, y = global_batch(step, MICRO * world)
-            rows = slice(rank * MICRO, (rank + 1) * MICRO)
-            loss = nn.functional.mse_loss(again(x[rows]).float(), y[rows])
-            again.backward(loss)
-            again.step()
-            resumed.append(loss.item())
+        resumed = [_step(again, rank, world, step) for step in range(STEPS // 2 + 1, STEPS)]
     return losses, engine.state_dict(dtype=torch.float32), held, planned, resumed
 
 
