@@ -42,6 +42,7 @@ from fzero.optim import (
     lamb_apply_,
     lamb_direction_,
     segment_sq_sums,
+    trust_ratio,
     with_overrides,
 )
 from fzero.partition import MemoryEstimate, Placement, Plan, Unit
@@ -748,10 +749,19 @@ class Engine:
         work = []
         for unit_index, rt in enumerate(self.units):
             grad = self._step_grad(rt)
-            if factor != 1.0:
-                grad.mul_(factor)
             hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-            update = lamb_direction_(grad, rt.state, rt.master, hp)
+            if self._native:
+                update = torch.empty_like(rt.master)
+                native.lamb_direction_(
+                    rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
+                    step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
+                    weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
+                    grad_scale=factor,
+                )  # fmt: skip
+            else:
+                if factor != 1.0:
+                    grad.mul_(factor)
+                update = lamb_direction_(grad, rt.state, rt.master, hp)
             rt.state = rt.state._replace(step=rt.state.step + 1)
             if self.stage == 0:
                 segments = [
@@ -779,7 +789,11 @@ class Engine:
             spans = [(a, b) for a, b, _ in segments]
             p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
             u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
-            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+            if self._native:
+                scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
+                native.lamb_apply_(rt.master, update, spans, scales)
+            else:
+                lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
             self._publish(rt)
 
     def _publish(self, rt: _UnitRuntime, written: Tensor | None = None) -> None:

@@ -198,3 +198,15 @@ def test_engine_trains_the_same_with_native_kernels_on_and_off(monkeypatch):
             torch.testing.assert_close(
                 state[name], value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}"
             )
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_lamb_is_the_same_with_native_kernels_on_and_off(monkeypatch, stage):
+    from tests._dist import run_world
+    from tests.test_engine_features import lamb_config_case
+
+    native_state, _ = run_world(lamb_config_case, 2, stage, 1)
+    monkeypatch.setenv("FZERO_NATIVE", "0")
+    torch_state, _ = run_world(lamb_config_case, 2, stage, 1)
+    for name, value in torch_state.items():
+        torch.testing.assert_close(native_state[name], value, rtol=1e-5, atol=1e-6, msg=name)
