@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm, native, partition
+from fzero import _nvme, comm, native, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.optim import (
@@ -135,7 +135,8 @@ class Engine:
         self._check_supported(zero)
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
         # on the host; the device keeps compute-dtype parameters and gradients.
-        self.offload = zero.offload_optimizer.device == "cpu"
+        self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
+        self.nvme: Any = None  # the swap file when offloading to NVMe
         self._pin = (
             self.offload and zero.offload_optimizer.pin_memory and (torch.cuda.is_available())
         )
@@ -196,6 +197,8 @@ class Engine:
         meta = None
         if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             meta = MetaInitializer(module, self.device, param_init_fn)
+        if zero.offload_optimizer.device == "nvme":
+            self._open_swap(zero, config)
         self.units = [
             self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
         ]
@@ -224,11 +227,10 @@ class Engine:
     # ---- construction ------------------------------------------------------------------
 
     def _check_supported(self, zero: Any) -> None:
-        where = zero.offload_optimizer.device
-        if where == "nvme":
+        if zero.offload_optimizer.device == "nvme" and self.optimizer.name == "lamb":
             raise NotImplementedError(
-                "zero_optimization.offload_optimizer.device 'nvme' is not supported yet; "
-                "allowed: 'none', 'cpu'"
+                "zero_optimization.offload_optimizer.device 'nvme' with Lamb is not supported "
+                "yet (its trust ratios need every unit twice); allowed: Adam, AdamW, SGD"
             )
         if zero.offload_param.device != "none":
             raise NotImplementedError(
@@ -306,7 +308,128 @@ class Engine:
             self._bind(rt)
         else:
             self._unbind(rt)
+        if self.nvme is not None:  # to the swap file; the host keeps nothing of it
+            self._swap_out(rt, wait=True)
+            self._evict(rt)
         return rt
+
+    # ---- NVMe offload: optimizer partitions live in a swap file --------------------------
+
+    def _open_swap(self, zero: Any, config: Config) -> None:
+        kinds = [
+            k
+            for k, v in self.optimizer.init(torch.zeros(1))._asdict().items()
+            if isinstance(v, Tensor)
+        ]
+        self._swap_kinds = ["master", *kinds]
+        sizes = [self._partition_numel(u) for u in self.plan.units for _ in self._swap_kinds]
+        self.nvme = _nvme.SwapFile(
+            zero.offload_optimizer.nvme_path,
+            self.rank,
+            sizes,
+            threads=config.aio.thread_count,
+            block_size=config.aio.block_size,
+        )
+        self._swap_sets: list[list[Tensor]] = []
+
+    def _partition_numel(self, unit: Unit) -> int:
+        part = self._partition(unit)
+        return part.stop - part.start
+
+    def _region(self, rt: _UnitRuntime, kind_index: int) -> int:
+        return rt.index * len(self._swap_kinds) + kind_index
+
+    def _resident_tensors(self, rt: _UnitRuntime) -> list[Tensor]:
+        return [rt.master] + [
+            getattr(rt.state, k.removeprefix("optim.") if False else k)
+            for k in self._swap_kinds[1:]
+        ]
+
+    def _swap_out(self, rt: _UnitRuntime, wait: bool) -> list[Any]:
+        """Write the unit's master and state to the swap file (from aligned copies when
+        they are not already in aligned swap buffers)."""
+        tickets = []
+        for k, tensor in enumerate(self._resident_tensors(rt)):
+            if tensor.data_ptr() % _nvme.ALIGN:
+                tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
+            tickets.append((self.nvme.submit(self._region(rt, k), tensor, write=True), tensor))
+        if wait:
+            self._wait_swap(tickets, "writing")
+        return tickets
+
+    def _swap_in(self, rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+        numel = self._partition_numel(rt.unit)
+        return [
+            (self.nvme.submit(self._region(rt, k), buffers[k][:numel], write=False), buffers[k])
+            for k in range(len(self._swap_kinds))
+        ]
+
+    def _wait_swap(self, tickets: list[Any], what: str) -> None:
+        for ticket, _ in tickets:
+            self.nvme.wait(ticket, what)
+
+    def _bind_swapped(self, rt: _UnitRuntime, buffers: list[Tensor]) -> None:
+        numel = self._partition_numel(rt.unit)
+        rt.master = buffers[0][:numel]
+        fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self._swap_kinds[1:])}
+        rt.state = rt.state._replace(**fields)
+
+    def _evict(self, rt: _UnitRuntime) -> None:
+        empty = torch.empty(0)
+        rt.master = empty
+        rt.state = rt.state._replace(**dict.fromkeys(self._swap_kinds[1:], empty))
+
+    def _swap_buffers(self) -> list[Tensor]:
+        largest = max((self._partition_numel(u) for u in self.plan.units), default=0)
+        return [_nvme.aligned_empty(largest) for _ in self._swap_kinds]
+
+    @contextlib.contextmanager
+    def resident(self, rt: _UnitRuntime, write_back: bool) -> Iterator[None]:
+        """The unit's master and optimizer state in host memory inside the block (a
+        no-op unless they live on NVMe); written back on exit with `write_back`."""
+        if self.nvme is None:
+            yield
+            return
+        buffers = self._swap_buffers()
+        self._wait_swap(self._swap_in(rt, buffers), "reading")
+        self._bind_swapped(rt, buffers)
+        try:
+            yield
+            if write_back:
+                self._swap_out(rt, wait=True)
+        finally:
+            self._evict(rt)
+
+    @contextlib.contextmanager
+    def all_resident(self, write_back: bool) -> Iterator[None]:
+        """Every unit resident at once (checkpoints): the whole partition in memory."""
+        with contextlib.ExitStack() as stack:
+            for rt in self.units:
+                stack.enter_context(self.resident(rt, write_back))
+            yield
+
+    def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
+        """The step over NVMe-resident units, double-buffered: unit i+1 is read and unit
+        i-1 written while unit i is updated."""
+        if not self._swap_sets:
+            self._swap_sets = [self._swap_buffers(), self._swap_buffers()]
+        units, sets = self.units, self._swap_sets
+        reading = self._swap_in(units[0], sets[0]) if units else []
+        writing: list[list[Any]] = [[], []]
+        for i, rt in enumerate(units):
+            current = i % 2
+            self._wait_swap(reading, "reading")
+            self._bind_swapped(rt, sets[current])
+            if i + 1 < len(units):
+                self._wait_swap(writing[1 - current], "writing")  # unit i-1 left that set
+                writing[1 - current] = []
+                reading = self._swap_in(units[i + 1], sets[1 - current])
+            self._update_unit(rt, factor, lrs)
+            writing[current] = self._swap_out(rt, wait=False)
+        for tickets in writing:
+            self._wait_swap(tickets, "writing")
+        for rt in units:
+            self._evict(rt)
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         """A new fp32 copy where the optimizer runs: the host when offloading (pinned
@@ -667,21 +790,27 @@ class Engine:
         if self.optimizer.name == "lamb":
             self._lamb_step(factor, lrs)
         else:
-            for rt in self.units:
-                grad = self._step_grad(rt)
-                hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-                written = self._copy_target(rt)
-                if not self._native_update(rt, grad, factor, hp, written):
-                    written = None
-                    if factor != 1.0:
-                        grad.mul_(factor)
-                    rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-                self._publish(rt, written)
+            if self.nvme is not None:
+                self._nvme_updates(factor, lrs)
+            else:
+                for rt in self.units:
+                    self._update_unit(rt, factor, lrs)
         self._finish_publish()
         self._zero_grads()
         self.lr_steps += 1
         if self._client_scheduler is not None:
             self._client_scheduler.step()
+
+    def _update_unit(self, rt: _UnitRuntime, factor: float, lrs: list[float]) -> None:
+        grad = self._step_grad(rt)
+        hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
+        written = self._copy_target(rt)
+        if not self._native_update(rt, grad, factor, hp, written):
+            written = None
+            if factor != 1.0:
+                grad.mul_(factor)
+            rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
+        self._publish(rt, written)
 
     def _step_grad(self, rt: _UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
@@ -811,7 +940,8 @@ class Engine:
             self._publishing.append((None, rt, None))
             return
         shard = written if written is not None else rt.master.to(self.compute_dtype)
-        shard = shard.to(self.device)  # offload: the updated parameters move back
+        # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
+        shard = shard.to(self.device, copy=self.nvme is not None and written is None)
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
@@ -929,7 +1059,8 @@ class Engine:
         if modifier_rank is not None:
             with torch.no_grad():
                 for rt in units:
-                    self._accept_edits(rt, modifier_rank)
+                    with self.resident(rt, write_back=True):
+                        self._accept_edits(rt, modifier_rank)
                 for p in others:
                     if self.world_size > 1:
                         dist.broadcast(p.data, src=modifier_rank)
@@ -1017,7 +1148,8 @@ class Engine:
         if self.stage == 0:
             return rt.master
         full = torch.empty(rt.unit.numel, dtype=torch.float32, device=self.device)
-        comm.all_gather_into(full, rt.master.to(self.device).contiguous())
+        with self.resident(rt, write_back=False):
+            comm.all_gather_into(full, rt.master.to(self.device).contiguous())
         return full
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:

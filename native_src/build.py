@@ -12,6 +12,15 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+AIO_PROTOTYPES = """
+typedef struct fz_aio fz_aio;
+fz_aio *fz_aio_new(int threads);
+int64_t fz_aio_submit(fz_aio *q, int fd, void *buf, int64_t nbytes, int64_t offset, int write,
+                      int64_t block);
+int fz_aio_wait(fz_aio *q, int64_t ticket);
+void fz_aio_free(fz_aio *q);
+"""
+
 CDEF = """
 void fz_adam(float *p, const float *g, float *m, float *v, int64_t n, float grad_scale,
              int decoupled, float decay, float l2, float one_minus_beta1, float beta2,
@@ -30,6 +39,7 @@ void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, f
 void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threads);
 void fz_stream_floor(float *p, const float *g, float *m, float *v, int64_t n, int threads);
 """
+CDEF += AIO_PROTOTYPES
 
 
 def _compile_args() -> list[str]:
@@ -43,9 +53,10 @@ ffibuilder.cdef(CDEF)
 with open(os.path.join(HERE, "fzero_kernels.c")) as source:
     ffibuilder.set_source(
         "fzero.native._kernels",
-        source.read(),
+        source.read() + AIO_PROTOTYPES,
+        sources=[os.path.relpath(os.path.join(HERE, "fzero_aio.c"))],
         extra_compile_args=_compile_args(),
-        extra_link_args=[] if sys.platform == "win32" else ["-fopenmp"],
+        extra_link_args=[] if sys.platform == "win32" else ["-fopenmp", "-pthread"],
     )
 
 if __name__ == "__main__":

@@ -22,15 +22,20 @@ def _step(engine, rank, world, step):
     return loss.item()
 
 
-def train(rank, world, stage, precision, offload, root=None):
+def train(rank, world, stage, precision, offload, root=None, nvme_path=None):
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.5,
+        "aio": {"block_size": 8192, "thread_count": 2},
         "zero_optimization": {
             "stage": stage,
             "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "cpu" if offload else "none", "pin_memory": True},
+            "offload_optimizer": {
+                "device": offload or "none",
+                "pin_memory": True,
+                "nvme_path": nvme_path,
+            },
         },
     }
     engine = fzero.shard(
@@ -42,6 +47,7 @@ def train(rank, world, stage, precision, offload, root=None):
         if root is not None and step == STEPS // 2:
             engine.save_checkpoint(root)
     held, planned = engine.memory_held(), engine.memory_planned()
+    swap = engine.nvme.path if engine.nvme is not None else None
     resumed = None
     if root is not None:
         torch.manual_seed(1)
@@ -50,21 +56,50 @@ def train(rank, world, stage, precision, offload, root=None):
         )
         again.load_checkpoint(root)
         resumed = [_step(again, rank, world, step) for step in range(STEPS // 2 + 1, STEPS)]
-    return losses, engine.state_dict(dtype=torch.float32), held, planned, resumed
+    return losses, engine.state_dict(dtype=torch.float32), held, planned, resumed, swap
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cpu_offload_trains_bit_for_bit_like_no_offload(world, stage, precision, tmp_path):
-    losses, state, _, _, _ = run_world(train, world, stage, precision, False)
-    offloaded, offloaded_state, held, planned, resumed = run_world(
-        train, world, stage, precision, True, str(tmp_path)
+# every stage and precision at world size 2; world size 1 once per device
+CASES = [
+    (2, stage, precision, device)
+    for stage in (1, 2, 3)
+    for precision in ("fp32", "bf16")
+    for device in ("cpu", "nvme")
+]
+CASES += [(1, 2, "bf16", "cpu"), (1, 3, "fp32", "nvme")]
+
+
+@pytest.mark.parametrize(("world", "stage", "precision", "device"), CASES)
+def test_offload_trains_bit_for_bit_like_no_offload(world, stage, precision, device, tmp_path):
+    losses, state, *_ = run_world(train, world, stage, precision, None)
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    offloaded, offloaded_state, held, planned, resumed, swap = run_world(
+        train, world, stage, precision, device, str(tmp_path / "ckpt"), str(swap_dir)
     )
     assert offloaded == losses
     assert all(torch.equal(offloaded_state[k], v) for k, v in state.items())
-    assert held == planned and planned.host > 0  # masters and Adam state on the host
     assert resumed == losses[STEPS // 2 + 1 :]  # checkpoints save and resume with offload on
+    if device == "cpu":
+        assert held == planned and planned.host > 0  # masters and Adam state on the host
+    else:
+        assert held.master == held.optimizer_state == 0  # all of it in the swap file
+        assert swap.startswith(str(swap_dir)) and not list(swap_dir.iterdir())  # removed
+
+
+def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
+    with pytest.raises(
+        OSError,
+        match=r"cannot allocate the optimizer swap file .*fzero-swap-.*: [\d,]+ bytes needed",
+    ):
+        fzero.shard(Net(), stage=2, config=config)
+    assert not list(tmp_path.iterdir())  # nothing left behind
 
 
 def test_offload_needs_a_sharding_stage():

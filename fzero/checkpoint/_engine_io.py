@@ -269,7 +269,13 @@ def save_checkpoint(
         os.makedirs(partial)
     client_tensors: dict[str, Tensor] = {}
     encoded_client = encode_client_state(dict(client_state or {}), client_tensors)
-    owned = _rank_tensors(engine, partition.local_slices(engine.plan, engine.rank))
+    with engine.all_resident(write_back=False):  # NVMe offload: read back to be saved
+        owned = [
+            (key, kind, s, t.clone() if engine.nvme is not None else t)
+            for key, kind, s, t in _rank_tensors(
+                engine, partition.local_slices(engine.plan, engine.rank)
+            )
+        ]
     tensors = [(key, t) for key, _, _, t in owned]
     records = [
         {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
@@ -487,6 +493,19 @@ def load_checkpoint(
     if not os.path.isdir(directory):
         warnings.warn(f"no checkpoint to load: {directory} does not exist", stacklevel=3)
         return None, None
+    with engine.all_resident(write_back=True):  # NVMe offload: loaded, then swapped out
+        return _load(
+            engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+
+def _load(
+    engine: Engine,
+    directory: str,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[str, Any]:
     try:
         index, staged, client_state = _read(
             engine, directory, load_optimizer_states and not load_module_only

@@ -1,0 +1,169 @@
+"""NVMe offload (ZeRO-Infinity, Rajbhandari et al. 2021): optimizer state in a file.
+
+Each rank keeps its fp32 masters and optimizer state tensors in one swap file under
+`nvme_path`, a region per (unit, kind), each region padded to 4 KiB so it can be read
+and written with O_DIRECT into 4 KiB-aligned host buffers. Transfers go through
+fzero's native thread pool of pread/pwrite (`native_src/fzero_aio.c`; a Python thread
+pool when the kernels are not built), so the engine reads unit i+1 while it updates
+unit i and writes unit i-1. The file has a unique name per rank and run, is
+allocated in full up front (a full disk is an error naming the path and the bytes),
+and is removed when the engine goes away or the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import errno
+import os
+import uuid
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fzero import native
+
+__all__ = ["AsyncIO", "SwapFile", "aligned_empty"]
+
+ALIGN = 4096
+
+
+def aligned_empty(numel: int) -> Tensor:
+    """An fp32 tensor of `numel` elements whose data starts on a 4 KiB boundary and whose
+    storage extends to a multiple of 4 KiB (what O_DIRECT needs)."""
+    padded = -(-max(numel, 1) * 4 // ALIGN) * ALIGN // 4
+    raw = torch.empty(padded + ALIGN // 4, dtype=torch.float32)
+    skip = (-raw.data_ptr() % ALIGN) // 4
+    return raw[skip : skip + padded][:numel]
+
+
+class AsyncIO:
+    """Asynchronous pread/pwrite of tensor bytes; `submit` returns a ticket, `wait` it."""
+
+    def __init__(self, threads: int, block_size: int) -> None:
+        self.block_size = block_size
+        if native.available():
+            self._lib, self._ffi = native._lib, native._ffi
+            self._queue = self._lib.fz_aio_new(threads)
+            self._pool = None
+        else:
+            self._lib = None
+            self._pool = concurrent.futures.ThreadPoolExecutor(threads, "fzero-aio")
+
+    def submit(self, fd: int, tensor: Tensor, nbytes: int, offset: int, write: bool) -> object:
+        if self._lib is not None:
+            pointer = self._ffi.cast("void *", tensor.data_ptr())
+            return self._lib.fz_aio_submit(
+                self._queue, fd, pointer, nbytes, offset, int(write), self.block_size
+            )
+        view = memoryview((_c_char_array(nbytes)).from_address(tensor.data_ptr())).cast("B")
+        return self._pool.submit(_transfer, fd, view, offset, write)
+
+    def wait(self, ticket: object) -> int:
+        """0, or the errno of the first failure."""
+        if self._lib is not None:
+            return int(self._lib.fz_aio_wait(self._queue, ticket))
+        return ticket.result()
+
+    def close(self) -> None:
+        if self._lib is not None and self._queue is not None:
+            self._lib.fz_aio_free(self._queue)
+            self._queue = None
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _c_char_array(nbytes: int):
+    import ctypes
+
+    return ctypes.c_char * nbytes
+
+
+def _transfer(fd: int, view: memoryview, offset: int, write: bool) -> int:
+    moved = 0
+    try:
+        while moved < len(view):
+            n = (os.pwrite if write else _pread_into)(fd, view[moved:], offset + moved)
+            if n == 0:
+                return errno.EIO if write else errno.ENODATA
+            moved += n
+    except OSError as error:
+        return error.errno or errno.EIO
+    return 0
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+class SwapFile:
+    """One rank's swap file: fixed regions of fp32 elements, read and written async."""
+
+    def __init__(
+        self, directory: str, rank: int, sizes: Sequence[int], threads: int, block_size: int
+    ) -> None:
+        if not directory:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.nvme_path is required for device 'nvme'"
+            )
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"zero_optimization.offload_optimizer.nvme_path {directory!r} is not a directory"
+            )
+        self.path = os.path.join(
+            directory, f"fzero-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.bin"
+        )
+        self.offsets = []
+        total = 0
+        for numel in sizes:
+            self.offsets.append(total)
+            total += -(-numel * 4 // ALIGN) * ALIGN
+        self.nbytes = total
+        self.direct = True
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        try:
+            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered I/O
+            self.fd, self.direct = os.open(self.path, flags, 0o600), False
+        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path)
+        atexit.register(self._finalizer)
+        try:
+            os.posix_fallocate(self.fd, 0, max(total, 1))
+        except OSError as error:
+            self.close()
+            raise OSError(
+                error.errno,
+                f"cannot allocate the optimizer swap file {self.path}: {total:,} bytes needed "
+                f"({os.strerror(error.errno or errno.EIO)})",
+            ) from None
+        if os.fstat(self.fd).st_size < total:
+            self.close()
+            raise OSError(
+                errno.ENOSPC, f"swap file {self.path} is shorter than the {total:,} bytes needed"
+            )
+        self.io = AsyncIO(threads, block_size)
+
+    def submit(self, region: int, tensor: Tensor, write: bool) -> object:
+        nbytes = -(-tensor.numel() * 4 // ALIGN) * ALIGN
+        return self.io.submit(self.fd, tensor, nbytes, self.offsets[region], write)
+
+    def wait(self, ticket: object, what: str) -> None:
+        error = self.io.wait(ticket)
+        if error:
+            raise OSError(error, f"{what} {self.path} failed: {os.strerror(error)}")
+
+    def close(self) -> None:
+        if getattr(self, "io", None) is not None:
+            self.io.close()
+            self.io = None
+        self._finalizer()
+
+
+def _remove(fd: int, path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
