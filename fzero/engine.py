@@ -204,6 +204,8 @@ class Engine:
         ]
         if meta is not None:
             meta.finish()
+        if self.nvme is not None:
+            _nvme.return_free_memory()
         self.buckets = self._build_buckets(zero.reduce_bucket_size)
         self._param_unit = {
             id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
@@ -430,6 +432,7 @@ class Engine:
             self._wait_swap(tickets, "writing")
         for rt in units:
             self._evict(rt)
+        _nvme.return_free_memory()
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         """A new fp32 copy where the optimizer runs: the host when offloading (pinned
