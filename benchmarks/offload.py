@@ -39,7 +39,7 @@ def vm_rss_mb() -> float:
 
 def disk_bandwidth(directory: str, nbytes: int = 512 * 2**20) -> float:
     """Bytes/s of an O_DIRECT sequential write then read of `nbytes` (same pool of I/O)."""
-    swap = _nvme.SwapFile(directory, 0, [nbytes // 4], threads=2, block_size=2**20)
+    swap = _nvme.SwapFile(directory, 0, [nbytes], threads=2, block_size=2**20, what="probe")
     buffer = _nvme.aligned_empty(nbytes // 4).fill_(1.0)
     start = time.perf_counter()
     swap.wait(swap.submit(0, buffer, write=True), "writing")

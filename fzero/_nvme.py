@@ -31,12 +31,13 @@ __all__ = ["AsyncIO", "SwapFile", "aligned_empty", "return_free_memory"]
 ALIGN = 4096
 
 
-def aligned_empty(numel: int) -> Tensor:
-    """An fp32 tensor of `numel` elements whose data starts on a 4 KiB boundary and whose
+def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A tensor of `numel` elements whose data starts on a 4 KiB boundary and whose
     storage extends to a multiple of 4 KiB (what O_DIRECT needs)."""
-    padded = -(-max(numel, 1) * 4 // ALIGN) * ALIGN // 4
-    raw = torch.empty(padded + ALIGN // 4, dtype=torch.float32)
-    skip = (-raw.data_ptr() % ALIGN) // 4
+    size = dtype.itemsize
+    padded = -(-max(numel, 1) * size // ALIGN) * ALIGN // size
+    raw = torch.empty(padded + ALIGN // size, dtype=dtype)
+    skip = (-raw.data_ptr() % ALIGN) // size
     return raw[skip : skip + padded][:numel]
 
 
@@ -129,27 +130,30 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 
 
 class SwapFile:
-    """One rank's swap file: fixed regions of fp32 elements, read and written async."""
+    """One rank's swap file: fixed regions of `sizes` bytes, read and written async."""
 
     def __init__(
-        self, directory: str, rank: int, sizes: Sequence[int], threads: int, block_size: int
+        self,
+        directory: str,
+        rank: int,
+        sizes: Sequence[int],
+        threads: int,
+        block_size: int,
+        *,
+        what: str = "optimizer",
+        key: str = "zero_optimization.offload_optimizer.nvme_path",
     ) -> None:
         if not directory:
-            raise ValueError(
-                "zero_optimization.offload_optimizer.nvme_path is required for device 'nvme'"
-            )
+            raise ValueError(f"{key} is required for device 'nvme'")
         if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                f"zero_optimization.offload_optimizer.nvme_path {directory!r} is not a directory"
-            )
-        self.path = os.path.join(
-            directory, f"fzero-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.bin"
-        )
+            raise FileNotFoundError(f"{key} {directory!r} is not a directory")
+        name = f"fzero-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.swap"
+        self.path = os.path.join(directory, name)
         self.offsets = []
         total = 0
-        for numel in sizes:
+        for nbytes in sizes:
             self.offsets.append(total)
-            total += -(-numel * 4 // ALIGN) * ALIGN
+            total += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = total
         self.direct = True
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -165,7 +169,7 @@ class SwapFile:
             self.close()
             raise OSError(
                 error.errno,
-                f"cannot allocate the optimizer swap file {self.path}: {total:,} bytes needed "
+                f"cannot allocate the {what} swap file {self.path}: {total:,} bytes needed "
                 f"({os.strerror(error.errno or errno.EIO)})",
             ) from None
         if os.fstat(self.fd).st_size < total:
@@ -176,7 +180,7 @@ class SwapFile:
         self.io = AsyncIO(threads, block_size)
 
     def submit(self, region: int, tensor: Tensor, write: bool) -> object:
-        nbytes = -(-tensor.numel() * 4 // ALIGN) * ALIGN
+        nbytes = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
         return self.io.submit(self.fd, tensor, nbytes, self.offsets[region], write)
 
     def wait(self, ticket: object, what: str) -> None:

@@ -69,6 +69,7 @@ class _UnitRuntime:
     param_shard: Tensor | None = None
     flat_grad: Tensor | None = None
     gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
+    gather_input: Tensor | None = None
     used: bool = False  # gathered for use since the current phase began (stage 3)
     bucket: _Bucket | None = None
     reported: int = 0
@@ -136,7 +137,10 @@ class Engine:
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
         # on the host; the device keeps compute-dtype parameters and gradients.
         self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
-        self.nvme: Any = None  # the swap file when offloading to NVMe
+        self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
+        # stage 3 parameter shards between uses: on the device, the host or NVMe
+        self.param_offload = zero.offload_param.device
+        self.param_swap: Any = None
         self._pin = (
             self.offload and zero.offload_optimizer.pin_memory and (torch.cuda.is_available())
         )
@@ -199,6 +203,16 @@ class Engine:
             meta = MetaInitializer(module, self.device, param_init_fn)
         if zero.offload_optimizer.device == "nvme":
             self._open_swap(zero, config)
+        if self.param_offload == "nvme":
+            self.param_swap = _nvme.SwapFile(
+                zero.offload_param.nvme_path,
+                self.rank,
+                [u.shard_numel * self.compute_dtype.itemsize for u in self.plan.units],
+                threads=config.aio.thread_count,
+                block_size=config.aio.block_size,
+                what="param",
+                key="zero_optimization.offload_param.nvme_path",
+            )
         self.units = [
             self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
         ]
@@ -233,11 +247,6 @@ class Engine:
             raise NotImplementedError(
                 "zero_optimization.offload_optimizer.device 'nvme' with Lamb is not supported "
                 "yet (its trust ratios need every unit twice); allowed: Adam, AdamW, SGD"
-            )
-        if zero.offload_param.device != "none":
-            raise NotImplementedError(
-                f"zero_optimization.offload_param.device {zero.offload_param.device!r} is not "
-                "supported yet; allowed: 'none'"
             )
 
     def _cast_module(self) -> None:
@@ -286,7 +295,11 @@ class Engine:
         keeps_full = self.stage < 3 or unit.persistent
         part = self._partition(unit)
         full = master = param_shard = None
-        shares_master = self.compute_dtype == torch.float32 and not self.offload
+        shares_master = (
+            self.compute_dtype == torch.float32
+            and not self.offload
+            and self.param_offload == "none"
+        )
         if keeps_full:
             full = flat if self.compute_dtype == torch.float32 else flat.to(self.compute_dtype)
             master = full[part] if shares_master else self._to_host(flat[part])
@@ -310,6 +323,7 @@ class Engine:
             self._bind(rt)
         else:
             self._unbind(rt)
+            self._store_param_shard(rt, rt.param_shard)
         if self.nvme is not None:  # to the swap file; the host keeps nothing of it
             self._swap_out(rt, wait=True)
             self._evict(rt)
@@ -324,7 +338,7 @@ class Engine:
             if isinstance(v, Tensor)
         ]
         self._swap_kinds = ["master", *kinds]
-        sizes = [self._partition_numel(u) for u in self.plan.units for _ in self._swap_kinds]
+        sizes = [4 * self._partition_numel(u) for u in self.plan.units for _ in self._swap_kinds]
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
             self.rank,
@@ -475,16 +489,41 @@ class Engine:
 
     # ---- stage 3: gather before use, release after ---------------------------------------
 
+    def _store_param_shard(self, rt: _UnitRuntime, value: Tensor) -> None:
+        """Keep `value` as the unit's compute-dtype shard where `offload_param` says:
+        the device (no offload), the host, or the param swap file."""
+        if self.param_offload == "nvme":
+            if value is not rt.param_shard or value.numel():
+                aligned = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+                aligned.copy_(value)
+                self.param_swap.wait(self.param_swap.submit(rt.index, aligned, True), "writing")
+            rt.param_shard = torch.empty(0, dtype=self.compute_dtype)
+        elif self.param_offload == "cpu" and value is rt.param_shard:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
+            rt.param_shard = host.copy_(value)
+        elif value is not rt.param_shard:
+            rt.param_shard.copy_(value)
+
+    def _gather_input(self, rt: _UnitRuntime) -> Tensor:
+        """This rank's shard of the unit, on the device, for the all-gather."""
+        if self.param_offload == "nvme":
+            shard = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+            self.param_swap.wait(self.param_swap.submit(rt.index, shard, False), "reading")
+            return shard.to(self.device)
+        shard = rt.param_shard if rt.param_shard is not None else rt.master
+        return shard.to(self.device)  # offload_param cpu: host to device
+
     def _gather(self, rt: _UnitRuntime, *, wait: bool = True) -> None:
         """All-gather the unit's parameters (asynchronously unless `wait`)."""
         if rt.full is None:
-            shard = rt.param_shard if rt.param_shard is not None else rt.master
+            shard = self._gather_input(rt)
             rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
             rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
+            rt.gather_input = shard  # alive until the all-gather is done
         if wait and rt.gather_work is not None:
             with self._timers("comm"):
                 rt.gather_work.wait()
-            rt.gather_work = None
+            rt.gather_work = rt.gather_input = None
             self._bind(rt)
 
     def _release(self, rt: _UnitRuntime) -> None:
@@ -492,7 +531,7 @@ class Engine:
             return
         if rt.gather_work is not None:  # a prefetch nobody used: let it land first
             rt.gather_work.wait()
-            rt.gather_work = None
+            rt.gather_work = rt.gather_input = None
         rt.full = None
         rt.used = False
         self._unbind(rt)
@@ -856,6 +895,8 @@ class Engine:
             return None
         if self.offload:  # a host buffer; _publish moves it to the device
             return torch.empty(rt.master.numel(), dtype=self.compute_dtype, pin_memory=self._pin)
+        if rt.full is None and self.param_offload == "nvme":
+            return torch.empty(rt.master.numel(), dtype=self.compute_dtype)
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.stage == 0 or self.world_size == 1:
@@ -934,7 +975,8 @@ class Engine:
         `written`: the compute-dtype copy a native update already made."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
-                rt.param_shard.copy_(written if written is not None else rt.master)
+                value = written if written is not None else rt.master
+                self._store_param_shard(rt, value.to(self.compute_dtype))
             return
         if self.stage == 0 or self.world_size == 1:
             target = rt.full[self._partition(rt.unit)]
@@ -1079,7 +1121,7 @@ class Engine:
         if rt.master.data_ptr() != rt.full[self._partition(rt.unit)].data_ptr():
             rt.master.copy_(rt.full[self._partition(rt.unit)])
         if rt.param_shard is not None:
-            rt.param_shard.copy_(rt.full[self._owned(rt.unit)])
+            self._store_param_shard(rt, rt.full[self._owned(rt.unit)])
         self._bind(rt)
 
     # ---- checkpoints ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ def _step(engine, rank, world, step):
     return loss.item()
 
 
-def train(rank, world, stage, precision, offload, root=None, nvme_path=None):
+def train(rank, world, stage, precision, offload, root=None, nvme_path=None, param=None):
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -36,6 +36,7 @@ def train(rank, world, stage, precision, offload, root=None, nvme_path=None):
                 "pin_memory": True,
                 "nvme_path": nvme_path,
             },
+            "offload_param": {"device": param or "none", "nvme_path": nvme_path},
         },
     }
     engine = fzero.shard(
@@ -96,7 +97,7 @@ def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
     with pytest.raises(
         OSError,
-        match=r"cannot allocate the optimizer swap file .*fzero-swap-.*: [\d,]+ bytes needed",
+        match=r"cannot allocate the optimizer swap file .*fzero-optimizer-.*: [\d,]+ bytes needed",
     ):
         fzero.shard(Net(), stage=2, config=config)
     assert not list(tmp_path.iterdir())  # nothing left behind
@@ -107,3 +108,19 @@ def test_offload_needs_a_sharding_stage():
         fzero.shard(
             Net(), stage=0, config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
         )
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("param", "optimizer"), [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", None)])
+def test_stage3_parameter_offload_trains_bit_for_bit(world, param, optimizer, tmp_path):
+    losses, state, *_ = run_world(train, world, 3, "bf16", None)
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    offloaded, offloaded_state, held, _, resumed, _ = run_world(
+        train, world, 3, "bf16", optimizer, str(tmp_path / "ckpt"), str(swap_dir), param
+    )
+    assert offloaded == losses and resumed == losses[STEPS // 2 + 1 :]
+    assert all(torch.equal(offloaded_state[k], v) for k, v in state.items())
+    if param == "nvme":
+        assert held.params == 0  # between steps no parameter shard is in memory
+        assert not list(swap_dir.iterdir())
