@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--master_addr", default=None)
     run.add_argument("--master_port", type=int, default=29500)
     run.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'host slots=N' lines")
+    run.add_argument("--include", default="", help="hosts/slots to use, e.g. worker-0:0,1@worker-1")
+    run.add_argument("--exclude", default="", help="hosts/slots to leave out, same format")
+    run.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun")
     run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -116,7 +119,11 @@ def _inspect(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fzero.launcher import run
 
-    return run(args, args.script_args)
+    try:
+        return run(args, args.script_args)
+    except (ValueError, OSError) as error:
+        print(f"fzero run: {error}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "parse_hostfile", "torchrun_command"]
+__all__ = ["Host", "filter_hosts", "parse_hostfile", "slurm_command", "torchrun_command"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,70 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     if not hosts:
         raise ValueError(f"hostfile {str(path)!r} names no hosts")
     return hosts
+
+
+def _selection(spec: str, flag: str) -> dict[str, list[int] | None]:
+    """DeepSpeed's `host[:slot,slot][@host...]` into {host: slots or None (all)}."""
+    chosen: dict[str, list[int] | None] = {}
+    for part in filter(None, spec.split("@")):
+        name, _, slots = part.partition(":")
+        if slots and not all(s.isdigit() for s in slots.split(",")):
+            raise ValueError(f"{flag} {spec!r}: {part!r}; expected host or host:slot[,slot]")
+        chosen[name] = [int(s) for s in slots.split(",")] if slots else None
+    return chosen
+
+
+def filter_hosts(hosts: Sequence[Host], include: str = "", exclude: str = "") -> list[Host]:
+    """Apply DeepSpeed's `--include` / `--exclude` (`worker-0:0,1@worker-1`) to a hostfile:
+    a bare host keeps or drops it whole, `host:slots` keeps or drops those slots."""
+    if include and exclude:
+        raise ValueError("--include and --exclude cannot be used together")
+    known = {h.name: h for h in hosts}
+    selection = _selection(include or exclude, "--include" if include else "--exclude")
+    unknown = sorted(set(selection) - set(known))
+    if unknown:
+        raise ValueError(f"hosts {unknown} are not in the hostfile; it has {sorted(known)}")
+    for name, slots in selection.items():
+        bad = [s for s in slots or [] if not 0 <= s < known[name].slots]
+        if bad:
+            raise ValueError(f"{name} has slots 0..{known[name].slots - 1}; asked for {bad}")
+    result = []
+    for host in hosts:
+        if include:
+            if host.name in selection:
+                slots = selection[host.name]
+                result.append(Host(host.name, len(slots) if slots else host.slots))
+        elif host.name not in selection:
+            result.append(host)
+        elif selection[host.name]:
+            left = host.slots - len(set(selection[host.name]))
+            if left:
+                result.append(Host(host.name, left))
+    if not result:
+        raise ValueError(f"--include/--exclude {include or exclude!r} leaves no hosts")
+    return result
+
+
+def slurm_command(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc_per_node: int,
+    num_nodes: int,
+    master_addr: str,
+    master_port: int = 29500,
+) -> list[str]:
+    """`srun` starting one torchrun per node; torchrun's c10d rendezvous numbers them."""
+    inner = torchrun_command(
+        script,
+        script_args,
+        nproc_per_node=nproc_per_node,
+        num_nodes=num_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+    )
+    inner = [arg for arg in inner if not arg.startswith("--node-rank=")]
+    return ["srun", f"--nodes={num_nodes}", "--ntasks-per-node=1", *inner]
 
 
 def torchrun_command(
@@ -80,6 +144,27 @@ def torchrun_command(
 def run(args, script_args: Sequence[str]) -> int:
     """Run the command for parsed `fzero run` arguments; return its exit code."""
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
+    if hosts and (args.include or args.exclude):
+        hosts = filter_hosts(hosts, args.include, args.exclude)
+    elif args.include or args.exclude:
+        raise ValueError("--include/--exclude select hosts of a --hostfile")
+    if args.launcher == "slurm":
+        slots = {h.slots for h in hosts} if hosts else {args.nproc_per_node}
+        master = args.master_addr or (hosts[0].name if hosts else None)
+        if master is None or len(slots) != 1:
+            raise ValueError("--launcher slurm needs --master_addr or a --hostfile of equal slots")
+        command = slurm_command(
+            args.script,
+            script_args,
+            nproc_per_node=slots.pop(),
+            num_nodes=len(hosts) if hosts else args.num_nodes,
+            master_addr=master,
+            master_port=args.master_port,
+        )
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        return subprocess.call(command)
     command = torchrun_command(
         args.script,
         script_args,

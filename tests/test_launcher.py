@@ -1,0 +1,103 @@
+"""`fzero run`: host selection, slurm command lines, and two nodes on loopback."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fzero.launcher import Host, filter_hosts
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = [Host("worker-0", 4), Host("worker-1", 4), Host("worker-2", 4)]
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude", "expected"),
+    [
+        ("worker-1", "", [Host("worker-1", 4)]),
+        ("worker-0:0,1@worker-2", "", [Host("worker-0", 2), Host("worker-2", 4)]),
+        ("", "worker-1", [Host("worker-0", 4), Host("worker-2", 4)]),
+        ("", "worker-2:3", [Host("worker-0", 4), Host("worker-1", 4), Host("worker-2", 3)]),
+    ],
+)
+def test_include_and_exclude_select_hosts_and_slots(include, exclude, expected):
+    assert filter_hosts(HOSTS, include, exclude) == expected
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude", "message"),
+    [
+        ("worker-9", "", r"hosts \['worker-9'\] are not in the hostfile"),
+        ("worker-0:7", "", r"worker-0 has slots 0..3; asked for \[7\]"),
+        ("worker-0", "worker-1", "cannot be used together"),
+        ("worker-0:x", "", "expected host or host:slot"),
+    ],
+)
+def test_bad_selections_are_named(include, exclude, message):
+    with pytest.raises(ValueError, match=message):
+        filter_hosts(HOSTS, include, exclude)
+
+
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fzero.cli", "run", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_slurm_and_hostfile_dry_runs(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\nnode-c slots=2\n")
+    run = _cli(
+        "--dry-run",
+        "--launcher",
+        "slurm",
+        "--hostfile",
+        str(hostfile),
+        "--exclude",
+        "node-c",
+        "t.py",
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("srun --nodes=2 --ntasks-per-node=1 ")
+    assert (
+        "--nproc-per-node=2 --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node-a:29500"
+        in run.stdout
+    )
+    bad = _cli("--dry-run", "--include", "node-a", "t.py")
+    assert bad.returncode == 2 and "select hosts of a --hostfile" in bad.stderr
+
+
+def _losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"epoch \d+ loss ([\d.]+)", output)]
+
+
+def test_two_nodes_on_loopback_train_like_one_node_with_two_processes():
+    script = str(ROOT / "examples" / "regression" / "train.py")
+    single = _cli("-n", "2", script, "--epochs", "3")
+    assert single.returncode == 0, single.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def node(rank: int) -> subprocess.Popen:
+        launcher = ["-n", "1", "--num_nodes", "2", "--node_rank", str(rank)]
+        launcher += ["--master_addr", "127.0.0.1", "--master_port", port]
+        return subprocess.Popen(
+            [sys.executable, "-m", "fzero.cli", "run", *launcher, script, "--epochs", "3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+
+    nodes = [node(0), node(1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    multi = _losses(outputs[0][0]) or _losses(outputs[1][0])
+    assert len(_losses(single.stdout)) == 3 and multi == _losses(single.stdout)
