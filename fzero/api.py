@@ -167,6 +167,10 @@ def initialize(
         )
     comm.init_distributed(required=dist_init_required)
     cfg = _config(source)
+    if getattr(args, "metrics_file", None):
+        cfg = dataclasses.replace(cfg, metrics_file=args.metrics_file)
+    if getattr(args, "no_progress", False):
+        cfg = dataclasses.replace(cfg, progress=False)
     groups = _param_groups(model_parameters)
     client = None
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -179,6 +179,10 @@ class Config:
     )
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    metrics_file: str | None = None
+    """fzero: append one JSON line per `steps_per_print` (the logged figures) to this file."""
+    progress: bool = True
+    """fzero: a progress bar on rank 0 when stdout is a terminal."""
 
 
 # Keys DeepSpeed knows that fzero does not implement: accepted only while off.
@@ -636,4 +640,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepspeed_config", default=None, type=str, help="JSON config path")
     group.add_argument("--fzero", action="store_true", help="enable fzero")
     group.add_argument("--fzero_config", default=None, type=str, help="JSON config path")
+    group.add_argument("--metrics-file", default=None, help="append JSON lines of metrics here")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

@@ -21,10 +21,9 @@ import contextlib
 import logging
 import math
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from fzero.optim import (
     with_overrides,
 )
 from fzero.partition import MemoryEstimate, Placement, Plan, Unit
+from fzero.telemetry import Telemetry, Timers
 
 __all__ = ["Engine", "Precision"]
 
@@ -88,19 +88,6 @@ class _Bucket:
     @property
     def numel(self) -> int:
         return sum(rt.unit.numel for rt in self.units)
-
-
-@dataclass
-class _Timers:
-    totals: dict[str, float] = field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
 
 class Engine:
@@ -159,9 +146,7 @@ class Engine:
         self.skipped_steps = 0
         self.lr_steps = 0
         self._skipped_last = False
-        self._losses: list[float] = []
-        self._timers = _Timers()
-        self._last_print = time.perf_counter()
+        self._timers = Timers()
         self._pending: list[tuple[Any, Callable[[], None]]] = []
         self._publishing: list[tuple[Any, _UnitRuntime, Tensor | None]] = []
         self._launch_next = 0
@@ -231,6 +216,7 @@ class Engine:
         if self.stage == 3:
             self._install_stage3_hooks()
         self._set_hparams()
+        self.telemetry = Telemetry(self)
         log.info(
             "fzero: stage %d, %s, world %d, %d units, %s params",
             self.stage,
@@ -670,6 +656,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; floating inputs are cast to the compute dtype."""
+        self.telemetry.forward(args, kwargs)
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         with self._timers("forward"):
@@ -686,7 +673,7 @@ class Engine:
         reduces gradients as the plan says."""
         accumulation = self.gradient_accumulation_steps()
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
-        self._losses.append(float(loss.detach().float()))
+        self.telemetry.losses.append(float(loss.detach().float()))
         self._boundary_now = self.is_gradient_accumulation_boundary()
         self._launch_next = 0
         self._begin_phase("backward")
@@ -794,7 +781,7 @@ class Engine:
         self.global_steps += 1
         if self.batch is not None:
             self.global_samples += self.batch.train_batch_size
-        self._maybe_print()
+        self.telemetry.step()
 
     def _owned_grads(self) -> list[Tensor]:
         return [rt.grad[self._owned(rt.unit)] if self.stage < 2 else rt.grad for rt in self.units]
@@ -1265,29 +1252,6 @@ class Engine:
         )
 
     # ---- telemetry ------------------------------------------------------------------------
-
-    def _maybe_print(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every:
-            return
-        now = time.perf_counter()
-        elapsed, self._last_print = now - self._last_print, now
-        loss = sum(self._losses) / max(1, len(self._losses))
-        self._losses.clear()
-        if self.rank != 0:
-            return
-        lrs = ", ".join(f"{lr:.3g}" for lr in self._current_lrs())
-        text = f"[fzero] step {self.global_steps} loss {loss:.4f} lr [{lrs}]"
-        if self.loss_scaler is not None:
-            text += f" loss_scale {self.loss_scale:g}"
-        if self.batch is not None:
-            text += f" samples/s {self.batch.train_batch_size * every / elapsed:.1f}"
-        if self.config.wall_clock_breakdown:
-            text += " | " + " ".join(
-                f"{k} {1e3 * v / every:.1f}ms" for k, v in sorted(self._timers.totals.items())
-            )
-            self._timers.totals.clear()
-        print(text, flush=True)
 
 
 # ---- helpers -----------------------------------------------------------------------------

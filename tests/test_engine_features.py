@@ -83,7 +83,8 @@ def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     lines = text.splitlines()
     assert [line.split()[2] for line in lines] == ["2", "4"]
     pattern = (
-        r"\[fzero\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ \| "
+        r"\[fzero\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ "
+        r"mem [\d.]+/[\d.]+ MB peak \d+ MB \| "
         r"backward [\d.]+ms comm [\d.]+ms forward [\d.]+ms step [\d.]+ms"
     )
     assert re.fullmatch(pattern, lines[1]), lines[1]
@@ -336,3 +337,34 @@ def test_launcher_builds_torchrun_commands(tmp_path):
 
 def test_dist_is_not_left_initialised_in_the_test_process():
     assert not dist.is_initialized()
+
+
+def metrics_case(rank, world, path):
+    torch.manual_seed(0)
+    config = {"steps_per_print": 1, "metrics_file": path, "train_micro_batch_size_per_gpu": 2}
+    engine = fzero.shard(Awkward(), stage=3, config=config)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        for step in range(2):
+            x, y = _awkward_batch(step, MICRO * world)
+            rows = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(_lm_loss(engine(x[rows]), y[rows]))
+            engine.step()
+    return out.getvalue()
+
+
+def test_metrics_file_has_tokens_flops_and_memory(tmp_path):
+    import json
+
+    path = tmp_path / "metrics.jsonl"
+    text = run_world(metrics_case, 2, str(path))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    params = sum(p.numel() for p in Awkward().parameters() if p.requires_grad)
+    for record in records:
+        # 2 ranks x 2 sequences x 5 tokens per step
+        assert record["tokens_per_s"] == pytest.approx(20 / record["seconds"])
+        flops = 6 * params * 20 / record["seconds"]  # 6 x parameters x tokens, per second
+        assert record["tflops"] == pytest.approx(flops / 1e12)
+        assert record["memory_mb"] == pytest.approx(record["memory_plan_mb"])
+        assert record["peak_memory_mb"] > 0
+    assert "tokens/s" in text and "TFLOP/s" in text

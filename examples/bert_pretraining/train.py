@@ -37,7 +37,6 @@ def get_argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load_training_checkpoint", default=None, help="checkpoint directory")
     parser.add_argument("--load_checkpoint_id", default=None, help="tag (default: latest)")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--no-progress", action="store_true", help="accepted; nothing to turn off")
     return parser
 
 
