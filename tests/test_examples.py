@@ -46,3 +46,11 @@ def test_bert_pretraining_zero3_loss_falls_and_resumes(tmp_path):
     assert "resumed from" in resumed and "at step 4" in resumed
     again = [float(x) for x in re.findall(r"mlm loss ([\d.]+)", resumed)]
     assert again[:4] == losses[4:8]  # the same steps 5-8 as the uninterrupted run
+
+
+def test_functional_api_example_prints_a_plan_and_memory_equal_to_it():
+    out = _fzero_run(ROOT / "examples" / "functional_api.py", "--steps", "20")
+    assert "plan: strategy=flat_even stage=3 world_size=2" in out and "unit 4 " in out
+    for rank in (0, 1):
+        match = re.search(rf"rank {rank}: loss ([\d.]+) -> ([\d.]+); .*\(equal\)", out)
+        assert match and float(match[2]) < float(match[1]) / 2, out
