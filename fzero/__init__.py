@@ -1,6 +1,6 @@
 """fzero: ZeRO sharded data-parallel training for PyTorch, with plans as plain data."""
 
-from fzero import checkpointing, optim, partition
+from fzero import checkpoint, checkpointing, optim, partition
 from fzero._meta_init import init_context
 from fzero._version import __version__
 from fzero.api import gathered_parameters, initialize, shard
@@ -12,6 +12,7 @@ __all__ = [
     "Engine",
     "__version__",
     "add_config_arguments",
+    "checkpoint",
     "checkpointing",
     "gathered_parameters",
     "init_context",

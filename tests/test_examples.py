@@ -54,3 +54,24 @@ def test_functional_api_example_prints_a_plan_and_memory_equal_to_it():
     for rank in (0, 1):
         match = re.search(rf"rank {rank}: loss ([\d.]+) -> ([\d.]+); .*\(equal\)", out)
         assert match and float(match[2]) < float(match[1]) / 2, out
+
+
+def test_bert_classification_learns_and_its_checkpoint_loads_into_the_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from fzero.checkpoint import consolidated_state_dict
+
+    script = ROOT / "examples" / "bert_classification" / "train.py"
+    config = str(ROOT / "examples" / "bert_classification" / "ds_config.json")
+    out = _fzero_run(
+        script, "--deepspeed_config", config, "--epochs", "5", "--output_dir", str(tmp_path)
+    )
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+) held-out", out)]
+    accuracy = [float(x) for x in re.findall(r"accuracy ([\d.]+)", out)]
+    assert len(losses) == 5 and losses[-1] < losses[0] - 0.1 and accuracy[-1] >= 0.8, out
+    state = consolidated_state_dict(str(tmp_path / "checkpoints"))
+    config = transformers.BertConfig(
+        vocab_size=state["bert.embeddings.word_embeddings.weight"].shape[0], hidden_size=128,
+        num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+        max_position_embeddings=128, num_labels=2,
+    )  # fmt: skip
+    transformers.BertForSequenceClassification(config).load_state_dict(state)  # strict

@@ -16,15 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
-from data import MaskedLMDataset, tokenizer
 from transformers import BertConfig, BertForMaskedLM
 
 import fzero as deepspeed  # the one change from a DeepSpeed script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # examples/text_data.py, shared by the examples
+from text_data import MaskedLMDataset, tokenizer  # noqa: E402
 
 
 def get_argument_parser() -> argparse.ArgumentParser:
@@ -186,9 +188,14 @@ def main() -> None:
         else:
             epoch += 1
     if rank == 0:
-        print(
-            f"MLM loss {first_loss:.4f} -> {last_loss:.4f} in steps up to {global_step}", flush=True
-        )
+        print(f"MLM loss {first_loss:.4f} -> {last_loss:.4f} in {global_step} steps", flush=True)
+        # a Transformers model directory (weights, config, vocabulary) for fine-tuning
+        export = os.path.join(args.output_dir, "model")
+        deepspeed.checkpoint.consolidate(os.path.join(args.output_dir, "checkpoints"), export)
+        engine.module.config.save_pretrained(export)
+        tok.save_model(export)
+        print(f"consolidated model: {export}", flush=True)
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -64,3 +64,18 @@ class MaskedLMDataset(torch.utils.data.Dataset):
         swap = chosen & (draw >= 0.8) & (draw < 0.9)
         tokens[swap] = random_tokens[swap]
         return {"input_ids": tokens, "labels": labels}
+
+
+def code_paragraphs(seed: int = 0) -> tuple[list[str], list[int]]:
+    """A labelled set built from the corpus: does a paragraph show interactive Python
+    (a `>>>` prompt)? Balanced by taking as many plain paragraphs as code ones, in a
+    seeded order. The label is learnable from the text, not given away by a fixed token:
+    the prompts are removed, so the model must recognise code itself."""
+    with_code = [p for p in corpus() if ">>>" in p]
+    plain = [p for p in corpus() if ">>>" not in p and "..." not in p]
+    gen = torch.Generator().manual_seed(seed)
+    plain = [plain[i] for i in torch.randperm(len(plain), generator=gen)[: len(with_code)]]
+    texts = [p.replace(">>>", " ") for p in with_code] + plain
+    labels = [1] * len(with_code) + [0] * len(plain)
+    order = torch.randperm(len(texts), generator=gen).tolist()
+    return [texts[i] for i in order], [labels[i] for i in order]
