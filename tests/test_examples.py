@@ -75,3 +75,24 @@ def test_bert_classification_learns_and_its_checkpoint_loads_into_the_model(tmp_
         max_position_embeddings=128, num_labels=2,
     )  # fmt: skip
     transformers.BertForSequenceClassification(config).load_state_dict(state)  # strict
+
+
+def test_t5_translation_zero2_offload_auto_config_and_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from fzero.checkpoint import consolidated_state_dict
+
+    t5 = ROOT / "examples" / "t5_translation"
+    out = _fzero_run(
+        t5 / "train.py", "--deepspeed", str(t5 / "ds_config_zero2.json"),
+        "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
+        "--do_train", "--do_eval", "--output_dir", str(tmp_path), "--overwrite_output_dir",
+        "--max_train_samples", "512", "--max_eval_samples", "64", "--num_train_epochs", "3",
+        "--source_lang", "en", "--target_lang", "en_rev",
+    )  # fmt: skip
+    losses = [float(x) for x in re.findall(r"eval loss ([\d.]+) bleu", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out
+    loaded = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path)).state_dict()
+    saved = consolidated_state_dict(str(tmp_path / "checkpoints"))
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
