@@ -1,0 +1,45 @@
+"""benchmarks/plot.py reads the tables the benchmarks print and the metrics files."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
+plot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot)
+
+TABLE = """step time, 8.4M params, micro batch 8, 2 ranks, 1 threads/rank
+engine                               s/step   x DDP  peak RSS MB
+DDP                                   0.094    1.00          496
+fzero stage 3                         0.107    1.13         1002
+fzero stage 3 max_reuse_distance=0    0.112    1.18         1118
+(peak RSS is the process high-water mark so far)
+"""
+
+
+def test_table_rows_keep_names_ending_in_digits(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text(TABLE)
+    header, names, values = plot.read_table(str(path))
+    assert header == ["s/step", "x DDP", "peak RSS MB"]
+    assert names == ["DDP", "fzero stage 3", "fzero stage 3 max_reuse_distance=0"]
+    assert values[1] == [0.107, 1.13, 1002.0]
+
+
+def test_metrics_and_a_table_become_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    import subprocess
+    import sys
+
+    (tmp_path / "t.txt").write_text(TABLE)
+    (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n')
+    for args in (["table", "t.txt", "-o", "t.png"], ["loss", "m.jsonl", "-o", "l.png"]):
+        subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "plot.py"), *args], cwd=tmp_path, check=True
+        )
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
