@@ -38,6 +38,7 @@ def make_model() -> nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--save_dir", default="out/functional_api")
     args = parser.parse_args()
     fzero.comm.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -72,7 +73,17 @@ def main() -> None:
         first = loss.item() if first is None else first
         last = loss.item()
 
-    # 3. The plan's estimate against what this rank holds.
+    # 3. A checkpoint, loaded into an engine with the default plan: resharded on load.
+    path = engine.save_checkpoint(args.save_dir)
+    other = fzero.shard(make_model(), stage=2, optimizer=fzero.optim.adamw(lr=3e-3))
+    other.load_checkpoint(args.save_dir)
+    same = all(
+        torch.equal(a, b) for a, b in zip(engine.state_dict().values(), other.state_dict().values())
+    )
+    if rank == 0:
+        print(f"checkpoint {path} into stage 2, default plan: identical {same}", flush=True)
+
+    # 4. The plan's estimate against what this rank holds.
     held, planned = engine.memory_held(), engine.memory_planned()
     print(
         f"rank {rank}: loss {first:.3f} -> {last:.3f}; memory held {held.total:,} B, "

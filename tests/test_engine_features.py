@@ -279,13 +279,15 @@ def _fzero_run(args, timeout=180):
     )
 
 
-def test_tutorial_regression_script_trains_under_fzero_run():
-    result = _fzero_run(["-n", "2", "examples/regression/train.py", "--epochs", "4"])
+def test_tutorial_regression_script_trains_under_fzero_run(tmp_path):
+    script = ["examples/regression/train.py", "--epochs", "4", "--save_dir", str(tmp_path)]
+    result = _fzero_run(["-n", "2", *script])
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [
         float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("epoch")
     ]
     assert len(losses) == 4 and losses[-1] < 0.6 * losses[0], result.stdout
+    assert "checkpoint round-trip: epoch 4, identical True" in result.stdout
 
 
 def test_a_failing_rank_ends_the_job_and_is_named(tmp_path):

@@ -48,8 +48,10 @@ def test_bert_pretraining_zero3_loss_falls_and_resumes(tmp_path):
     assert again[:4] == losses[4:8]  # the same steps 5-8 as the uninterrupted run
 
 
-def test_functional_api_example_prints_a_plan_and_memory_equal_to_it():
-    out = _fzero_run(ROOT / "examples" / "functional_api.py", "--steps", "20")
+def test_functional_api_example_prints_a_plan_and_memory_equal_to_it(tmp_path):
+    script = ROOT / "examples" / "functional_api.py"
+    out = _fzero_run(script, "--steps", "20", "--save_dir", str(tmp_path))
+    assert "into stage 2, default plan: identical True" in out
     assert "plan: strategy=flat_even stage=3 world_size=2" in out and "unit 4 " in out
     for rank in (0, 1):
         match = re.search(rf"rank {rank}: loss ([\d.]+) -> ([\d.]+); .*\(equal\)", out)
