@@ -99,7 +99,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False)
 
 
 def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
-    """Every rank's `data`, in rank order, over a CPU (gloo) group; no pickle."""
+    """Every rank's `data`, in rank order, over a CPU (gloo) group (raw bytes, not pickled)."""
     world = dist.get_world_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64)
     lengths = [torch.zeros_like(length) for _ in range(world)]

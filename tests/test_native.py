@@ -32,7 +32,7 @@ def _data(n, seed=0):
     return torch.randn(n, generator=gen), torch.randn(n, generator=gen)
 
 
-def _close(native_p, ref_p):
+def assert_near(native_p, ref_p):
     # atol: 1e-6 of the step size (lr 1e-3) for elements whose value is near zero
     torch.testing.assert_close(native_p, ref_p, rtol=3e-7, atol=1e-9)
 
@@ -58,9 +58,9 @@ def test_adam_matches_pure(n, threads, decoupled, bias_correction, grad_scale):
             eps=1e-8, weight_decay=0.01, decoupled=decoupled, bias_correction=bias_correction,
             grad_scale=grad_scale,
         )  # fmt: skip
-        _close(nat.exp_avg, ref.exp_avg)
-        _close(nat.exp_avg_sq, ref.exp_avg_sq)
-        _close(nat_p, ref_p)
+        assert_near(nat.exp_avg, ref.exp_avg)
+        assert_near(nat.exp_avg_sq, ref.exp_avg_sq)
+        assert_near(nat_p, ref_p)
         nat_p.copy_(ref_p)  # compare one step at a time from equal inputs
         nat.exp_avg.copy_(ref.exp_avg)
         nat.exp_avg_sq.copy_(ref.exp_avg_sq)
@@ -94,9 +94,9 @@ def test_sgd_matches_pure(n, momentum, nesterov, weight_decay):
         native.sgd_(nat_p, g, buf, first=step == 0, lr=0.1, momentum=momentum, dampening=0.0,
                     weight_decay=weight_decay, nesterov=nesterov)  # fmt: skip
         if momentum:
-            _close(buf, ref.momentum_buffer)
+            assert_near(buf, ref.momentum_buffer)
             buf.copy_(ref.momentum_buffer)
-        _close(nat_p, ref_p)
+        assert_near(nat_p, ref_p)
         nat_p.copy_(ref_p)
 
 
@@ -114,8 +114,8 @@ def test_lamb_matches_pure(n):
         nat_p, g, nat.exp_avg, nat.exp_avg_sq, update, step=1, betas=hp.betas, eps=hp.eps,
         weight_decay=0.01,
     )  # fmt: skip
-    _close(nat.exp_avg, ref.exp_avg)
-    _close(nat.exp_avg_sq, ref.exp_avg_sq)
+    assert_near(nat.exp_avg, ref.exp_avg)
+    assert_near(nat.exp_avg_sq, ref.exp_avg_sq)
     torch.testing.assert_close(update, ref_update, rtol=3e-7, atol=0)
     p_norms = segment_sq_sums(ref_p, segments).sqrt().tolist()
     u_norms = segment_sq_sums(ref_update, segments).sqrt().tolist()
@@ -124,7 +124,7 @@ def test_lamb_matches_pure(n):
 
     scales = [-1e-2 * trust_ratio(a, b, opt.hparams) for a, b in zip(p_norms, u_norms)]
     native.lamb_apply_(nat_p, ref_update, segments, scales)
-    _close(nat_p, ref_p)
+    assert_near(nat_p, ref_p)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: safetensors slices + one msgpack index per tag, never pickle.
+"""Sharded checkpoints: safetensors slices + one msgpack index per tag (never pickled).
 
 `Engine.save_checkpoint` / `Engine.load_checkpoint` write and read them (any world
 size, stage or strategy on load); `consolidated_state_dict` and `consolidate` turn one

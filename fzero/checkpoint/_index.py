@@ -1,5 +1,5 @@
 """The checkpoint index: one msgpack record per tag, checksummed; and the caller's
-`client_state`, encoded without pickle.
+`client_state`, encoded as msgpack (never pickled).
 
 Index schema (`index.msgpack`, a msgpack map `{"fzero_checkpoint": 1, "body":
 bytes, "crc32": int}` whose body is the map below):

@@ -75,6 +75,11 @@ def _buffer(name: str, tensor: Tensor, numel: int, dtype: torch.dtype = torch.fl
     return tensor
 
 
+def _buffers(numel: int, **tensors: Tensor) -> None:
+    for name, tensor in tensors.items():
+        _buffer(name, tensor, numel)
+
+
 def _no_alias(**tensors: Tensor | None) -> None:
     spans = []
     for name, t in tensors.items():
@@ -131,13 +136,7 @@ def adam_(
     gradients times `grad_scale` first; `out` (bf16/fp16) gets the updated params."""
     _require()
     n = param.numel()
-    for name, t in (
-        ("param", param),
-        ("grad", grad),
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-    ):
-        _buffer(name, t, n)
+    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     out, out_kind = _out(out, n)
     _no_alias(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
     beta1, beta2 = betas
@@ -171,14 +170,7 @@ def lamb_direction_(
     """LAMB's moments in place and its direction into `update`, as `lamb_direction_`."""
     _require()
     n = param.numel()
-    for name, t in (
-        ("param", param),
-        ("grad", grad),
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-        ("update", update),
-    ):
-        _buffer(name, t, n)
+    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, update=update)
     _no_alias(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, update=update)
     beta1, beta2 = betas
     c1, c2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
@@ -234,8 +226,7 @@ def sgd_(
     """One SGD step in place, as `fzero.optim.sgd_update_` (`first`: the first step)."""
     _require()
     n = param.numel()
-    for name, t in (("param", param), ("grad", grad), ("momentum_buffer", momentum_buffer)):
-        _buffer(name, t, n)
+    _buffers(n, param=param, grad=grad, momentum_buffer=momentum_buffer)
     out, out_kind = _out(out, n)
     _no_alias(param=param, grad=grad, momentum_buffer=momentum_buffer, out=out)
     _lib.fz_sgd(
@@ -260,11 +251,5 @@ def stream_floor_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     (the memory floor `benchmarks/cpu_adam.py` compares against)."""
     _require()
     n = param.numel()
-    for name, t in (
-        ("param", param),
-        ("grad", grad),
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-    ):
-        _buffer(name, t, n)
+    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     _lib.fz_stream_floor(_ptr(param), _ptr(grad), _ptr(exp_avg), _ptr(exp_avg_sq), n, _threads())
