@@ -161,6 +161,7 @@ class Engine:
         self._cursor = 0
         self._prefetch_numel = zero.stage3_prefetch_bucket_size
         self._max_live = zero.stage3_max_live_parameters
+        self._live = 0
         self._max_reuse = zero.stage3_max_reuse_distance
         self._hooks: list[Any] = []
         self._checkpoint_group: Any = None
@@ -504,6 +505,7 @@ class Engine:
         if rt.full is None:
             shard = self._gather_input(rt)
             rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
+            self._live += rt.unit.numel  # only stage-3 units without a persistent buffer get here
             rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
             rt.gather_input = shard  # alive until the all-gather is done
         if wait and rt.gather_work is not None:
@@ -519,6 +521,7 @@ class Engine:
             rt.gather_work.wait()
             rt.gather_work = rt.gather_input = None
         rt.full = None
+        self._live -= rt.unit.numel
         rt.used = False
         self._unbind(rt)
 
@@ -558,10 +561,9 @@ class Engine:
                 self._gather(ahead, wait=False)
 
     def _live_numel(self) -> int:
-        """Elements of stage-3 units gathered (or being gathered) now."""
-        return sum(
-            rt.unit.numel for rt in self.units if rt.full is not None and not rt.unit.persistent
-        )
+        """Elements of stage-3 units gathered (or being gathered) now (a running count:
+        the prefetch asks for it once per unit ahead, on every forward)."""
+        return self._live
 
     def _begin_phase(self, phase: str) -> None:
         self._phase, self._cursor = phase, 0
