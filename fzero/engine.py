@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -76,6 +77,10 @@ class _UnitRuntime:
     ready: bool = False
     hparams: Any = None
     base_lr: float = 0.0
+    # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
+    grad_on_disk: bool = False  # this accumulation window has written it
+    grad_stats: tuple[Tensor | None, bool] | None = None  # of the window's final gradient
+    slot: int = 0  # NVMe offload: which of the unit's two state copies is current
 
 
 @dataclass
@@ -120,11 +125,13 @@ class Engine:
         self.compute_dtype = _DTYPES[self.precision]
         zero = config.zero_optimization
         self.stage = zero.stage
-        self._check_supported(zero)
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
         # on the host; the device keeps compute-dtype parameters and gradients.
         self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
+        self._grads_on_nvme = False  # stages 2-3: gradient accumulators in it too
+        self._grad_writes: list[tuple[Any, Tensor]] = []
+        self._write_buffers = zero.offload_optimizer.buffer_count
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
         self.param_swap: Any = None
@@ -182,11 +189,14 @@ class Engine:
             strategy=strategy or partition.flat_even,
             **options,
         )
+        self._tensor_index = {fqn: i for i, fqn in enumerate(self.plan.manifest.fqns)}
         self._cast_module()
         named = dict(module.named_parameters())
         meta = None
         if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             meta = MetaInitializer(module, self.device, param_init_fn)
+        if "nvme" in (zero.offload_optimizer.device, self.param_offload):
+            _nvme.map_large_buffers()
         if zero.offload_optimizer.device == "nvme":
             self._open_swap(zero, config)
         if self.param_offload == "nvme":
@@ -228,13 +238,6 @@ class Engine:
         )
 
     # ---- construction ------------------------------------------------------------------
-
-    def _check_supported(self, zero: Any) -> None:
-        if zero.offload_optimizer.device == "nvme" and self.optimizer.name == "lamb":
-            raise NotImplementedError(
-                "zero_optimization.offload_optimizer.device 'nvme' with Lamb is not supported "
-                "yet (its trust ratios need every unit twice); allowed: Adam, AdamW, SGD"
-            )
 
     def _cast_module(self) -> None:
         """Compute dtype for frozen params and floating buffers (trainable ones are rebound)."""
@@ -295,7 +298,8 @@ class Engine:
             if not shares_master:
                 param_shard = flat[part].to(self.compute_dtype, copy=True)
         del flat
-        grad_numel = 0 if self.stage < 2 else unit.shard_numel  # stages 0-1: bucket views
+        # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
+        grad_numel = 0 if self.stage < 2 or self._grads_on_nvme else unit.shard_numel
         rt = _UnitRuntime(
             index=index,
             unit=unit,
@@ -312,7 +316,7 @@ class Engine:
             self._unbind(rt)
             self._store_param_shard(rt, rt.param_shard)
         if self.nvme is not None:  # to the swap file; the host keeps nothing of it
-            self._swap_out(rt, wait=True)
+            self._swap_out(rt, rt.slot, wait=True)
             self._evict(rt)
         return rt
 
@@ -325,7 +329,19 @@ class Engine:
             if isinstance(v, Tensor)
         ]
         self._swap_kinds = ["master", *kinds]
-        sizes = [4 * self._partition_numel(u) for u in self.plan.units for _ in self._swap_kinds]
+        # Two slots per unit: a step reads the current one and writes the other, and
+        # flips them only when every rank has written everything (transactional).
+        sizes = [
+            4 * self._partition_numel(u)
+            for _slot in range(2)
+            for u in self.plan.units
+            for _ in self._swap_kinds
+        ]
+        # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
+        # host holds no whole-model buffer: read with the state at the step.
+        self._grads_on_nvme = self.stage >= 2
+        if self._grads_on_nvme:
+            sizes += [4 * u.shard_numel for u in self.plan.units]
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
             self.rank,
@@ -333,63 +349,130 @@ class Engine:
             threads=config.aio.thread_count,
             block_size=config.aio.block_size,
         )
-        self._swap_sets: list[list[Tensor]] = []
+        per_unit = len(self._swap_kinds) + self._grads_on_nvme
+        self._pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
 
     def _partition_numel(self, unit: Unit) -> int:
         part = self._partition(unit)
         return part.stop - part.start
 
-    def _region(self, rt: _UnitRuntime, kind_index: int) -> int:
-        return rt.index * len(self._swap_kinds) + kind_index
+    def _region(self, rt: _UnitRuntime, kind_index: int, slot: int) -> int:
+        return (slot * len(self.plan.units) + rt.index) * len(self._swap_kinds) + kind_index
+
+    def _grad_region(self, rt: _UnitRuntime) -> int:
+        return 2 * len(self.plan.units) * len(self._swap_kinds) + rt.index
 
     def _resident_tensors(self, rt: _UnitRuntime) -> list[Tensor]:
-        return [rt.master] + [
-            getattr(rt.state, k.removeprefix("optim.") if False else k)
-            for k in self._swap_kinds[1:]
-        ]
+        return [rt.master] + [getattr(rt.state, k) for k in self._swap_kinds[1:]]
 
-    def _swap_out(self, rt: _UnitRuntime, wait: bool) -> list[Any]:
-        """Write the unit's master and state to the swap file (from aligned copies when
-        they are not already in aligned swap buffers)."""
+    def _swap_out(self, rt: _UnitRuntime, slot: int, wait: bool) -> list[Any]:
+        """Write the unit's master and state to `slot` of its regions (from aligned
+        copies when they are not already in aligned swap buffers)."""
         tickets = []
         for k, tensor in enumerate(self._resident_tensors(rt)):
             if tensor.data_ptr() % _nvme.ALIGN:
                 tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
-            tickets.append((self.nvme.submit(self._region(rt, k), tensor, write=True), tensor))
+            region = self._region(rt, k, slot)
+            tickets.append((self.nvme.submit(region, tensor, write=True), tensor))
         if wait:
             self._wait_swap(tickets, "writing")
         return tickets
 
     def _swap_in(self, rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+        """Start reading the unit's current master and state (and gradient, when the
+        swap file holds it) into `buffers`; a gradient not written this window reads as
+        zeros."""
         numel = self._partition_numel(rt.unit)
-        return [
-            (self.nvme.submit(self._region(rt, k), buffers[k][:numel], write=False), buffers[k])
-            for k in range(len(self._swap_kinds))
-        ]
+        tickets = []
+        for k in range(len(self._swap_kinds)):
+            region = self._region(rt, k, rt.slot)
+            tickets.append((self.nvme.submit(region, buffers[k][:numel], False), buffers[k]))
+        if self._grads_on_nvme:
+            grad = buffers[len(self._swap_kinds)][:numel]
+            if rt.grad_on_disk:
+                tickets.append((self.nvme.submit(self._grad_region(rt), grad, False), grad))
+            else:
+                grad.zero_()
+        return tickets
 
     def _wait_swap(self, tickets: list[Any], what: str) -> None:
-        for ticket, _ in tickets:
-            self.nvme.wait(ticket, what)
+        """Wait for (and remove) every transfer in `tickets`; on a failure the rest are
+        still waited for before it is raised, so no transfer outlives its buffer."""
+        try:
+            while tickets:
+                ticket, _ = tickets.pop(0)
+                self.nvme.wait(ticket, what)
+        finally:
+            self._drain_swap([tickets])
 
     def _bind_swapped(self, rt: _UnitRuntime, buffers: list[Tensor]) -> None:
         numel = self._partition_numel(rt.unit)
         rt.master = buffers[0][:numel]
         fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self._swap_kinds[1:])}
         rt.state = rt.state._replace(**fields)
+        if self._grads_on_nvme:
+            rt.grad = buffers[len(self._swap_kinds)][:numel]
 
     def _evict(self, rt: _UnitRuntime) -> None:
         empty = torch.empty(0)
         rt.master = empty
         rt.state = rt.state._replace(**dict.fromkeys(self._swap_kinds[1:], empty))
+        if self._grads_on_nvme:
+            rt.grad = empty
 
-    def _swap_buffers(self) -> list[Tensor]:
+    def _swap_buffers(self, extra: int = 0) -> list[Tensor]:
+        """One host buffer per swapped kind (and the gradient, and `extra` more), each
+        the largest unit's partition."""
         largest = max((self._partition_numel(u) for u in self.plan.units), default=0)
-        return [_nvme.aligned_empty(largest) for _ in self._swap_kinds]
+        count = len(self._swap_kinds) + self._grads_on_nvme + extra
+        return [_nvme.aligned_empty(largest) for _ in range(count)]
+
+    def _accumulate_grad(self, rt: _UnitRuntime, value: Tensor) -> None:
+        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
+        accumulator. With NVMe offload the accumulator is in the swap file: read (after
+        the window's first micro-step), added to, and written back asynchronously, at
+        most `offload_optimizer.buffer_count` writes in flight. At the window's last
+        micro-step its norm and finiteness are taken before it leaves memory."""
+        if not self._grads_on_nvme:
+            rt.grad.add_(value)
+            return
+        buffer = _nvme.aligned_empty(rt.unit.shard_numel)
+        region = self._grad_region(rt)
+        if rt.grad_on_disk:
+            self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
+        else:
+            buffer.zero_()  # the same arithmetic as an in-memory accumulator
+        buffer.add_(value.to(buffer.device))
+        if self._boundary_now:
+            rt.grad_stats = self._grad_stats(buffer)
+        self._grad_writes.append((self.nvme.submit(region, buffer, write=True), buffer))
+        rt.grad_on_disk = True
+        if len(self._grad_writes) > self._write_buffers:
+            self._wait_grad_writes(keep=self._write_buffers)
+
+    def _wait_grad_writes(self, keep: int = 0) -> None:
+        """Wait for gradient writes until `keep` are in flight. A failed one drops the
+        accumulation window (its gradients are partly written): it is to be run again."""
+        try:
+            while len(self._grad_writes) > keep:
+                ticket, _buffer = self._grad_writes.pop(0)
+                self.nvme.wait(ticket, "writing gradients to")
+        except OSError as error:
+            self._drain_swap([self._grad_writes])
+            for rt in self.units:
+                rt.grad_on_disk, rt.grad_stats = False, None
+            self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
+            raise OSError(
+                error.errno,
+                f"NVMe offload: {error.strerror}; the gradients of this accumulation window "
+                "were dropped, run its micro-steps again",
+            ) from error
 
     @contextlib.contextmanager
     def resident(self, rt: _UnitRuntime, write_back: bool) -> Iterator[None]:
-        """The unit's master and optimizer state in host memory inside the block (a
-        no-op unless they live on NVMe); written back on exit with `write_back`."""
+        """The unit's master, optimizer state and gradient accumulator in host memory
+        inside the block (a no-op unless they live on NVMe); written back on exit with
+        `write_back`."""
         if self.nvme is None:
             yield
             return
@@ -398,8 +481,13 @@ class Engine:
         self._bind_swapped(rt, buffers)
         try:
             yield
-            if write_back:
-                self._swap_out(rt, wait=True)
+            if write_back:  # into the other slot, current once written
+                self._swap_out(rt, 1 - rt.slot, wait=True)
+                rt.slot = 1 - rt.slot
+                if self._grads_on_nvme:
+                    ticket = self.nvme.submit(self._grad_region(rt), rt.grad, write=True)
+                    self.nvme.wait(ticket, "writing")
+                    rt.grad_on_disk = True
         finally:
             self._evict(rt)
 
@@ -412,28 +500,150 @@ class Engine:
             yield
 
     def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
-        """The step over NVMe-resident units, double-buffered: unit i+1 is read and unit
-        i-1 written while unit i is updated."""
-        if not self._swap_sets:
-            self._swap_sets = [self._swap_buffers(), self._swap_buffers()]
-        units, sets = self.units, self._swap_sets
-        reading = self._swap_in(units[0], sets[0]) if units else []
-        writing: list[list[Any]] = [[], []]
-        for i, rt in enumerate(units):
-            current = i % 2
-            self._wait_swap(reading, "reading")
-            self._bind_swapped(rt, sets[current])
-            if i + 1 < len(units):
-                self._wait_swap(writing[1 - current], "writing")  # unit i-1 left that set
-                writing[1 - current] = []
-                reading = self._swap_in(units[i + 1], sets[1 - current])
-            self._update_unit(rt, factor, lrs)
-            writing[current] = self._swap_out(rt, wait=False)
-        for tickets in writing:
-            self._wait_swap(tickets, "writing")
+        """The step over NVMe-resident units, pipelined (`_nvme_pass`).
+
+        Transactional: each unit's new state goes to its other slot and the new
+        parameters are written only locally; then every rank says whether all its I/O
+        succeeded. Either all flip their slots and exchange parameters, or all put back
+        the parameters from the untouched slots and raise: no rank keeps half a step.
+        """
+        steps = [rt.state.step for rt in self.units]
+        updated: list[_UnitRuntime] = []
+
+        def adam(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            self._bind_swapped(rt, buffers)
+            written = self._update_unit(rt, factor, lrs)
+            tickets = self._swap_out(rt, 1 - rt.slot, wait=False)
+            updated.append(rt)
+            self._publish(rt, written, exchange=False)
+            return tickets
+
+        if self.optimizer.name == "lamb":
+            self._nvme_lamb(factor, lrs, updated, steps)
+        else:
+            self._agree(self._nvme_pass(self._swap_in, adam), updated, steps)
+        for rt in self.units:
+            rt.slot = 1 - rt.slot
+            self._exchange(rt)
+        _nvme.return_free_memory()
+
+    def _nvme_lamb(
+        self, factor: float, lrs: list[float], updated: list[_UnitRuntime], steps: list[int]
+    ) -> None:
+        """LAMB over NVMe in two passes: moments and update direction (the direction
+        parked in the other slot's master region), one all-reduce of the norms, then
+        master += trust ratio x direction into that region."""
+        sums = self._lamb_sums()
+        kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
+
+        def direction(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            self._bind_swapped(rt, buffers)
+            update = buffers[-1][: rt.master.numel()]
+            _, hp, _, segments = self._lamb_direction(rt, factor, lrs, sums, update)
+            kept[rt.index] = (hp, segments)
+            slot = 1 - rt.slot
+            return [
+                (self.nvme.submit(self._region(rt, k, slot), t, write=True), t)
+                for k, t in enumerate([update, *self._resident_tensors(rt)[1:]])
+            ]
+
+        def read_direction(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self._partition_numel(rt.unit)
+            master, update = buffers[0][:numel], buffers[-1][:numel]
+            return [
+                (self.nvme.submit(self._region(rt, 0, rt.slot), master, False), master),
+                (self.nvme.submit(self._region(rt, 0, 1 - rt.slot), update, False), update),
+            ]
+
+        def apply(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self._partition_numel(rt.unit)
+            rt.master = buffers[0][:numel]
+            hp, segments = kept[rt.index]
+            self._lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
+            region = self._region(rt, 0, 1 - rt.slot)
+            tickets = [(self.nvme.submit(region, rt.master, write=True), rt.master)]
+            updated.append(rt)
+            self._publish(rt, None, exchange=False)
+            return tickets
+
+        self._agree(self._nvme_pass(self._swap_in, direction, extra=1), updated, steps)
+        norms = self._lamb_norms(sums)
+        self._agree(self._nvme_pass(read_direction, apply, extra=1), updated, steps)
+
+    def _nvme_pass(
+        self,
+        read: Callable[[_UnitRuntime, list[Tensor]], list[Any]],
+        compute: Callable[[_UnitRuntime, list[Tensor]], list[Any]],
+        extra: int = 0,
+    ) -> str:
+        """One pass over the units through `_pipeline_depth` sets of swap buffers: while
+        `compute` runs on unit i (returning its writes), the next units are being read
+        (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
+        every transfer has finished either way and no unit stays resident."""
+        units = self.units
+        depth = min(self._pipeline_depth, len(units))
+        sets = [self._swap_buffers(extra) for _ in range(depth)]
+        reads: dict[int, list[Any]] = {}
+        writes: list[list[Any]] = [[] for _ in sets]
+
+        def start_read(j: int) -> None:
+            self._wait_swap(writes[j % depth], "writing")  # the last unit in that set
+            reads[j] = read(units[j], sets[j % depth])
+
+        failure = ""
+        try:
+            for j in range(min(depth - 1, len(units))):
+                start_read(j)
+            for i, rt in enumerate(units):
+                self._wait_swap(reads[i], "reading")
+                del reads[i]
+                writes[i % depth] = compute(rt, sets[i % depth])
+                if i + depth - 1 < len(units):
+                    start_read(i + depth - 1)
+            for tickets in writes:
+                self._wait_swap(tickets, "writing")
+        except OSError as error:
+            failure = str(error)
+            self._drain_swap([*reads.values(), *writes])  # no transfer outlives its buffer
         for rt in units:
             self._evict(rt)
-        _nvme.return_free_memory()
+        return failure
+
+    def _agree(self, failure: str, updated: list[_UnitRuntime], steps: list[int]) -> None:
+        """Every rank learns whether any rank's pass failed; if one did, all roll back."""
+        failures = [failure.encode()]
+        if self.world_size > 1:
+            failures = comm.all_gather_bytes(failure.encode())
+        messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+        if messages:
+            self._roll_back(updated, steps)
+            raise OSError(
+                "NVMe offload: the optimizer step was not applied; parameters, master weights, "
+                f"optimizer state and gradients are as before it ({'; '.join(messages)})"
+            )
+
+    def _drain_swap(self, batches: list[list[Any]]) -> None:
+        """Wait for (and remove) every transfer in `batches`, ignoring their errors (one
+        was raised)."""
+        for tickets in batches:
+            while tickets:
+                ticket, _ = tickets.pop(0)
+                self.nvme.io.wait(ticket)
+
+    def _roll_back(self, updated: list[_UnitRuntime], steps: list[int]) -> None:
+        """Undo a failed NVMe step: parameters from the masters in the current slots
+        (never written by the step), step counts restored."""
+        for rt, step in zip(self.units, steps):
+            rt.state = rt.state._replace(step=step)
+        try:
+            for rt in updated:
+                with self.resident(rt, write_back=False):
+                    self._publish(rt, None, exchange=False)
+        except OSError as error:
+            raise OSError(
+                f"NVMe offload: a step failed and the parameters could not be restored from "
+                f"{self.nvme.path} ({error}); reload the last checkpoint"
+            ) from error
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         """A new fp32 copy where the optimizer runs: the host when offloading (pinned
@@ -736,7 +946,7 @@ class Engine:
 
         def keep_owned() -> None:
             for rt, flat in zip(bucket.units, flats):
-                rt.grad.add_(flat[self._owned(rt.unit)])
+                self._accumulate_grad(rt, flat[self._owned(rt.unit)])
             _drop_flat(bucket)
 
         if self.world_size == 1:
@@ -750,7 +960,7 @@ class Engine:
             for rt, flat in zip(bucket.units, flats):
                 shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
                 work = comm.reduce_scatter_into(shard, flat, async_op=True)
-                self._pending.append((work, _adder(rt.grad, shard)))
+                self._pending.append((work, functools.partial(self._accumulate_grad, rt, shard)))
             self._pending.append((None, lambda: _drop_flat(bucket)))
 
     def _finish_reduction(self) -> None:
@@ -762,7 +972,8 @@ class Engine:
                 if work is not None:
                     work.wait()
                 finish()
-        self._pending.clear()
+            self._pending.clear()
+            self._wait_grad_writes()
         for rt in self.units:
             rt.reported, rt.ready = 0, False
             if self.stage == 3:
@@ -778,23 +989,42 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        with self._timers("step"):
-            self._take_step()
+        loss_scale_state = self.loss_scale_state
+        try:
+            with self._timers("step"):
+                self._take_step()
+        except OSError:  # an NVMe step that was not applied: step() may be called again
+            self.micro_steps -= 1
+            self.loss_scale_state = loss_scale_state
+            raise
         self.global_steps += 1
         if self.batch is not None:
             self.global_samples += self.batch.train_batch_size
         self.telemetry.step()
 
-    def _owned_grads(self) -> list[Tensor]:
-        return [rt.grad[self._owned(rt.unit)] if self.stage < 2 else rt.grad for rt in self.units]
+    def _grad_stats(self, grad: Tensor) -> tuple[Tensor | None, bool]:
+        """What the step needs of one unit's owned gradient: its sum of squares in
+        float64 (with clipping) and whether it is finite (with dynamic loss scaling)."""
+        sq = grad.double().square().sum() if self.config.gradient_clipping > 0 else None
+        dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
+        return sq, bool(torch.isfinite(grad).all()) if dynamic else True
+
+    def _unit_grad_stats(self) -> list[tuple[Tensor | None, bool]]:
+        """`_grad_stats` of every unit, in unit order (NVMe: taken when the last
+        micro-step wrote the gradient; a unit without one has zeros)."""
+        if not self._grads_on_nvme:
+            return [
+                self._grad_stats(rt.grad[self._owned(rt.unit)] if self.stage < 2 else rt.grad)
+                for rt in self.units
+            ]
+        zeros = self._grad_stats(torch.zeros(1))
+        return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in self.units]
 
     def _take_step(self) -> None:
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
-        owned = self._owned_grads()
+        stats = self._unit_grad_stats()
         if self.loss_scaler is not None and self.loss_scaler.dynamic:
-            flag = torch.tensor(
-                [float(any(not torch.isfinite(g).all() for g in owned))], device=self.device
-            )
+            flag = torch.tensor([float(not all(finite for _, finite in stats))], device=self.device)
             comm.all_reduce(flag, op="max")
             found_inf = bool(flag.item())
             self.loss_scale_state = self.loss_scaler.update(self.loss_scale_state, found_inf)
@@ -812,27 +1042,28 @@ class Engine:
         factor = 1.0 / scale
         if self.config.gradient_clipping > 0:
             sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for g in owned:
-                sq += g.double().square().sum()
+            for unit_sq, _ in stats:
+                sq += unit_sq
             comm.all_reduce(sq, op="sum")
             norm = math.sqrt(sq.item()) * factor
             factor *= clip_coefficient(norm, self.config.gradient_clipping)
         lrs = self._current_lrs()
-        if self.optimizer.name == "lamb":
+        if self.nvme is not None:
+            self._nvme_updates(factor, lrs)
+        elif self.optimizer.name == "lamb":
             self._lamb_step(factor, lrs)
         else:
-            if self.nvme is not None:
-                self._nvme_updates(factor, lrs)
-            else:
-                for rt in self.units:
-                    self._update_unit(rt, factor, lrs)
+            for rt in self.units:
+                self._publish(rt, self._update_unit(rt, factor, lrs))
         self._finish_publish()
         self._zero_grads()
         self.lr_steps += 1
         if self._client_scheduler is not None:
             self._client_scheduler.step()
 
-    def _update_unit(self, rt: _UnitRuntime, factor: float, lrs: list[float]) -> None:
+    def _update_unit(self, rt: _UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
+        """Update the unit's master and state; returns the compute-dtype copy of the new
+        master when the native kernel wrote one (for `_publish`)."""
         grad = self._step_grad(rt)
         hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
         written = self._copy_target(rt)
@@ -841,13 +1072,13 @@ class Engine:
             if factor != 1.0:
                 grad.mul_(factor)
             rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-        self._publish(rt, written)
+        return written
 
     def _step_grad(self, rt: _UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
         grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
-        if not self.offload:
+        if not self.offload or self._grads_on_nvme:  # NVMe: read into a host swap buffer
             return grad
         host = torch.empty(grad.shape, dtype=torch.float32, pin_memory=self._pin)
         return host.copy_(grad)
@@ -904,78 +1135,125 @@ class Engine:
     def _lamb_step(self, factor: float, lrs: list[float]) -> None:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
         squares locally, one all-reduce, then apply."""
-        slices = partition.local_slices(self.plan, self.rank)
-        names = list(self.plan.manifest.fqns)
-        index = {fqn: i for i, fqn in enumerate(names)}
-        sums = torch.zeros(2, len(names), dtype=torch.float64, device=self.device)
-        work = []
-        for unit_index, rt in enumerate(self.units):
-            grad = self._step_grad(rt)
-            hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-            if self._native:
-                update = torch.empty_like(rt.master)
-                native.lamb_direction_(
-                    rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
-                    step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
-                    weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
-                    grad_scale=factor,
-                )  # fmt: skip
-            else:
-                if factor != 1.0:
-                    grad.mul_(factor)
-                update = lamb_direction_(grad, rt.state, rt.master, hp)
-            rt.state = rt.state._replace(step=rt.state.step + 1)
-            if self.stage == 0:
-                segments = [
-                    (pc.offset, pc.offset + pc.numel, pl.fqn)
-                    for pl in rt.unit.placements
-                    for pc in pl.pieces
-                ]
-            else:
-                segments = [
-                    (s.shard_offset, s.shard_offset + s.numel, s.fqn)
-                    for s in slices
-                    if s.unit == unit_index
-                ]
-            spans = [(a, b) for a, b, _ in segments]
-            for (_, _, fqn), p_sq, u_sq in zip(
-                segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
-            ):
-                sums[0, index[fqn]] += p_sq
-                sums[1, index[fqn]] += u_sq
-            work.append((rt, hp, update, segments))
-        if self.stage > 0:
-            comm.all_reduce(sums, op="sum")
-        norms = sums.sqrt().tolist()
+        sums = self._lamb_sums()
+        work = [self._lamb_direction(rt, factor, lrs, sums) for rt in self.units]
+        norms = self._lamb_norms(sums)
         for rt, hp, update, segments in work:
-            spans = [(a, b) for a, b, _ in segments]
-            p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
-            u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
-            if self._native:
-                scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
-                native.lamb_apply_(rt.master, update, spans, scales)
-            else:
-                lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+            self._lamb_apply(rt, hp, update, segments, norms)
             self._publish(rt)
 
-    def _publish(self, rt: _UnitRuntime, written: Tensor | None = None) -> None:
+    def _lamb_sums(self) -> Tensor:
+        """Zeroed sums of squares: (parameter, update) x every tensor of the manifest."""
+        count = len(self.plan.manifest.tensors)
+        return torch.zeros(2, count, dtype=torch.float64, device=self.device)
+
+    def _lamb_segments(self, rt: _UnitRuntime) -> list[tuple[int, int, str]]:
+        """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
+        if self.stage == 0:
+            return [
+                (pc.offset, pc.offset + pc.numel, pl.fqn)
+                for pl in rt.unit.placements
+                for pc in pl.pieces
+            ]
+        return [
+            (s.shard_offset, s.shard_offset + s.numel, s.fqn)
+            for s in partition.local_slices(self.plan, self.rank)
+            if s.unit == rt.index
+        ]
+
+    def _lamb_direction(
+        self,
+        rt: _UnitRuntime,
+        factor: float,
+        lrs: list[float],
+        sums: Tensor,
+        update: Tensor | None = None,
+    ) -> tuple[_UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
+        """LAMB's first half for one unit: new moments, the update direction (into
+        `update` when given) and its tensors' squares added to `sums`."""
+        grad = self._step_grad(rt)
+        hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
+        if self._native:
+            update = torch.empty_like(rt.master) if update is None else update
+            native.lamb_direction_(
+                rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
+                step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
+                weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
+                grad_scale=factor,
+            )  # fmt: skip
+        else:
+            if factor != 1.0:
+                grad.mul_(factor)
+            direction = lamb_direction_(grad, rt.state, rt.master, hp)
+            update = direction if update is None else update.copy_(direction)
+        rt.state = rt.state._replace(step=rt.state.step + 1)
+        segments = self._lamb_segments(rt)
+        spans = [(a, b) for a, b, _ in segments]
+        index = self._tensor_index
+        for (_, _, fqn), p_sq, u_sq in zip(
+            segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
+        ):
+            sums[0, index[fqn]] += p_sq
+            sums[1, index[fqn]] += u_sq
+        return rt, hp, update, segments
+
+    def _lamb_norms(self, sums: Tensor) -> list[list[float]]:
+        if self.stage > 0:
+            comm.all_reduce(sums, op="sum")
+        return sums.sqrt().tolist()
+
+    def _lamb_apply(
+        self,
+        rt: _UnitRuntime,
+        hp: Any,
+        update: Tensor,
+        segments: list[tuple[int, int, str]],
+        norms: list[list[float]],
+    ) -> None:
+        """LAMB's second half: each tensor's piece moves by its trust ratio."""
+        index = self._tensor_index
+        spans = [(a, b) for a, b, _ in segments]
+        p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
+        u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
+        if self._native:
+            scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
+            native.lamb_apply_(rt.master, update, spans, scales)
+        else:
+            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+
+    def _publish(
+        self, rt: _UnitRuntime, written: Tensor | None = None, exchange: bool = True
+    ) -> None:
         """Start writing the unit's updated fp32 master back to the compute-dtype
         parameters everyone uses; the all-gather overlaps the next units' updates.
-        `written`: the compute-dtype copy a native update already made."""
+        `written`: the compute-dtype copy a native update already made. Without
+        `exchange` only this rank's part is written (`_exchange` sends it later)."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
                 self._store_param_shard(rt, value.to(self.compute_dtype))
             return
-        if self.stage == 0 or self.world_size == 1:
+        if self.stage == 0 or self.world_size == 1 or not exchange:
             target = rt.full[self._partition(rt.unit)]
             if target.data_ptr() != rt.master.data_ptr() and written is not target:
                 target.copy_(written if written is not None else rt.master)
-            self._publishing.append((None, rt, None))
+            if exchange:
+                self._publishing.append((None, rt, None))
             return
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
         shard = shard.to(self.device, copy=self.nvme is not None and written is None)
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self._publishing.append((work, rt, shard))
+
+    def _exchange(self, rt: _UnitRuntime) -> None:
+        """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+            return
+        if self.world_size == 1:
+            self._publishing.append((None, rt, None))
+            return
+        shard = rt.full[self._partition(rt.unit)].clone()
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
@@ -991,6 +1269,7 @@ class Engine:
     def _zero_grads(self) -> None:
         for rt in self.units:
             rt.grad.zero_()
+            rt.grad_on_disk, rt.grad_stats = False, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in fzero's buffers and are cleared after each step; this clears
@@ -1261,10 +1540,6 @@ class Engine:
 
 def _fields(hparams: Any) -> dict[str, Any]:
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
-
-
-def _adder(target: Tensor, value: Tensor) -> Callable[[], None]:
-    return lambda: target.add_(value)
 
 
 def _drop_flat(bucket: _Bucket) -> None:

@@ -22,7 +22,9 @@ def _step(engine, rank, world, step):
     return loss.item()
 
 
-def train(rank, world, stage, precision, offload, root=None, nvme_path=None, param=None):
+def train(
+    rank, world, stage, precision, offload, root=None, nvme_path=None, param=None, optim="adamw"
+):
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -40,7 +42,7 @@ def train(rank, world, stage, precision, offload, root=None, nvme_path=None, par
         },
     }
     engine = fzero.shard(
-        Net(), optimizer=fzero.optim.adamw(lr=1e-2), precision=precision, config=config
+        Net(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), precision=precision, config=config
     )
     losses = []
     for step in range(STEPS):
@@ -53,7 +55,10 @@ def train(rank, world, stage, precision, offload, root=None, nvme_path=None, par
     if root is not None:
         torch.manual_seed(1)
         again = fzero.shard(
-            Net(), optimizer=fzero.optim.adamw(lr=1e-2), precision=precision, config=config
+            Net(),
+            optimizer=getattr(fzero.optim, optim)(lr=1e-2),
+            precision=precision,
+            config=config,
         )
         again.load_checkpoint(root)
         resumed = [_step(again, rank, world, step) for step in range(STEPS // 2 + 1, STEPS)]
@@ -67,16 +72,25 @@ CASES = [
     for precision in ("fp32", "bf16")
     for device in ("cpu", "nvme")
 ]
-CASES += [(1, 2, "bf16", "cpu"), (1, 3, "fp32", "nvme")]
+CASES = [(*case, "adamw") for case in CASES]
+CASES += [(1, 2, "bf16", "cpu", "adamw"), (1, 3, "fp32", "nvme", "adamw")]
+# Lamb over NVMe: two passes, the update direction parked in the swap file
+CASES += [
+    (2, 2, "bf16", "nvme", "lamb"),
+    (2, 3, "fp32", "nvme", "lamb"),
+    (1, 1, "bf16", "nvme", "lamb"),
+]
 
 
-@pytest.mark.parametrize(("world", "stage", "precision", "device"), CASES)
-def test_offload_trains_bit_for_bit_like_no_offload(world, stage, precision, device, tmp_path):
-    losses, state, *_ = run_world(train, world, stage, precision, None)
+@pytest.mark.parametrize(("world", "stage", "precision", "device", "optim"), CASES)
+def test_offload_trains_bit_for_bit_like_no_offload(
+    world, stage, precision, device, optim, tmp_path
+):
+    losses, state, *_ = run_world(train, world, stage, precision, None, None, None, None, optim)
     swap_dir = tmp_path / "swap"
     swap_dir.mkdir()
     offloaded, offloaded_state, held, planned, resumed, swap = run_world(
-        train, world, stage, precision, device, str(tmp_path / "ckpt"), str(swap_dir)
+        train, world, stage, precision, device, str(tmp_path / "ckpt"), str(swap_dir), None, optim
     )
     assert offloaded == losses
     assert all(torch.equal(offloaded_state[k], v) for k, v in state.items())
@@ -124,3 +138,132 @@ def test_stage3_parameter_offload_trains_bit_for_bit(world, param, optimizer, tm
     if param == "nvme":
         assert held.params == 0  # between steps no parameter shard is in memory
         assert not list(swap_dir.iterdir())
+
+
+def train_window(rank, world, stage, nvme_path, root):
+    """fp16 with accumulation 2 and clipping; a poisoned micro-step on rank 1 overflows
+    (the step is skipped); a checkpoint saved mid-window resumes in a new engine."""
+    torch.manual_seed(0)
+    offload = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": offload if nvme_path else {"device": "none"},
+        },
+    }
+
+    def build():
+        return fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+
+    def micro_step(engine, step):
+        x, y = global_batch(step, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        poison = float("inf") if step == 2 and rank == 1 else 1.0
+        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows]) * poison
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine = build()
+    losses = [micro_step(engine, step) for step in range(10)]
+    engine.save_checkpoint(root, tag="mid")  # after 10 micro-steps: saved at a boundary
+    losses.append(micro_step(engine, 10))
+    engine.save_checkpoint(root, tag="mid-window")
+    losses += [micro_step(engine, step) for step in range(11, 14)]
+    again = build()
+    again.load_checkpoint(root, tag="mid-window")
+    resumed = [micro_step(again, step) for step in range(11, 14)]
+    return losses, engine.state_dict(dtype=torch.float32), engine.skipped_steps, resumed
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_gradients_accumulate_overflow_and_resume_mid_window(stage, tmp_path):
+    """Stages 2-3 keep gradient accumulators in the swap file: the same norms, overflow
+    checks, accumulation and mid-window checkpoints as gradients kept in memory (three
+    buffer sets in the step pipeline: buffer_count 12)."""
+    (tmp_path / "swap").mkdir()
+    ref = run_world(train_window, 2, stage, None, str(tmp_path / "ref"))
+    got = run_world(train_window, 2, stage, str(tmp_path / "swap"), str(tmp_path / "got"))
+    losses, state, skipped, resumed = got
+    assert skipped == ref[2] == 1
+    assert losses == ref[0] and resumed == losses[11:]
+    assert all(torch.equal(state[k], v) for k, v in ref[1].items())
+
+
+def failing_step(rank, world, stage, nvme_path, param, optim, failing_write):
+    """Rank 1's third state write of step 3 fails with ENOSPC; the step is retried."""
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
+            "offload_param": {"device": param, "nvme_path": nvme_path},
+        },
+    }
+    engine = fzero.shard(Net(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), config=config)
+    losses = [_step(engine, rank, world, step) for step in range(3)]
+    before = engine.state_dict(dtype=torch.float32)
+    x, y = global_batch(3, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    engine.backward(loss)
+    real_wait, writes = engine.nvme.wait, []
+    # the third write, or the first of Lamb's second pass (its first writes 3 per unit)
+    at = 3 if failing_write == "first pass" else 3 * len(engine.units) + 1
+
+    def wait(ticket, what):
+        real_wait(ticket, what)
+        writes.append(what)
+        if rank == 1 and writes.count("writing") == at:
+            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
+
+    engine.nvme.wait = wait
+    try:
+        engine.step()
+        message = "no error"
+    except OSError as error:
+        message = str(error)
+    engine.nvme.wait = real_wait
+    after_failure = engine.state_dict(dtype=torch.float32)
+    steps = engine.global_steps
+    engine.step()  # the same gradients, now written
+    losses.append(loss.item())
+    losses += [_step(engine, rank, world, step) for step in range(4, 7)]
+    unchanged = rank != 0 or all(torch.equal(before[k], v) for k, v in after_failure.items())
+    return message, unchanged, steps, losses
+
+
+@pytest.mark.parametrize(
+    ("stage", "param", "optim", "write"),
+    [
+        (2, "none", "adamw", "first pass"),
+        (3, "nvme", "adamw", "first pass"),
+        (2, "none", "lamb", "first pass"),
+        (2, "none", "lamb", "second pass"),
+    ],
+)
+def test_a_failed_nvme_step_changes_nothing_and_can_be_run_again(
+    stage, param, optim, write, tmp_path
+):
+    """An ENOSPC on one rank in the middle of a step (in Lamb's second pass, after
+    parameters were published locally) leaves every rank as before it."""
+    (tmp_path / "swap").mkdir()
+    message, unchanged, steps, losses = run_world(
+        failing_step, 2, stage, str(tmp_path / "swap"), param, optim, write
+    )
+    assert "optimizer step was not applied" in message
+    assert "rank 1: " in message and "No space left on device" in message
+    assert unchanged and steps == 3
+    reference = run_world(train, 2, stage, "bf16", None, None, None, None, optim)[0]
+    assert losses == reference[:7]

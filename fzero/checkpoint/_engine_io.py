@@ -269,25 +269,27 @@ def save_checkpoint(
         os.makedirs(partial)
     client_tensors: dict[str, Tensor] = {}
     encoded_client = encode_client_state(dict(client_state or {}), client_tensors)
+    mid_accumulation = engine.micro_steps % engine.gradient_accumulation_steps() != 0
+    copy = engine.nvme is not None  # swap buffers are reused after the block
     with engine.all_resident(write_back=False):  # NVMe offload: read back to be saved
         owned = [
-            (key, kind, s, t.clone() if engine.nvme is not None else t)
+            (key, kind, s, t.clone() if copy else t)
             for key, kind, s, t in _rank_tensors(
                 engine, partition.local_slices(engine.plan, engine.rank)
             )
         ]
+        grads = [rt.grad.clone() if copy else rt.grad for rt in engine.units if mid_accumulation]
     tensors = [(key, t) for key, _, _, t in owned]
     records = [
         {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
         for key, kind, s, _ in owned
     ]
-    mid_accumulation = engine.micro_steps % engine.gradient_accumulation_steps() != 0
     if mid_accumulation:
-        for rt in engine.units:
+        for rt, grad in zip(engine.units, grads):
             key = f"grad/unit{rt.index}"
-            tensors.append((key, rt.grad))
+            tensors.append((key, grad))
             records.append(
-                {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": rt.grad.numel()}
+                {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": grad.numel()}
             )
     module = _module_tensors(engine)
     if engine.rank == 0:
