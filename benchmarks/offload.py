@@ -5,16 +5,22 @@ step time against the disk's own bandwidth measured in the same run.
 
 Model: `depth` Linear(width, width) layers (100.7M params at 2048 x 24), ZeRO stage 3,
 bf16 compute, AdamW with `offload_optimizer: nvme`: 12 bytes per parameter (fp32
-master, m, v) live in the swap file. The floor is the bytes one step must read and
-write (24 per parameter) over the sequential bandwidth of the same directory, read and
-written with O_DIRECT in 1 MiB blocks (as the swap file is).
+master, m, v) and the fp32 gradient accumulators live in the swap file; the second
+configuration also keeps the bf16 parameter shards there (`offload_param: nvme`). Each
+runs in its own process (peak RSS is per process). The floor is the bytes one step
+must read and write (32 per parameter, 38 with parameters on NVMe) over the sequential
+bandwidth of the same directory, read and written with O_DIRECT in 1 MiB blocks (as
+the swap file is).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -50,33 +56,36 @@ def disk_bandwidth(directory: str, nbytes: int = 512 * 2**20) -> float:
     return 2 * nbytes / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--depth", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    args = parser.parse_args()
+CONFIGS = {
+    "optimizer": "NVMe optimizer (params in memory)",
+    "infinity": "NVMe optimizer + params (ZeRO-Infinity)",
+}
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """One configuration in this process: its peak RSS is this process's."""
     baseline = vm_rss_mb()
     torch.manual_seed(0)
     with fzero.init_context():  # never whole in memory
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 1,
+        "reduce_bucket_size": 2**22,  # one unit: no whole-model gradient bucket
+        "offload_optimizer": {"device": "nvme", "nvme_path": args.dir},
+    }
+    if args.config == "infinity":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": args.dir}
     config = {
         "steps_per_print": 0,
         "bf16": {"enabled": True},
         "aio": {"block_size": 2**20, "thread_count": 2},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 1,
-            "reduce_bucket_size": 2**22,  # one unit: no whole-model gradient bucket
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.dir},
-        },
+        "zero_optimization": zero,
     }
     engine = fzero.shard(model, optimizer=fzero.optim.adamw(lr=1e-4), config=config)
     params = sum(rt.unit.numel for rt in engine.units)
-    state_mb = 12 * params / 2**20
     x = torch.randn(4, args.width)
     times = []
     for _ in range(args.steps + 1):
@@ -84,20 +93,55 @@ def main() -> None:
         engine.backward(engine(x).float().square().mean())
         engine.step()
         times.append(time.perf_counter() - start)
-    step = statistics.median(times[1:])
+    # Bytes one step moves per parameter: the optimizer reads master, m, v and the
+    # gradient (16) and writes master, m, v (12) plus the gradient in backward (4);
+    # ZeRO-Infinity also writes the bf16 shard (2) and reads it in forward and
+    # backward (4).
+    moved = 32 + (6 if args.config == "infinity" else 0)
+    return {
+        "params": params,
+        "baseline": baseline,
+        "peak": vm_hwm_mb(),
+        "step": statistics.median(times[1:]),
+        "moved": moved,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    args = parser.parse_args()
+    if args.config != "all":
+        print(json.dumps(run(args)))
+        return
+    rows = {}
+    for name in CONFIGS:
+        command = [sys.executable, __file__, *sys.argv[1:], "--config", name]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        rows[name] = json.loads(out.strip().splitlines()[-1])
     bandwidth = disk_bandwidth(args.dir)
-    floor = 24 * params / bandwidth
-    peak = vm_hwm_mb()
-    print(f"NVMe optimizer offload, {params / 1e6:.1f}M params, stage 3, bf16, 1 rank")
-    print(f"optimizer state on disk        {state_mb:>9.0f} MB (12 B/param)")
-    print(f"peak RSS                       {peak:>9.0f} MB = {peak / state_mb:.0%} of it")
-    print(f"  of which interpreter + torch {baseline:>9.0f} MB")
-    model_side = peak - baseline
-    print(f"  model side (peak - baseline) {model_side:>9.0f} MB = {model_side / state_mb:.0%}")
-    print(f"disk bandwidth (O_DIRECT r+w)  {bandwidth / 1e9:>9.2f} GB/s")
+    params = rows["optimizer"]["params"]
+    state_mb = 12 * params / 2**20
+    print(f"NVMe offload, {params / 1e6:.1f}M params, stage 3, bf16, AdamW, 1 rank")
+    print(f"optimizer state on disk: {state_mb:.0f} MB (12 B/param)")
+    print(f"disk bandwidth (O_DIRECT write + read, same directory): {bandwidth / 1e9:.2f} GB/s")
     print(
-        f"step                           {step:>9.2f} s; floor {floor:.2f} s -> {step / floor:.2f}x"
+        f"{'configuration':<42} {'peak RSS MB':>11} {'% state':>7} {'- interp.':>9} "
+        f"{'% state':>7} {'step s':>7} {'floor s':>7} {'x floor':>7}"
     )
+    for name, r in rows.items():
+        model_side = r["peak"] - r["baseline"]
+        floor = r["moved"] * params / bandwidth
+        print(
+            f"{CONFIGS[name]:<42} {r['peak']:>11.0f} {r['peak'] / state_mb:>7.0%} "
+            f"{model_side:>9.0f} {model_side / state_mb:>7.0%} {r['step']:>7.2f} "
+            f"{floor:>7.2f} {r['step'] / floor:>7.2f}"
+        )
+    print("('- interp.': peak minus the RSS of the interpreter with torch imported)")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,10 @@ class OffloadOptimizerConfig:
     pin_memory: bool = False
     """Page-lock host buffers (only meaningful with CUDA)."""
     buffer_count: int = 4
-    """Number of swap buffers for NVMe offload."""
+    """NVMe: host buffers (each one unit's partition of one state tensor) in the swap
+    pool. The step pipelines max(2, buffer_count // tensors per unit) units (tensors per
+    unit: master, each optimizer state, and the gradient in stages 2-3); backward keeps
+    at most `buffer_count` gradient writes in flight."""
     fast_init: bool = False
     """Skip writing initial state files eagerly (NVMe)."""
 
@@ -136,10 +139,16 @@ class ActivationCheckpointingConfig:
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
     block_size: int = 1_048_576
+    """Bytes per pread/pwrite of a swap transfer."""
     queue_depth: int = 8
+    """libaio's queue depth; fzero's I/O is a pool of `thread_count` threads, each with one
+    request at a time, so it has no effect (accepted for DeepSpeed configs)."""
     thread_count: int = 1
+    """Threads of the native I/O pool (the requests in flight at once)."""
     single_submit: bool = False
+    """libaio-specific; no effect (see `queue_depth`)."""
     overlap_events: bool = True
+    """libaio-specific; no effect: submission and completion always overlap."""
 
 
 @dataclass(frozen=True, kw_only=True)
