@@ -131,6 +131,7 @@ class Engine:
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
         self._grads_on_nvme = False  # stages 2-3: gradient accumulators in it too
         self._grad_writes: list[tuple[Any, Tensor]] = []
+        self._grad_failure = ""  # the first gradient I/O error of this backward
         self._write_buffers = zero.offload_optimizer.buffer_count
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
@@ -436,37 +437,48 @@ class Engine:
         if not self._grads_on_nvme:
             rt.grad.add_(value)
             return
+        if self._grad_failure:
+            return  # this window is dropped at the end of backward
         buffer = _nvme.aligned_empty(rt.unit.shard_numel)
         region = self._grad_region(rt)
-        if rt.grad_on_disk:
-            self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
-        else:
-            buffer.zero_()  # the same arithmetic as an in-memory accumulator
-        buffer.add_(value.to(buffer.device))
-        if self._boundary_now:
-            rt.grad_stats = self._grad_stats(buffer)
-        self._grad_writes.append((self.nvme.submit(region, buffer, write=True), buffer))
-        rt.grad_on_disk = True
-        if len(self._grad_writes) > self._write_buffers:
-            self._wait_grad_writes(keep=self._write_buffers)
-
-    def _wait_grad_writes(self, keep: int = 0) -> None:
-        """Wait for gradient writes until `keep` are in flight. A failed one drops the
-        accumulation window (its gradients are partly written): it is to be run again."""
         try:
-            while len(self._grad_writes) > keep:
-                ticket, _buffer = self._grad_writes.pop(0)
-                self.nvme.wait(ticket, "writing gradients to")
+            if rt.grad_on_disk:
+                self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
+            else:
+                buffer.zero_()  # the same arithmetic as an in-memory accumulator
+            buffer.add_(value.to(buffer.device))
+            if self._boundary_now:
+                rt.grad_stats = self._grad_stats(buffer)
+            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), buffer))
+            rt.grad_on_disk = True
+            while len(self._grad_writes) > self._write_buffers:
+                self.nvme.wait(self._grad_writes.pop(0)[0], "writing")
         except OSError as error:
+            self._grad_failure = str(error)
             self._drain_swap([self._grad_writes])
+
+    def _finish_grad_writes(self) -> None:
+        """End of backward with gradients on NVMe: wait for the writes, then every rank
+        learns whether any rank's gradient I/O failed. If one did, all drop the window
+        (its gradients are partly written) and raise: its micro-steps are to be run
+        again, and training goes on as if they had not happened."""
+        try:
+            self._wait_swap(self._grad_writes, "writing")
+        except OSError as error:
+            self._grad_failure = self._grad_failure or str(error)
+        failures = [self._grad_failure.encode()]
+        if self.world_size > 1:
+            failures = comm.all_gather_bytes(self._grad_failure.encode())
+        self._grad_failure = ""
+        messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+        if messages:
             for rt in self.units:
                 rt.grad_on_disk, rt.grad_stats = False, None
             self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
             raise OSError(
-                error.errno,
-                f"NVMe offload: {error.strerror}; the gradients of this accumulation window "
-                "were dropped, run its micro-steps again",
-            ) from error
+                "NVMe offload: the gradients of this accumulation window were dropped; run "
+                f"its micro-steps again ({'; '.join(messages)})"
+            )
 
     @contextlib.contextmanager
     def resident(self, rt: _UnitRuntime, write_back: bool) -> Iterator[None]:
@@ -973,12 +985,13 @@ class Engine:
                     work.wait()
                 finish()
             self._pending.clear()
-            self._wait_grad_writes()
         for rt in self.units:
             rt.reported, rt.ready = 0, False
             if self.stage == 3:
                 self._release(rt)
         self._end_phase()
+        if self._grads_on_nvme:
+            self._finish_grad_writes()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0

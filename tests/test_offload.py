@@ -267,3 +267,71 @@ def test_a_failed_nvme_step_changes_nothing_and_can_be_run_again(
     assert unchanged and steps == 3
     reference = run_world(train, 2, stage, "bf16", None, None, None, None, optim)[0]
     assert losses == reference[:7]
+
+
+def failing_backward(rank, world, nvme_path):
+    """Rank 1's second gradient write of micro-step 3 fails; the window is run again."""
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
+        },
+    }
+
+    def micro_step(engine, step):
+        x, y = global_batch(step, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine = fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+    losses = [micro_step(engine, step) for step in range(3)]  # 3 opens a window
+    real_wait, writes = engine.nvme.wait, []
+
+    def wait(ticket, what):
+        real_wait(ticket, what)
+        writes.append(what)
+        if rank == 1 and writes.count("writing") == 2:
+            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
+
+    engine.nvme.wait = wait
+    try:
+        micro_step(engine, 3)
+        message = "no error"
+    except OSError as error:
+        message = str(error)
+    engine.nvme.wait = real_wait
+    window_start = engine.micro_steps
+    losses += [micro_step(engine, step) for step in range(2, 8)]  # the window again
+    return message, window_start, losses
+
+
+def test_a_failed_gradient_write_drops_the_window_on_every_rank(tmp_path):
+    (tmp_path / "swap").mkdir()
+    message, window_start, losses = run_world(failing_backward, 2, str(tmp_path / "swap"))
+    assert "gradients of this accumulation window were dropped" in message
+    assert "rank 1: " in message and "No space left on device" in message
+    assert window_start == 2  # micro-step 2 opened the window that failed
+    again = losses[:2] + losses[3:]  # micro-step 2's first run was dropped with the window
+    reference = run_world(train_reference_window, 2, None)
+    assert again == reference
+
+
+def train_reference_window(rank, world, _):
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine = fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+    return [_step(engine, rank, world, step) for step in range(8)]
