@@ -269,10 +269,10 @@ def test_a_failed_nvme_step_changes_nothing_and_can_be_run_again(
     assert losses == reference[:7]
 
 
-def failing_backward(rank, world, nvme_path):
-    """Rank 1's second gradient write of micro-step 3 fails; the window is run again."""
-    torch.manual_seed(0)
-    config = {
+def window_config(nvme_path):
+    """Stage 3, accumulation 2, gradients on NVMe when `nvme_path` is given."""
+    offload = {"device": "nvme", "nvme_path": nvme_path} if nvme_path else {"device": "none"}
+    return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 0.5,
@@ -280,9 +280,15 @@ def failing_backward(rank, world, nvme_path):
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
+            "offload_optimizer": offload,
         },
     }
+
+
+def failing_backward(rank, world, nvme_path):
+    """Rank 1's second gradient write of micro-step 3 fails; the window is run again."""
+    torch.manual_seed(0)
+    config = window_config(nvme_path)
 
     def micro_step(engine, step):
         x, y = global_batch(step, MICRO * world)
@@ -327,11 +333,6 @@ def test_a_failed_gradient_write_drops_the_window_on_every_rank(tmp_path):
 
 def train_reference_window(rank, world, _):
     torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 2,
-        "gradient_clipping": 0.5,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }
+    config = window_config(None)
     engine = fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
     return [_step(engine, rank, world, step) for step in range(8)]
