@@ -503,13 +503,18 @@ class Engine:
         finally:
             self._evict(rt)
 
-    @contextlib.contextmanager
-    def all_resident(self, write_back: bool) -> Iterator[None]:
-        """Every unit resident at once (checkpoints): the whole partition in memory."""
-        with contextlib.ExitStack() as stack:
-            for rt in self.units:
-                stack.enter_context(self.resident(rt, write_back))
-            yield
+    def write_next_slot(self, rt: _UnitRuntime, with_grad: bool) -> None:
+        """Write the master and state bound to `rt` (and its gradient) to the unit's other
+        slot, then evict them; they become current when the caller flips `rt.slot`
+        (checkpoint loads, after every rank has read its part)."""
+        try:
+            self._swap_out(rt, 1 - rt.slot, wait=True)
+            if with_grad and self._grads_on_nvme:
+                grad = _nvme.aligned_empty(rt.grad.numel()).copy_(rt.grad)
+                self.nvme.wait(self.nvme.submit(self._grad_region(rt), grad, True), "writing")
+                rt.grad_on_disk = True
+        finally:
+            self._evict(rt)
 
     def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
         """The step over NVMe-resident units, pipelined (`_nvme_pass`).

@@ -433,7 +433,7 @@ def async_case(rank, world, root):
     def broken(*_args, **_kwargs):
         raise OSError("disk full (injected)")
 
-    _engine_io.write_safetensors = broken
+    _engine_io.write_safetensors_stream = broken
     engine.save_checkpoint(f"{root}/broken", async_save=True)
     try:
         engine.save_checkpoint(f"{root}/next")

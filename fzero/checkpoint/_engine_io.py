@@ -16,6 +16,8 @@ A load reads the old plan from the index and fills this engine's shards with
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import os
 import random
@@ -24,7 +26,7 @@ import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -40,6 +42,7 @@ from fzero.checkpoint._files import (
     fsync_dir,
     hugepage_hint,
     write_safetensors,
+    write_safetensors_stream,
 )
 from fzero.checkpoint._index import decode_client_state, encode_client_state, pack, unpack
 from fzero.optim import LossScaleState
@@ -98,18 +101,53 @@ def _partition_start(engine: Engine, rt: Any) -> int:
     return rt.unit.shard_range(engine.rank)[0] if engine.stage == 0 else 0
 
 
-def _rank_tensors(
-    engine: Engine, plan_slices: tuple[LocalSlice, ...]
-) -> list[tuple[str, str, LocalSlice, Tensor]]:
+# One tensor of a rank file: its index record, the unit it belongs to (None: a module
+# tensor), its safetensors spec, and how to get it (its unit resident).
+_Entry = tuple[dict[str, Any], int | None, tuple[str, torch.dtype, tuple[int, ...]], Any]
+
+
+def _save_entries(engine: Engine, mid_accumulation: bool) -> list[_Entry]:
+    """What this rank's file holds, unit by unit: each tensor slice of the master and of
+    every state kind, and mid-window the gradient accumulator; then, on rank 0, the
+    module's own tensors (frozen parameters, buffers)."""
     kinds = ["master", *_state_kinds(engine)]
-    out = []
-    for kind in kinds:
-        for s in plan_slices:
-            rt = engine.units[s.unit]
-            at = _partition_start(engine, rt) + s.shard_offset
-            tensor = _buffer_of(engine, rt, kind)[at : at + s.numel]
-            out.append((slice_key(kind, s.fqn, s.start, s.stop), kind, s, tensor))
-    return out
+    slices = partition.local_slices(engine.plan, engine.rank)
+    entries: list[_Entry] = []
+    for rt in engine.units:
+        for kind in kinds:
+            for s in (s for s in slices if s.unit == rt.index):
+                key = slice_key(kind, s.fqn, s.start, s.stop)
+                at = _partition_start(engine, rt) + s.shard_offset
+                record = {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
+                get = functools.partial(_slice_of, engine, rt, kind, at, s.numel)
+                entries.append((record, rt.index, (key, torch.float32, (s.numel,)), get))
+        if mid_accumulation:
+            key = f"grad/unit{rt.index}"
+            numel = rt.unit.numel if engine.stage < 2 else rt.unit.shard_numel
+            record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
+            get = functools.partial(getattr, rt, "grad")
+            entries.append((record, rt.index, (key, torch.float32, (numel,)), get))
+    if engine.rank == 0:
+        for name, t in _module_tensors(engine).items():
+            key = f"module/{name}"
+            record = {"key": key, "kind": "module", "fqn": name, "start": 0, "stop": t.numel()}
+            entries.append((record, None, (key, t.dtype, tuple(t.shape)), lambda t=t: t))
+    return entries
+
+
+def _slice_of(engine: Engine, rt: Any, kind: str, at: int, numel: int) -> Tensor:
+    return _buffer_of(engine, rt, kind)[at : at + numel]
+
+
+def _entry_tensors(engine: Engine, entries: list[_Entry]) -> Iterator[Tensor]:
+    """The entries' tensors in order, one unit resident at a time: with NVMe offload
+    each unit is read back from the swap file when the writer reaches it."""
+    for unit, group in itertools.groupby(entries, key=lambda entry: entry[1]):
+        if unit is None:
+            yield from (get() for *_, get in group)
+            continue
+        with engine.resident(engine.units[unit], write_back=False):
+            yield from (get() for *_, get in group)
 
 
 def _module_tensors(engine: Engine) -> dict[str, Tensor]:
@@ -270,40 +308,10 @@ def save_checkpoint(
     client_tensors: dict[str, Tensor] = {}
     encoded_client = encode_client_state(dict(client_state or {}), client_tensors)
     mid_accumulation = engine.micro_steps % engine.gradient_accumulation_steps() != 0
-    copy = engine.nvme is not None  # swap buffers are reused after the block
-    with engine.all_resident(write_back=False):  # NVMe offload: read back to be saved
-        owned = [
-            (key, kind, s, t.clone() if copy else t)
-            for key, kind, s, t in _rank_tensors(
-                engine, partition.local_slices(engine.plan, engine.rank)
-            )
-        ]
-        grads = [rt.grad.clone() if copy else rt.grad for rt in engine.units if mid_accumulation]
-    tensors = [(key, t) for key, _, _, t in owned]
-    records = [
-        {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
-        for key, kind, s, _ in owned
-    ]
-    if mid_accumulation:
-        for rt, grad in zip(engine.units, grads):
-            key = f"grad/unit{rt.index}"
-            tensors.append((key, grad))
-            records.append(
-                {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": grad.numel()}
-            )
+    entries = _save_entries(engine, mid_accumulation)
+    records = [record for record, *_ in entries]
+    specs = [spec for _, _, spec, _ in entries]
     module = _module_tensors(engine)
-    if engine.rank == 0:
-        for key, t in module.items():
-            tensors.append((f"module/{key}", t))
-            records.append(
-                {
-                    "key": f"module/{key}",
-                    "kind": "module",
-                    "fqn": key,
-                    "start": 0,
-                    "stop": t.numel(),
-                }
-            )
     body = _index_body(engine, tag, module, mid_accumulation, encoded_client)
     rng = _rng_state()
     if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -313,17 +321,20 @@ def save_checkpoint(
     else:
         client_tensors_16bit = {}
     dist.barrier(group=_group(engine))  # the partial directory exists for everyone
-    if async_save:
-        tensors = [(key, t.detach().to("cpu", copy=True).contiguous()) for key, t in tensors]
+    if async_save:  # host copies of everything (with NVMe offload: read back first)
+        tensors = [
+            t.detach().to("cpu", copy=True).contiguous() for t in _entry_tensors(engine, entries)
+        ]
         client_tensors = {k: v.clone() for k, v in client_tensors.items()}
-    else:
-        tensors = [(key, t.detach().cpu().contiguous()) for key, t in tensors]
+        stream: Iterable[Tensor] = tensors
+    else:  # written as produced: NVMe offload holds one unit at a time
+        stream = (t.detach().cpu().contiguous() for t in _entry_tensors(engine, entries))
 
     def write() -> None:
         _write(
             engine,
             (save_dir, tag, partial, final),
-            tensors,
+            (specs, stream),
             records,
             rng,
             body,
@@ -389,7 +400,7 @@ def _index_body(
 def _write(
     engine: Engine,
     paths: tuple[str, str, str, str],
-    tensors: list[tuple[str, Tensor]],
+    tensors: tuple[list[Any], Iterable[Tensor]],
     records: list[dict[str, Any]],
     rng: dict[str, Any],
     body: dict[str, Any],
@@ -398,7 +409,8 @@ def _write(
 ) -> None:
     save_dir, tag, partial, final = paths
     group = _group(engine)
-    written = write_safetensors(os.path.join(partial, rank_file(engine.rank)), tensors)
+    specs, stream = tensors
+    written = write_safetensors_stream(os.path.join(partial, rank_file(engine.rank)), specs, stream)
     if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{engine.rank}":
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with a half-written save
     for record in records:
@@ -495,10 +507,9 @@ def load_checkpoint(
     if not os.path.isdir(directory):
         warnings.warn(f"no checkpoint to load: {directory} does not exist", stacklevel=3)
         return None, None
-    with engine.all_resident(write_back=True):  # NVMe offload: loaded, then swapped out
-        return _load(
-            engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only
-        )
+    return _load(
+        engine, directory, load_optimizer_states, load_lr_scheduler_states, load_module_only
+    )
 
 
 def _load(
@@ -508,34 +519,37 @@ def _load(
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> tuple[str, Any]:
+    # NVMe offload: each unit goes to the other slot of its swap regions as it is read
+    # (one unit in memory at a time); the slots flip once every rank has read its part.
+    swapped = engine.nvme is not None
+    before = [(rt.state, rt.grad_on_disk) for rt in engine.units]
     try:
         index, staged, client_state = _read(
-            engine, directory, load_optimizer_states and not load_module_only
+            engine,
+            directory,
+            load_optimizer_states and not load_module_only,
+            sink=functools.partial(_to_next_slot, engine) if swapped else None,
         )
         failure = ""
-    except CheckpointError as error:
+    except (CheckpointError, OSError) as error:
         failure = str(error)
     # Every rank learns whether every rank could read its part before anything changes:
     # a damaged file seen by one rank fails the load everywhere, and no state is lost.
     failures = comm.all_gather_bytes(failure.encode(), group=_group(engine))
     messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
     if messages:
+        for rt, (state, grad_on_disk) in zip(engine.units, before):
+            rt.state, rt.grad_on_disk = state, grad_on_disk
         raise CheckpointError("; ".join(messages))
+    by_unit: dict[int, dict[str, Any]] = {}
+    for (unit_index, kind), tensor in staged.items():
+        by_unit.setdefault(unit_index, {})[kind] = tensor
     with torch.no_grad():
-        for (unit_index, kind), tensor in staged.items():
-            if unit_index < 0:
-                continue  # module tensors, below
-            rt = engine.units[unit_index]
-            if kind == "grad":
-                rt.grad.copy_(tensor)
-            elif kind == "optim.init":
-                rt.state = tensor
-            elif kind == "master" and rt.master._base is not None:
-                rt.master.copy_(tensor)  # a view of the parameters' buffer: copy into it
-            elif kind == "master":
-                rt.master = tensor
+        for rt in engine.units:
+            if swapped:
+                rt.slot = 1 - rt.slot
             else:
-                rt.state = rt.state._replace(**{kind.removeprefix("optim."): tensor})
+                _apply(rt, by_unit.get(rt.index, {}))
         for key, tensor in _module_tensors(engine).items():
             tensor.copy_(staged[(-1, key)])
     if load_optimizer_states and not load_module_only:
@@ -543,7 +557,8 @@ def _load(
         for rt in engine.units:
             rt.state = rt.state._replace(**scalars)
     for rt in engine.units:
-        engine._publish(rt)
+        with engine.resident(rt, write_back=False):
+            engine._publish(rt)
     engine._finish_publish()
     if not load_module_only:
         _restore_counters(engine, index, load_lr_scheduler_states)
@@ -553,8 +568,35 @@ def _load(
     return directory, client_state
 
 
-def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, Any], dict, Any]:
-    """Everything this rank needs from the checkpoint, read into new buffers."""
+def _apply(rt: Any, tensors: Mapping[str, Any]) -> None:
+    """Make a unit's loaded tensors (by kind) its master, state and gradient."""
+    for kind, tensor in tensors.items():
+        if kind == "grad" and rt.grad.numel():
+            rt.grad.copy_(tensor)  # stages 0-1: a view of the bucket buffer
+        elif kind == "grad":
+            rt.grad = tensor  # NVMe offload: bound, to be swapped out
+        elif kind == "optim.init":
+            rt.state = tensor
+        elif kind == "master" and rt.master._base is not None:
+            rt.master.copy_(tensor)  # a view of the parameters' buffer: copy into it
+        elif kind == "master":
+            rt.master = tensor
+        else:
+            rt.state = rt.state._replace(**{kind.removeprefix("optim."): tensor})
+
+
+def _to_next_slot(engine: Engine, rt: Any, tensors: Mapping[str, Any]) -> None:
+    """NVMe offload: a unit's loaded tensors go to the other slot of its swap regions."""
+    _apply(rt, tensors)
+    engine.write_next_slot(rt, with_grad="grad" in tensors)
+
+
+def _read(
+    engine: Engine, directory: str, with_state: bool, sink: Any = None
+) -> tuple[dict[str, Any], dict, Any]:
+    """Everything this rank needs from the checkpoint, read into new buffers, unit by
+    unit; with `sink`, each unit's tensors go to `sink(rt, {kind: tensor})` instead of
+    the returned dict."""
     index = read_index(directory)
     old_plan = partition.from_bytes(index["plan"])
     _check_model(engine, old_plan, index, directory)
@@ -572,18 +614,22 @@ def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, A
         if with_state:
             _check_optimizer(engine, index, directory)
             kinds += _state_kinds(engine)
-        for kind in kinds:
-            staged.update(_new_partitions(engine, kind))
-            _fill(engine, reader, kind, staged)
-        if not with_state:
-            for rt in engine.units:
-                staged[(rt.index, "optim.init")] = engine.optimizer.init(
-                    staged[(rt.index, "master")]
-                )
-        if index["mid_accumulation"]:
-            for rt in engine.units:
-                staged[(rt.index, "grad")] = torch.empty_like(rt.grad)
-                reader.read_whole(engine.rank, f"grad/unit{rt.index}", staged[(rt.index, "grad")])
+        reads = _reads_by_unit(engine, old_plan)
+        for rt in engine.units:
+            unit: dict[str, Any] = {}
+            for kind in kinds:
+                unit[kind] = _new_partition(engine, rt)
+                _fill(engine, reader, kind, unit[kind], reads.get(rt.index, []))
+            if not with_state:
+                unit["optim.init"] = engine.optimizer.init(unit["master"])
+            if index["mid_accumulation"]:
+                numel = rt.unit.numel if engine.stage < 2 else rt.unit.shard_numel
+                unit["grad"] = torch.empty(numel, dtype=torch.float32)
+                reader.read_whole(engine.rank, f"grad/unit{rt.index}", unit["grad"])
+            if sink is not None:
+                sink(rt, unit)
+            else:
+                staged.update({(rt.index, kind): t for kind, t in unit.items()})
         for key, tensor in _module_tensors(engine).items():
             saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
             reader.read_whole(0, f"module/{key}", saved)
@@ -592,26 +638,24 @@ def _read(engine: Engine, directory: str, with_state: bool) -> tuple[dict[str, A
     return index, staged, client_state
 
 
-def _new_partitions(engine: Engine, kind: str) -> dict[tuple[int, str], Tensor]:
-    """Uninitialised buffers like the rank's partitions of `kind`, their padding zeroed
-    (the reads fill every other element)."""
+def _new_partition(engine: Engine, rt: Any) -> Tensor:
+    """An uninitialised fp32 buffer like the unit's partition, its padding zeroed (the
+    reads fill every other element)."""
     ranks = range(engine.world_size) if engine.stage == 0 else [engine.rank]
-    covered: dict[int, list[tuple[int, int]]] = {}
+    covered = []
     for r in ranks:
         for s in partition.local_slices(engine.plan, r):
-            base = engine.units[s.unit].unit.shard_range(r)[0] if engine.stage == 0 else 0
-            covered.setdefault(s.unit, []).append((base + s.shard_offset, s.numel))
-    buffers = {}
-    for rt in engine.units:
-        buffer = torch.empty_like(_buffer_of(engine, rt, kind))
-        hugepage_hint(buffer)
-        at = 0
-        for start, numel in sorted(covered.get(rt.index, [])):
-            buffer[at:start].zero_()
-            at = start + numel
-        buffer[at:].zero_()
-        buffers[(rt.index, kind)] = buffer
-    return buffers
+            if s.unit == rt.index:
+                base = rt.unit.shard_range(r)[0] if engine.stage == 0 else 0
+                covered.append((base + s.shard_offset, s.numel))
+    buffer = torch.empty(engine._partition_numel(rt.unit), dtype=torch.float32)
+    hugepage_hint(buffer)
+    at = 0
+    for start, numel in sorted(covered):
+        buffer[at:start].zero_()
+        at = start + numel
+    buffer[at:].zero_()
+    return buffer
 
 
 def _check_model(engine: Engine, old_plan: Plan, index: Mapping[str, Any], directory: str) -> None:
@@ -718,18 +762,29 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _fill(engine: Engine, reader: _Reader, kind: str, staged: dict) -> None:
-    """This rank's partition buffers of `kind` (new ones, in `staged`), from whichever
-    old ranks hold them."""
+def _reads_by_unit(engine: Engine, old_plan: Plan) -> dict[int, list[tuple[int, Any]]]:
+    """The reshard reads that fill this rank's partitions (stage 0: every rank's part of
+    the whole buffers), by new unit: (target rank, read)."""
     targets = range(engine.world_size) if engine.stage == 0 else [engine.rank]
+    by_unit: dict[int, list[tuple[int, Any]]] = {}
     for target in targets:
-        for read in partition.reshard_reads(reader.old_plan, engine.plan, target):
-            rt = engine.units[read.new_unit]
-            at = read.new_offset + (rt.unit.shard_range(target)[0] if engine.stage == 0 else 0)
-            out = staged[(rt.index, kind)][at : at + read.numel]
-            old = reader.old_slice(read.old_rank, read.old_unit, read.old_offset)
-            key = slice_key(kind, old.fqn, old.start, old.stop)
-            reader.read_range(read.old_rank, key, read.old_offset - old.shard_offset, out)
+        for read in partition.reshard_reads(old_plan, engine.plan, target):
+            by_unit.setdefault(read.new_unit, []).append((target, read))
+    return by_unit
+
+
+def _fill(
+    engine: Engine, reader: _Reader, kind: str, out: Tensor, reads: list[tuple[int, Any]]
+) -> None:
+    """One unit's new partition buffer of `kind`, from whichever old ranks hold it."""
+    for target, read in reads:
+        rt = engine.units[read.new_unit]
+        at = read.new_offset + (rt.unit.shard_range(target)[0] if engine.stage == 0 else 0)
+        old = reader.old_slice(read.old_rank, read.old_unit, read.old_offset)
+        key = slice_key(kind, old.fqn, old.start, old.stop)
+        reader.read_range(
+            read.old_rank, key, read.old_offset - old.shard_offset, out[at : at + read.numel]
+        )
 
 
 def _saved_dtype(index: Mapping[str, Any], key: str) -> str:
