@@ -31,6 +31,34 @@
 #define FZ_OUT_BF16 1
 #define FZ_OUT_FP16 2
 
+/* The 16-bit copy of updated parameters is write-only: plain stores first read each
+ * destination line (read-for-ownership), 2 more bytes per element on top of the 30 an
+ * update with copy-out must move. Non-temporal stores (SSE2, so every x86-64 clone)
+ * skip that read; elsewhere the copy is a plain memcpy. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define FZ_STREAM_STORES 1
+#else
+#define FZ_STREAM_STORES 0
+#endif
+#define FZ_OUT_BLOCK 64 /* elements staged on the stack before they are streamed out */
+
+static inline void fz_stream_out(uint16_t *restrict out, const uint16_t *restrict staged,
+                                 int64_t n) {
+#if FZ_STREAM_STORES
+    for (int64_t j = 0; j < n; j += 8) /* out 16-byte aligned, n a multiple of 8 */
+        _mm_stream_si128((__m128i *)(out + j), _mm_load_si128((const __m128i *)(staged + j)));
+#else
+    memcpy(out, staged, (size_t)n * sizeof(uint16_t));
+#endif
+}
+
+static inline void fz_stream_fence(void) {
+#if FZ_STREAM_STORES
+    _mm_sfence(); /* streamed stores are weakly ordered: drain before others read them */
+#endif
+}
+
 static inline uint32_t fz_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -120,9 +148,34 @@ static inline __attribute__((always_inline)) void fz_adam_range(
     }
 }
 
+/* fz_adam_range with the 16-bit copy staged on the stack and streamed out in aligned
+ * blocks; the unaligned head and the tail are stored directly. */
+static inline __attribute__((always_inline)) void fz_adam_range_out(
+    float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+    uint16_t *restrict out, int64_t lo, int64_t hi, const fz_adam_args a, const int decoupled,
+    const int l2, const int scaled, const int small_w, const int out_kind) {
+    int64_t i = lo;
+    const int64_t misaligned = (int64_t)(((uintptr_t)(out + lo) & 15u) / sizeof(uint16_t));
+    const int64_t head = misaligned ? lo + 8 - misaligned : lo;
+    if (head >= hi || ((uintptr_t)out & 1u)) {
+        fz_adam_range(p, g, m, v, out, lo, hi, a, decoupled, l2, scaled, small_w, out_kind);
+        return;
+    }
+    fz_adam_range(p, g, m, v, out, lo, head, a, decoupled, l2, scaled, small_w, out_kind);
+    _Alignas(16) uint16_t staged[FZ_OUT_BLOCK];
+    for (i = head; i + FZ_OUT_BLOCK <= hi; i += FZ_OUT_BLOCK) {
+        fz_adam_range(p + i, g + i, m + i, v + i, staged, 0, FZ_OUT_BLOCK, a, decoupled, l2,
+                      scaled, small_w, out_kind);
+        fz_stream_out(out + i, staged, FZ_OUT_BLOCK);
+    }
+    fz_adam_range(p, g, m, v, out, i, hi, a, decoupled, l2, scaled, small_w, out_kind);
+    fz_stream_fence();
+}
+
 #define FZ_ADAM_CASE(D, L, S, W, O)                                                         \
     if (decoupled == D && use_l2 == L && scaled == S && small_w == W && out_kind == O) {     \
-        fz_adam_range(p, g, m, v, out16, lo, hi, a, D, L, S, W, O);                          \
+        if (O) fz_adam_range_out(p, g, m, v, out16, lo, hi, a, D, L, S, W, O);              \
+        else fz_adam_range(p, g, m, v, out16, lo, hi, a, D, L, S, W, O);                    \
         continue;                                                                          \
     }
 #define FZ_ADAM_OUT(D, L, S, W) FZ_ADAM_CASE(D, L, S, W, 0) FZ_ADAM_CASE(D, L, S, W, 1) FZ_ADAM_CASE(D, L, S, W, 2)

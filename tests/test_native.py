@@ -68,11 +68,14 @@ def test_adam_matches_pure(n, threads, decoupled, bias_correction, grad_scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", SIZES)
-def test_copy_out_is_the_rounded_parameter(dtype, n):
+@pytest.mark.parametrize("skew", [0, 3])
+def test_copy_out_is_the_rounded_parameter(dtype, n, skew):
+    """Also into a buffer `skew` elements past a 16-byte boundary: the kernel streams the
+    copy out in aligned blocks and stores the head and tail directly."""
     p, g = _data(n)
     m, v = torch.zeros(n), torch.zeros(n)
     p[:3] = torch.tensor([70000.0, -1e-8, float("inf")])[: min(3, n)]  # overflow, subnormal
-    out = torch.empty(n, dtype=dtype)
+    out = torch.empty(n + skew, dtype=dtype)[skew:]
     native.adam_(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, decoupled=True, out=out)  # fmt: skip
     assert torch.equal(out, p.to(dtype))
