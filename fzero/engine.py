@@ -621,9 +621,10 @@ class Engine:
                 self._wait_swap(tickets, "writing")
         except OSError as error:
             failure = str(error)
-            self._drain_swap([*reads.values(), *writes])  # no transfer outlives its buffer
-        for rt in units:
-            self._evict(rt)
+        finally:  # also on any other error: no transfer outlives its buffer
+            self._drain_swap([*reads.values(), *writes])
+            for rt in units:
+                self._evict(rt)
         return failure
 
     def _agree(self, failure: str, updated: list[_UnitRuntime], steps: list[int]) -> None:
