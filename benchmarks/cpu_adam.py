@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,14 +21,19 @@ from fzero import native
 from fzero.optim import adamw
 
 
-def median_time(step, steps: int) -> float:
-    step()  # warm-up: first touch of pages, thread start
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_times(kernels: list[tuple[str, Callable[[], object]]], rounds: int) -> list[float]:
+    """Median seconds of each kernel over `rounds` rounds, every kernel once per round:
+    this machine's memory bandwidth drifts (52 to 97 GB/s within minutes), so kernels
+    timed one after another would be compared at different bandwidths."""
+    for _, step in kernels:
+        step()  # warm-up: first touch of pages, thread start
+    times: list[list[float]] = [[] for _ in kernels]
+    for _ in range(rounds):
+        for (_, step), acc in zip(kernels, times):
+            start = time.perf_counter()
+            step()
+            acc.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -41,14 +47,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     param, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     m, v = torch.zeros(n), torch.zeros(n)
-    rows: list[tuple[str, float]] = []
+    kernels: list[tuple[str, Callable[[], object]]] = []
     if not native.available():
         raise SystemExit(f"native kernels: {native.why()}")
-    rows.append(
-        (
-            "memory floor (C stream, 28 B/elem)",
-            median_time(lambda: native.stream_floor_(param, grad, m, v), args.steps),
-        )
+    kernels.append(
+        ("memory floor (C stream, 28 B/elem)", lambda: native.stream_floor_(param, grad, m, v))
     )
     step = [0]
 
@@ -57,11 +60,9 @@ def main() -> None:
         native.adam_(param, grad, m, v, step=step[0], lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=0.01, decoupled=True, grad_scale=grad_scale, out=out)  # fmt: skip
 
-    rows.append(("fzero native AdamW", median_time(fzero_step, args.steps)))
+    kernels.append(("fzero native AdamW", fzero_step))
     copy = torch.empty(n, dtype=torch.bfloat16)
-    rows.append(
-        ("fzero native AdamW + bf16 copy-out", median_time(lambda: fzero_step(copy), args.steps))
-    )
+    kernels.append(("fzero native AdamW + bf16 copy-out", lambda: fzero_step(copy)))
 
     def fp16_step():
         # the whole fp16 optimizer step: one pass for overflow flag + norm, one for
@@ -71,13 +72,10 @@ def main() -> None:
             fzero_step(copy16, grad_scale=(1 / 1024) * min(1.0, 1.0 / max(total**0.5 / 1024, 1e-6)))
 
     copy16 = torch.empty(n, dtype=torch.float16)
-    rows.append(("fzero fp16 step (2 passes over grads)", median_time(fp16_step, args.steps)))
+    kernels.append(("fzero fp16 step (2 passes over grads)", fp16_step))
     state = adamw(lr=1e-4).init(param)
-    rows.append(
-        (
-            "fzero torch path (update_)",
-            median_time(lambda: adamw(lr=1e-4).update_(grad, state, param), args.steps),
-        )
+    kernels.append(
+        ("fzero torch path (update_)", lambda: adamw(lr=1e-4).update_(grad, state, param))
     )
     p = torch.nn.Parameter(param.clone())
     p.grad = grad.clone()
@@ -87,16 +85,20 @@ def main() -> None:
         ("fused", {"fused": True}),
     ):
         opt = torch.optim.AdamW([p], lr=1e-4, **kwargs)
-        rows.append((f"torch.optim.AdamW {name}", median_time(opt.step, args.steps)))
+        kernels.append((f"torch.optim.AdamW {name}", opt.step))
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as error:  # not installed, or its op fails to build
         print(f"(DeepSpeedCPUAdam unavailable: {type(error).__name__})")
     else:
         ds = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
-        rows.append(("DeepSpeedCPUAdam", median_time(ds.step, args.steps)))
+        kernels.append(("DeepSpeedCPUAdam", ds.step))
+    rows = list(zip([name for name, _ in kernels], median_times(kernels, args.steps)))
     floor = rows[0][1]
-    print(f"AdamW step over {n / 1e6:.0f}M fp32 elements, {args.threads} threads, median")
+    print(
+        f"AdamW step over {n / 1e6:.0f}M fp32 elements, {args.threads} threads, median of "
+        f"{args.steps} interleaved rounds"
+    )
     print(f"{'kernel':<40} {'ms':>8} {'x floor':>8} {'GB/s':>7}")
     for name, seconds in rows:
         rate = 28 * n / seconds / 1e9
