@@ -5,12 +5,15 @@ step time against the disk's own bandwidth measured in the same run.
 
 Model: `depth` Linear(width, width) layers (100.7M params at 2048 x 24), ZeRO stage 3,
 bf16 compute, AdamW with `offload_optimizer: nvme`: 12 bytes per parameter (fp32
-master, m, v) and the fp32 gradient accumulators live in the swap file; the second
-configuration also keeps the bf16 parameter shards there (`offload_param: nvme`). Each
-runs in its own process (peak RSS is per process). The floor is the bytes one step
-must read and write (32 per parameter, 38 with parameters on NVMe) over the sequential
+master, m, v) live in the swap file; gradients and bf16 parameter shards stay in host
+memory (`swap_gradients: false`). The second configuration (ZeRO-Infinity) keeps the
+gradient accumulators and the parameter shards (`offload_param: nvme`) on disk too.
+Each runs in its own process (peak RSS is per process). The floor is the bytes one step
+must read and write (24 per parameter, 38 with everything on NVMe) over the sequential
 bandwidth of the same directory, read and written with O_DIRECT in 1 MiB blocks (as
-the swap file is).
+the swap file is). When DeepSpeed imports and its libaio op builds, a third row runs
+DeepSpeed's ZeRO-Infinity on the same model with the same ZeRO knobs (its floor is left
+blank: which bytes it moves is its own).
 """
 
 from __future__ import annotations
@@ -57,25 +60,89 @@ def disk_bandwidth(directory: str, nbytes: int = 512 * 2**20) -> float:
 
 
 CONFIGS = {
-    "optimizer": "NVMe optimizer (params in memory)",
+    "optimizer": "NVMe optimizer (grads, params in memory)",
     "infinity": "NVMe optimizer + params (ZeRO-Infinity)",
+    "deepspeed": "DeepSpeed, NVMe optimizer + params",
 }
+# the ZeRO knobs every configuration shares (fzero's and DeepSpeed's meaning)
+ZERO = {
+    "stage": 3,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 1,
+    "reduce_bucket_size": 2**22,  # one unit: no whole-model gradient bucket
+}
+
+
+def deepspeed_available() -> str:
+    """ "" when DeepSpeed imports and its libaio op builds here, else why not."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as error:
+        return f"deepspeed does not import: {type(error).__name__}"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return "DeepSpeed's async_io op needs libaio's headers (libaio-dev)"
+    return ""
+
+
+def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
+    """The same model and ZeRO knobs under DeepSpeed (CPU accelerator, gloo), with its
+    sub-groups one layer and no parameters kept in host memory (`max_in_cpu` 0)."""
+    import deepspeed
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    baseline = vm_rss_mb()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "aio": {"block_size": 2**20, "thread_count": 2},
+        "zero_optimization": {
+            **ZERO,
+            "sub_group_size": args.width * args.width + args.width,
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.dir},
+            "offload_param": {"device": "nvme", "nvme_path": args.dir, "max_in_cpu": 0},
+        },
+    }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    x = torch.randn(4, args.width).bfloat16()
+    times = []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        times.append(time.perf_counter() - start)
+    params = args.depth * (args.width * args.width + args.width)
+    return {
+        "params": params,
+        "baseline": baseline,
+        "peak": vm_hwm_mb(),
+        "step": statistics.median(times[1:]),
+        "moved": float("nan"),  # DeepSpeed's traffic is its own
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
     """One configuration in this process: its peak RSS is this process's."""
+    if args.config == "deepspeed":
+        return run_deepspeed(args)
     baseline = vm_rss_mb()
     torch.manual_seed(0)
     with fzero.init_context():  # never whole in memory
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
-    zero = {
-        "stage": 3,
-        "stage3_param_persistence_threshold": 0,
-        "stage3_max_reuse_distance": 0,
-        "stage3_prefetch_bucket_size": 1,
-        "reduce_bucket_size": 2**22,  # one unit: no whole-model gradient bucket
-        "offload_optimizer": {"device": "nvme", "nvme_path": args.dir},
-    }
+    swap_gradients = args.config == "infinity"
+    offload = {"device": "nvme", "nvme_path": args.dir, "swap_gradients": swap_gradients}
+    zero = {**ZERO, "offload_optimizer": offload}
     if args.config == "infinity":
         zero["offload_param"] = {"device": "nvme", "nvme_path": args.dir}
     config = {
@@ -93,11 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         engine.backward(engine(x).float().square().mean())
         engine.step()
         times.append(time.perf_counter() - start)
-    # Bytes one step moves per parameter: the optimizer reads master, m, v and the
-    # gradient (16) and writes master, m, v (12) plus the gradient in backward (4);
-    # ZeRO-Infinity also writes the bf16 shard (2) and reads it in forward and
-    # backward (4).
-    moved = 32 + (6 if args.config == "infinity" else 0)
+    # Bytes one step moves per parameter: the optimizer reads master, m, v (12) and
+    # writes them (12); ZeRO-Infinity also writes the gradient in backward and reads it
+    # at the step (8), writes the bf16 shard (2) and reads it in forward and backward (4).
+    moved = 24 + (14 if args.config == "infinity" else 0)
     return {
         "params": params,
         "baseline": baseline,
@@ -119,7 +185,12 @@ def main() -> None:
         print(json.dumps(run(args)))
         return
     rows = {}
+    missing = deepspeed_available()
+    if missing:
+        print(f"(DeepSpeed row left out: {missing})")
     for name in CONFIGS:
+        if name == "deepspeed" and missing:
+            continue
         command = [sys.executable, __file__, *sys.argv[1:], "--config", name]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rows[name] = json.loads(out.strip().splitlines()[-1])

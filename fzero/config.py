@@ -66,6 +66,10 @@ class OffloadOptimizerConfig:
     pool. The step pipelines max(2, buffer_count // tensors per unit) units (tensors per
     unit: master, each optimizer state, and the gradient in stages 2-3); backward keeps
     at most `buffer_count` gradient writes in flight."""
+    swap_gradients: bool = True
+    """fzero: with `device` nvme in stages 2-3, the gradient accumulators live in the swap
+    file too, so host memory holds no whole-model buffer (a step moves 8 more bytes per
+    parameter). False keeps them in host memory: faster where they fit."""
     fast_init: bool = False
     """Skip writing initial state files eagerly (NVMe)."""
 

@@ -340,7 +340,7 @@ class Engine:
         ]
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
-        self._grads_on_nvme = self.stage >= 2
+        self._grads_on_nvme = self.stage >= 2 and zero.offload_optimizer.swap_gradients
         if self._grads_on_nvme:
             sizes += [4 * u.shard_numel for u in self.plan.units]
         self.nvme = _nvme.SwapFile(
@@ -598,7 +598,7 @@ class Engine:
         (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
         every transfer has finished either way and no unit stays resident."""
         units = self.units
-        depth = min(self._pipeline_depth, len(units))
+        depth = max(2, min(self._pipeline_depth, len(units)))
         sets = [self._swap_buffers(extra) for _ in range(depth)]
         reads: dict[int, list[Any]] = {}
         writes: list[list[Any]] = [[] for _ in sets]
@@ -614,9 +614,9 @@ class Engine:
             for i, rt in enumerate(units):
                 self._wait_swap(reads[i], "reading")
                 del reads[i]
-                writes[i % depth] = compute(rt, sets[i % depth])
-                if i + depth - 1 < len(units):
+                if i + depth - 1 < len(units):  # into the set unit i-1 leaves
                     start_read(i + depth - 1)
+                writes[i % depth] = compute(rt, sets[i % depth])
             for tickets in writes:
                 self._wait_swap(tickets, "writing")
         except OSError as error:

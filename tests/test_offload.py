@@ -142,11 +142,16 @@ def test_stage3_parameter_offload_trains_bit_for_bit(world, param, optimizer, tm
         assert not list(swap_dir.iterdir())
 
 
-def train_window(rank, world, stage, nvme_path, root):
+def train_window(rank, world, stage, nvme_path, root, swap_gradients=True):
     """fp16 with accumulation 2 and clipping; a poisoned micro-step on rank 1 overflows
     (the step is skipped); a checkpoint saved mid-window resumes in a new engine."""
     torch.manual_seed(0)
-    offload = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 12}
+    offload = {
+        "device": "nvme",
+        "nvme_path": nvme_path,
+        "buffer_count": 12,
+        "swap_gradients": swap_gradients,
+    }
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 2,
@@ -184,14 +189,16 @@ def train_window(rank, world, stage, nvme_path, root):
     return losses, engine.state_dict(dtype=torch.float32), engine.skipped_steps, resumed
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_nvme_gradients_accumulate_overflow_and_resume_mid_window(stage, tmp_path):
-    """Stages 2-3 keep gradient accumulators in the swap file: the same norms, overflow
-    checks, accumulation and mid-window checkpoints as gradients kept in memory (three
-    buffer sets in the step pipeline: buffer_count 12)."""
+@pytest.mark.parametrize(("stage", "swap_gradients"), [(2, True), (3, True), (3, False)])
+def test_nvme_gradients_accumulate_overflow_and_resume_mid_window(stage, swap_gradients, tmp_path):
+    """Stages 2-3 keep gradient accumulators in the swap file (unless `swap_gradients`
+    is off): the same norms, overflow checks, accumulation and mid-window checkpoints as
+    without offload (three buffer sets in the step pipeline: buffer_count 12)."""
     (tmp_path / "swap").mkdir()
     ref = run_world(train_window, 2, stage, None, str(tmp_path / "ref"))
-    got = run_world(train_window, 2, stage, str(tmp_path / "swap"), str(tmp_path / "got"))
+    got = run_world(
+        train_window, 2, stage, str(tmp_path / "swap"), str(tmp_path / "got"), swap_gradients
+    )
     losses, state, skipped, resumed = got
     assert skipped == ref[2] == 1
     assert losses == ref[0] and resumed == losses[11:]
