@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,17 @@ ZERO = {
 }
 
 
+def median_step(engine: Any, x: torch.Tensor, steps: int) -> float:
+    """Median seconds of `steps` training steps, after one warm-up step."""
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def deepspeed_available() -> str:
     """ "" when DeepSpeed imports and its libaio op builds here, else why not."""
     try:
@@ -115,19 +127,13 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
-    x = torch.randn(4, args.width).bfloat16()
-    times = []
-    for _ in range(args.steps + 1):
-        start = time.perf_counter()
-        engine.backward(engine(x).float().square().mean())
-        engine.step()
-        times.append(time.perf_counter() - start)
+    step = median_step(engine, torch.randn(4, args.width).bfloat16(), args.steps)
     params = args.depth * (args.width * args.width + args.width)
     return {
         "params": params,
         "baseline": baseline,
         "peak": vm_hwm_mb(),
-        "step": statistics.median(times[1:]),
+        "step": step,
         "moved": float("nan"),  # DeepSpeed's traffic is its own
     }
 
@@ -153,13 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     }
     engine = fzero.shard(model, optimizer=fzero.optim.adamw(lr=1e-4), config=config)
     params = sum(rt.unit.numel for rt in engine.units)
-    x = torch.randn(4, args.width)
-    times = []
-    for _ in range(args.steps + 1):
-        start = time.perf_counter()
-        engine.backward(engine(x).float().square().mean())
-        engine.step()
-        times.append(time.perf_counter() - start)
+    step = median_step(engine, torch.randn(4, args.width), args.steps)
     # Bytes one step moves per parameter: the optimizer reads master, m, v (12) and
     # writes them (12); ZeRO-Infinity also writes the gradient in backward and reads it
     # at the step (8), writes the bf16 shard (2) and reads it in forward and backward (4).
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "params": params,
         "baseline": baseline,
         "peak": vm_hwm_mb(),
-        "step": statistics.median(times[1:]),
+        "step": step,
         "moved": moved,
     }
 
