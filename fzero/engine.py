@@ -191,6 +191,10 @@ class Engine:
             **options,
         )
         self._tensor_index = {fqn: i for i, fqn in enumerate(self.plan.manifest.fqns)}
+        # host buffers of the largest unit partition, for what offload moves every step
+        largest = max((self._partition_numel(u) for u in self.plan.units), default=0)
+        self._pool = _nvme.BufferPool(largest)
+        self._lent: list[Tensor] = []  # pool buffers in use by the current unit update
         self._cast_module()
         named = dict(module.named_parameters())
         meta = None
@@ -422,11 +426,15 @@ class Engine:
             rt.grad = empty
 
     def _swap_buffers(self, extra: int = 0) -> list[Tensor]:
-        """One host buffer per swapped kind (and the gradient, and `extra` more), each
-        the largest unit's partition."""
-        largest = max((self._partition_numel(u) for u in self.plan.units), default=0)
+        """One pooled host buffer per swapped kind (and the gradient, and `extra` more),
+        each the largest unit's partition; give them back with `_give_back`."""
         count = len(self._swap_kinds) + self._grads_on_nvme + extra
-        return [_nvme.aligned_empty(largest) for _ in range(count)]
+        return [self._pool.take() for _ in range(count)]
+
+    def _give_back(self, buffers: list[Tensor]) -> None:
+        for buffer in buffers:
+            self._pool.give(buffer)
+        buffers.clear()
 
     def _accumulate_grad(self, rt: _UnitRuntime, value: Tensor) -> None:
         """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
@@ -439,7 +447,8 @@ class Engine:
             return
         if self._grad_failure:
             return  # this window is dropped at the end of backward
-        buffer = _nvme.aligned_empty(rt.unit.shard_numel)
+        pooled = self._pool.take()
+        buffer = pooled[: rt.unit.shard_numel]
         region = self._grad_region(rt)
         try:
             if rt.grad_on_disk:
@@ -449,13 +458,19 @@ class Engine:
             buffer.add_(value.to(buffer.device))
             if self._boundary_now:
                 rt.grad_stats = self._grad_stats(buffer)
-            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), buffer))
+            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), pooled))
             rt.grad_on_disk = True
             while len(self._grad_writes) > self._write_buffers:
-                self.nvme.wait(self._grad_writes.pop(0)[0], "writing")
+                self._wait_grad_write()
         except OSError as error:
             self._grad_failure = str(error)
             self._drain_swap([self._grad_writes])
+
+    def _wait_grad_write(self) -> None:
+        """Wait for the oldest gradient write; its buffer goes back to the pool."""
+        ticket, pooled = self._grad_writes.pop(0)
+        self.nvme.wait(ticket, "writing")
+        self._pool.give(pooled)
 
     def _finish_grad_writes(self) -> None:
         """End of backward with gradients on NVMe: wait for the writes, then every rank
@@ -463,9 +478,11 @@ class Engine:
         (its gradients are partly written) and raise: its micro-steps are to be run
         again, and training goes on as if they had not happened."""
         try:
-            self._wait_swap(self._grad_writes, "writing")
+            while self._grad_writes:
+                self._wait_grad_write()
         except OSError as error:
             self._grad_failure = self._grad_failure or str(error)
+            self._drain_swap([self._grad_writes])
         failures = [self._grad_failure.encode()]
         if self.world_size > 1:
             failures = comm.all_gather_bytes(self._grad_failure.encode())
@@ -502,6 +519,7 @@ class Engine:
                     rt.grad_on_disk = True
         finally:
             self._evict(rt)
+            self._give_back(buffers)
 
     def write_next_slot(self, rt: _UnitRuntime, with_grad: bool) -> None:
         """Write the master and state bound to `rt` (and its gradient) to the unit's other
@@ -542,6 +560,8 @@ class Engine:
         for rt in self.units:
             rt.slot = 1 - rt.slot
             self._exchange(rt)
+        if self._grads_on_nvme:  # memory first: keep only what backward's writes take
+            self._pool.trim(self._write_buffers + 1)
         _nvme.return_free_memory()
 
     def _nvme_lamb(
@@ -625,6 +645,8 @@ class Engine:
             self._drain_swap([*reads.values(), *writes])
             for rt in units:
                 self._evict(rt)
+            for buffers in sets:
+                self._give_back(buffers)
         return failure
 
     def _agree(self, failure: str, updated: list[_UnitRuntime], steps: list[int]) -> None:
@@ -1091,6 +1113,7 @@ class Engine:
             if factor != 1.0:
                 grad.mul_(factor)
             rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
+        self._give_back(self._lent)
         return written
 
     def _step_grad(self, rt: _UnitRuntime) -> Tensor:
@@ -1099,8 +1122,10 @@ class Engine:
         grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
         if not self.offload or self._grads_on_nvme:  # NVMe: read into a host swap buffer
             return grad
-        host = torch.empty(grad.shape, dtype=torch.float32, pin_memory=self._pin)
-        return host.copy_(grad)
+        if self._pin:  # CUDA's pinned host allocator caches these blocks itself
+            return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
+        self._lent.append(self._pool.take())  # given back after the unit's update
+        return self._lent[-1][: grad.numel()].copy_(grad)
 
     def _native_update(
         self, rt: _UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
@@ -1206,6 +1231,7 @@ class Engine:
             direction = lamb_direction_(grad, rt.state, rt.master, hp)
             update = direction if update is None else update.copy_(direction)
         rt.state = rt.state._replace(step=rt.state.step + 1)
+        self._give_back(self._lent)
         segments = self._lamb_segments(rt)
         spans = [(a, b) for a, b, _ in segments]
         index = self._tensor_index

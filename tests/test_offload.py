@@ -386,3 +386,20 @@ def test_nvme_checkpoints_hold_one_unit_at_a_time(tmp_path):
         checkpoint_residency, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt")
     )
     assert units > 1 and saved == 1 and loaded == 1 and same
+
+
+def test_buffer_pool_reuses_aligned_buffers_and_trims():
+    from fzero._nvme import ALIGN, BufferPool
+
+    pool = BufferPool(1000)
+    first, second = pool.take(), pool.take()
+    assert first.numel() == 1000 and first.data_ptr() % ALIGN == 0
+    pool.give(first)
+    pool.give(second)
+    assert pool.take() is second and pool.take() is first  # reused, no new mapping
+    pool.give(first)
+    pool.give(second)
+    pool.trim(1)
+    assert pool.take() is first and pool.take() is not second
+    with pytest.raises(ValueError, match="buffer of 10 elements; the pool's are 1000"):
+        pool.give(torch.empty(10))
