@@ -13,6 +13,7 @@ import ctypes
 import datetime
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ __all__ = [
     "backend_device",
     "init_distributed",
     "reduce_scatter_into",
+    "side_group",
 ]
 
 log = logging.getLogger("fzero")
@@ -65,8 +67,26 @@ def init_distributed(
     )
 
 
+_side_groups: dict[int, Any] = {}
+
+
+def side_group(key: int) -> Any:
+    """The gloo group of all ranks for `key` (collective on first use), e.g. an engine's
+    own stream of checkpoint collectives, so an asynchronous save never interleaves with
+    training. fzero holds it, not the caller: at exit it is destroyed before the default
+    group. Left to be collected with its engine at interpreter teardown, after the
+    default group, it aborted the process ("terminate called without an active
+    exception", 2 runs in 8 of examples/functional_api.py)."""
+    if key not in _side_groups:
+        _side_groups[key] = dist.new_group(backend="gloo")
+    return _side_groups[key]
+
+
 def _destroy() -> None:
     if dist.is_initialized():
+        for group in _side_groups.values():
+            dist.destroy_process_group(group)
+        _side_groups.clear()
         dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -54,6 +55,7 @@ log = logging.getLogger("fzero")
 
 Precision = str  # "fp32" | "bf16" | "fp16"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ENGINES = itertools.count()  # serial numbers: keys of each engine's checkpoint group
 
 
 @dataclass
@@ -172,7 +174,7 @@ class Engine:
         self._live = 0
         self._max_reuse = zero.stage3_max_reuse_distance
         self._hooks: list[Any] = []
-        self._checkpoint_group: Any = None
+        self._serial = next(_ENGINES)  # the same on every rank: engines are built in step
         self._async_save: Any = None
         self._exit_wait_registered = False
 

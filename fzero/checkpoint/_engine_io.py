@@ -280,9 +280,7 @@ class AsyncSave:
 def _group(engine: Engine) -> Any:
     """A gloo group of its own, so a save thread's collectives never interleave with
     training's."""
-    if engine._checkpoint_group is None:
-        engine._checkpoint_group = dist.new_group(backend="gloo")
-    return engine._checkpoint_group
+    return comm.side_group(engine._serial)
 
 
 def save_checkpoint(
