@@ -547,7 +547,7 @@ class Engine:
         steps = [rt.state.step for rt in self.units]
         updated: list[_UnitRuntime] = []
 
-        def adam(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+        def update(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self._bind_swapped(rt, buffers)
             written = self._update_unit(rt, factor, lrs)
             tickets = self._swap_out(rt, 1 - rt.slot, wait=False)
@@ -558,7 +558,7 @@ class Engine:
         if self.optimizer.name == "lamb":
             self._nvme_lamb(factor, lrs, updated, steps)
         else:
-            self._agree(self._nvme_pass(self._swap_in, adam), updated, steps)
+            self._agree(self._nvme_pass(self._swap_in, update), updated, steps)
         for rt in self.units:
             rt.slot = 1 - rt.slot
             self._exchange(rt)

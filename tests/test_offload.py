@@ -76,6 +76,7 @@ CASES = [
 ]
 CASES = [(*case, "adamw") for case in CASES]
 CASES += [(1, 2, "bf16", "cpu", "adamw"), (1, 3, "fp32", "nvme", "adamw")]
+CASES += [(2, 3, "bf16", "nvme", "sgd")]  # momentum buffer as the one state kind
 # Lamb over NVMe: two passes, the update direction parked in the swap file
 CASES += [
     (2, 2, "bf16", "nvme", "lamb"),
