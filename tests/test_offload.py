@@ -299,17 +299,8 @@ def failing_backward(rank, world, nvme_path):
     """Rank 1's second gradient write of micro-step 3 fails; the window is run again."""
     torch.manual_seed(0)
     config = window_config(nvme_path)
-
-    def micro_step(engine, step):
-        x, y = global_batch(step, MICRO * world)
-        rows = slice(rank * MICRO, (rank + 1) * MICRO)
-        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
     engine = fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
-    losses = [micro_step(engine, step) for step in range(3)]  # 3 opens a window
+    losses = [_step(engine, rank, world, step) for step in range(3)]  # 2 opens a window
     real_wait, writes = engine.nvme.wait, []
 
     def wait(ticket, what):
@@ -320,13 +311,13 @@ def failing_backward(rank, world, nvme_path):
 
     engine.nvme.wait = wait
     try:
-        micro_step(engine, 3)
+        _step(engine, rank, world, 3)
         message = "no error"
     except OSError as error:
         message = str(error)
     engine.nvme.wait = real_wait
     window_start = engine.micro_steps
-    losses += [micro_step(engine, step) for step in range(2, 8)]  # the window again
+    losses += [_step(engine, rank, world, step) for step in range(2, 8)]  # the window again
     return message, window_start, losses
 
 
