@@ -516,9 +516,7 @@ class Engine:
                 self._swap_out(rt, 1 - rt.slot, wait=True)
                 rt.slot = 1 - rt.slot
                 if self._grads_on_nvme:
-                    ticket = self.nvme.submit(self._grad_region(rt), rt.grad, write=True)
-                    self.nvme.wait(ticket, "writing")
-                    rt.grad_on_disk = True
+                    self._write_grad(rt)
         finally:
             self._evict(rt)
             self._give_back(buffers)
@@ -530,11 +528,18 @@ class Engine:
         try:
             self._swap_out(rt, 1 - rt.slot, wait=True)
             if with_grad and self._grads_on_nvme:
-                grad = _nvme.aligned_empty(rt.grad.numel()).copy_(rt.grad)
-                self.nvme.wait(self.nvme.submit(self._grad_region(rt), grad, True), "writing")
-                rt.grad_on_disk = True
+                self._write_grad(rt)
         finally:
             self._evict(rt)
+
+    def _write_grad(self, rt: _UnitRuntime) -> None:
+        """Write the gradient bound to `rt` to its region (from an aligned copy when it
+        is not in a swap buffer); it is this window's accumulator from now on."""
+        grad = rt.grad
+        if grad.data_ptr() % _nvme.ALIGN:
+            grad = _nvme.aligned_empty(grad.numel()).copy_(grad)
+        self.nvme.wait(self.nvme.submit(self._grad_region(rt), grad, write=True), "writing")
+        rt.grad_on_disk = True
 
     def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
         """The step over NVMe-resident units, pipelined (`_nvme_pass`).
