@@ -68,7 +68,7 @@ def main() -> None:
     if args.kind == "loss":
         fig, ax = plt.subplots(figsize=(7, 4))
         for path in args.files:
-            records = read_metrics(path)
+            records = [r for r in read_metrics(path) if r.get("loss") is not None]
             ax.plot(
                 [r["step"] for r in records], [r["loss"] for r in records], label=Path(path).stem
             )

@@ -1,25 +1,38 @@
-"""fzero: ZeRO sharded data-parallel training for PyTorch, with plans as plain data."""
+"""fzero: ZeRO sharded data-parallel training for PyTorch, with plans as plain data.
 
-from fzero import checkpoint, checkpointing, optim, partition
+`import fzero as deepspeed` gives a DeepSpeed script the names it calls at the top
+level (`initialize`, `init_distributed`, `zero`, `comm`, `accelerator`, ...); for scripts
+left unchanged, `fzero run --as-deepspeed` serves `import deepspeed` (`fzero.compat`).
+"""
+
+from fzero import accelerator, checkpoint, checkpointing, comm, optim, partition, zero
 from fzero._meta_init import init_context
 from fzero._version import __version__
 from fzero.api import gathered_parameters, initialize, shard
+from fzero.compat.deepspeed.comm import init_distributed
 from fzero.config import Config, add_config_arguments, load_config, resolve_auto
 from fzero.engine import Engine
 
+DeepSpeedEngine = Engine  # DeepSpeed's name, for isinstance checks
+
 __all__ = [
     "Config",
+    "DeepSpeedEngine",
     "Engine",
     "__version__",
+    "accelerator",
     "add_config_arguments",
     "checkpoint",
     "checkpointing",
+    "comm",
     "gathered_parameters",
     "init_context",
+    "init_distributed",
     "initialize",
     "load_config",
     "optim",
     "partition",
     "resolve_auto",
     "shard",
+    "zero",
 ]

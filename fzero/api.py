@@ -14,6 +14,7 @@ import torch.distributed as dist
 from fzero import comm
 from fzero.config import Config, ConfigError, load_config
 from fzero.engine import Engine
+from fzero.engine_optimizer import EngineOptimizer
 from fzero.optim import Optimizer, adam, adamw, optimizer_from_name, schedule_from_name, sgd
 from fzero.partition import Plan
 
@@ -77,6 +78,7 @@ def shard(
     param_groups: Iterable[Any] | None = None,
     schedule: Callable[[int, float], float] | None = None,
     param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+    name: str | None = None,
 ) -> Engine:
     """Shard `model` with ZeRO `stage` and train it with a functional `optimizer`.
 
@@ -84,7 +86,8 @@ def shard(
     ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
     partitioning function (default `fzero.partition.flat_even`). A model built on
     the meta device (`fzero.init_context()`) is initialised module by module with
-    `param_init_fn(module)`, or each module's `reset_parameters()`.
+    `param_init_fn(module)`, or each module's `reset_parameters()`. `name` labels the
+    engine's log lines (default: the model's class).
     """
     cfg = _config(config)
     if stage is not None:
@@ -110,6 +113,7 @@ def shard(
         strategy=strategy,
         schedule=schedule,
         param_init_fn=param_init_fn,
+        name=name,
     )
 
 
@@ -145,14 +149,17 @@ def initialize(
     config: Config | Mapping[str, Any] | str | None = None,
     config_params: Mapping[str, Any] | None = None,
     param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
+    name: str | None = None,
+) -> tuple[Engine, EngineOptimizer, torch.utils.data.DataLoader | None, Any]:
     """DeepSpeed's `deepspeed.initialize`, same arguments and returns.
 
     Returns `(engine, optimizer, dataloader, lr_scheduler)`. The config comes
     from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
     A client `torch.optim` optimizer (Adam, AdamW, SGD) is run as fzero's
     functional equivalent with its hyper-parameters and param groups; a client
-    lr scheduler is stepped after each optimizer step. `param_init_fn` as in `shard`.
+    lr scheduler is stepped after each optimizer step. The returned optimizer acts on
+    the engine (`step()` is `engine.step()`; `param_groups` are live; see
+    `fzero.engine_optimizer`). `param_init_fn` and `name` as in `shard`.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -201,6 +208,7 @@ def initialize(
         client_optimizer=client,
         client_scheduler=lr_scheduler,
         param_init_fn=param_init_fn,
+        name=name,
     )
     loader = None
     if training_data is not None:
@@ -213,10 +221,12 @@ def initialize(
             training_data,
             batch_size=engine.batch.micro_batch_size,
             sampler=sampler,
+            drop_last=cfg.dataloader_drop_last,
             collate_fn=collate_fn,
         )
     scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
-    return engine, (client or functional), loader, scheduler
+    engine.lr_scheduler = scheduler
+    return engine, EngineOptimizer(engine), loader, scheduler
 
 
 def gathered_parameters(

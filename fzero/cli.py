@@ -88,6 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--include", default="", help="hosts/slots to use, e.g. worker-0:0,1@worker-1")
     run.add_argument("--exclude", default="", help="hosts/slots to leave out, same format")
     run.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun")
+    run.add_argument(
+        "--as-deepspeed",
+        action="store_true",
+        help="`import deepspeed` in the script resolves to fzero (passes --local_rank=N)",
+    )
+    run.add_argument(
+        "--no_local_rank", action="store_true", help="with --as-deepspeed: no --local_rank"
+    )
+    run.add_argument(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="pin each local rank to its share of the cores; OMP_NUM_THREADS to match",
+    )
+    run.add_argument("--bind_core_list", default=None, help="cores to share, e.g. 0-7,16-23")
     run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -37,6 +37,7 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TorchAutocastConfig",
     "ZeroConfig",
     "add_config_arguments",
     "batch_sizes",
@@ -131,6 +132,18 @@ class BF16Config:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TorchAutocastConfig:
+    """DeepSpeed's `torch_autocast`: fp32 parameters, the forward under `torch.autocast`."""
+
+    enabled: bool = False
+    dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = "bfloat16"
+    """bfloat16 is supported; float16 would need a gradient scaler (not supported yet)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """DeepSpeed reduces these modules' gradients in the low dtype; fzero reduces all
+    gradients in fp32 (the same or better accuracy), so the list changes nothing here."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -179,11 +192,14 @@ class Config:
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     gradient_clipping: float = 0.0
     """Clip gradients to this global L2 norm; 0 disables."""
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
+    dataloader_drop_last: bool = False
+    """The loader `initialize(training_data=...)` builds drops the last incomplete batch."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     zero_allow_untested_optimizer: bool = False
@@ -210,15 +226,24 @@ _NOT_SUPPORTED = {
         "csv_monitor",
         "data_efficiency",
         "data_types",
+        "compile",
+        "curriculum_learning",
         "dump_state",
+        "eigenvalue",
         "elasticity",
+        "expert_parallel",
         "flops_profiler",
+        "hybrid_engine",
         "nebula",
         "pipeline",
+        "progressive_layer_drop",
+        "quantize_training",
         "sparse_attention",
         "sparse_gradients",
+        "tensor_parallel",
         "tensorboard",
         "wandb",
+        "zenflow",
         "zero_force_ds_cpu_optimizer",
     },
     "zero_optimization": {
@@ -235,7 +260,12 @@ _NOT_SUPPORTED = {
         "memory_efficient_linear",
     },
     "fp16": {"auto_cast", "fp16_master_weights_and_grads"},
-    "bf16": {"immediate_grad_update", "check_grad_overflow"},
+    "bf16": {
+        "immediate_grad_update",
+        "check_grad_overflow",
+        "bf16_master_weights_and_grads",
+        "bf16_optimizer_states",
+    },
     "zero_optimization.offload_optimizer": {"ratio"},
 }
 
@@ -308,8 +338,9 @@ def _is_off(value: Any) -> bool:
 
 def _unknown_key(key: str, known: set[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {where + key!r}{hint} Known keys here: {sorted(known)}")
+    if close:
+        return ConfigError(f"unknown config key {where + key!r}; did you mean {close[0]!r}?")
+    return ConfigError(f"unknown config key {where + key!r}; known keys here: {sorted(known)}")
 
 
 def _convert(value: Any, hint: Any, key: str) -> Any:
@@ -357,6 +388,11 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"config key {key!r} must be a string, found {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} must be a list, found {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key {key!r} must be an object, found {value!r}")
@@ -449,6 +485,18 @@ def _check(config: Config) -> None:
         raise ConfigError(f"config key 'zero_optimization.stage' is {zero.stage}; allowed: 0-3")
     if config.fp16.enabled is True and config.bf16.enabled is True:
         raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
+    autocast = config.torch_autocast
+    if autocast.enabled is True:
+        if True in (config.fp16.enabled, config.bf16.enabled):
+            raise ConfigError(
+                "'torch_autocast.enabled' is true with fp16/bf16 enabled; torch_autocast "
+                "keeps fp32 parameters: enable one of them"
+            )
+        if autocast.dtype in ("float16", "fp16", "half"):
+            raise ConfigError(
+                f"config key 'torch_autocast.dtype' {autocast.dtype!r} is not supported yet by "
+                "fzero (it needs a gradient scaler); allowed: 'bfloat16'"
+            )
     for name in (
         "train_batch_size",
         "train_micro_batch_size_per_gpu",

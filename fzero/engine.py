@@ -12,6 +12,18 @@ engine holds (ZeRO, Rajbhandari et al. 2020):
   stages 1-3, the whole buffer for stage 0); a view of `full` when fp32;
 - `grad`: fp32 gradient accumulator (whole buffer for stages 0-1, shard for 2-3);
 - the optimizer state over `master`.
+
+Whose gradient is it? (PyTorch's and DeepSpeed's rules, made explicit.) A gradient
+belongs to this engine when it arrives in one of the engine's own backward passes:
+`engine.backward(loss)`, or a plain `loss.backward()` whose graph runs through a
+tensor `engine(...)` returned (DeepSpeed >= 0.17's torch-style backward; the output
+hooks scale by 1/gradient_accumulation_steps as `engine.backward` does). Those are
+reduced into fzero's buffers and cleared by the optimizer step. A gradient that
+reaches the module's parameters in any other pass (another engine's backward through
+this module, as a GAN's generator through its discriminator, or a plain backward
+through the raw module) stays in `param.grad` exactly as in PyTorch: the user's
+`zero_grad()` clears it, and what is still there at this engine's next own pass or
+`step()` is added as it is, as `torch.optim` would use it.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ log = logging.getLogger("fzero")
 Precision = str  # "fp32" | "bf16" | "fp16"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ENGINES = itertools.count()  # serial numbers: keys of each engine's checkpoint group
+_EXPLICIT: list[Engine] = []  # engines inside `backward(loss)` now, innermost last
 
 
 @dataclass
@@ -78,7 +91,6 @@ class _UnitRuntime:
     reported: int = 0
     ready: bool = False
     hparams: Any = None
-    base_lr: float = 0.0
     # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
     grad_on_disk: bool = False  # this accumulation window has written it
     grad_stats: tuple[Tensor | None, bool] | None = None  # of the window's final gradient
@@ -97,6 +109,22 @@ class _Bucket:
         return sum(rt.unit.numel for rt in self.units)
 
 
+def _named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An engine method whose collectives, if a rank never arrives, say which rank and
+    where (`comm.named_operation`)."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: Engine, *args: Any, **kwargs: Any) -> Any:
+            where = f"{operation} of engine {self.name} (micro-step {self.micro_steps})"
+            with comm.named_operation(where):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 class Engine:
     """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`."""
 
@@ -113,6 +141,7 @@ class Engine:
         client_optimizer: torch.optim.Optimizer | None = None,
         client_scheduler: Any = None,
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+        name: str | None = None,
     ) -> None:
         comm.init_distributed()
         self.config = check_resolved(config)
@@ -177,6 +206,18 @@ class Engine:
         self._serial = next(_ENGINES)  # the same on every rank: engines are built in step
         self._async_save: Any = None
         self._exit_wait_registered = False
+        # backward passes: whose gradients arrive now (see the module docstring)
+        self._boundary_now = False
+        self._explicit = False  # inside this engine's backward(loss)
+        self._pass_task: int | None = None  # the autograd pass touching the params now
+        self._pass_owned = False
+        self._manual_scale = False  # engine.scale(loss) was used for a plain backward
+        self._reduced = False  # this micro-step's gradients have been reduced
+        self._no_sync = False
+        self._forward_contexts: list[Any] = []
+        self._global_grad_norm: float | None = None
+        self.lr_scheduler: Any = None  # what `initialize` returns as the scheduler
+        self.name = name or type(module).__name__ + (f"#{self._serial}" if self._serial else "")
 
         self._groups = (
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
@@ -231,6 +272,7 @@ class Engine:
             for p, _, _ in rt.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 p._fzero_engine = weakref.ref(self)  # for fzero.gathered_parameters
+        self._install_root_hooks()
         if self.stage == 3:
             self._install_stage3_hooks()
         self._set_hparams()
@@ -902,6 +944,8 @@ class Engine:
         if not isinstance(packed, tuple):
             return packed
         kind, param, geometry = packed
+        if not self._explicit and _graph_task() >= 0:
+            self._owns_pass()  # enters a pass of another's, to free its units at the end
         self._use(self._stage3_params[id(param)])
         if kind == "param":
             return param
@@ -913,36 +957,152 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    @_named("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; floating inputs are cast to the compute dtype."""
+        """Run the module (floating inputs cast to the compute dtype, stage-3 gathering:
+        the module's own hooks, so calling the module directly trains the same). A
+        plain `loss.backward()` through the returned tensors is this engine's backward."""
         self.telemetry.forward(args, kwargs)
+        with self._timers("forward"):
+            output = self.module(*args, **kwargs)
+        for tensor in _tensors_requiring_grad(output):
+            tensor.register_hook(self._on_output_grad)
+        return output
+
+    def _install_root_hooks(self) -> None:
+        """Hooks on the module itself (first of all its hooks): inputs cast to the compute
+        dtype, and in stage 3 the forward phase with its saved-tensor hooks."""
+        root = self.module
+        self._hooks.append(
+            root.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True)
+        )
+        self._hooks.append(root.register_forward_hook(self._after_forward, always_call=True))
+
+    def _before_forward(self, _module: Any, args: Any, kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
-        with self._timers("forward"):
-            if self.stage != 3:
-                return self.module(*args, **kwargs)
+        contexts: list[Any] = []
+        if self.config.torch_autocast.enabled:  # DeepSpeed's torch_autocast (bf16)
+            contexts.append(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        if self.stage == 3:
             self._begin_phase("forward")
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                output = self.module(*args, **kwargs)
-            self._end_phase()
-            return output
+            contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        for context in contexts:
+            context.__enter__()
+        self._forward_contexts.append(contexts)
+        return args, kwargs
 
-    def backward(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
-        """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale);
-        reduces gradients as the plan says."""
-        accumulation = self.gradient_accumulation_steps()
+    def _after_forward(self, _module: Any, _args: Any, _output: Any) -> None:
+        if not self._forward_contexts:
+            return
+        for context in reversed(self._forward_contexts.pop()):
+            context.__exit__(None, None, None)
+        if self.stage == 3:
+            self._end_phase()
+
+    @_named("backward")
+    def backward(
+        self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> Tensor:
+        """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale;
+        without the division when not `scale_wrt_gas`, for callers that scale the loss
+        themselves); reduces gradients as the plan says. Returns `loss`."""
+        accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
         self.telemetry.losses.append(float(loss.detach().float()))
-        self._boundary_now = self.is_gradient_accumulation_boundary()
-        self._launch_next = 0
-        self._begin_phase("backward")
+        self._begin_backward()
+        self._explicit = True
+        _EXPLICIT.append(self)
+        try:
+            with self._timers("backward"):
+                (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
+        finally:
+            self._explicit = False
+            _EXPLICIT.remove(self)
         with self._timers("backward"):
-            (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
             self._finish_reduction()
         return loss
 
+    def scale(self, loss: Tensor) -> Tensor:
+        """`loss` times the fp16 loss scale, for a plain `engine.scale(loss).backward()`
+        (DeepSpeed's `engine.scale`); the output hooks divide by the accumulation steps."""
+        self._manual_scale = True
+        return loss * (self.loss_scale_state.scale if self.loss_scale_state else 1.0)
+
+    def _begin_backward(self) -> None:
+        self._boundary_now = self.is_gradient_accumulation_boundary()
+        self._launch_next = 0
+        self._begin_phase("backward")
+
+    # ---- whose backward pass is it? (see the module docstring) ---------------------------
+
+    def _on_output_grad(self, grad: Tensor) -> Tensor:
+        """A plain backward reached a tensor `engine(...)` returned: unless another
+        engine's `backward(loss)` runs it, or it computes no parameter gradient
+        (`torch.autograd.grad`), it is this engine's pass."""
+        if self._explicit or _EXPLICIT:
+            return grad
+        task = _graph_task()
+        if task != self._pass_task and task >= 0 and self._accumulates_here():
+            self._enter_pass(task, owned=True)
+        if task != self._pass_task or not self._pass_owned:
+            return grad
+        accumulation = self.gradient_accumulation_steps()
+        return grad / accumulation if accumulation > 1 else grad
+
+    def _accumulates_here(self) -> bool:
+        """Whether the running autograd pass will store a gradient in a managed param."""
+        will_run = getattr(torch._C, "_will_engine_execute_node", None)
+        node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", None)
+        if will_run is None or node_of is None:
+            return True
+        return any(will_run(node_of(p)) for rt in self.units for p, _, _ in rt.params)
+
+    def _owns_pass(self) -> bool:
+        """Whether gradients arriving now are this engine's; a pass not seen before is
+        entered as another's."""
+        if self._explicit:
+            return True
+        task = _graph_task()
+        if task != self._pass_task:
+            self._enter_pass(task, owned=False)
+        return self._pass_owned
+
+    def _enter_pass(self, task: int, owned: bool) -> None:
+        """First event of autograd pass `task` here; its end is queued on autograd."""
+        self._pass_task, self._pass_owned = task, owned
+        self._begin_backward()
+        if task >= 0:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._exit_pass, task)
+            )
+
+    def _exit_pass(self, task: int) -> None:
+        if self._pass_task != task:
+            return
+        owned, self._pass_task, self._manual_scale = self._pass_owned, None, False
+        if owned:
+            self._finish_reduction()
+            return
+        for rt in self.units:  # another's pass: nothing was taken, stage-3 units go
+            rt.reported, rt.ready = 0, False
+            if self.stage == 3:
+                self._release(rt)
+
+    def _check_scaled(self) -> None:
+        scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
+        if scale != 1.0 and not self._explicit and not self._manual_scale:
+            raise RuntimeError(
+                f"fzero: fp16 loss scale is {scale}, but loss.backward() was called on an "
+                "unscaled loss; call engine.backward(loss) or engine.scale(loss).backward()"
+            )
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         rt, placement = self._param_unit[id(p)]
+        if not self._owns_pass():
+            self._keep_others_grad(rt, p)
+            return
+        self._check_scaled()
         grad = p.grad
         p.grad = None
         if grad is None:
@@ -959,6 +1119,16 @@ class Engine:
             if self.overlap_comm:
                 self._launch_ready()
 
+    def _keep_others_grad(self, rt: _UnitRuntime, p: torch.nn.Parameter) -> None:
+        """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
+        if self.stage != 3 or rt.unit.persistent:
+            return
+        rt.reported += 1
+        if rt.reported == len(rt.params):
+            self._release(rt)
+        elif rt.full is None:
+            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
     def _flat_grad(self, rt: _UnitRuntime) -> Tensor:
         """Stages 2-3: the unit's full-size gradient, a view of its bucket's buffer,
         alive from the first gradient until the bucket is reduced."""
@@ -969,7 +1139,7 @@ class Engine:
         return rt.flat_grad
 
     def _needs_reduction(self) -> bool:
-        return self.stage >= 2 or self._boundary_now
+        return not self._no_sync and (self.stage >= 2 or self._boundary_now)
 
     def _launch_ready(self) -> None:
         """Launch bucket reductions in bucket order (the same on every rank), as far as
@@ -1025,14 +1195,46 @@ class Engine:
             if self.stage == 3:
                 self._release(rt)
         self._end_phase()
+        self._reduced = self._reduced or self._needs_reduction()
         if self._grads_on_nvme:
             self._finish_grad_writes()
+
+    def _take_left_grads(self) -> None:
+        """Add what other passes left in managed `param.grad`s (the user did not clear
+        it), as `torch.optim` would use it. Where this micro-step has been reduced
+        already, or was never reduced (its backward was not this engine's), every rank
+        joins one more reduction when any rank has something (collective)."""
+        left = [(rt, p) for rt in self.units for p, _, _ in rt.params if p.grad is not None]
+        if not self._needs_reduction_at_step():
+            for rt, p in left:  # stages 0-1 inside an accumulation window: local sums
+                _add_pieces(rt.grad, p.grad.reshape(-1), self._param_unit[id(p)][1])
+                p.grad = None
+            return
+        flag = torch.tensor([float(bool(left) or not self._reduced)], device=self.device)
+        if self.world_size > 1:
+            comm.all_reduce(flag, op="max")
+        if not flag.item():
+            return
+        self._begin_backward()
+        for rt, p in left:
+            target = rt.grad if self.stage < 2 else self._flat_grad(rt)
+            _add_pieces(target, p.grad.reshape(-1), self._param_unit[id(p)][1])
+            p.grad = None
+        self._finish_reduction()
+
+    def _needs_reduction_at_step(self) -> bool:
+        return not self._no_sync and (self.stage >= 2 or self.is_gradient_accumulation_boundary())
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
+    @_named("step")
     def step(self) -> None:
         """At the accumulation boundary: unscale, clip, update owned shards, regather."""
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
+        self._take_left_grads()
+        self._reduced = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -1051,9 +1253,13 @@ class Engine:
         self.telemetry.step()
 
     def _grad_stats(self, grad: Tensor) -> tuple[Tensor | None, bool]:
-        """What the step needs of one unit's owned gradient: its sum of squares in
-        float64 (with clipping) and whether it is finite (with dynamic loss scaling)."""
-        sq = grad.double().square().sum() if self.config.gradient_clipping > 0 else None
+        """What the step needs of one unit's owned gradient: its sum of squares (float64
+        with clipping; else one float32 pass, for `get_global_grad_norm`) and whether it
+        is finite (with dynamic loss scaling)."""
+        if self.config.gradient_clipping > 0:
+            sq = grad.double().square().sum()
+        else:
+            sq = torch.linalg.vector_norm(grad).double().square()
         dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
         return sq, bool(torch.isfinite(grad).all()) if dynamic else True
 
@@ -1077,6 +1283,7 @@ class Engine:
             found_inf = bool(flag.item())
             self.loss_scale_state = self.loss_scaler.update(self.loss_scale_state, found_inf)
             if found_inf:
+                self._global_grad_norm = math.inf
                 self._skipped_last = True
                 self.skipped_steps += 1
                 log.warning(
@@ -1088,13 +1295,13 @@ class Engine:
                 return
         self._skipped_last = False
         factor = 1.0 / scale
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for unit_sq, _ in stats:
+            sq += unit_sq
+        comm.all_reduce(sq, op="sum")
+        self._global_grad_norm = math.sqrt(sq.item()) * factor
         if self.config.gradient_clipping > 0:
-            sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for unit_sq, _ in stats:
-                sq += unit_sq
-            comm.all_reduce(sq, op="sum")
-            norm = math.sqrt(sq.item()) * factor
-            factor *= clip_coefficient(norm, self.config.gradient_clipping)
+            factor *= clip_coefficient(self._global_grad_norm, self.config.gradient_clipping)
         lrs = self._current_lrs()
         if self.nvme is not None:
             self._nvme_updates(factor, lrs)
@@ -1298,6 +1505,14 @@ class Engine:
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
+    def publish_master(self, rt: _UnitRuntime) -> None:
+        """Start writing the unit's fp32 master (edited outside a step: restored state)
+        to the parameters; `finish_publish` completes it. Collective."""
+        self._publish(rt)
+
+    def finish_publish(self) -> None:
+        self._finish_publish()
+
     def _exchange(self, rt: _UnitRuntime) -> None:
         """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
@@ -1324,8 +1539,9 @@ class Engine:
             rt.grad_on_disk, rt.grad_stats = False, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in fzero's buffers and are cleared after each step; this clears
-        any `.grad` left on parameters fzero does not manage."""
+        """Clear every `param.grad` of the module (DeepSpeed's `engine.zero_grad`): what
+        other passes left there. This engine's own gradients live in its buffers until
+        the step, which clears them."""
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad = None
@@ -1333,28 +1549,42 @@ class Engine:
     # ---- learning rate --------------------------------------------------------------------
 
     def _set_hparams(self) -> None:
+        """Each unit's hyper-parameters, and the param groups scripts read and edit: the
+        client optimizer's when there is one, else the engine's own."""
         base = self.optimizer.hparams
+        group_hparams = [
+            with_overrides(
+                base,
+                {
+                    k: (tuple(v) if k == "betas" else v)
+                    for k, v in group.items()
+                    if k not in ("params", "name")
+                },
+            )
+            for group in self._groups
+        ]
+        self._base_lrs = [hp.lr for hp in group_hparams]
+        self._own_groups = [
+            {"params": list(group["params"]), **_fields(hp)}
+            for group, hp in zip(self._groups, group_hparams)
+        ]
         for rt in self.units:
-            overrides = {
-                k: (tuple(v) if k == "betas" else v)
-                for k, v in self._groups[rt.unit.group].items()
-                if k not in ("params", "name")
-            }
-            rt.hparams = with_overrides(base, overrides)
-            rt.base_lr = rt.hparams.lr
+            rt.hparams = group_hparams[rt.unit.group]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups; a script's edit of a group's `lr` is the lr of the
+        next step (with a schedule, the schedule sets it at each step, as DeepSpeed's)."""
+        if self._client_optimizer is not None:
+            return self._client_optimizer.param_groups
+        return self._own_groups
 
     def _current_lrs(self) -> list[float]:
         """The lr of each param group for the step about to run."""
-        if self._client_optimizer is not None:
-            return [g["lr"] for g in self._client_optimizer.param_groups]
-        lrs = []
-        for group_index in range(len(self._groups)):
-            base = next(
-                (rt.base_lr for rt in self.units if rt.unit.group == group_index),
-                self.optimizer.hparams.lr,
-            )
-            lrs.append(self.schedule(self.lr_steps, base) if self.schedule else base)
-        return lrs
+        if self._client_optimizer is None and self.schedule is not None:
+            for group, base in zip(self._own_groups, self._base_lrs):
+                group["lr"] = self.schedule(self.lr_steps, base)
+        return [group["lr"] for group in self.param_groups]
 
     def get_lr(self) -> list[float]:
         return self._current_lrs()
@@ -1394,6 +1624,74 @@ class Engine:
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters()
+
+    def fp16_enabled(self) -> bool:
+        return self.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision == "bf16"
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's gradients, before clipping (None before
+        the first step; inf when an fp16 overflow skipped the step)."""
+        return self._global_grad_norm
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed)."""
+        momentum = getattr(self.schedule, "momentum", None)
+        beta1 = momentum(self.lr_steps) if momentum is not None else None
+        result = []
+        for group in self.param_groups:
+            if "betas" in group:
+                betas = tuple(group["betas"])
+                result.append((beta1, betas[1]) if beta1 is not None else betas)
+            else:
+                result.append(group.get("momentum", 0.0))
+        return result
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside the block sums gradients locally without reducing them; the
+        first backward at an accumulation boundary after it reduces them all. Stages 0-1
+        only (stages 2-3 reduce as they shard, as in DeepSpeed); no `step()` inside."""
+        if self.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with gradient partitioning of ZeRO stage "
+                f"{self.stage}; it is allowed at stages 0 and 1"
+            )
+        if self._no_sync:
+            raise RuntimeError("no_sync() is already active; it cannot be re-entered")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def destroy(self) -> None:
+        """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give
+        stage-3 parameters back to the module whole, remove every hook. Collective."""
+        self.wait_for_checkpoint()
+        if self.stage == 3:
+            for rt in self.units:
+                self._gather(rt)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for rt in self.units:
+            for p, _, _ in rt.params:
+                p.__dict__.pop("_fzero_engine", None)
 
     @contextlib.contextmanager
     def gathered_parameters(
@@ -1446,6 +1744,7 @@ class Engine:
 
     # ---- checkpoints ----------------------------------------------------------------------
 
+    @_named("save_checkpoint")
     def save_checkpoint(
         self,
         save_dir: str,
@@ -1469,6 +1768,7 @@ class Engine:
             self, save_dir, tag, client_state, save_latest, async_save=async_save
         )
 
+    @_named("load_checkpoint")
     def load_checkpoint(
         self,
         load_dir: str,
@@ -1588,6 +1888,24 @@ class Engine:
 
 
 # ---- helpers -----------------------------------------------------------------------------
+
+
+def _graph_task() -> int:
+    """The id of the autograd pass running now (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
+def _tensors_requiring_grad(value: Any) -> Iterator[Tensor]:
+    """The tensors in a forward's output (nested tuples, lists, dicts) that need grads."""
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_requiring_grad(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_requiring_grad(item)
 
 
 def _fields(hparams: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ fzero has no transport of its own: this builds a `torch.distributed.run` command
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -13,7 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "filter_hosts", "parse_hostfile", "slurm_command", "torchrun_command"]
+__all__ = [
+    "Host",
+    "core_lists",
+    "filter_hosts",
+    "parse_core_list",
+    "parse_hostfile",
+    "script_environment",
+    "slurm_command",
+    "torchrun_command",
+]
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,44 @@ def filter_hosts(hosts: Sequence[Host], include: str = "", exclude: str = "") ->
     return result
 
 
+def parse_core_list(spec: str) -> list[int]:
+    """DeepSpeed's `--bind_core_list`: `1,3-5,7` -> [1, 3, 4, 5, 7]."""
+    cores: list[int] = []
+    for part in filter(None, spec.split(",")):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ValueError(f"--bind_core_list {spec!r}: {part!r}; expected N or N-M (M >= N)")
+        cores += range(int(low), int(high or low) + 1)
+    if not cores or len(set(cores)) != len(cores):
+        raise ValueError(f"--bind_core_list {spec!r}: expected distinct cores, e.g. 0-3,8")
+    return cores
+
+
+def core_lists(cores: Sequence[int], ranks: int) -> list[list[int]]:
+    """`cores` split into `ranks` contiguous, equal lists (DeepSpeed's rank binding)."""
+    per_rank = len(cores) // ranks
+    if per_rank < 1:
+        raise ValueError(f"{len(cores)} cores cannot be bound to {ranks} ranks per node")
+    return [list(cores[i * per_rank : (i + 1) * per_rank]) for i in range(ranks)]
+
+
+def script_environment(args, nproc_per_node: int) -> dict[str, str]:
+    """What `fzero.launch_entry` reads: the DeepSpeed stand-in, `--local_rank`, cores."""
+    env: dict[str, str] = {}
+    if getattr(args, "as_deepspeed", False):
+        env["FZERO_AS_DEEPSPEED"] = "1"
+        if not getattr(args, "no_local_rank", False):
+            env["FZERO_LOCAL_RANK_ARG"] = "1"  # DeepSpeed's launcher passes it
+    if getattr(args, "bind_cores_to_rank", False):
+        spec = getattr(args, "bind_core_list", None)
+        cores = parse_core_list(spec) if spec else sorted(os.sched_getaffinity(0))
+        lists = core_lists(cores, nproc_per_node)
+        env["FZERO_CORE_LISTS"] = ";".join(",".join(map(str, c)) for c in lists)
+    elif getattr(args, "bind_core_list", None):
+        raise ValueError("--bind_core_list needs --bind_cores_to_rank (as DeepSpeed's launcher)")
+    return env
+
+
 def slurm_command(
     script: str,
     script_args: Sequence[str],
@@ -91,6 +139,7 @@ def slurm_command(
     num_nodes: int,
     master_addr: str,
     master_port: int = 29500,
+    entry: bool = False,
 ) -> list[str]:
     """`srun` starting one torchrun per node; torchrun's c10d rendezvous numbers them."""
     inner = torchrun_command(
@@ -100,6 +149,7 @@ def slurm_command(
         num_nodes=num_nodes,
         master_addr=master_addr,
         master_port=master_port,
+        entry=entry,
     )
     inner = [arg for arg in inner if not arg.startswith("--node-rank=")]
     return ["srun", f"--nodes={num_nodes}", "--ntasks-per-node=1", *inner]
@@ -115,8 +165,10 @@ def torchrun_command(
     master_addr: str | None = None,
     master_port: int = 29500,
     hosts: Sequence[Host] | None = None,
+    entry: bool = False,
 ) -> list[str]:
-    """The `python -m torch.distributed.run ...` argv for these launcher settings."""
+    """The `python -m torch.distributed.run ...` argv for these launcher settings; with
+    `entry`, each process starts in `fzero.launch_entry`, which then runs the script."""
     if hosts:
         slots = {h.slots for h in hosts}
         if len(slots) != 1:
@@ -138,12 +190,16 @@ def torchrun_command(
             f"--rdzv-endpoint={master_addr or '127.0.0.1'}:{master_port}",
             "--rdzv-id=fzero",
         ]
+    if entry:
+        return [*command, "-m", "fzero.launch_entry", script, *script_args]
     return [*command, script, *script_args]
 
 
 def run(args, script_args: Sequence[str]) -> int:
     """Run the command for parsed `fzero run` arguments; return its exit code."""
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
+    local = hosts[0].slots if hosts else args.nproc_per_node
+    env = script_environment(args, local)
     if hosts and (args.include or args.exclude):
         hosts = filter_hosts(hosts, args.include, args.exclude)
     elif args.include or args.exclude:
@@ -160,11 +216,9 @@ def run(args, script_args: Sequence[str]) -> int:
             num_nodes=len(hosts) if hosts else args.num_nodes,
             master_addr=master,
             master_port=args.master_port,
+            entry=bool(env),
         )
-        if args.dry_run:
-            print(shlex.join(command))
-            return 0
-        return subprocess.call(command)
+        return _call(command, env, args.dry_run)
     command = torchrun_command(
         args.script,
         script_args,
@@ -174,8 +228,13 @@ def run(args, script_args: Sequence[str]) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         hosts=hosts,
+        entry=bool(env),
     )
-    if args.dry_run:
-        print(shlex.join(command))
+    return _call(command, env, args.dry_run)
+
+
+def _call(command: list[str], env: dict[str, str], dry_run: bool) -> int:
+    if dry_run:
+        print(shlex.join([*(f"{k}={v}" for k, v in sorted(env.items())), *command]))
         return 0
-    return subprocess.call(command)
+    return subprocess.call(command, env={**os.environ, **env})

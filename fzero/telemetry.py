@@ -4,8 +4,14 @@ against the plan, an optional JSON-lines metrics file, and a progress bar.
 
 Every `steps_per_print` optimizer steps (a collective: every rank calls it):
 
-    [fzero] step 40 loss 5.4121 lr [0.00229] samples/s 61.2 tokens/s 3918 TFLOP/s 0.01
+    [fzero Net] step 40 loss 5.4121 lr [0.00229] samples/s 61.2 tokens/s 3918 TFLOP/s 0.01
             mem 6.7/6.7 MB (max over ranks; plan) peak RSS 812 MB | backward 31.0ms ...
+
+`Net` is the engine's name (`name=`; by default the model's class, with `#N` for the
+N-th engine of the process), so a GAN's two engines say which line is whose. `loss`
+is the mean of the losses rank 0 passed to `engine.backward` since the last line (rank
+0's micro-batches only, before the 1/accumulation and loss-scale factors, as
+DeepSpeed prints); a plain `loss.backward()` passes none, and the line shows no loss.
 
 TFLOP/s is the usual training estimate 6 x parameters x tokens / time (Kaplan et al.
 2020), shown when the inputs carry token ids (`input_ids`, or the first integer tensor).
@@ -126,7 +132,8 @@ class Telemetry:
         comm.all_reduce(figures, op="max")
         record: dict[str, Any] = {
             "step": engine.global_steps,
-            "loss": sum(self.losses) / max(1, len(self.losses)),
+            "engine": engine.name,
+            "loss": sum(self.losses) / len(self.losses) if self.losses else None,
             "lr": engine.get_lr(),
             "seconds": elapsed,
         }
@@ -149,7 +156,10 @@ class Telemetry:
 
     def _format(self, record: dict[str, Any]) -> str:
         lrs = ", ".join(f"{lr:.3g}" for lr in record["lr"])
-        text = f"[fzero] step {record['step']} loss {record['loss']:.4f} lr [{lrs}]"
+        text = f"[fzero {record['engine']}] step {record['step']}"
+        if record["loss"] is not None:
+            text += f" loss {record['loss']:.4f}"
+        text += f" lr [{lrs}]"
         if "loss_scale" in record:
             text += f" loss_scale {record['loss_scale']:g}"
         if "samples_per_s" in record:

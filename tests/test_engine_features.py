@@ -81,14 +81,14 @@ def telemetry_case(rank, world):
 def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     text, losses = run_world(telemetry_case, 2)
     lines = text.splitlines()
-    assert [line.split()[2] for line in lines] == ["2", "4"]
+    assert [line.split()[3] for line in lines] == ["2", "4"]
     pattern = (
-        r"\[fzero\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ "
+        r"\[fzero Net\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ "
         r"mem [\d.]+/[\d.]+ MB peak \d+ MB \| "
         r"backward [\d.]+ms comm [\d.]+ms forward [\d.]+ms step [\d.]+ms"
     )
     assert re.fullmatch(pattern, lines[1]), lines[1]
-    assert lines[1].split()[4] == f"{(losses[2] + losses[3]) / 2:.4f}"  # mean since last line
+    assert lines[1].split()[5] == f"{(losses[2] + losses[3]) / 2:.4f}"  # mean since last line
 
 
 def test_memory_held_equals_plan_for_every_stage():
@@ -205,7 +205,8 @@ def client_optimizer_case(rank, world):
     engine, returned, loader, scheduler = fzero.initialize(
         model=model, optimizer=opt, lr_scheduler=sched, config=config
     )
-    assert returned is opt and scheduler is sched and loader is None
+    # the returned optimizer acts on the engine, over the client's live param groups
+    assert returned.param_groups is opt.param_groups and scheduler is sched and loader is None
     assert engine.gradient_accumulation_steps() == 2
     _train(engine, rank, world, 4, accum=2)
     return engine.state_dict(), engine.get_lr()

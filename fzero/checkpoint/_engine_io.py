@@ -283,6 +283,21 @@ def _group(engine: Engine) -> Any:
     return comm.side_group(engine._serial)
 
 
+def _same_on_every_rank(engine: Engine, call: str, **arguments: Any) -> None:
+    """Ranks that pass different directories or tags (rank-local names, say) would pair
+    up unrelated collectives and fail obscurely: say so first, naming each rank's."""
+    if engine.world_size == 1:
+        return
+    packed = comm.all_gather_bytes(msgpack.packb(arguments), group=_group(engine))
+    every = [msgpack.unpackb(b) for b in packed]
+    if any(value != every[0] for value in every):
+        listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+        raise ValueError(
+            f"{call}: ranks passed different arguments ({listing}); every rank must pass "
+            "the same directory and tag"
+        )
+
+
 def save_checkpoint(
     engine: Engine,
     save_dir: str,
@@ -297,6 +312,7 @@ def save_checkpoint(
         tag if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint"
     )
     save_dir = os.fspath(save_dir)
+    _same_on_every_rank(engine, "save_checkpoint", save_dir=save_dir, tag=tag)
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     if engine.rank == 0:
@@ -493,6 +509,7 @@ def load_checkpoint(
     """See `Engine.load_checkpoint`."""
     wait_for_save(engine)
     load_dir = os.fspath(load_dir)
+    _same_on_every_rank(engine, "load_checkpoint", load_dir=load_dir, tag=tag)
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:

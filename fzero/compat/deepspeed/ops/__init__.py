@@ -1,0 +1,1 @@
+"""`deepspeed.ops`: the optimizers DeepSpeed scripts construct (`deepspeed.ops.adam`)."""

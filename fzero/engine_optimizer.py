@@ -1,0 +1,130 @@
+"""The optimizer object `fzero.initialize` returns (DeepSpeed returns its ZeRO optimizer).
+
+Scripts written for DeepSpeed treat it as a `torch.optim.Optimizer`: they read and edit
+`param_groups[i]["lr"]`, call `step()` and `zero_grad()` on it, save its `state_dict()`.
+Here each of those acts on the engine: `param_groups` are the engine's live groups,
+`step()` is `engine.step()`, and the state dict holds this rank's shards of the fp32
+master weights and optimizer state (as DeepSpeed's ZeRO optimizer does), restorable
+into an engine of the same plan. Checkpoints that reshard are `engine.save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from fzero.engine import Engine
+
+__all__ = ["EngineOptimizer"]
+
+
+class EngineOptimizer:
+    """A `torch.optim.Optimizer`-shaped view of an engine's optimizer."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The engine's live param groups: an edited `lr` is the next step's lr."""
+        return self._engine.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        hparams = self._engine.optimizer.hparams
+        return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
+
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.loss_scale
+
+    cur_scale = loss_scale
+
+    @property
+    def overflow(self) -> bool:
+        """Whether fp16 overflow skipped the last step (DeepSpeed's `optimizer.overflow`)."""
+        return self._engine.was_step_skipped()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """`engine.step()`: the update at the accumulation boundary."""
+        if closure is not None:
+            raise ValueError("fzero's optimizer step takes no closure (the engine ran backward)")
+        self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards: per unit the fp32 master, the optimizer state tensors and
+        its step; the param groups without their params; the plan's rank/world/stage."""
+        engine = self._engine
+        state: dict[int, dict[str, Any]] = {}
+        for rt in engine.units:
+            with engine.resident(rt, write_back=False):
+                tensors = {"master": rt.master, **_state_tensors(rt.state)}
+                state[rt.index] = {k: v.detach().clone() for k, v in tensors.items()}
+                state[rt.index]["step"] = rt.state.step
+        return {
+            "state": state,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.param_groups
+            ],
+            "zero": {
+                "rank": engine.rank,
+                "world_size": engine.world_size,
+                "stage": engine.stage,
+                "units": len(engine.units),
+            },
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` of an engine with the same plan on the same rank; the
+        module's parameters follow the restored master weights. Collective."""
+        engine = self._engine
+        zero = state_dict.get("zero", {})
+        here = {
+            "rank": engine.rank,
+            "world_size": engine.world_size,
+            "stage": engine.stage,
+            "units": len(engine.units),
+        }
+        if dict(zero) != here:
+            raise ValueError(
+                f"optimizer state_dict is of {dict(zero)}, this engine is {here}; an optimizer "
+                "state dict holds one rank's shards: load_checkpoint reshards between plans"
+            )
+        for rt in engine.units:
+            saved = state_dict["state"][rt.index]
+            with engine.resident(rt, write_back=True):
+                current = {"master": rt.master, **_state_tensors(rt.state)}
+                for name, tensor in current.items():
+                    value = saved.get(name)
+                    if not isinstance(value, Tensor) or value.shape != tensor.shape:
+                        raise ValueError(
+                            f"optimizer state_dict unit {rt.index} {name!r}: expected a tensor "
+                            f"of shape {tuple(tensor.shape)}, found {_describe(value)}"
+                        )
+                    with torch.no_grad():
+                        tensor.copy_(value)
+                rt.state = rt.state._replace(step=int(saved["step"]))
+                engine.publish_master(rt)
+        engine.finish_publish()
+        for group, saved in zip(engine.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self._engine.optimizer.name}, groups={len(self.param_groups)})"
+
+
+def _state_tensors(state: Any) -> dict[str, Tensor]:
+    return {k: v for k, v in state._asdict().items() if isinstance(v, Tensor)}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,367 @@
+"""The DeepSpeed surface real scripts call: the `deepspeed` namespace, `get_accelerator`,
+`deepspeed.comm`, `zero.Init`/`GatheredParameters`, engine accessors, the optimizer
+`initialize` returns, `no_sync`, `destroy`, config keys of current DeepSpeed, the
+launcher's flags, and errors that name what went wrong across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero import compat
+from fzero.config import ConfigError
+from tests._dist import run_world
+from tests.models import Net, global_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+MICRO, LR = 2, 1e-2
+
+
+@pytest.fixture
+def deepspeed():
+    """`import deepspeed` served by fzero for one test."""
+    was = compat.installed()
+    compat.install()
+    import deepspeed
+
+    yield deepspeed
+    if not was:
+        compat.uninstall()
+
+
+def test_namespace_serves_fzero_and_names_what_it_lacks(deepspeed):
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.utils import logger
+
+    assert deepspeed.initialize is fzero.initialize
+    assert deepspeed.DeepSpeedEngine is fzero.Engine
+    assert deepspeed.zero.GatheredParameters and deepspeed.zero.Init
+    assert "+fzero." in deepspeed.__version__
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.get_local_rank() == 0
+    assert logger.name == "fzero"
+    accelerator = get_accelerator()
+    assert accelerator.device_name() == "cpu" and accelerator.current_device_name() == "cpu"
+    assert accelerator.communication_backend_name() == "gloo"
+    assert accelerator.is_bf16_supported() and accelerator.device_count() == 1
+    accelerator.manual_seed(3)
+    first = torch.rand(2)
+    accelerator.manual_seed(3)
+    assert torch.equal(first, torch.rand(2))
+    params = [nn.Parameter(torch.ones(2))]
+    assert isinstance(DeepSpeedCPUAdam(params, lr=0.1), torch.optim.AdamW)
+    assert isinstance(FusedAdam(params, adam_w_mode=False), torch.optim.Adam)
+    with pytest.raises(ImportError, match=r"Mixture of Experts.*not supported by fzero") as error:
+        import deepspeed.moe.layer
+    assert not isinstance(error.value, ModuleNotFoundError)
+    with pytest.raises(ImportError, match=r"pipeline parallelism.*not supported by fzero"):
+        from deepspeed.pipe import PipelineModule  # noqa: F401
+    with pytest.raises(ModuleNotFoundError):
+        import deepspeed.no_such_module
+
+
+def test_uninstall_forgets_the_served_modules(deepspeed):
+    compat.uninstall()
+    assert not compat.installed() and "deepspeed" not in sys.modules
+    compat.install()  # the fixture's teardown expects it
+
+
+def test_import_fzero_as_deepspeed_has_the_top_level_names():
+    for name in ("initialize", "init_distributed", "zero", "comm", "accelerator"):
+        assert hasattr(fzero, name), name
+
+
+# ---- the engine's DeepSpeed surface ---------------------------------------------------------
+
+
+def _config(stage: int, **extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        **extra,
+    }
+
+
+def _micro_step(engine, rank, world, step, backward=None):
+    x, y = global_batch(step, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    (backward or engine.backward)(loss)
+    return loss
+
+
+def surface_cases(rank: int, world: int) -> dict:
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = Net()
+        engine, optimizer, _, scheduler = fzero.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage)
+        )
+        assert engine.lr_scheduler is scheduler
+        assert engine.zero_optimization_stage() == stage
+        assert engine.zero_optimization() == (stage > 0)
+        assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+        assert engine.get_global_grad_norm() is None
+        assert engine.get_mom() == [(0.9, 0.999)]
+        for step in range(4):
+            if step == 2:  # a script edits the lr: the next step uses it
+                optimizer.param_groups[0]["lr"] = LR / 4
+            _micro_step(engine, rank, world, step)
+            optimizer.step()  # DeepSpeed scripts call the optimizer's step
+        out[("lr-edit", stage)] = engine.state_dict()
+        out[("norm", stage)] = engine.get_global_grad_norm()
+        saved = optimizer.state_dict()
+        before = engine.state_dict()
+        for step in range(4, 6):
+            _micro_step(engine, rank, world, step)
+            engine.step()
+        after = engine.state_dict()
+        optimizer.load_state_dict(saved)
+        restored = engine.state_dict()
+        for step in range(4, 6):
+            _micro_step(engine, rank, world, step)
+            engine.step()
+        out[("state-dict", stage)] = (before, restored, after, engine.state_dict())
+        engine.destroy()
+        if rank == 0:  # the module is whole again and free of the engine's hooks
+            x, _ = global_batch(0, MICRO)
+            out[("destroyed", stage)] = (model(x), engine.module is model)
+    return out
+
+
+def reference_lr_edit(world: int) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    norms = []
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["lr"] = LR / 4
+        x, y = global_batch(step, MICRO * world)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())))
+        opt.step()
+    return {"state": model.state_dict(), "norm": norms[-1].item()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_param_groups_state_dict_accessors_and_destroy(world):
+    results = run_world(surface_cases, world)
+    reference = reference_lr_edit(world)
+    for stage in range(4):
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(
+                results[("lr-edit", stage)][name], value, rtol=1e-5, atol=1e-6
+            )
+        assert results[("norm", stage)] == pytest.approx(reference["norm"], rel=1e-5)
+        before, restored, after, again = results[("state-dict", stage)]
+        for name in before:
+            assert torch.equal(restored[name], before[name]), (stage, name)
+            assert torch.equal(again[name], after[name]), (stage, name)
+        output, same_module = results[("destroyed", stage)]
+        assert same_module
+        expected = Net()
+        expected.load_state_dict(again)
+        torch.testing.assert_close(output, expected(global_batch(0, MICRO)[0]), rtol=0, atol=0)
+
+
+def no_sync_case(rank: int, world: int, stage: int) -> dict | str:
+    results = {}
+    for use_no_sync in (False, True):
+        torch.manual_seed(0)
+        config = {**_config(stage), "train_micro_batch_size_per_gpu": MICRO}
+        engine = fzero.shard(Net(), config=config)
+        if stage >= 2:
+            try:
+                with engine.no_sync():
+                    pass
+            except RuntimeError as error:
+                return str(error)
+        for step in range(3):
+            if use_no_sync:  # two micro-batches summed locally, reduced with the third
+                with engine.no_sync():
+                    _micro_step(engine, rank, world, 10 + step)
+                    _micro_step(engine, rank, world, 20 + step)
+            else:
+                for extra in (10, 20):
+                    _micro_step(engine, rank, world, extra + step)
+            _micro_step(engine, rank, world, step)
+            engine.step()
+        results[use_no_sync] = engine.state_dict()
+    return results
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_sums_locally_and_reduces_at_the_next_backward(stage):
+    results = run_world(no_sync_case, 2, stage)
+    for name, value in results[False].items():
+        torch.testing.assert_close(results[True][name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_no_sync_is_refused_at_stage_2():
+    assert "incompatible with gradient partitioning of ZeRO stage 2" in run_world(
+        no_sync_case, 1, 2
+    )
+
+
+def autocast_case(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    config = _config(1, torch_autocast={"enabled": True, "dtype": "bfloat16"})
+    engine = fzero.shard(Net(), config=config)
+    x, y = global_batch(0, MICRO)
+    output = engine(x)
+    loss = nn.functional.mse_loss(output.float(), y)
+    engine.backward(loss)
+    engine.step()
+    return {"dtype": str(output.dtype), "params": str(next(engine.module.parameters()).dtype)}
+
+
+def test_torch_autocast_runs_the_forward_in_bf16_over_fp32_parameters():
+    result = run_world(autocast_case, 1)
+    assert result == {"dtype": "torch.bfloat16", "params": "torch.float32"}
+
+
+def test_config_keys_of_current_deepspeed():
+    for off in (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
+        {"bf16": {"enabled": True, "bf16_optimizer_states": False}},
+        {"torch_autocast": {"enabled": False, "dtype": "float16"}},
+    ):
+        fzero.load_config(off)
+    with pytest.raises(ConfigError) as error:
+        fzero.load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    message = str(error.value)
+    assert "not supported yet by fzero" in message and "\n" not in message
+    assert "Known keys" not in message and "known keys" not in message
+    with pytest.raises(ConfigError, match="did you mean 'bf16_optimizer_states'"):
+        fzero.load_config({"bf16": {"bf16_optimizer_state": True}})
+    with pytest.raises(ConfigError, match=r"torch_autocast.*fp16/bf16 enabled"):
+        fzero.load_config({"torch_autocast": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"'torch_autocast\.dtype' 'float16' is not supported"):
+        fzero.load_config({"torch_autocast": {"enabled": True, "dtype": "float16"}})
+
+
+# ---- errors that name ranks --------------------------------------------------------------
+
+
+def different_dirs_case(rank: int, world: int, root: str) -> str:
+    engine = fzero.shard(Net(), config=_config(1))
+    try:
+        engine.save_checkpoint(os.path.join(root, f"rank{rank}"))
+    except ValueError as error:
+        return str(error)
+    return "saved"
+
+
+def test_ranks_passing_different_checkpoint_dirs_are_told_so(tmp_path):
+    message = run_world(different_dirs_case, 2, str(tmp_path))
+    assert "save_checkpoint: ranks passed different arguments" in message
+    assert "rank0" in message and "rank1" in message
+
+
+def test_a_rank_that_never_arrives_is_named(tmp_path):
+    script = textwrap.dedent(
+        """
+        import time
+        import torch
+        from torch import nn
+        import fzero
+        from tests.models import Net, global_batch
+
+        fzero.comm.init_distributed()
+        rank = fzero.comm.get_rank()
+        engine = fzero.shard(Net(), stage=2, config={"train_micro_batch_size_per_gpu": 2})
+        for step in range(4):
+            if rank == 1 and step == 2:
+                time.sleep(12)  # stuck in its data loader
+            x, y = global_batch(step, 4)
+            loss = nn.functional.mse_loss(engine(x[rank * 2 : rank * 2 + 2]), y[:2])
+            engine.backward(loss)
+            engine.step()
+        """
+    )
+    path = tmp_path / "hung_rank.py"
+    path.write_text(script)
+    env = {**os.environ, "FZERO_TIMEOUT_S": "3", "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "fzero.cli", "run", "-n", "2", str(path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert time.monotonic() - start < 60
+    assert re.search(
+        r"fzero backward of engine Net \(micro-step 2\): rank\(s\) \[1\] did not arrive",
+        done.stderr,
+    ), done.stderr[-3000:]
+
+
+# ---- the launcher -----------------------------------------------------------------------
+
+
+def test_launcher_flags_map_to_the_entry_environment():
+    done = subprocess.run(
+        [sys.executable, "-m", "fzero.cli", "run", "--dry-run", "--as-deepspeed",
+         "--bind_cores_to_rank", "--bind_core_list", "0-3", "-n", "2", "train.py", "--x"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    line = done.stdout.strip()
+    assert "FZERO_AS_DEEPSPEED=1" in line and "FZERO_LOCAL_RANK_ARG=1" in line
+    assert "'FZERO_CORE_LISTS=0,1;2,3'" in line
+    assert line.endswith("-m fzero.launch_entry train.py --x")
+    done = subprocess.run(
+        [sys.executable, "-m", "fzero.cli", "run", "--dry-run", "--bind_core_list", "0-3",
+         "train.py"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--bind_core_list needs --bind_cores_to_rank" in done.stderr
+
+
+def test_ranks_get_local_rank_and_their_cores(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import argparse, json, os, sys
+            import deepspeed
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, required=True)
+            parser.add_argument("--out")
+            args = parser.parse_args()
+            with open(f"{args.out}.{args.local_rank}", "w") as f:
+                json.dump({"cores": sorted(os.sched_getaffinity(0)),
+                           "omp": os.environ.get("OMP_NUM_THREADS"),
+                           "module": deepspeed.__name__}, f)
+            """
+        )
+    )
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("binding two ranks needs two cores")
+    out = str(tmp_path / "r")
+    subprocess.run(
+        [sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "--bind_cores_to_rank",
+         "-n", "2", str(script), "--out", out],
+        cwd=ROOT, capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    half = len(cores) // 2
+    for rank in range(2):
+        report = json.loads(Path(f"{out}.{rank}").read_text())
+        assert report["cores"] == cores[rank * half : (rank + 1) * half]
+        assert report["omp"] == str(half) and report["module"] == "fzero.compat.deepspeed"
