@@ -194,3 +194,70 @@ def test_clip_math_matches_torch():
     assert fo.clip_coefficient(0.5, 1.0) == 1.0
     with pytest.raises(ValueError, match="max_norm"):
         fo.clip_coefficient(1.0, 0.0)
+
+
+# ---- pytrees of tensors (optax / torchopt style) ------------------------------------------
+
+
+def _tree(gen: torch.Generator) -> dict:
+    """A nested structure: dict, list, tuple; tensors of different shapes."""
+    return {
+        "w": torch.randn(5, 3, generator=gen),
+        "blocks": [torch.randn(4, generator=gen), (torch.randn(2, 2, generator=gen),)],
+    }
+
+
+@pytest.mark.parametrize(("make_torch", "fz_opt"), CASES)
+def test_a_pytree_of_tensors_matches_torch_optim_over_20_steps(make_torch, fz_opt):
+    from torch.utils import _pytree as pytree
+
+    gen = torch.Generator().manual_seed(3)
+    params = _tree(gen)
+    leaves, spec = pytree.tree_flatten(params)
+    refs = [torch.nn.Parameter(t.clone()) for t in leaves]
+    torch_opt = make_torch(refs)
+    state = fz_opt.init(params)
+    in_place = pytree.tree_map(torch.clone, params)
+    state_ = fz_opt.init(in_place)
+    for _ in range(20):
+        grads = pytree.tree_map(lambda t: torch.randn(t.shape, generator=gen), params)
+        for ref, grad in zip(refs, pytree.tree_leaves(grads)):
+            ref.grad = grad.clone()
+        torch_opt.step()
+        params, state = fz_opt.update(grads, state, params)
+        state_ = fz_opt.update_(grads, state_, in_place)
+    assert pytree.tree_structure(params) == spec == pytree.tree_structure(in_place)
+    for got, same, expected in zip(pytree.tree_leaves(params), pytree.tree_leaves(in_place), refs):
+        assert _max_rel_error(got, expected.detach()) <= 1e-6
+        assert torch.equal(got, same)  # in place == pure, bitwise
+
+
+def test_lamb_over_a_pytree_equals_lamb_per_tensor():
+    from torch.utils import _pytree as pytree
+
+    opt = fo.lamb(lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(4)
+    params = _tree(gen)
+    state = opt.init(params)
+    singles = [(t, opt.init(t)) for t in pytree.tree_leaves(params)]
+    for _ in range(5):
+        grads = pytree.tree_map(lambda t: torch.randn(t.shape, generator=gen), params)
+        params, state = opt.update(grads, state, params)
+        singles = [
+            opt.update(grad, single, param)
+            for grad, (param, single) in zip(pytree.tree_leaves(grads), singles)
+        ]
+    for got, (expected, _) in zip(pytree.tree_leaves(params), singles):
+        assert torch.equal(got, expected)
+
+
+def test_pytree_structures_must_agree_and_hold_tensors():
+    opt = fo.adamw()
+    params = {"w": torch.ones(2), "b": torch.zeros(1)}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="grads has structure"):
+        opt.update({"w": torch.ones(2)}, state, params)
+    with pytest.raises(ValueError, match="state has structure"):
+        opt.update(params, opt.init({"w": torch.ones(2)}), params)
+    with pytest.raises(TypeError, match="params leaf 1 is a float; expected a tree of tensors"):
+        opt.init({"a": torch.ones(1), "b": 1.0})

@@ -1,8 +1,8 @@
 """Functional optimizers, schedules, loss scaling and clipping math — all pure.
 
 opt = fzero.optim.adamw(lr=1e-3, weight_decay=0.01)
-state = opt.init(param)
-param, state = opt.update(grad, state, param, lr=schedule(step, 1e-3))
+state = opt.init(params)                     # a tensor, or any pytree of tensors
+params, state = opt.update(grads, state, params, lr=schedule(step, 1e-3))
 """
 
 from fzero.optim._adam import (

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._tree import over_trees
 
 __all__ = ["AdamHParams", "AdamState", "adam", "adam_init", "adam_update", "adam_update_", "adamw"]
 
@@ -90,7 +91,7 @@ def _bundle(name: str, hp: AdamHParams) -> Optimizer:
     def update_(grad: Tensor, state: AdamState, param: Tensor, **overrides: Any):
         return adam_update_(grad, state, param, with_overrides(hp, overrides))
 
-    return Optimizer(name, hp, adam_init, update, update_, state_slots=2)
+    return over_trees(Optimizer(name, hp, adam_init, update, update_, state_slots=2))
 
 
 def adam(

@@ -14,11 +14,12 @@ __all__ = ["Optimizer", "with_overrides"]
 class Optimizer(NamedTuple):
     """An optimizer as data plus pure functions (optax style).
 
-    - `init(param) -> state`: fresh state for one tensor or flat buffer;
-    - `update(grad, state, param, **overrides) -> (new_param, new_state)`: pure,
+    - `init(params) -> state`: fresh state for a tensor (one flat buffer) or any pytree
+      of tensors (dict, list, tuple, nested: the state has the same structure);
+    - `update(grads, state, params, **overrides) -> (new_params, new_state)`: pure,
       inputs untouched; `overrides` replace hyper-parameters for this call
       (`lr=...` from a schedule, `weight_decay=0.0` for a no-decay group);
-    - `update_(grad, state, param, **overrides) -> new_state`: the same math in
+    - `update_(grads, state, params, **overrides) -> new_state`: the same math in
       place ("donated" buffers), for the engine's contiguous fp32 shards;
     - `hparams`: the frozen hyper-parameters; `state_slots`: fp32 state tensors
       per element (Adam 2, SGD with momentum 1), for memory estimates.

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._tree import over_trees
 
 __all__ = [
     "LambHParams",
@@ -163,4 +164,4 @@ def lamb(
     def update_(grad: Tensor, state: LambState, param: Tensor, segments=None, **overrides: Any):
         return lamb_update_(grad, state, param, with_overrides(hp, overrides), segments)
 
-    return Optimizer("lamb", hp, lamb_init, update, update_, state_slots=2)
+    return over_trees(Optimizer("lamb", hp, lamb_init, update, update_, state_slots=2))

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._tree import over_trees
 
 __all__ = ["SgdHParams", "SgdState", "sgd", "sgd_init", "sgd_update", "sgd_update_"]
 
@@ -95,4 +96,4 @@ def sgd(
     def update_(grad: Tensor, state: SgdState, param: Tensor, **overrides: Any):
         return sgd_update_(grad, state, param, with_overrides(hp, overrides))
 
-    return Optimizer("sgd", hp, sgd_init, update, update_, state_slots=1)
+    return over_trees(Optimizer("sgd", hp, sgd_init, update, update_, state_slots=1))
