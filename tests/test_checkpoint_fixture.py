@@ -1,0 +1,50 @@
+"""A checkpoint written by fzero 0.1.0 (before the functional-core redesign) still loads:
+into the stage it was saved from and into another stage and world size, and training
+continues from it as it did when it was written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import fzero
+from tests._dist import run_world
+from tests.models import Net, global_batch
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v0_1"
+
+
+def resume_case(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.manual_seed(1)  # other weights than the checkpoint's: loading must replace them
+    config = {"train_micro_batch_size_per_gpu": 4 // world, "steps_per_print": 0}
+    engine = fzero.shard(Net(), stage=stage, optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+    _, client = engine.load_checkpoint(directory)
+    loaded = engine.state_dict()
+    x, y = global_batch(2, 4)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    engine.backward(nn.functional.mse_loss(engine(x[rows]), y[rows]))
+    engine.step()
+    return {
+        "client": client,
+        "loaded": loaded,
+        "next": engine.state_dict(),
+        "steps": engine.global_steps,
+    }
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 3)])
+def test_a_checkpoint_of_the_previous_format_loads_and_resumes(tmp_path, world, stage):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURE, directory)  # loading never writes, but keep the fixture pristine
+    result = run_world(resume_case, world, stage, str(directory))
+    assert result["client"] == {"note": "fzero 0.1.0 format"} and result["steps"] == 3
+    for name, expected in load_file(FIXTURE / "expected_step2.safetensors").items():
+        assert torch.equal(result["loaded"][name], expected), name
+    tolerance = 0 if (world, stage) == (1, 2) else 1e-6  # same reduction order: bitwise
+    for name, expected in load_file(FIXTURE / "expected_step3.safetensors").items():
+        torch.testing.assert_close(result["next"][name], expected, rtol=tolerance, atol=tolerance)
