@@ -185,10 +185,10 @@ def initialize(
         functional, groups = _from_client(optimizer)
     elif isinstance(optimizer, Optimizer):
         functional = optimizer
-    elif optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError("no optimizer: pass optimizer= or give an 'optimizer' block")
-        functional = optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
+    elif optimizer is None:  # none at all: an engine that runs forward only (as DeepSpeed)
+        functional = (
+            optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params) if cfg.optimizer else None
+        )
     else:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or fzero.optim.Optimizer, "
@@ -226,7 +226,7 @@ def initialize(
         )
     scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
     engine.lr_scheduler = scheduler
-    return engine, EngineOptimizer(engine), loader, scheduler
+    return engine, engine.optimizer, loader, scheduler
 
 
 def gathered_parameters(

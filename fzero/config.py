@@ -133,10 +133,13 @@ class BF16Config:
 
 @dataclass(frozen=True, kw_only=True)
 class TorchAutocastConfig:
-    """DeepSpeed's `torch_autocast`: fp32 parameters, the forward under `torch.autocast`."""
+    """DeepSpeed's `torch_autocast`: the forward under `torch.autocast` (over fp32
+    parameters, or with `bf16` enabled over bf16 ones, as DeepSpeed allows)."""
 
     enabled: bool = False
-    dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = "bfloat16"
+    dtype: Literal[
+        "bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half", "torch.float16"
+    ] = "bfloat16"
     """bfloat16 is supported; float16 would need a gradient scaler (not supported yet)."""
     lower_precision_safe_modules: list[str] | None = None
     """DeepSpeed reduces these modules' gradients in the low dtype; fzero reduces all
@@ -486,17 +489,11 @@ def _check(config: Config) -> None:
     if config.fp16.enabled is True and config.bf16.enabled is True:
         raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; enable at most one")
     autocast = config.torch_autocast
-    if autocast.enabled is True:
-        if True in (config.fp16.enabled, config.bf16.enabled):
-            raise ConfigError(
-                "'torch_autocast.enabled' is true with fp16/bf16 enabled; torch_autocast "
-                "keeps fp32 parameters: enable one of them"
-            )
-        if autocast.dtype in ("float16", "fp16", "half"):
-            raise ConfigError(
-                f"config key 'torch_autocast.dtype' {autocast.dtype!r} is not supported yet by "
-                "fzero (it needs a gradient scaler); allowed: 'bfloat16'"
-            )
+    if autocast.enabled is True and autocast.dtype in ("float16", "fp16", "half", "torch.float16"):
+        raise ConfigError(
+            f"config key 'torch_autocast.dtype' {autocast.dtype!r} is not supported yet by "
+            "fzero (it needs a gradient scaler); allowed: 'bfloat16'"
+        )
     for name in (
         "train_batch_size",
         "train_micro_batch_size_per_gpu",

@@ -38,7 +38,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from torch import Tensor
 from fzero import _nvme, comm, native, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
+from fzero.engine_optimizer import EngineOptimizer
 from fzero.optim import (
     DynamicLossScale,
     Optimizer,
@@ -69,6 +70,30 @@ Precision = str  # "fp32" | "bf16" | "fp16"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ENGINES = itertools.count()  # serial numbers: keys of each engine's checkpoint group
 _EXPLICIT: list[Engine] = []  # engines inside `backward(loss)` now, innermost last
+
+
+@dataclass(frozen=True)
+class _NoHParams:
+    lr: float = 0.0
+
+
+class _NoState(NamedTuple):
+    step: int
+
+
+def _refuse_update(*_: Any, **__: Any) -> Any:
+    raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
+
+
+_NO_OPTIMIZER_MESSAGE = (
+    "fzero: this engine has no optimizer (initialize got none and the config has no "
+    "'optimizer' block), so it runs forward only; give an optimizer to train. (DeepSpeed "
+    "would step a no-op optimizer here and leave the weights as they are.)"
+)
+# `initialize` without an optimizer (DeepSpeed's evaluation / ZeRO-3 inference engines)
+_NO_OPTIMIZER = Optimizer(
+    "none", _NoHParams(), lambda param: _NoState(0), _refuse_update, _refuse_update, 0
+)
 
 
 @dataclass
@@ -132,7 +157,7 @@ class Engine:
         self,
         module: torch.nn.Module,
         *,
-        optimizer: Optimizer,
+        optimizer: Optimizer | None,
         config: Config,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         precision: Precision | None = None,
@@ -146,7 +171,9 @@ class Engine:
         comm.init_distributed()
         self.config = check_resolved(config)
         self.module = module
-        self.optimizer = optimizer
+        # the update as pure functions; `self.optimizer` is what DeepSpeed scripts hold
+        self.functional_optimizer = optimizer if optimizer is not None else _NO_OPTIMIZER
+        self.optimizer = EngineOptimizer(self)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = comm.backend_device()
@@ -354,7 +381,7 @@ class Engine:
             unit=unit,
             params=params,
             master=master,
-            state=self.optimizer.init(master),
+            state=self.functional_optimizer.init(master),
             grad=torch.zeros(grad_numel, dtype=torch.float32, device=self.device),
             full=full,
             param_shard=param_shard,
@@ -374,7 +401,7 @@ class Engine:
     def _open_swap(self, zero: Any, config: Config) -> None:
         kinds = [
             k
-            for k, v in self.optimizer.init(torch.zeros(1))._asdict().items()
+            for k, v in self.functional_optimizer.init(torch.zeros(1))._asdict().items()
             if isinstance(v, Tensor)
         ]
         self._swap_kinds = ["master", *kinds]
@@ -602,7 +629,7 @@ class Engine:
             self._publish(rt, written, exchange=False)
             return tickets
 
-        if self.optimizer.name == "lamb":
+        if self.functional_optimizer.name == "lamb":
             self._nvme_lamb(factor, lrs, updated, steps)
         else:
             self._agree(self._nvme_pass(self._swap_in, update), updated, steps)
@@ -957,6 +984,14 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """Public attributes the engine lacks come from the module (DeepSpeed's engine does
+        the same: `engine.named_parameters()`, `engine.generate(...)`, a model's fields)."""
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("_") and hasattr(module, name):
+            return getattr(module, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
     @_named("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (floating inputs cast to the compute dtype, stage-3 gathering:
@@ -1007,6 +1042,7 @@ class Engine:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale;
         without the division when not `scale_wrt_gas`, for callers that scale the loss
         themselves); reduces gradients as the plan says. Returns `loss`."""
+        self._check_trainable()
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
         self.telemetry.losses.append(float(loss.detach().float()))
@@ -1089,6 +1125,10 @@ class Engine:
             if self.stage == 3:
                 self._release(rt)
 
+    def _check_trainable(self) -> None:
+        if self.functional_optimizer is _NO_OPTIMIZER:
+            raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
+
     def _check_scaled(self) -> None:
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
         if scale != 1.0 and not self._explicit and not self._manual_scale:
@@ -1102,6 +1142,7 @@ class Engine:
         if not self._owns_pass():
             self._keep_others_grad(rt, p)
             return
+        self._check_trainable()
         self._check_scaled()
         grad = p.grad
         p.grad = None
@@ -1231,6 +1272,7 @@ class Engine:
     @_named("step")
     def step(self) -> None:
         """At the accumulation boundary: unscale, clip, update owned shards, regather."""
+        self._check_trainable()
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
         self._take_left_grads()
@@ -1305,7 +1347,7 @@ class Engine:
         lrs = self._current_lrs()
         if self.nvme is not None:
             self._nvme_updates(factor, lrs)
-        elif self.optimizer.name == "lamb":
+        elif self.functional_optimizer.name == "lamb":
             self._lamb_step(factor, lrs)
         else:
             for rt in self.units:
@@ -1326,7 +1368,7 @@ class Engine:
             written = None
             if factor != 1.0:
                 grad.mul_(factor)
-            rt.state = self.optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
+            rt.state = self.functional_optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
         self._give_back(self._lent)
         return written
 
@@ -1349,14 +1391,14 @@ class Engine:
         if not self._native:
             return False
         state = rt.state
-        if self.optimizer.name in ("adam", "adamw"):
+        if self.functional_optimizer.name in ("adam", "adamw"):
             native.adam_(
                 rt.master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
                 lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                 decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
                 out=out,
             )  # fmt: skip
-        elif self.optimizer.name == "sgd":
+        elif self.functional_optimizer.name == "sgd":
             native.sgd_(
                 rt.master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
                 momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
@@ -1551,14 +1593,15 @@ class Engine:
     def _set_hparams(self) -> None:
         """Each unit's hyper-parameters, and the param groups scripts read and edit: the
         client optimizer's when there is one, else the engine's own."""
-        base = self.optimizer.hparams
+        base = self.functional_optimizer.hparams
+        trainable = self.functional_optimizer is not _NO_OPTIMIZER
         group_hparams = [
             with_overrides(
                 base,
                 {
                     k: (tuple(v) if k == "betas" else v)
                     for k, v in group.items()
-                    if k not in ("params", "name")
+                    if k not in ("params", "name") and trainable
                 },
             )
             for group in self._groups
@@ -1880,7 +1923,7 @@ class Engine:
             self.rank,
             param_dtype=partition.dtype_name(self.compute_dtype),
             grad_dtype="float32",
-            optimizer=self.optimizer,
+            optimizer=self.functional_optimizer,
             offload_optimizer=self.offload,
         )
 

@@ -35,7 +35,7 @@ class EngineOptimizer:
 
     @property
     def defaults(self) -> dict[str, Any]:
-        hparams = self._engine.optimizer.hparams
+        hparams = self._engine.functional_optimizer.hparams
         return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
 
     @property
@@ -117,7 +117,8 @@ class EngineOptimizer:
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def __repr__(self) -> str:
-        return f"EngineOptimizer({self._engine.optimizer.name}, groups={len(self.param_groups)})"
+        name = self._engine.functional_optimizer.name
+        return f"EngineOptimizer({name}, groups={len(self.param_groups)})"
 
 
 def _state_tensors(state: Any) -> dict[str, Tensor]:

@@ -251,8 +251,12 @@ def test_config_keys_of_current_deepspeed():
     assert "Known keys" not in message and "known keys" not in message
     with pytest.raises(ConfigError, match="did you mean 'bf16_optimizer_states'"):
         fzero.load_config({"bf16": {"bf16_optimizer_state": True}})
-    with pytest.raises(ConfigError, match=r"torch_autocast.*fp16/bf16 enabled"):
-        fzero.load_config({"torch_autocast": {"enabled": True}, "bf16": {"enabled": True}})
+    # DeepSpeed's bf16 example ships both, with torch's dtype name
+    both = {
+        "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"},
+        "bf16": {"enabled": True},
+    }
+    assert fzero.load_config(both).torch_autocast.enabled
     with pytest.raises(ConfigError, match=r"'torch_autocast\.dtype' 'float16' is not supported"):
         fzero.load_config({"torch_autocast": {"enabled": True, "dtype": "float16"}})
 
@@ -365,3 +369,44 @@ def test_ranks_get_local_rank_and_their_cores(tmp_path):
         report = json.loads(Path(f"{out}.{rank}").read_text())
         assert report["cores"] == cores[rank * half : (rank + 1) * half]
         assert report["omp"] == str(half) and report["module"] == "fzero.compat.deepspeed"
+
+
+def forward_only_case(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    expected = model(global_batch(0, MICRO)[0])
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3}}
+    engine, optimizer, _, _ = fzero.initialize(model=model, config=config)
+    output = engine(global_batch(0, MICRO)[0])
+    try:
+        engine.backward(output.sum())
+        message = "trained"
+    except RuntimeError as error:
+        message = str(error)
+    return {
+        "same_output": torch.equal(output, expected),
+        "message": message,
+        "optimizer": optimizer is engine.optimizer,
+        "module_attribute": [n for n, _ in engine.named_parameters()][:1],
+    }
+
+
+def test_initialize_without_an_optimizer_runs_forward_only():
+    result = run_world(forward_only_case, 2)
+    assert result["same_output"] and result["optimizer"]
+    assert "has no optimizer" in result["message"] and "runs forward only" in result["message"]
+    assert result["module_attribute"] == ["embed.weight"]  # engine.x falls back to module.x
+
+
+def test_nccl_on_a_machine_without_gpus_uses_gloo():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert run_world(_nccl_case, 1) == "gloo"
+
+
+def _nccl_case(rank: int, world: int) -> str:
+    compat.install()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    return torch.distributed.get_backend()

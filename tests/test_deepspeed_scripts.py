@@ -125,7 +125,7 @@ def test_torch_style_backward_equals_engine_backward_in_bf16(tmp_path):
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 2,
         "bf16": {"enabled": True},
-        "torch_autocast": {"enabled": False},
+        "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"},  # as DeepSpeed's example
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 3}},

@@ -399,8 +399,8 @@ def _index_body(
         "mid_accumulation": mid,
         "config": _jsonable(engine.config),
         "optimizer": {
-            "name": engine.optimizer.name,
-            "hparams": _jsonable(engine.optimizer.hparams),
+            "name": engine.functional_optimizer.name,
+            "hparams": _jsonable(engine.functional_optimizer.hparams),
             "scalars": scalars,
             "kinds": _state_kinds(engine),
         },
@@ -636,7 +636,7 @@ def _read(
                 unit[kind] = _new_partition(engine, rt)
                 _fill(engine, reader, kind, unit[kind], reads.get(rt.index, []))
             if not with_state:
-                unit["optim.init"] = engine.optimizer.init(unit["master"])
+                unit["optim.init"] = engine.functional_optimizer.init(unit["master"])
             if index["mid_accumulation"]:
                 numel = rt.unit.numel if engine.stage < 2 else rt.unit.shard_numel
                 unit["grad"] = torch.empty(numel, dtype=torch.float32)
@@ -696,10 +696,10 @@ def _check_model(engine: Engine, old_plan: Plan, index: Mapping[str, Any], direc
 
 def _check_optimizer(engine: Engine, index: Mapping[str, Any], directory: str) -> None:
     saved = index["optimizer"]
-    if saved["name"] != engine.optimizer.name or saved["kinds"] != _state_kinds(engine):
+    if saved["name"] != engine.functional_optimizer.name or saved["kinds"] != _state_kinds(engine):
         raise CheckpointError(
             f"{directory} holds {saved['name']} state {saved['kinds']}; this engine runs "
-            f"{engine.optimizer.name} with {_state_kinds(engine)}: pass "
+            f"{engine.functional_optimizer.name} with {_state_kinds(engine)}: pass "
             "load_optimizer_states=False to load the weights only"
         )
 

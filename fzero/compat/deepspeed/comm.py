@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
+
+import torch
 
 from fzero import comm as _comm
 from fzero.comm import (
@@ -47,7 +50,10 @@ def init_distributed(
             "init_distributed(init_method=, rank=, world_size=): fzero reads them from the "
             "launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR); launch with fzero run"
         )
-    if dist_backend == "ccl":  # DeepSpeed's CPU backend: gloo is fzero's
+    if dist_backend == "ccl" or (dist_backend == "nccl" and not torch.cuda.is_available()):
+        # DeepSpeed's CPU backend, or NCCL asked for where no GPU is: gloo is fzero's
+        # collective on CPU (the backend changes no result)
+        logging.getLogger("fzero").info("fzero: %s asked for on CPU; using gloo", dist_backend)
         dist_backend = "gloo"
     _comm.init_distributed(
         backend=dist_backend,
