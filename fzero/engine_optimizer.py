@@ -11,13 +11,14 @@ into an engine of the same plan. Checkpoints that reshard are `engine.save_check
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from fzero.engine import Engine
+# An fzero Engine, by duck type: this module sits below the engine and imports nothing
+# from it.
+Engine = Any
 
 __all__ = ["EngineOptimizer"]
 

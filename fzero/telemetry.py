@@ -26,14 +26,15 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fzero import comm
 
-if TYPE_CHECKING:
-    from fzero.engine import Engine
+# An fzero Engine, by duck type: this module sits below the engine and imports nothing
+# from it.
+Engine = Any
 
 __all__ = ["Telemetry", "Timers", "count_tokens"]
 
@@ -77,7 +78,7 @@ class Telemetry:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.timers: Timers = engine._timers
+        self.timers: Timers = engine.timers
         self.losses: list[float] = []
         self.tokens = 0
         self.last = time.perf_counter()

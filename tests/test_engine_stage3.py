@@ -47,17 +47,17 @@ def gather_trace_case(rank, world, reuse_distance):
     all_gather_into = comm.all_gather_into
 
     def spy(output, shard, *, async_op=False):
-        gathers.append(engine._phase)
+        gathers.append(engine.stage3.phase)
         return all_gather_into(output, shard, async_op=async_op)
 
     def watch(index):
         def pre_forward(_module, _inputs):
-            live.append(engine._live_numel())
+            live.append(engine.stage3.live_numel())
             if index + 1 < DEPTH:
                 ahead.append(engine.units[index + 1].full is not None)
 
         def pre_backward(_module, _grads):
-            live.append(engine._live_numel())
+            live.append(engine.stage3.live_numel())
 
         return pre_forward, pre_backward
 

@@ -15,6 +15,7 @@ A load reads the old plan from the index and fills this engine's shards with
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -26,8 +27,9 @@ import shutil
 import signal
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import torch
@@ -48,8 +50,9 @@ from fzero.checkpoint._index import decode_client_state, encode_client_state, pa
 from fzero.optim import LossScaleState
 from fzero.partition import LocalSlice, Plan, PlanError
 
-if TYPE_CHECKING:
-    from fzero.engine import Engine
+# An fzero Engine, taken by duck type: the checkpoint package imports nothing from the
+# engine (the engine imports it), and reads only the engine's public attributes.
+Engine = Any
 
 __all__ = ["AsyncSave", "load_checkpoint", "read_index", "read_latest", "save_checkpoint"]
 
@@ -241,13 +244,13 @@ def _jsonable(value: Any) -> Any:
 
 def _scheduler_state(engine: Engine) -> dict[str, Any]:
     state: dict[str, Any] = {"lr_steps": engine.lr_steps, "client": None, "client_groups": None}
-    if engine._client_scheduler is not None:
-        client = {k: v for k, v in engine._client_scheduler.state_dict().items() if not callable(v)}
+    if engine.client_scheduler is not None:
+        client = {k: v for k, v in engine.client_scheduler.state_dict().items() if not callable(v)}
         state["client"] = _jsonable(client)
-    if engine._client_optimizer is not None:
+    if engine.client_optimizer is not None:
         state["client_groups"] = [
             {k: _jsonable(v) for k, v in g.items() if k != "params"}
-            for g in engine._client_optimizer.param_groups
+            for g in engine.client_optimizer.param_groups
         ]
     return state
 
@@ -280,7 +283,7 @@ class AsyncSave:
 def _group(engine: Engine) -> Any:
     """A gloo group of its own, so a save thread's collectives never interleave with
     training's."""
-    return comm.side_group(engine._serial)
+    return comm.side_group(engine.serial)
 
 
 def _same_on_every_rank(engine: Engine, call: str, **arguments: Any) -> None:
@@ -357,14 +360,23 @@ def save_checkpoint(
         )
 
     if async_save:
-        engine._async_save = AsyncSave(write)
+        if engine not in _WAIT_AT_EXIT:  # the process's exit waits for the last save
+            atexit.register(wait_for_save, engine)
+            _WAIT_AT_EXIT.add(engine)
+        _PENDING[engine] = AsyncSave(write)
     else:
         write()
     return final
 
 
+# Asynchronous saves still being written, by engine (the checkpoint package's own state).
+_PENDING: weakref.WeakKeyDictionary[Any, AsyncSave] = weakref.WeakKeyDictionary()
+_WAIT_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def wait_for_save(engine: Engine) -> None:
-    pending, engine._async_save = engine._async_save, None
+    """Block until `engine`'s asynchronous save (if any) is written; raise its error."""
+    pending = _PENDING.pop(engine, None)
     if pending is not None:
         pending.wait()
 
@@ -573,8 +585,8 @@ def _load(
             rt.state = rt.state._replace(**scalars)
     for rt in engine.units:
         with engine.resident(rt, write_back=False):
-            engine._publish(rt)
-    engine._finish_publish()
+            engine.publish_master(rt)
+    engine.finish_publish()
     if not load_module_only:
         _restore_counters(engine, index, load_lr_scheduler_states)
         if engine.rank < index["world_size"]:
@@ -663,7 +675,7 @@ def _new_partition(engine: Engine, rt: Any) -> Tensor:
             if s.unit == rt.index:
                 base = rt.unit.shard_range(r)[0] if engine.stage == 0 else 0
                 covered.append((base + s.shard_offset, s.numel))
-    buffer = torch.empty(engine._partition_numel(rt.unit), dtype=torch.float32)
+    buffer = torch.empty(engine.partition_numel(rt.unit), dtype=torch.float32)
     hugepage_hint(buffer)
     at = 0
     for start, numel in sorted(covered):
@@ -820,12 +832,12 @@ def _restore_counters(engine: Engine, index: Mapping[str, Any], with_scheduler: 
         return
     scheduler = index["scheduler"]
     engine.lr_steps = scheduler["lr_steps"]
-    if engine._client_optimizer is not None and scheduler["client_groups"] is not None:
-        for group, saved in zip(engine._client_optimizer.param_groups, scheduler["client_groups"]):
+    if engine.client_optimizer is not None and scheduler["client_groups"] is not None:
+        for group, saved in zip(engine.client_optimizer.param_groups, scheduler["client_groups"]):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    if engine._client_scheduler is not None and scheduler["client"] is not None:
-        engine._client_scheduler.load_state_dict(scheduler["client"])
+    if engine.client_scheduler is not None and scheduler["client"] is not None:
+        engine.client_scheduler.load_state_dict(scheduler["client"])
 
 
 def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:

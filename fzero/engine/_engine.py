@@ -28,7 +28,6 @@ through the raw module) stays in `param.grad` exactly as in PyTorch: the user's
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import itertools
@@ -47,11 +46,21 @@ from torch import Tensor
 from fzero import _nvme, comm, native, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
+from fzero.engine import _views
+from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
+from fzero.engine._stage3 import Stage3Gatherer
+from fzero.engine._units import (
+    Bucket,
+    UnitRuntime,
+    add_pieces,
+    bind,
+    drop_flat,
+    scatter_pieces,
+    unbind,
+)
 from fzero.engine_optimizer import EngineOptimizer
 from fzero.optim import (
-    DynamicLossScale,
     Optimizer,
-    StaticLossScale,
     clip_coefficient,
     lamb_apply_,
     lamb_direction_,
@@ -59,15 +68,13 @@ from fzero.optim import (
     trust_ratio,
     with_overrides,
 )
-from fzero.partition import MemoryEstimate, Placement, Plan, Unit
+from fzero.partition import MemoryEstimate, Plan, Unit
 from fzero.telemetry import Telemetry, Timers
 
 __all__ = ["Engine", "Precision"]
 
 log = logging.getLogger("fzero")
 
-Precision = str  # "fp32" | "bf16" | "fp16"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ENGINES = itertools.count()  # serial numbers: keys of each engine's checkpoint group
 _EXPLICIT: list[Engine] = []  # engines inside `backward(loss)` now, innermost last
 
@@ -94,44 +101,6 @@ _NO_OPTIMIZER_MESSAGE = (
 _NO_OPTIMIZER = Optimizer(
     "none", _NoHParams(), lambda param: _NoState(0), _refuse_update, _refuse_update, 0
 )
-
-
-@dataclass
-class _UnitRuntime:
-    """Mutable per-unit buffers of one rank (engine-internal)."""
-
-    index: int
-    unit: Unit
-    params: list[tuple[torch.nn.Parameter, Placement, tuple[int, ...]]]
-    master: Tensor
-    state: Any
-    grad: Tensor
-    full: Tensor | None = None
-    param_shard: Tensor | None = None
-    flat_grad: Tensor | None = None
-    gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
-    gather_input: Tensor | None = None
-    used: bool = False  # gathered for use since the current phase began (stage 3)
-    bucket: _Bucket | None = None
-    reported: int = 0
-    ready: bool = False
-    hparams: Any = None
-    # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
-    grad_on_disk: bool = False  # this accumulation window has written it
-    grad_stats: tuple[Tensor | None, bool] | None = None  # of the window's final gradient
-    slot: int = 0  # NVMe offload: which of the unit's two state copies is current
-
-
-@dataclass
-class _Bucket:
-    """Units whose gradients one collective reduces (`partition.reduction_buckets`)."""
-
-    units: list[_UnitRuntime]
-    buffer: Tensor | None = None  # contiguous fp32 gradients of all its units
-
-    @property
-    def numel(self) -> int:
-        return sum(rt.unit.numel for rt in self.units)
 
 
 def _named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -177,10 +146,10 @@ class Engine:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = comm.backend_device()
-        self.precision = precision or _precision_of(config)
-        if self.precision not in _DTYPES:
-            raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(_DTYPES)}")
-        self.compute_dtype = _DTYPES[self.precision]
+        self.precision = precision or precision_of(config)
+        if self.precision not in DTYPES:
+            raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(DTYPES)}")
+        self.compute_dtype = DTYPES[self.precision]
         zero = config.zero_optimization
         self.stage = zero.stage
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
@@ -193,7 +162,6 @@ class Engine:
         self._write_buffers = zero.offload_optimizer.buffer_count
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
-        self.param_swap: Any = None
         self._pin = (
             self.offload and zero.offload_optimizer.pin_memory and (torch.cuda.is_available())
         )
@@ -201,10 +169,10 @@ class Engine:
         self._native = native.available() and (self.device.type == "cpu" or self.offload)
         self.batch = _batch_or_none(config, self.world_size)
         self.schedule = schedule
-        self._client_optimizer = client_optimizer
-        self._client_scheduler = client_scheduler
+        self.client_optimizer = client_optimizer
+        self.client_scheduler = client_scheduler
         self.overlap_comm = zero.overlap_comm if zero.overlap_comm is not None else self.stage == 3
-        self.loss_scaler = _loss_scaler(config) if self.precision == "fp16" else None
+        self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
         self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
         self.global_steps = 0
         self.global_samples = 0
@@ -212,27 +180,17 @@ class Engine:
         self.skipped_steps = 0
         self.lr_steps = 0
         self._skipped_last = False
-        self._timers = Timers()
+        self.timers = Timers()
         self._pending: list[tuple[Any, Callable[[], None]]] = []
-        self._publishing: list[tuple[Any, _UnitRuntime, Tensor | None]] = []
+        self._publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
         self._launch_next = 0
         # Gloo's reduce-scatter measured slower than its all-reduce at every size from
         # 1 MB to 32 MB (2 ranks): there, stages 2-3 all-reduce and keep their part.
         self._scatter_by_all_reduce = dist.get_backend() == "gloo"
         # Stage 3 prefetch: the order units are first used in each phase, recorded on
         # the first pass and followed after (DeepSpeed's trace; FSDP2's fixed order).
-        self._phase = "forward"
-        self._trace: dict[str, list[int]] = {"forward": [], "backward": []}
-        self._traced: set[str] = set()
-        self._cursor = 0
-        self._prefetch_numel = zero.stage3_prefetch_bucket_size
-        self._max_live = zero.stage3_max_live_parameters
-        self._live = 0
-        self._max_reuse = zero.stage3_max_reuse_distance
         self._hooks: list[Any] = []
-        self._serial = next(_ENGINES)  # the same on every rank: engines are built in step
-        self._async_save: Any = None
-        self._exit_wait_registered = False
+        self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
         # backward passes: whose gradients arrive now (see the module docstring)
         self._boundary_now = False
         self._explicit = False  # inside this engine's backward(loss)
@@ -244,7 +202,7 @@ class Engine:
         self._forward_contexts: list[Any] = []
         self._global_grad_norm: float | None = None
         self.lr_scheduler: Any = None  # what `initialize` returns as the scheduler
-        self.name = name or type(module).__name__ + (f"#{self._serial}" if self._serial else "")
+        self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
 
         self._groups = (
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
@@ -262,7 +220,7 @@ class Engine:
         )
         self._tensor_index = {fqn: i for i, fqn in enumerate(self.plan.manifest.fqns)}
         # host buffers of the largest unit partition, for what offload moves every step
-        largest = max((self._partition_numel(u) for u in self.plan.units), default=0)
+        largest = max((self.partition_numel(u) for u in self.plan.units), default=0)
         self._pool = _nvme.BufferPool(largest)
         self._lent: list[Tensor] = []  # pool buffers in use by the current unit update
         self._cast_module()
@@ -274,19 +232,20 @@ class Engine:
             _nvme.map_large_buffers()
         if zero.offload_optimizer.device == "nvme":
             self._open_swap(zero, config)
-        if self.param_offload == "nvme":
-            self.param_swap = _nvme.SwapFile(
-                zero.offload_param.nvme_path,
-                self.rank,
-                [u.shard_numel * self.compute_dtype.itemsize for u in self.plan.units],
-                threads=config.aio.thread_count,
-                block_size=config.aio.block_size,
-                what="param",
-                key="zero_optimization.offload_param.nvme_path",
-            )
+        self.stage3 = Stage3Gatherer(
+            config,
+            self.plan,
+            rank=self.rank,
+            compute_dtype=self.compute_dtype,
+            device=self.device,
+            pin_memory=self._pin,
+            timers=self.timers,
+        )
+        self.stage3.on_backward_use = self._note_backward_use
         self.units = [
             self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
         ]
+        self.stage3.units = self.units
         if meta is not None:
             meta.finish()
         if self.nvme is not None:
@@ -301,7 +260,8 @@ class Engine:
                 p._fzero_engine = weakref.ref(self)  # for fzero.gathered_parameters
         self._install_root_hooks()
         if self.stage == 3:
-            self._install_stage3_hooks()
+            self.stage3.install_hooks(self.module)
+            self._hooks += self.stage3.hooks
         self._set_hparams()
         self.telemetry = Telemetry(self)
         log.info(
@@ -331,14 +291,15 @@ class Engine:
         named = dict(self.module.named_parameters())
         return [named[spec.fqn] for spec in self.plan.manifest.tensors]
 
-    def _partition(self, unit: Unit) -> slice:
+    def partition(self, unit: Unit) -> slice:
         """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
         if self.stage == 0:
             return slice(0, unit.numel)
         start, stop = unit.shard_range(self.rank)
         return slice(start, stop)
 
-    def _owned(self, unit: Unit) -> slice:
+    def owned(self, unit: Unit) -> slice:
+        """This rank's shard of the unit buffer (`plan`'s range)."""
         start, stop = unit.shard_range(self.rank)
         return slice(start, stop)
 
@@ -348,18 +309,18 @@ class Engine:
         unit: Unit,
         named: Mapping[str, torch.nn.Parameter],
         meta: MetaInitializer | None,
-    ) -> _UnitRuntime:
+    ) -> UnitRuntime:
         fqns = [pl.fqn for pl in unit.placements]
         tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
         params = [(p, pl, tuple(p.shape)) for p, pl in zip(tensors, unit.placements)]
         flat = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for p, placement, _ in params:
-                _scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
+                scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
         if self.world_size > 1:
             dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights
         keeps_full = self.stage < 3 or unit.persistent
-        part = self._partition(unit)
+        part = self.partition(unit)
         full = master = param_shard = None
         shares_master = (
             self.compute_dtype == torch.float32
@@ -376,7 +337,7 @@ class Engine:
         del flat
         # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
         grad_numel = 0 if self.stage < 2 or self._grads_on_nvme else unit.shard_numel
-        rt = _UnitRuntime(
+        rt = UnitRuntime(
             index=index,
             unit=unit,
             params=params,
@@ -387,10 +348,10 @@ class Engine:
             param_shard=param_shard,
         )
         if keeps_full:
-            self._bind(rt)
+            bind(rt)
         else:
-            self._unbind(rt)
-            self._store_param_shard(rt, rt.param_shard)
+            unbind(rt, self.compute_dtype, self.device)
+            self.stage3.store_param_shard(rt, rt.param_shard)
         if self.nvme is not None:  # to the swap file; the host keeps nothing of it
             self._swap_out(rt, rt.slot, wait=True)
             self._evict(rt)
@@ -408,7 +369,7 @@ class Engine:
         # Two slots per unit: a step reads the current one and writes the other, and
         # flips them only when every rank has written everything (transactional).
         sizes = [
-            4 * self._partition_numel(u)
+            4 * self.partition_numel(u)
             for _slot in range(2)
             for u in self.plan.units
             for _ in self._swap_kinds
@@ -428,20 +389,21 @@ class Engine:
         per_unit = len(self._swap_kinds) + self._grads_on_nvme
         self._pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
 
-    def _partition_numel(self, unit: Unit) -> int:
-        part = self._partition(unit)
+    def partition_numel(self, unit: Unit) -> int:
+        """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
+        part = self.partition(unit)
         return part.stop - part.start
 
-    def _region(self, rt: _UnitRuntime, kind_index: int, slot: int) -> int:
+    def _region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
         return (slot * len(self.plan.units) + rt.index) * len(self._swap_kinds) + kind_index
 
-    def _grad_region(self, rt: _UnitRuntime) -> int:
+    def _grad_region(self, rt: UnitRuntime) -> int:
         return 2 * len(self.plan.units) * len(self._swap_kinds) + rt.index
 
-    def _resident_tensors(self, rt: _UnitRuntime) -> list[Tensor]:
+    def _resident_tensors(self, rt: UnitRuntime) -> list[Tensor]:
         return [rt.master] + [getattr(rt.state, k) for k in self._swap_kinds[1:]]
 
-    def _swap_out(self, rt: _UnitRuntime, slot: int, wait: bool) -> list[Any]:
+    def _swap_out(self, rt: UnitRuntime, slot: int, wait: bool) -> list[Any]:
         """Write the unit's master and state to `slot` of its regions (from aligned
         copies when they are not already in aligned swap buffers)."""
         tickets = []
@@ -454,11 +416,11 @@ class Engine:
             self._wait_swap(tickets, "writing")
         return tickets
 
-    def _swap_in(self, rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+    def _swap_in(self, rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
         """Start reading the unit's current master and state (and gradient, when the
         swap file holds it) into `buffers`; a gradient not written this window reads as
         zeros."""
-        numel = self._partition_numel(rt.unit)
+        numel = self.partition_numel(rt.unit)
         tickets = []
         for k in range(len(self._swap_kinds)):
             region = self._region(rt, k, rt.slot)
@@ -481,15 +443,15 @@ class Engine:
         finally:
             self._drain_swap([tickets])
 
-    def _bind_swapped(self, rt: _UnitRuntime, buffers: list[Tensor]) -> None:
-        numel = self._partition_numel(rt.unit)
+    def _bind_swapped(self, rt: UnitRuntime, buffers: list[Tensor]) -> None:
+        numel = self.partition_numel(rt.unit)
         rt.master = buffers[0][:numel]
         fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self._swap_kinds[1:])}
         rt.state = rt.state._replace(**fields)
         if self._grads_on_nvme:
             rt.grad = buffers[len(self._swap_kinds)][:numel]
 
-    def _evict(self, rt: _UnitRuntime) -> None:
+    def _evict(self, rt: UnitRuntime) -> None:
         empty = torch.empty(0)
         rt.master = empty
         rt.state = rt.state._replace(**dict.fromkeys(self._swap_kinds[1:], empty))
@@ -507,7 +469,7 @@ class Engine:
             self._pool.give(buffer)
         buffers.clear()
 
-    def _accumulate_grad(self, rt: _UnitRuntime, value: Tensor) -> None:
+    def _accumulate_grad(self, rt: UnitRuntime, value: Tensor) -> None:
         """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
         accumulator. With NVMe offload the accumulator is in the swap file: read (after
         the window's first micro-step), added to, and written back asynchronously, at
@@ -569,7 +531,7 @@ class Engine:
             )
 
     @contextlib.contextmanager
-    def resident(self, rt: _UnitRuntime, write_back: bool) -> Iterator[None]:
+    def resident(self, rt: UnitRuntime, write_back: bool) -> Iterator[None]:
         """The unit's master, optimizer state and gradient accumulator in host memory
         inside the block (a no-op unless they live on NVMe); written back on exit with
         `write_back`."""
@@ -590,7 +552,7 @@ class Engine:
             self._evict(rt)
             self._give_back(buffers)
 
-    def write_next_slot(self, rt: _UnitRuntime, with_grad: bool) -> None:
+    def write_next_slot(self, rt: UnitRuntime, with_grad: bool) -> None:
         """Write the master and state bound to `rt` (and its gradient) to the unit's other
         slot, then evict them; they become current when the caller flips `rt.slot`
         (checkpoint loads, after every rank has read its part)."""
@@ -601,7 +563,7 @@ class Engine:
         finally:
             self._evict(rt)
 
-    def _write_grad(self, rt: _UnitRuntime) -> None:
+    def _write_grad(self, rt: UnitRuntime) -> None:
         """Write the gradient bound to `rt` to its region (from an aligned copy when it
         is not in a swap buffer); it is this window's accumulator from now on."""
         grad = rt.grad
@@ -619,9 +581,9 @@ class Engine:
         the parameters from the untouched slots and raise: no rank keeps half a step.
         """
         steps = [rt.state.step for rt in self.units]
-        updated: list[_UnitRuntime] = []
+        updated: list[UnitRuntime] = []
 
-        def update(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
+        def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self._bind_swapped(rt, buffers)
             written = self._update_unit(rt, factor, lrs)
             tickets = self._swap_out(rt, 1 - rt.slot, wait=False)
@@ -641,7 +603,7 @@ class Engine:
         _nvme.return_free_memory()
 
     def _nvme_lamb(
-        self, factor: float, lrs: list[float], updated: list[_UnitRuntime], steps: list[int]
+        self, factor: float, lrs: list[float], updated: list[UnitRuntime], steps: list[int]
     ) -> None:
         """LAMB over NVMe in two passes: moments and update direction (the direction
         parked in the other slot's master region), one all-reduce of the norms, then
@@ -649,7 +611,7 @@ class Engine:
         sums = self._lamb_sums()
         kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
 
-        def direction(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+        def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
             self._bind_swapped(rt, buffers)
             update = buffers[-1][: rt.master.numel()]
             _, hp, _, segments = self._lamb_direction(rt, factor, lrs, sums, update)
@@ -660,16 +622,16 @@ class Engine:
                 for k, t in enumerate([update, *self._resident_tensors(rt)[1:]])
             ]
 
-        def read_direction(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self._partition_numel(rt.unit)
+        def read_direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self.partition_numel(rt.unit)
             master, update = buffers[0][:numel], buffers[-1][:numel]
             return [
                 (self.nvme.submit(self._region(rt, 0, rt.slot), master, False), master),
                 (self.nvme.submit(self._region(rt, 0, 1 - rt.slot), update, False), update),
             ]
 
-        def apply(rt: _UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self._partition_numel(rt.unit)
+        def apply(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self.partition_numel(rt.unit)
             rt.master = buffers[0][:numel]
             hp, segments = kept[rt.index]
             self._lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
@@ -685,8 +647,8 @@ class Engine:
 
     def _nvme_pass(
         self,
-        read: Callable[[_UnitRuntime, list[Tensor]], list[Any]],
-        compute: Callable[[_UnitRuntime, list[Tensor]], list[Any]],
+        read: Callable[[UnitRuntime, list[Tensor]], list[Any]],
+        compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
         extra: int = 0,
     ) -> str:
         """One pass over the units through `_pipeline_depth` sets of swap buffers: while
@@ -725,7 +687,7 @@ class Engine:
                 self._give_back(buffers)
         return failure
 
-    def _agree(self, failure: str, updated: list[_UnitRuntime], steps: list[int]) -> None:
+    def _agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Every rank learns whether any rank's pass failed; if one did, all roll back."""
         failures = [failure.encode()]
         if self.world_size > 1:
@@ -746,7 +708,7 @@ class Engine:
                 ticket, _ = tickets.pop(0)
                 self.nvme.io.wait(ticket)
 
-    def _roll_back(self, updated: list[_UnitRuntime], steps: list[int]) -> None:
+    def _roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Undo a failed NVMe step: parameters from the masters in the current slots
         (never written by the step), step counts restored."""
         for rt, step in zip(self.units, steps):
@@ -769,12 +731,12 @@ class Engine:
         copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self._pin)
         return copy.copy_(tensor)
 
-    def _build_buckets(self, bucket_numel: int) -> list[_Bucket]:
+    def _build_buckets(self, bucket_numel: int) -> list[Bucket]:
         """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
         accumulators and each unit's `grad` is a view of its bucket's buffer."""
         buckets = []
         for indices in partition.reduction_buckets(self.plan, bucket_numel):
-            bucket = _Bucket([self.units[i] for i in indices])
+            bucket = Bucket([self.units[i] for i in indices])
             for rt in bucket.units:
                 rt.bucket = bucket
             if self.stage < 2:
@@ -782,202 +744,12 @@ class Engine:
             buckets.append(bucket)
         return buckets
 
-    def _bucket_views(self, bucket: _Bucket, name: str) -> None:
+    def _bucket_views(self, bucket: Bucket, name: str) -> None:
         bucket.buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
         offset = 0
         for rt in bucket.units:
             setattr(rt, name, bucket.buffer[offset : offset + rt.unit.numel])
             offset += rt.unit.numel
-
-    # ---- parameter binding (the module's tensors view the unit buffer) ------------------
-
-    def _bind(self, rt: _UnitRuntime) -> None:
-        assert rt.full is not None
-        for p, placement, shape in rt.params:
-            p.data = _gather_pieces(rt.full, placement, shape)
-
-    def _unbind(self, rt: _UnitRuntime) -> None:
-        for p, _, _ in rt.params:
-            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-
-    # ---- stage 3: gather before use, release after ---------------------------------------
-
-    def _store_param_shard(self, rt: _UnitRuntime, value: Tensor) -> None:
-        """Keep `value` as the unit's compute-dtype shard where `offload_param` says:
-        the device (no offload), the host, or the param swap file."""
-        if self.param_offload == "nvme":
-            if value is not rt.param_shard or value.numel():
-                aligned = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
-                aligned.copy_(value)
-                self.param_swap.wait(self.param_swap.submit(rt.index, aligned, True), "writing")
-            rt.param_shard = torch.empty(0, dtype=self.compute_dtype)
-        elif self.param_offload == "cpu" and value is rt.param_shard:
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
-            rt.param_shard = host.copy_(value)
-        elif value is not rt.param_shard:
-            rt.param_shard.copy_(value)
-
-    def _gather_input(self, rt: _UnitRuntime) -> Tensor:
-        """This rank's shard of the unit, on the device, for the all-gather."""
-        if self.param_offload == "nvme":
-            shard = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
-            self.param_swap.wait(self.param_swap.submit(rt.index, shard, False), "reading")
-            return shard.to(self.device)
-        shard = rt.param_shard if rt.param_shard is not None else rt.master
-        return shard.to(self.device)  # offload_param cpu: host to device
-
-    def _gather(self, rt: _UnitRuntime, *, wait: bool = True) -> None:
-        """All-gather the unit's parameters (asynchronously unless `wait`)."""
-        if rt.full is None:
-            shard = self._gather_input(rt)
-            rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
-            self._live += rt.unit.numel  # only stage-3 units without a persistent buffer get here
-            rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
-            rt.gather_input = shard  # alive until the all-gather is done
-        if wait and rt.gather_work is not None:
-            with self._timers("comm"):
-                rt.gather_work.wait()
-            rt.gather_work = rt.gather_input = None
-            self._bind(rt)
-
-    def _release(self, rt: _UnitRuntime) -> None:
-        if rt.unit.persistent or rt.full is None:
-            return
-        if rt.gather_work is not None:  # a prefetch nobody used: let it land first
-            rt.gather_work.wait()
-            rt.gather_work = rt.gather_input = None
-        rt.full = None
-        self._live -= rt.unit.numel
-        rt.used = False
-        self._unbind(rt)
-
-    def _use(self, rt: _UnitRuntime) -> None:
-        """Gather `rt` for use now and prefetch the units the trace says come next.
-
-        The first pass of each phase (forward, backward) records the order units are
-        first used in; later passes follow it and keep up to
-        `stage3_prefetch_bucket_size` elements of the next units in flight. All ranks
-        run the same program, so they issue the same collectives in the same order.
-        """
-        if rt.unit.persistent:
-            return
-        if not rt.used:
-            rt.used = True
-            self._advance_trace(rt)
-        self._gather(rt)
-
-    def _advance_trace(self, rt: _UnitRuntime) -> None:
-        trace = self._trace[self._phase]
-        if self._phase not in self._traced:
-            trace.append(rt.index)
-            return
-        if self._cursor >= len(trace) or trace[self._cursor] != rt.index:
-            self._cursor = len(trace) + 1  # the program took another path: stop prefetching
-            return
-        self._cursor += 1
-        budget = self._prefetch_numel
-        for index in trace[self._cursor :]:
-            ahead = self.units[index]
-            if budget <= 0:
-                break
-            budget -= ahead.unit.numel
-            if ahead.full is None:
-                if self._live_numel() + ahead.unit.numel > self._max_live:
-                    break
-                self._gather(ahead, wait=False)
-
-    def _live_numel(self) -> int:
-        """Elements of stage-3 units gathered (or being gathered) now (a running count:
-        the prefetch asks for it once per unit ahead, on every forward)."""
-        return self._live
-
-    def _begin_phase(self, phase: str) -> None:
-        self._phase, self._cursor = phase, 0
-        for rt in self.units:
-            rt.used = False
-
-    def _end_phase(self) -> None:
-        self._traced.add(self._phase)  # a recorded phase is followed from now on
-
-    def _keeps_after_forward(self, rt: _UnitRuntime) -> bool:
-        """DeepSpeed's `stage3_max_reuse_distance`: a unit whose next use (later in this
-        forward, or in backward) comes within that many elements of other units' use is
-        kept gathered instead of being released and gathered again, as long as the live
-        total stays within `stage3_max_live_parameters`. The unit used last in forward
-        is the first backward needs (distance 0), as FSDP keeps its root."""
-        if "forward" not in self._traced or "backward" not in self._traced:
-            return False
-        upcoming = self._trace["forward"][self._cursor :] + self._trace["backward"]
-        if rt.index not in upcoming:
-            return False
-        distance = sum(self.units[i].unit.numel for i in upcoming[: upcoming.index(rt.index)])
-        return distance <= self._max_reuse and self._live_numel() <= self._max_live
-
-    def _install_stage3_hooks(self) -> None:
-        by_module: dict[str, list[_UnitRuntime]] = {}
-        for rt in self.units:
-            if not rt.unit.persistent:
-                by_module.setdefault(rt.unit.module, []).append(rt)
-        for path, rts in by_module.items():
-            module = self.module.get_submodule(path)
-
-            def pre(_module: Any, _inputs: Any, rts: list[_UnitRuntime] = rts) -> None:
-                for rt in rts:
-                    self._use(rt)
-
-            def post(_module: Any, _inputs: Any, _output: Any, rts=rts) -> None:
-                # In backward (activation-checkpoint recomputation) autograd holds the
-                # parameters themselves: they are released when their gradients arrive.
-                if self._phase != "forward":
-                    return
-                for rt in rts:
-                    if not self._keeps_after_forward(rt):
-                        self._release(rt)
-
-            self._hooks.append(module.register_forward_pre_hook(pre))
-            self._hooks.append(module.register_forward_hook(post))
-        self._stage3_params = {id(p): rt for rt in self.units for p, _, _ in rt.params}
-        for rt in self.units:
-            if not rt.unit.persistent:
-                for p, _, shape in rt.params:
-                    self._hooks.append(p.register_hook(self._shape_for_accumulation(p, shape)))
-
-    def _shape_for_accumulation(self, p: torch.nn.Parameter, shape: tuple[int, ...]):
-        """Before autograd stores a gradient in `p.grad` it matches it to `p`'s layout; a
-        released parameter gets a zero-stride stand-in of the right shape (no memory)."""
-
-        def hook(grad: Tensor) -> None:
-            if p.data.shape != shape:
-                p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
-
-        return hook
-
-    def _pack(self, tensor: Tensor) -> Any:
-        """Saved-tensor hook: a saved stage-3 parameter (or a view of one) is kept as a
-        reference and re-gathered when backward needs it, so no full unit stays alive."""
-        base = tensor._base if tensor._base is not None else tensor
-        rt = self._stage3_params.get(id(base))
-        if rt is None or rt.unit.persistent:
-            return tensor
-        if base is tensor:
-            return ("param", tensor, None)
-        return (
-            "view",
-            base,
-            (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset()),
-        )
-
-    def _unpack(self, packed: Any) -> Tensor:
-        if not isinstance(packed, tuple):
-            return packed
-        kind, param, geometry = packed
-        if not self._explicit and _graph_task() >= 0:
-            self._owns_pass()  # enters a pass of another's, to free its units at the end
-        self._use(self._stage3_params[id(param)])
-        if kind == "param":
-            return param
-        size, stride, offset = geometry
-        return param.detach().as_strided(size, stride, param.storage_offset() + offset)
 
     # ---- forward / backward / step ------------------------------------------------------
 
@@ -998,7 +770,7 @@ class Engine:
         the module's own hooks, so calling the module directly trains the same). A
         plain `loss.backward()` through the returned tensors is this engine's backward."""
         self.telemetry.forward(args, kwargs)
-        with self._timers("forward"):
+        with self.timers("forward"):
             output = self.module(*args, **kwargs)
         for tensor in _tensors_requiring_grad(output):
             tensor.register_hook(self._on_output_grad)
@@ -1015,13 +787,14 @@ class Engine:
 
     def _before_forward(self, _module: Any, args: Any, kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
-            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         contexts: list[Any] = []
         if self.config.torch_autocast.enabled:  # DeepSpeed's torch_autocast (bf16)
             contexts.append(torch.autocast(self.device.type, dtype=torch.bfloat16))
         if self.stage == 3:
-            self._begin_phase("forward")
-            contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            self.stage3.begin_phase("forward")
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.stage3.pack, self.stage3.unpack)
+            contexts.append(hooks)
         for context in contexts:
             context.__enter__()
         self._forward_contexts.append(contexts)
@@ -1033,7 +806,7 @@ class Engine:
         for context in reversed(self._forward_contexts.pop()):
             context.__exit__(None, None, None)
         if self.stage == 3:
-            self._end_phase()
+            self.stage3.end_phase()
 
     @_named("backward")
     def backward(
@@ -1050,12 +823,12 @@ class Engine:
         self._explicit = True
         _EXPLICIT.append(self)
         try:
-            with self._timers("backward"):
+            with self.timers("backward"):
                 (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
         finally:
             self._explicit = False
             _EXPLICIT.remove(self)
-        with self._timers("backward"):
+        with self.timers("backward"):
             self._finish_reduction()
         return loss
 
@@ -1068,7 +841,7 @@ class Engine:
     def _begin_backward(self) -> None:
         self._boundary_now = self.is_gradient_accumulation_boundary()
         self._launch_next = 0
-        self._begin_phase("backward")
+        self.stage3.begin_phase("backward")
 
     # ---- whose backward pass is it? (see the module docstring) ---------------------------
 
@@ -1123,7 +896,13 @@ class Engine:
         for rt in self.units:  # another's pass: nothing was taken, stage-3 units go
             rt.reported, rt.ready = 0, False
             if self.stage == 3:
-                self._release(rt)
+                self.stage3.release(rt)
+
+    def _note_backward_use(self) -> None:
+        """Stage 3 gathers a saved parameter in backward: in a pass of another's, enter it
+        here too, so its end frees the units it gathered."""
+        if not self._explicit and _graph_task() >= 0:
+            self._owns_pass()
 
     def _check_trainable(self) -> None:
         if self.functional_optimizer is _NO_OPTIMIZER:
@@ -1149,28 +928,28 @@ class Engine:
         if grad is None:
             return
         target = rt.grad if self.stage < 2 else self._flat_grad(rt)
-        _add_pieces(target, grad.reshape(-1), placement)
+        add_pieces(target, grad.reshape(-1), placement)
         if self.stage == 3 and rt.full is None:
             p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         rt.reported += 1
         if rt.reported == len(rt.params):
             rt.ready = True
             if self.stage == 3:
-                self._release(rt)
+                self.stage3.release(rt)
             if self.overlap_comm:
                 self._launch_ready()
 
-    def _keep_others_grad(self, rt: _UnitRuntime, p: torch.nn.Parameter) -> None:
+    def _keep_others_grad(self, rt: UnitRuntime, p: torch.nn.Parameter) -> None:
         """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
         if self.stage != 3 or rt.unit.persistent:
             return
         rt.reported += 1
         if rt.reported == len(rt.params):
-            self._release(rt)
+            self.stage3.release(rt)
         elif rt.full is None:
             p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
-    def _flat_grad(self, rt: _UnitRuntime) -> Tensor:
+    def _flat_grad(self, rt: UnitRuntime) -> Tensor:
         """Stages 2-3: the unit's full-size gradient, a view of its bucket's buffer,
         alive from the first gradient until the bucket is reduced."""
         if rt.flat_grad is None:
@@ -1191,7 +970,7 @@ class Engine:
             self._launch(self.buckets[self._launch_next])
             self._launch_next += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if not self._needs_reduction():
             return  # stage 0-1 inside an accumulation window: keep summing locally
         if self.stage < 2:
@@ -1204,8 +983,8 @@ class Engine:
 
         def keep_owned() -> None:
             for rt, flat in zip(bucket.units, flats):
-                self._accumulate_grad(rt, flat[self._owned(rt.unit)])
-            _drop_flat(bucket)
+                self._accumulate_grad(rt, flat[self.owned(rt.unit)])
+            drop_flat(bucket)
 
         if self.world_size == 1:
             keep_owned()
@@ -1219,12 +998,12 @@ class Engine:
                 shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
                 work = comm.reduce_scatter_into(shard, flat, async_op=True)
                 self._pending.append((work, functools.partial(self._accumulate_grad, rt, shard)))
-            self._pending.append((None, lambda: _drop_flat(bucket)))
+            self._pending.append((None, lambda: drop_flat(bucket)))
 
     def _finish_reduction(self) -> None:
         for rt in self.units:
             rt.ready = True  # parameters unused in this backward contribute zeros
-        with self._timers("comm"):
+        with self.timers("comm"):
             self._launch_ready()
             for work, finish in self._pending:
                 if work is not None:
@@ -1234,8 +1013,8 @@ class Engine:
         for rt in self.units:
             rt.reported, rt.ready = 0, False
             if self.stage == 3:
-                self._release(rt)
-        self._end_phase()
+                self.stage3.release(rt)
+        self.stage3.end_phase()
         self._reduced = self._reduced or self._needs_reduction()
         if self._grads_on_nvme:
             self._finish_grad_writes()
@@ -1248,7 +1027,7 @@ class Engine:
         left = [(rt, p) for rt in self.units for p, _, _ in rt.params if p.grad is not None]
         if not self._needs_reduction_at_step():
             for rt, p in left:  # stages 0-1 inside an accumulation window: local sums
-                _add_pieces(rt.grad, p.grad.reshape(-1), self._param_unit[id(p)][1])
+                add_pieces(rt.grad, p.grad.reshape(-1), self._param_unit[id(p)][1])
                 p.grad = None
             return
         flag = torch.tensor([float(bool(left) or not self._reduced)], device=self.device)
@@ -1259,7 +1038,7 @@ class Engine:
         self._begin_backward()
         for rt, p in left:
             target = rt.grad if self.stage < 2 else self._flat_grad(rt)
-            _add_pieces(target, p.grad.reshape(-1), self._param_unit[id(p)][1])
+            add_pieces(target, p.grad.reshape(-1), self._param_unit[id(p)][1])
             p.grad = None
         self._finish_reduction()
 
@@ -1283,7 +1062,7 @@ class Engine:
             return
         loss_scale_state = self.loss_scale_state
         try:
-            with self._timers("step"):
+            with self.timers("step"):
                 self._take_step()
         except OSError:  # an NVMe step that was not applied: step() may be called again
             self.micro_steps -= 1
@@ -1310,7 +1089,7 @@ class Engine:
         micro-step wrote the gradient; a unit without one has zeros)."""
         if not self._grads_on_nvme:
             return [
-                self._grad_stats(rt.grad[self._owned(rt.unit)] if self.stage < 2 else rt.grad)
+                self._grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
                 for rt in self.units
             ]
         zeros = self._grad_stats(torch.zeros(1))
@@ -1355,10 +1134,10 @@ class Engine:
         self._finish_publish()
         self._zero_grads()
         self.lr_steps += 1
-        if self._client_scheduler is not None:
-            self._client_scheduler.step()
+        if self.client_scheduler is not None:
+            self.client_scheduler.step()
 
-    def _update_unit(self, rt: _UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
+    def _update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
         """Update the unit's master and state; returns the compute-dtype copy of the new
         master when the native kernel wrote one (for `_publish`)."""
         grad = self._step_grad(rt)
@@ -1372,10 +1151,10 @@ class Engine:
         self._give_back(self._lent)
         return written
 
-    def _step_grad(self, rt: _UnitRuntime) -> Tensor:
+    def _step_grad(self, rt: UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
-        grad = rt.grad[self._partition(rt.unit)] if self.stage < 2 else rt.grad
+        grad = rt.grad[self.partition(rt.unit)] if self.stage < 2 else rt.grad
         if not self.offload or self._grads_on_nvme:  # NVMe: read into a host swap buffer
             return grad
         if self._pin:  # CUDA's pinned host allocator caches these blocks itself
@@ -1384,7 +1163,7 @@ class Engine:
         return self._lent[-1][: grad.numel()].copy_(grad)
 
     def _native_update(
-        self, rt: _UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
+        self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
     ) -> bool:
         """The update through fzero's native kernel, gradient scaling and the
         compute-dtype copy fused into one pass; False when it does not apply."""
@@ -1409,7 +1188,7 @@ class Engine:
         rt.state = state._replace(step=state.step + 1)
         return True
 
-    def _copy_target(self, rt: _UnitRuntime) -> Tensor | None:
+    def _copy_target(self, rt: UnitRuntime) -> Tensor | None:
         """Where a native update writes the compute-dtype copy of the new master."""
         if not self._native or self.compute_dtype == torch.float32:
             return None
@@ -1420,10 +1199,10 @@ class Engine:
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.stage == 0 or self.world_size == 1:
-            return rt.full[self._partition(rt.unit)]
+            return rt.full[self.partition(rt.unit)]
         return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
-    def _step_overrides(self, rt: _UnitRuntime, lrs: list[float]) -> dict[str, Any]:
+    def _step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
         overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
         momentum = getattr(self.schedule, "momentum", None)
         if momentum is not None:
@@ -1447,7 +1226,7 @@ class Engine:
         count = len(self.plan.manifest.tensors)
         return torch.zeros(2, count, dtype=torch.float64, device=self.device)
 
-    def _lamb_segments(self, rt: _UnitRuntime) -> list[tuple[int, int, str]]:
+    def _lamb_segments(self, rt: UnitRuntime) -> list[tuple[int, int, str]]:
         """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
         if self.stage == 0:
             return [
@@ -1463,12 +1242,12 @@ class Engine:
 
     def _lamb_direction(
         self,
-        rt: _UnitRuntime,
+        rt: UnitRuntime,
         factor: float,
         lrs: list[float],
         sums: Tensor,
         update: Tensor | None = None,
-    ) -> tuple[_UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
+    ) -> tuple[UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
         """LAMB's first half for one unit: new moments, the update direction (into
         `update` when given) and its tensors' squares added to `sums`."""
         grad = self._step_grad(rt)
@@ -1505,7 +1284,7 @@ class Engine:
 
     def _lamb_apply(
         self,
-        rt: _UnitRuntime,
+        rt: UnitRuntime,
         hp: Any,
         update: Tensor,
         segments: list[tuple[int, int, str]],
@@ -1523,7 +1302,7 @@ class Engine:
             lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
 
     def _publish(
-        self, rt: _UnitRuntime, written: Tensor | None = None, exchange: bool = True
+        self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
     ) -> None:
         """Start writing the unit's updated fp32 master back to the compute-dtype
         parameters everyone uses; the all-gather overlaps the next units' updates.
@@ -1532,10 +1311,10 @@ class Engine:
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
-                self._store_param_shard(rt, value.to(self.compute_dtype))
+                self.stage3.store_param_shard(rt, value.to(self.compute_dtype))
             return
         if self.stage == 0 or self.world_size == 1 or not exchange:
-            target = rt.full[self._partition(rt.unit)]
+            target = rt.full[self.partition(rt.unit)]
             if target.data_ptr() != rt.master.data_ptr() and written is not target:
                 target.copy_(written if written is not None else rt.master)
             if exchange:
@@ -1547,7 +1326,7 @@ class Engine:
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
-    def publish_master(self, rt: _UnitRuntime) -> None:
+    def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)
         to the parameters; `finish_publish` completes it. Collective."""
         self._publish(rt)
@@ -1555,24 +1334,24 @@ class Engine:
     def finish_publish(self) -> None:
         self._finish_publish()
 
-    def _exchange(self, rt: _UnitRuntime) -> None:
+    def _exchange(self, rt: UnitRuntime) -> None:
         """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
         if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             return
         if self.world_size == 1:
             self._publishing.append((None, rt, None))
             return
-        shard = rt.full[self._partition(rt.unit)].clone()
+        shard = rt.full[self.partition(rt.unit)].clone()
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 
     def _finish_publish(self) -> None:
-        with self._timers("comm"):
+        with self.timers("comm"):
             for work, rt, _shard in self._publishing:
                 if work is not None:
                     work.wait()
                 if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
-                    self._bind(rt)  # copies, not views: refresh them
+                    bind(rt)  # copies, not views: refresh them
         self._publishing.clear()
 
     def _zero_grads(self) -> None:
@@ -1618,13 +1397,13 @@ class Engine:
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's param groups; a script's edit of a group's `lr` is the lr of the
         next step (with a schedule, the schedule sets it at each step, as DeepSpeed's)."""
-        if self._client_optimizer is not None:
-            return self._client_optimizer.param_groups
+        if self.client_optimizer is not None:
+            return self.client_optimizer.param_groups
         return self._own_groups
 
     def _current_lrs(self) -> list[float]:
         """The lr of each param group for the step about to run."""
-        if self._client_optimizer is None and self.schedule is not None:
+        if self.client_optimizer is None and self.schedule is not None:
             for group, base in zip(self._own_groups, self._base_lrs):
                 group["lr"] = self.schedule(self.lr_steps, base)
         return [group["lr"] for group in self.param_groups]
@@ -1728,7 +1507,7 @@ class Engine:
         self.wait_for_checkpoint()
         if self.stage == 3:
             for rt in self.units:
-                self._gather(rt)
+                self.stage3.gather(rt)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -1741,49 +1520,28 @@ class Engine:
         self, params: Sequence[torch.nn.Parameter], modifier_rank: int | None = None
     ) -> Iterator[None]:
         """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
-
-        With `modifier_rank`, that rank's edits are broadcast on exit and become the
-        new weights (fp32 masters included; edits are made in the compute dtype).
-        """
-        if modifier_rank is not None and not 0 <= modifier_rank < self.world_size:
-            raise ValueError(
-                f"modifier_rank is {modifier_rank}; allowed: None or 0..{self.world_size - 1}"
-            )
-        wanted = {id(p) for p in params}
-        units = [rt for rt in self.units if any(id(p) in wanted for p, _, _ in rt.params)]
-        managed = {id(p) for rt in units for p, _, _ in rt.params}
-        others = [p for p in params if id(p) not in managed]  # frozen: whole everywhere
-        gathered_here = [rt for rt in units if rt.full is None]
-        for rt in units:
-            self._gather(rt)
-        try:
+        With `modifier_rank`, that rank's edits are broadcast on exit and kept."""
+        with _views.gathered_parameters(self, params, modifier_rank):
             yield
-        except BaseException:
-            for rt in gathered_here:
-                self._release(rt)
-            raise
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for rt in units:
-                    with self.resident(rt, write_back=True):
-                        self._accept_edits(rt, modifier_rank)
-                for p in others:
-                    if self.world_size > 1:
-                        dist.broadcast(p.data, src=modifier_rank)
-        for rt in gathered_here:
-            self._release(rt)
 
-    def _accept_edits(self, rt: _UnitRuntime, source: int) -> None:
-        assert rt.full is not None
-        for p, placement, _ in rt.params:  # parameters that are copies write back
-            _scatter_pieces(rt.full, p.detach().reshape(-1), placement)
-        if self.world_size > 1:
-            dist.broadcast(rt.full, src=source)
-        if rt.master.data_ptr() != rt.full[self._partition(rt.unit)].data_ptr():
-            rt.master.copy_(rt.full[self._partition(rt.unit)])
-        if rt.param_shard is not None:
-            self._store_param_shard(rt, rt.full[self._owned(rt.unit)])
-        self._bind(rt)
+    # ---- whole-model views (fzero.engine._views) ------------------------------------------
+
+    def full_master(self, rt: UnitRuntime) -> Tensor:
+        """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
+        return _views.full_master(self, rt)
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The consolidated model state dict (masters cast to `dtype`, default the compute
+        dtype), on rank 0 ({} elsewhere); collective."""
+        return _views.state_dict(self, dtype)
+
+    def memory_held(self) -> MemoryEstimate:
+        """Bytes of every model-state tensor this rank holds now, by kind."""
+        return _views.memory_held(self)
+
+    def memory_planned(self) -> MemoryEstimate:
+        """What the plan says this rank holds (`partition.memory_per_rank`)."""
+        return _views.memory_planned(self)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -1804,9 +1562,6 @@ class Engine:
         save, load or the process exit waits for it and raises its error."""
         from fzero.checkpoint import _engine_io
 
-        if async_save and self._async_save is None and not self._exit_wait_registered:
-            atexit.register(_engine_io.wait_for_save, self)
-            self._exit_wait_registered = True
         return _engine_io.save_checkpoint(
             self, save_dir, tag, client_state, save_latest, async_save=async_save
         )
@@ -1849,84 +1604,6 @@ class Engine:
 
         _engine_io.wait_for_save(self)
 
-    # ---- whole-model views ----------------------------------------------------------------
-
-    def full_master(self, rt: _UnitRuntime) -> Tensor:
-        """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
-        if self.stage == 0:
-            return rt.master
-        full = torch.empty(rt.unit.numel, dtype=torch.float32, device=self.device)
-        with self.resident(rt, write_back=False):
-            comm.all_gather_into(full, rt.master.to(self.device).contiguous())
-        return full
-
-    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """The consolidated model state dict, on rank 0 ({} elsewhere); collective.
-
-        Trainable tensors come from the fp32 masters (cast to `dtype`, default the
-        compute dtype); every alias of a tied tensor gets it; frozen parameters and
-        buffers come from the module.
-        """
-        dtype = dtype or self.compute_dtype
-        result: dict[str, Tensor] = {}
-        for rt in self.units:
-            full = self.full_master(rt)
-            if self.rank == 0:
-                for _, placement, shape in rt.params:
-                    tensor = _gather_pieces(full, placement, shape).to(dtype).clone()
-                    spec = self.plan.manifest[placement.fqn]
-                    for name in (spec.fqn, *spec.aliases):
-                        result[name] = tensor
-        if self.rank != 0:
-            return {}
-        managed = set(result)
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if name not in managed:
-                result[name] = tensor.detach().clone()
-        return {name: result[name] for name in self.module.state_dict(keep_vars=True)}
-
-    def memory_held(self) -> MemoryEstimate:
-        """Bytes of every model-state tensor this rank holds now, by kind (no duplicates)."""
-        seen: set[int] = set()
-
-        def size(t: Tensor | None) -> int:
-            if t is None or t.numel() == 0:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        params = master = grads = state = 0
-        for rt in self.units:
-            params += size(rt.full) + size(rt.param_shard)
-            if rt.full is None and rt.param_shard is None:
-                params += size(rt.master)  # fp32 stage 3: the master is the shard
-            for p, _, _ in rt.params:
-                params += size(p.data)
-            master += size(rt.master)
-            grads += size(rt.grad) + size(rt.flat_grad)
-            state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
-        return MemoryEstimate(
-            params=params,
-            master=master,
-            grads=grads,
-            optimizer_state=state,
-            offload_optimizer=self.offload,
-        )
-
-    def memory_planned(self) -> MemoryEstimate:
-        """What the plan says this rank holds (`partition.memory_per_rank`)."""
-        return partition.memory_per_rank(
-            self.plan,
-            self.rank,
-            param_dtype=partition.dtype_name(self.compute_dtype),
-            grad_dtype="float32",
-            optimizer=self.functional_optimizer,
-            offload_optimizer=self.offload,
-        )
-
     # ---- telemetry ------------------------------------------------------------------------
 
 
@@ -1953,66 +1630,6 @@ def _tensors_requiring_grad(value: Any) -> Iterator[Tensor]:
 
 def _fields(hparams: Any) -> dict[str, Any]:
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
-
-
-def _drop_flat(bucket: _Bucket) -> None:
-    for rt in bucket.units:
-        rt.flat_grad = None
-    bucket.buffer = None
-
-
-def _scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
-    for pc in placement.pieces:
-        flat[pc.offset : pc.offset + pc.numel].copy_(values[pc.start : pc.start + pc.numel])
-
-
-def _add_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
-    for pc in placement.pieces:
-        flat[pc.offset : pc.offset + pc.numel].add_(values[pc.start : pc.start + pc.numel])
-
-
-def _gather_pieces(full: Tensor, placement: Placement, shape: tuple[int, ...]) -> Tensor:
-    """The tensor at `placement` in `full`: a view when it is one piece, else a copy."""
-    pieces = sorted(placement.pieces, key=lambda pc: pc.start)
-    if len(pieces) == 1:
-        pc = pieces[0]
-        return full[pc.offset : pc.offset + pc.numel].view(shape)
-    if not pieces:
-        return full.new_zeros(shape)
-    return torch.cat([full[pc.offset : pc.offset + pc.numel] for pc in pieces]).view(shape)
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floats(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _precision_of(config: Config) -> Precision:
-    if config.fp16.enabled:
-        return "fp16"
-    if config.bf16.enabled:
-        return "bf16"
-    return "fp32"
-
-
-def _loss_scaler(config: Config) -> DynamicLossScale | StaticLossScale:
-    fp16 = config.fp16
-    if fp16.loss_scale:
-        return StaticLossScale(fp16.loss_scale)
-    return DynamicLossScale(
-        initial_scale_power=fp16.initial_scale_power,
-        window=fp16.loss_scale_window,
-        hysteresis=fp16.hysteresis,
-        min_scale=fp16.min_loss_scale,
-        consecutive_hysteresis=fp16.consecutive_hysteresis,
-    )
 
 
 def _batch_or_none(config: Config, world_size: int):

@@ -1,0 +1,254 @@
+"""Stage 3: parameters live as shards; each unit is gathered before use and freed after.
+
+ZeRO-3 (Rajbhandari et al. 2020) as DeepSpeed runs it: forward pre-hooks on the modules
+gather their units, post-hooks release them unless the next use is within
+`stage3_max_reuse_distance`; a saved-tensor hook keeps references to parameters instead
+of their full values, so backward gathers them again. The first pass of each phase
+records the order units are used in, later passes prefetch along it
+(`stage3_prefetch_bucket_size`, bounded by `stage3_max_live_parameters`). Between uses
+a unit's compute-dtype shard lives where `offload_param` says: the device, the host or
+a swap file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero import _nvme, comm
+from fzero.config import Config
+from fzero.engine._units import UnitRuntime, bind, unbind
+from fzero.partition import Plan
+from fzero.telemetry import Timers
+
+__all__ = ["Stage3Gatherer"]
+
+
+class Stage3Gatherer:
+    """Gathering, prefetch and release of stage-3 units, and where their shards live."""
+
+    def __init__(
+        self,
+        config: Config,
+        plan: Plan,
+        *,
+        rank: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        pin_memory: bool,
+        timers: Timers,
+    ) -> None:
+        zero = config.zero_optimization
+        self.compute_dtype, self.device, self._pin = compute_dtype, device, pin_memory
+        self.timers = timers
+        self.units: list[UnitRuntime] = []  # the engine's, once built
+        self.hooks: list[Any] = []
+        # called when backward first needs a parameter (the engine tracks autograd passes)
+        self.on_backward_use: Callable[[], None] = lambda: None
+        self.phase = "forward"
+        self._trace: dict[str, list[int]] = {"forward": [], "backward": []}
+        self._traced: set[str] = set()
+        self._cursor = 0
+        self._prefetch_numel = zero.stage3_prefetch_bucket_size
+        self._max_live = zero.stage3_max_live_parameters
+        self._live = 0
+        self._max_reuse = zero.stage3_max_reuse_distance
+        self._params: dict[int, UnitRuntime] = {}
+        # stage 3 parameter shards between uses: on the device, the host or NVMe
+        self.param_offload = zero.offload_param.device
+        self.param_swap: Any = None
+        if self.param_offload == "nvme":
+            self.param_swap = _nvme.SwapFile(
+                zero.offload_param.nvme_path,
+                rank,
+                [u.shard_numel * compute_dtype.itemsize for u in plan.units],
+                threads=config.aio.thread_count,
+                block_size=config.aio.block_size,
+                what="param",
+                key="zero_optimization.offload_param.nvme_path",
+            )
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor) -> None:
+        """Keep `value` as the unit's compute-dtype shard where `offload_param` says:
+        the device (no offload), the host, or the param swap file."""
+        if self.param_offload == "nvme":
+            if value is not rt.param_shard or value.numel():
+                aligned = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+                aligned.copy_(value)
+                self.param_swap.wait(self.param_swap.submit(rt.index, aligned, True), "writing")
+            rt.param_shard = torch.empty(0, dtype=self.compute_dtype)
+        elif self.param_offload == "cpu" and value is rt.param_shard:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
+            rt.param_shard = host.copy_(value)
+        elif value is not rt.param_shard:
+            rt.param_shard.copy_(value)
+
+    def _gather_input(self, rt: UnitRuntime) -> Tensor:
+        """This rank's shard of the unit, on the device, for the all-gather."""
+        if self.param_offload == "nvme":
+            shard = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+            self.param_swap.wait(self.param_swap.submit(rt.index, shard, False), "reading")
+            return shard.to(self.device)
+        shard = rt.param_shard if rt.param_shard is not None else rt.master
+        return shard.to(self.device)  # offload_param cpu: host to device
+
+    def gather(self, rt: UnitRuntime, *, wait: bool = True) -> None:
+        """All-gather the unit's parameters (asynchronously unless `wait`)."""
+        if rt.full is None:
+            shard = self._gather_input(rt)
+            rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
+            self._live += rt.unit.numel  # only stage-3 units without a persistent buffer get here
+            rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
+            rt.gather_input = shard  # alive until the all-gather is done
+        if wait and rt.gather_work is not None:
+            with self.timers("comm"):
+                rt.gather_work.wait()
+            rt.gather_work = rt.gather_input = None
+            bind(rt)
+
+    def release(self, rt: UnitRuntime) -> None:
+        """Free the unit's gathered parameters (persistent units stay)."""
+        if rt.unit.persistent or rt.full is None:
+            return
+        if rt.gather_work is not None:  # a prefetch nobody used: let it land first
+            rt.gather_work.wait()
+            rt.gather_work = rt.gather_input = None
+        rt.full = None
+        self._live -= rt.unit.numel
+        rt.used = False
+        unbind(rt, self.compute_dtype, self.device)
+
+    def use(self, rt: UnitRuntime) -> None:
+        """Gather `rt` for use now and prefetch the units the trace says come next.
+
+        The first pass of each phase (forward, backward) records the order units are
+        first used in; later passes follow it and keep up to
+        `stage3_prefetch_bucket_size` elements of the next units in flight. All ranks
+        run the same program, so they issue the same collectives in the same order.
+        """
+        if rt.unit.persistent:
+            return
+        if not rt.used:
+            rt.used = True
+            self._advance_trace(rt)
+        self.gather(rt)
+
+    def _advance_trace(self, rt: UnitRuntime) -> None:
+        trace = self._trace[self.phase]
+        if self.phase not in self._traced:
+            trace.append(rt.index)
+            return
+        if self._cursor >= len(trace) or trace[self._cursor] != rt.index:
+            self._cursor = len(trace) + 1  # the program took another path: stop prefetching
+            return
+        self._cursor += 1
+        budget = self._prefetch_numel
+        for index in trace[self._cursor :]:
+            ahead = self.units[index]
+            if budget <= 0:
+                break
+            budget -= ahead.unit.numel
+            if ahead.full is None:
+                if self.live_numel() + ahead.unit.numel > self._max_live:
+                    break
+                self.gather(ahead, wait=False)
+
+    def live_numel(self) -> int:
+        """Elements of stage-3 units gathered (or being gathered) now (a running count:
+        the prefetch asks for it once per unit ahead, on every forward)."""
+        return self._live
+
+    def begin_phase(self, phase: str) -> None:
+        """A forward or backward starts: units count as unused, the trace from its start."""
+        self.phase, self._cursor = phase, 0
+        for rt in self.units:
+            rt.used = False
+
+    def end_phase(self) -> None:
+        """A recorded phase is followed from now on."""
+        self._traced.add(self.phase)  # a recorded phase is followed from now on
+
+    def keeps_after_forward(self, rt: UnitRuntime) -> bool:
+        """DeepSpeed's `stage3_max_reuse_distance`: a unit whose next use (later in this
+        forward, or in backward) comes within that many elements of other units' use is
+        kept gathered instead of being released and gathered again, as long as the live
+        total stays within `stage3_max_live_parameters`. The unit used last in forward
+        is the first backward needs (distance 0), as FSDP keeps its root."""
+        if "forward" not in self._traced or "backward" not in self._traced:
+            return False
+        upcoming = self._trace["forward"][self._cursor :] + self._trace["backward"]
+        if rt.index not in upcoming:
+            return False
+        distance = sum(self.units[i].unit.numel for i in upcoming[: upcoming.index(rt.index)])
+        return distance <= self._max_reuse and self.live_numel() <= self._max_live
+
+    def install_hooks(self, root: torch.nn.Module) -> None:
+        """Gather each module's units before its forward, release them after (unless
+        their next use is close); shape stand-ins for released parameters' gradients."""
+        by_module: dict[str, list[UnitRuntime]] = {}
+        for rt in self.units:
+            if not rt.unit.persistent:
+                by_module.setdefault(rt.unit.module, []).append(rt)
+        for path, rts in by_module.items():
+            module = root.get_submodule(path)
+
+            def pre(_module: Any, _inputs: Any, rts: list[UnitRuntime] = rts) -> None:
+                for rt in rts:
+                    self.use(rt)
+
+            def post(_module: Any, _inputs: Any, _output: Any, rts=rts) -> None:
+                # In backward (activation-checkpoint recomputation) autograd holds the
+                # parameters themselves: they are released when their gradients arrive.
+                if self.phase != "forward":
+                    return
+                for rt in rts:
+                    if not self.keeps_after_forward(rt):
+                        self.release(rt)
+
+            self.hooks.append(module.register_forward_pre_hook(pre))
+            self.hooks.append(module.register_forward_hook(post))
+        self._params = {id(p): rt for rt in self.units for p, _, _ in rt.params}
+        for rt in self.units:
+            if not rt.unit.persistent:
+                for p, _, shape in rt.params:
+                    self.hooks.append(p.register_hook(self._shape_for_accumulation(p, shape)))
+
+    def _shape_for_accumulation(self, p: torch.nn.Parameter, shape: tuple[int, ...]):
+        """Before autograd stores a gradient in `p.grad` it matches it to `p`'s layout; a
+        released parameter gets a zero-stride stand-in of the right shape (no memory)."""
+
+        def hook(grad: Tensor) -> None:
+            if p.data.shape != shape:
+                p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
+
+        return hook
+
+    def pack(self, tensor: Tensor) -> Any:
+        """Saved-tensor hook: a saved stage-3 parameter (or a view of one) is kept as a
+        reference and re-gathered when backward needs it, so no full unit stays alive."""
+        base = tensor._base if tensor._base is not None else tensor
+        rt = self._params.get(id(base))
+        if rt is None or rt.unit.persistent:
+            return tensor
+        if base is tensor:
+            return ("param", tensor, None)
+        return (
+            "view",
+            base,
+            (tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset()),
+        )
+
+    def unpack(self, packed: Any) -> Tensor:
+        """Saved-tensor hook: the parameter a backward node needs, gathered again."""
+        if not isinstance(packed, tuple):
+            return packed
+        kind, param, geometry = packed
+        self.on_backward_use()  # the engine learns of the autograd pass (it frees units)
+        self.use(self._params[id(param)])
+        if kind == "param":
+            return param
+        size, stride, offset = geometry
+        return param.detach().as_strided(size, stride, param.storage_offset() + offset)

@@ -1,0 +1,115 @@
+"""Each unit's buffers on this rank, and how the module's parameters view them.
+
+Per unit and rank (ZeRO, Rajbhandari et al. 2020):
+
+- `full`: the unit's compute-dtype flat buffer, which the module's parameters view
+  (stages 0-2 and stage-3 persistent units; in stage 3 it exists only while the unit
+  is gathered);
+- `param_shard`: stage 3's compute-dtype shard (the master itself when fp32);
+- `master`: fp32 weights of the optimizer partition (this rank's shard for stages 1-3,
+  the whole buffer for stage 0); a view of `full` when fp32;
+- `grad`: fp32 gradient accumulator (whole buffer for stages 0-1, shard for 2-3);
+- `state`: the optimizer state over `master`.
+
+A tensor of the model may sit in several pieces of a unit (`Placement.pieces`); the
+helpers here copy values between a tensor and its pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero.partition import Placement, Unit
+
+__all__ = [
+    "Bucket",
+    "UnitRuntime",
+    "add_pieces",
+    "bind",
+    "drop_flat",
+    "gather_pieces",
+    "scatter_pieces",
+    "unbind",
+]
+
+
+@dataclass
+class UnitRuntime:
+    """The mutable buffers of one unit on this rank, and its per-step bookkeeping."""
+
+    index: int
+    unit: Unit
+    params: list[tuple[torch.nn.Parameter, Placement, tuple[int, ...]]]
+    master: Tensor
+    state: Any
+    grad: Tensor
+    full: Tensor | None = None
+    param_shard: Tensor | None = None
+    flat_grad: Tensor | None = None
+    gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
+    gather_input: Tensor | None = None
+    used: bool = False  # gathered for use since the current phase began (stage 3)
+    bucket: Bucket | None = None
+    reported: int = 0
+    ready: bool = False
+    hparams: Any = None
+    # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
+    grad_on_disk: bool = False  # this accumulation window has written it
+    grad_stats: tuple[Tensor | None, bool] | None = None  # of the window's final gradient
+    slot: int = 0  # NVMe offload: which of the unit's two state copies is current
+
+
+@dataclass
+class Bucket:
+    """Units whose gradients one collective reduces (`partition.reduction_buckets`)."""
+
+    units: list[UnitRuntime]
+    buffer: Tensor | None = None  # contiguous fp32 gradients of all its units
+
+    @property
+    def numel(self) -> int:
+        return sum(rt.unit.numel for rt in self.units)
+
+
+def drop_flat(bucket: Bucket) -> None:
+    for rt in bucket.units:
+        rt.flat_grad = None
+    bucket.buffer = None
+
+
+def scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
+    for pc in placement.pieces:
+        flat[pc.offset : pc.offset + pc.numel].copy_(values[pc.start : pc.start + pc.numel])
+
+
+def add_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
+    for pc in placement.pieces:
+        flat[pc.offset : pc.offset + pc.numel].add_(values[pc.start : pc.start + pc.numel])
+
+
+def gather_pieces(full: Tensor, placement: Placement, shape: tuple[int, ...]) -> Tensor:
+    """The tensor at `placement` in `full`: a view when it is one piece, else a copy."""
+    pieces = sorted(placement.pieces, key=lambda pc: pc.start)
+    if len(pieces) == 1:
+        pc = pieces[0]
+        return full[pc.offset : pc.offset + pc.numel].view(shape)
+    if not pieces:
+        return full.new_zeros(shape)
+    return torch.cat([full[pc.offset : pc.offset + pc.numel] for pc in pieces]).view(shape)
+
+
+def bind(rt: UnitRuntime) -> None:
+    """Point the unit's module parameters at their pieces of `rt.full`."""
+    assert rt.full is not None
+    for p, placement, shape in rt.params:
+        p.data = gather_pieces(rt.full, placement, shape)
+
+
+def unbind(rt: UnitRuntime, dtype: torch.dtype, device: torch.device) -> None:
+    """Leave the unit's module parameters empty (stage 3, between uses)."""
+    for p, _, _ in rt.params:
+        p.data = torch.empty(0, dtype=dtype, device=device)

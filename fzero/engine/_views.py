@@ -1,0 +1,152 @@
+"""Whole-model views of a sharded engine: the consolidated state dict, memory held
+against the plan, and DeepSpeed's `GatheredParameters` (whole parameters for a block,
+with edits written back to the shards). Functions of an engine's public attributes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fzero import comm, partition
+from fzero.engine._units import UnitRuntime, bind, gather_pieces, scatter_pieces
+from fzero.partition import MemoryEstimate
+
+__all__ = ["full_master", "gathered_parameters", "memory_held", "memory_planned", "state_dict"]
+
+Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+
+@contextlib.contextmanager
+def gathered_parameters(
+    engine: Engine, params: Sequence[torch.nn.Parameter], modifier_rank: int | None = None
+) -> Iterator[None]:
+    """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
+
+    With `modifier_rank`, that rank's edits are broadcast on exit and become the
+    new weights (fp32 masters included; edits are made in the compute dtype).
+    """
+    if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
+        raise ValueError(
+            f"modifier_rank is {modifier_rank}; allowed: None or 0..{engine.world_size - 1}"
+        )
+    wanted = {id(p) for p in params}
+    units = [rt for rt in engine.units if any(id(p) in wanted for p, _, _ in rt.params)]
+    managed = {id(p) for rt in units for p, _, _ in rt.params}
+    others = [p for p in params if id(p) not in managed]  # frozen: whole everywhere
+    gathered_here = [rt for rt in units if rt.full is None]
+    for rt in units:
+        engine.stage3.gather(rt)
+    try:
+        yield
+    except BaseException:
+        for rt in gathered_here:
+            engine.stage3.release(rt)
+        raise
+    if modifier_rank is not None:
+        with torch.no_grad():
+            for rt in units:
+                with engine.resident(rt, write_back=True):
+                    _accept_edits(engine, rt, modifier_rank)
+            for p in others:
+                if engine.world_size > 1:
+                    dist.broadcast(p.data, src=modifier_rank)
+    for rt in gathered_here:
+        engine.stage3.release(rt)
+
+
+def _accept_edits(engine: Engine, rt: UnitRuntime, source: int) -> None:
+    assert rt.full is not None
+    for p, placement, _ in rt.params:  # parameters that are copies write back
+        scatter_pieces(rt.full, p.detach().reshape(-1), placement)
+    if engine.world_size > 1:
+        dist.broadcast(rt.full, src=source)
+    if rt.master.data_ptr() != rt.full[engine.partition(rt.unit)].data_ptr():
+        rt.master.copy_(rt.full[engine.partition(rt.unit)])
+    if rt.param_shard is not None:
+        engine.stage3.store_param_shard(rt, rt.full[engine.owned(rt.unit)])
+    bind(rt)
+
+
+def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
+    """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
+    if engine.stage == 0:
+        return rt.master
+    full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
+    with engine.resident(rt, write_back=False):
+        comm.all_gather_into(full, rt.master.to(engine.device).contiguous())
+    return full
+
+
+def state_dict(engine: Engine, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The consolidated model state dict, on rank 0 ({} elsewhere); collective.
+
+    Trainable tensors come from the fp32 masters (cast to `dtype`, default the
+    compute dtype); every alias of a tied tensor gets it; frozen parameters and
+    buffers come from the module.
+    """
+    dtype = dtype or engine.compute_dtype
+    result: dict[str, Tensor] = {}
+    for rt in engine.units:
+        full = full_master(engine, rt)
+        if engine.rank == 0:
+            for _, placement, shape in rt.params:
+                tensor = gather_pieces(full, placement, shape).to(dtype).clone()
+                spec = engine.plan.manifest[placement.fqn]
+                for name in (spec.fqn, *spec.aliases):
+                    result[name] = tensor
+    if engine.rank != 0:
+        return {}
+    managed = set(result)
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        if name not in managed:
+            result[name] = tensor.detach().clone()
+    return {name: result[name] for name in engine.module.state_dict(keep_vars=True)}
+
+
+def memory_held(engine: Engine) -> MemoryEstimate:
+    """Bytes of every model-state tensor this rank holds now, by kind (no duplicates)."""
+    seen: set[int] = set()
+
+    def size(t: Tensor | None) -> int:
+        if t is None or t.numel() == 0:
+            return 0
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return t.untyped_storage().nbytes()
+
+    params = master = grads = state = 0
+    for rt in engine.units:
+        params += size(rt.full) + size(rt.param_shard)
+        if rt.full is None and rt.param_shard is None:
+            params += size(rt.master)  # fp32 stage 3: the master is the shard
+        for p, _, _ in rt.params:
+            params += size(p.data)
+        master += size(rt.master)
+        grads += size(rt.grad) + size(rt.flat_grad)
+        state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
+    return MemoryEstimate(
+        params=params,
+        master=master,
+        grads=grads,
+        optimizer_state=state,
+        offload_optimizer=engine.offload,
+    )
+
+
+def memory_planned(engine: Engine) -> MemoryEstimate:
+    """What the plan says this rank holds (`partition.memory_per_rank`)."""
+    return partition.memory_per_rank(
+        engine.plan,
+        engine.rank,
+        param_dtype=partition.dtype_name(engine.compute_dtype),
+        grad_dtype="float32",
+        optimizer=engine.functional_optimizer,
+        offload_optimizer=engine.offload,
+    )

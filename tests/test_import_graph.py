@@ -1,0 +1,104 @@
+"""fzero's modules import one another in one direction only: no cycles, eager or lazy.
+
+Every `import fzero...` / `from fzero... import ...` in every module counts, including
+those inside functions and under `TYPE_CHECKING`: a cycle hidden in a function is still
+two modules that each need the other to be understood.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in (ROOT / "fzero").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    """The fzero module `name` refers to (a submodule if it is one, else its package)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the fzero modules it imports anywhere in its source."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+                # `from fzero import comm` is fzero.comm; `from fzero.x import f` is fzero.x
+                if any(t in modules for t in targets[:-1]):
+                    targets = [t for t in targets[:-1] if t in modules]
+                else:
+                    targets = [base]
+            for target in targets:
+                if target.startswith("fzero"):
+                    resolved = _target(target, modules)
+                    if resolved and resolved != name:
+                        graph[name].add(resolved)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the list of modules around it, or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert "fzero.engine" in graph and graph["fzero.api"]  # the walk found the package
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_pure_layers_import_no_engine_or_io():
+    graph = import_graph()
+    for name, imports in graph.items():
+        if name.startswith(("fzero.partition", "fzero.optim")):
+            bad = {i for i in imports if not i.startswith(("fzero.partition", "fzero.optim"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
