@@ -65,7 +65,7 @@ class EngineOptimizer:
         engine = self._engine
         state: dict[int, dict[str, Any]] = {}
         for rt in engine.units:
-            with engine.resident(rt, write_back=False):
+            with engine.residency.resident(rt, write_back=False):
                 tensors = {"master": rt.master, **_state_tensors(rt.state)}
                 state[rt.index] = {k: v.detach().clone() for k, v in tensors.items()}
                 state[rt.index]["step"] = rt.state.step
@@ -100,7 +100,7 @@ class EngineOptimizer:
             )
         for rt in engine.units:
             saved = state_dict["state"][rt.index]
-            with engine.resident(rt, write_back=True):
+            with engine.residency.resident(rt, write_back=True):
                 current = {"master": rt.master, **_state_tensors(rt.state)}
                 for name, tensor in current.items():
                     value = saved.get(name)

@@ -347,7 +347,7 @@ def checkpoint_residency(rank, world, nvme_path, root):
     for step in range(3):  # ends mid-window: gradients are saved too
         _step(engine, rank, world, step)
     live, most = [0], [0]
-    real = engine.resident
+    real = engine.residency.resident
 
     @contextlib.contextmanager
     def counted(rt, write_back):
@@ -359,7 +359,7 @@ def checkpoint_residency(rank, world, nvme_path, root):
             finally:
                 live[0] -= 1
 
-    engine.resident = counted
+    engine.residency.resident = counted
     engine.save_checkpoint(root)
     saved_most, most[0] = most[0], 0
     before = engine.state_dict(dtype=torch.float32)

@@ -149,7 +149,7 @@ def _entry_tensors(engine: Engine, entries: list[_Entry]) -> Iterator[Tensor]:
         if unit is None:
             yield from (get() for *_, get in group)
             continue
-        with engine.resident(engine.units[unit], write_back=False):
+        with engine.residency.resident(engine.units[unit], write_back=False):
             yield from (get() for *_, get in group)
 
 
@@ -584,7 +584,7 @@ def _load(
         for rt in engine.units:
             rt.state = rt.state._replace(**scalars)
     for rt in engine.units:
-        with engine.resident(rt, write_back=False):
+        with engine.residency.resident(rt, write_back=False):
             engine.publish_master(rt)
     engine.finish_publish()
     if not load_module_only:
@@ -615,7 +615,7 @@ def _apply(rt: Any, tensors: Mapping[str, Any]) -> None:
 def _to_next_slot(engine: Engine, rt: Any, tensors: Mapping[str, Any]) -> None:
     """NVMe offload: a unit's loaded tensors go to the other slot of its swap regions."""
     _apply(rt, tensors)
-    engine.write_next_slot(rt, with_grad="grad" in tensors)
+    engine.residency.write_next_slot(rt, with_grad="grad" in tensors)
 
 
 def _read(

@@ -48,6 +48,7 @@ from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.engine import _views
 from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
+from fzero.engine._residency import Residency
 from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._units import (
     Bucket,
@@ -155,16 +156,8 @@ class Engine:
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
         # on the host; the device keeps compute-dtype parameters and gradients.
         self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
-        self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
-        self._grads_on_nvme = False  # stages 2-3: gradient accumulators in it too
-        self._grad_writes: list[tuple[Any, Tensor]] = []
-        self._grad_failure = ""  # the first gradient I/O error of this backward
-        self._write_buffers = zero.offload_optimizer.buffer_count
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
-        self._pin = (
-            self.offload and zero.offload_optimizer.pin_memory and (torch.cuda.is_available())
-        )
         # fzero's native kernels run the update where the state lives on the CPU
         self._native = native.available() and (self.device.type == "cpu" or self.offload)
         self.batch = _batch_or_none(config, self.world_size)
@@ -219,36 +212,35 @@ class Engine:
             **options,
         )
         self._tensor_index = {fqn: i for i, fqn in enumerate(self.plan.manifest.fqns)}
-        # host buffers of the largest unit partition, for what offload moves every step
-        largest = max((self.partition_numel(u) for u in self.plan.units), default=0)
-        self._pool = _nvme.BufferPool(largest)
-        self._lent: list[Tensor] = []  # pool buffers in use by the current unit update
+        self.residency = Residency(
+            config,
+            self.plan,
+            rank=self.rank,
+            optimizer=self.functional_optimizer,
+            partition_numel=self.partition_numel,
+        )
         self._cast_module()
         named = dict(module.named_parameters())
         meta = None
         if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             meta = MetaInitializer(module, self.device, param_init_fn)
-        if "nvme" in (zero.offload_optimizer.device, self.param_offload):
-            _nvme.map_large_buffers()
-        if zero.offload_optimizer.device == "nvme":
-            self._open_swap(zero, config)
         self.stage3 = Stage3Gatherer(
             config,
             self.plan,
             rank=self.rank,
             compute_dtype=self.compute_dtype,
             device=self.device,
-            pin_memory=self._pin,
+            pin_memory=self.residency.pin,
             timers=self.timers,
         )
         self.stage3.on_backward_use = self._note_backward_use
         self.units = [
             self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
         ]
-        self.stage3.units = self.units
+        self.stage3.units = self.residency.units = self.units
         if meta is not None:
             meta.finish()
-        if self.nvme is not None:
+        if self.residency.nvme is not None:
             _nvme.return_free_memory()
         self.buckets = self._build_buckets(zero.reduce_bucket_size)
         self._param_unit = {
@@ -329,14 +321,14 @@ class Engine:
         )
         if keeps_full:
             full = flat if self.compute_dtype == torch.float32 else flat.to(self.compute_dtype)
-            master = full[part] if shares_master else self._to_host(flat[part])
+            master = full[part] if shares_master else self.residency.to_host(flat[part])
         else:
-            master = self._to_host(flat[part])
+            master = self.residency.to_host(flat[part])
             if not shares_master:
                 param_shard = flat[part].to(self.compute_dtype, copy=True)
         del flat
         # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
-        grad_numel = 0 if self.stage < 2 or self._grads_on_nvme else unit.shard_numel
+        grad_numel = 0 if self.stage < 2 or self.residency.grads_on_disk else unit.shard_numel
         rt = UnitRuntime(
             index=index,
             unit=unit,
@@ -352,225 +344,20 @@ class Engine:
         else:
             unbind(rt, self.compute_dtype, self.device)
             self.stage3.store_param_shard(rt, rt.param_shard)
-        if self.nvme is not None:  # to the swap file; the host keeps nothing of it
-            self._swap_out(rt, rt.slot, wait=True)
-            self._evict(rt)
+        if self.residency.nvme is not None:  # to the swap file; the host keeps nothing of it
+            self.residency.swap_out(rt, rt.slot, wait=True)
+            self.residency.evict(rt)
         return rt
 
-    # ---- NVMe offload: optimizer partitions live in a swap file --------------------------
-
-    def _open_swap(self, zero: Any, config: Config) -> None:
-        kinds = [
-            k
-            for k, v in self.functional_optimizer.init(torch.zeros(1))._asdict().items()
-            if isinstance(v, Tensor)
-        ]
-        self._swap_kinds = ["master", *kinds]
-        # Two slots per unit: a step reads the current one and writes the other, and
-        # flips them only when every rank has written everything (transactional).
-        sizes = [
-            4 * self.partition_numel(u)
-            for _slot in range(2)
-            for u in self.plan.units
-            for _ in self._swap_kinds
-        ]
-        # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
-        # host holds no whole-model buffer: read with the state at the step.
-        self._grads_on_nvme = self.stage >= 2 and zero.offload_optimizer.swap_gradients
-        if self._grads_on_nvme:
-            sizes += [4 * u.shard_numel for u in self.plan.units]
-        self.nvme = _nvme.SwapFile(
-            zero.offload_optimizer.nvme_path,
-            self.rank,
-            sizes,
-            threads=config.aio.thread_count,
-            block_size=config.aio.block_size,
-        )
-        per_unit = len(self._swap_kinds) + self._grads_on_nvme
-        self._pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+    @property
+    def nvme(self) -> Any:
+        """The optimizer's swap file when offloading to NVMe, else None."""
+        return self.residency.nvme
 
     def partition_numel(self, unit: Unit) -> int:
         """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
         part = self.partition(unit)
         return part.stop - part.start
-
-    def _region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
-        return (slot * len(self.plan.units) + rt.index) * len(self._swap_kinds) + kind_index
-
-    def _grad_region(self, rt: UnitRuntime) -> int:
-        return 2 * len(self.plan.units) * len(self._swap_kinds) + rt.index
-
-    def _resident_tensors(self, rt: UnitRuntime) -> list[Tensor]:
-        return [rt.master] + [getattr(rt.state, k) for k in self._swap_kinds[1:]]
-
-    def _swap_out(self, rt: UnitRuntime, slot: int, wait: bool) -> list[Any]:
-        """Write the unit's master and state to `slot` of its regions (from aligned
-        copies when they are not already in aligned swap buffers)."""
-        tickets = []
-        for k, tensor in enumerate(self._resident_tensors(rt)):
-            if tensor.data_ptr() % _nvme.ALIGN:
-                tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
-            region = self._region(rt, k, slot)
-            tickets.append((self.nvme.submit(region, tensor, write=True), tensor))
-        if wait:
-            self._wait_swap(tickets, "writing")
-        return tickets
-
-    def _swap_in(self, rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-        """Start reading the unit's current master and state (and gradient, when the
-        swap file holds it) into `buffers`; a gradient not written this window reads as
-        zeros."""
-        numel = self.partition_numel(rt.unit)
-        tickets = []
-        for k in range(len(self._swap_kinds)):
-            region = self._region(rt, k, rt.slot)
-            tickets.append((self.nvme.submit(region, buffers[k][:numel], False), buffers[k]))
-        if self._grads_on_nvme:
-            grad = buffers[len(self._swap_kinds)][:numel]
-            if rt.grad_on_disk:
-                tickets.append((self.nvme.submit(self._grad_region(rt), grad, False), grad))
-            else:
-                grad.zero_()
-        return tickets
-
-    def _wait_swap(self, tickets: list[Any], what: str) -> None:
-        """Wait for (and remove) every transfer in `tickets`; on a failure the rest are
-        still waited for before it is raised, so no transfer outlives its buffer."""
-        try:
-            while tickets:
-                ticket, _ = tickets.pop(0)
-                self.nvme.wait(ticket, what)
-        finally:
-            self._drain_swap([tickets])
-
-    def _bind_swapped(self, rt: UnitRuntime, buffers: list[Tensor]) -> None:
-        numel = self.partition_numel(rt.unit)
-        rt.master = buffers[0][:numel]
-        fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self._swap_kinds[1:])}
-        rt.state = rt.state._replace(**fields)
-        if self._grads_on_nvme:
-            rt.grad = buffers[len(self._swap_kinds)][:numel]
-
-    def _evict(self, rt: UnitRuntime) -> None:
-        empty = torch.empty(0)
-        rt.master = empty
-        rt.state = rt.state._replace(**dict.fromkeys(self._swap_kinds[1:], empty))
-        if self._grads_on_nvme:
-            rt.grad = empty
-
-    def _swap_buffers(self, extra: int = 0) -> list[Tensor]:
-        """One pooled host buffer per swapped kind (and the gradient, and `extra` more),
-        each the largest unit's partition; give them back with `_give_back`."""
-        count = len(self._swap_kinds) + self._grads_on_nvme + extra
-        return [self._pool.take() for _ in range(count)]
-
-    def _give_back(self, buffers: list[Tensor]) -> None:
-        for buffer in buffers:
-            self._pool.give(buffer)
-        buffers.clear()
-
-    def _accumulate_grad(self, rt: UnitRuntime, value: Tensor) -> None:
-        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
-        accumulator. With NVMe offload the accumulator is in the swap file: read (after
-        the window's first micro-step), added to, and written back asynchronously, at
-        most `offload_optimizer.buffer_count` writes in flight. At the window's last
-        micro-step its norm and finiteness are taken before it leaves memory."""
-        if not self._grads_on_nvme:
-            rt.grad.add_(value)
-            return
-        if self._grad_failure:
-            return  # this window is dropped at the end of backward
-        pooled = self._pool.take()
-        buffer = pooled[: rt.unit.shard_numel]
-        region = self._grad_region(rt)
-        try:
-            if rt.grad_on_disk:
-                self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
-            else:
-                buffer.zero_()  # the same arithmetic as an in-memory accumulator
-            buffer.add_(value.to(buffer.device))
-            if self._boundary_now:
-                rt.grad_stats = self._grad_stats(buffer)
-            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), pooled))
-            rt.grad_on_disk = True
-            while len(self._grad_writes) > self._write_buffers:
-                self._wait_grad_write()
-        except OSError as error:
-            self._grad_failure = str(error)
-            self._drain_swap([self._grad_writes])
-
-    def _wait_grad_write(self) -> None:
-        """Wait for the oldest gradient write; its buffer goes back to the pool."""
-        ticket, pooled = self._grad_writes.pop(0)
-        self.nvme.wait(ticket, "writing")
-        self._pool.give(pooled)
-
-    def _finish_grad_writes(self) -> None:
-        """End of backward with gradients on NVMe: wait for the writes, then every rank
-        learns whether any rank's gradient I/O failed. If one did, all drop the window
-        (its gradients are partly written) and raise: its micro-steps are to be run
-        again, and training goes on as if they had not happened."""
-        try:
-            while self._grad_writes:
-                self._wait_grad_write()
-        except OSError as error:
-            self._grad_failure = self._grad_failure or str(error)
-            self._drain_swap([self._grad_writes])
-        failures = [self._grad_failure.encode()]
-        if self.world_size > 1:
-            failures = comm.all_gather_bytes(self._grad_failure.encode())
-        self._grad_failure = ""
-        messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
-        if messages:
-            for rt in self.units:
-                rt.grad_on_disk, rt.grad_stats = False, None
-            self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-            raise OSError(
-                "NVMe offload: the gradients of this accumulation window were dropped; run "
-                f"its micro-steps again ({'; '.join(messages)})"
-            )
-
-    @contextlib.contextmanager
-    def resident(self, rt: UnitRuntime, write_back: bool) -> Iterator[None]:
-        """The unit's master, optimizer state and gradient accumulator in host memory
-        inside the block (a no-op unless they live on NVMe); written back on exit with
-        `write_back`."""
-        if self.nvme is None:
-            yield
-            return
-        buffers = self._swap_buffers()
-        self._wait_swap(self._swap_in(rt, buffers), "reading")
-        self._bind_swapped(rt, buffers)
-        try:
-            yield
-            if write_back:  # into the other slot, current once written
-                self._swap_out(rt, 1 - rt.slot, wait=True)
-                rt.slot = 1 - rt.slot
-                if self._grads_on_nvme:
-                    self._write_grad(rt)
-        finally:
-            self._evict(rt)
-            self._give_back(buffers)
-
-    def write_next_slot(self, rt: UnitRuntime, with_grad: bool) -> None:
-        """Write the master and state bound to `rt` (and its gradient) to the unit's other
-        slot, then evict them; they become current when the caller flips `rt.slot`
-        (checkpoint loads, after every rank has read its part)."""
-        try:
-            self._swap_out(rt, 1 - rt.slot, wait=True)
-            if with_grad and self._grads_on_nvme:
-                self._write_grad(rt)
-        finally:
-            self._evict(rt)
-
-    def _write_grad(self, rt: UnitRuntime) -> None:
-        """Write the gradient bound to `rt` to its region (from an aligned copy when it
-        is not in a swap buffer); it is this window's accumulator from now on."""
-        grad = rt.grad
-        if grad.data_ptr() % _nvme.ALIGN:
-            grad = _nvme.aligned_empty(grad.numel()).copy_(grad)
-        self.nvme.wait(self.nvme.submit(self._grad_region(rt), grad, write=True), "writing")
-        rt.grad_on_disk = True
 
     def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
         """The step over NVMe-resident units, pipelined (`_nvme_pass`).
@@ -584,9 +371,9 @@ class Engine:
         updated: list[UnitRuntime] = []
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
-            self._bind_swapped(rt, buffers)
+            self.residency.bind_swapped(rt, buffers)
             written = self._update_unit(rt, factor, lrs)
-            tickets = self._swap_out(rt, 1 - rt.slot, wait=False)
+            tickets = self.residency.swap_out(rt, 1 - rt.slot, wait=False)
             updated.append(rt)
             self._publish(rt, written, exchange=False)
             return tickets
@@ -594,12 +381,12 @@ class Engine:
         if self.functional_optimizer.name == "lamb":
             self._nvme_lamb(factor, lrs, updated, steps)
         else:
-            self._agree(self._nvme_pass(self._swap_in, update), updated, steps)
+            self._agree(self.residency.step_pass(self.residency.swap_in, update), updated, steps)
         for rt in self.units:
             rt.slot = 1 - rt.slot
             self._exchange(rt)
-        if self._grads_on_nvme:  # memory first: keep only what backward's writes take
-            self._pool.trim(self._write_buffers + 1)
+        if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
+            self.residency.pool.trim(self.residency.write_buffers + 1)
         _nvme.return_free_memory()
 
     def _nvme_lamb(
@@ -612,22 +399,32 @@ class Engine:
         kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
 
         def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            self._bind_swapped(rt, buffers)
+            self.residency.bind_swapped(rt, buffers)
             update = buffers[-1][: rt.master.numel()]
             _, hp, _, segments = self._lamb_direction(rt, factor, lrs, sums, update)
             kept[rt.index] = (hp, segments)
             slot = 1 - rt.slot
             return [
-                (self.nvme.submit(self._region(rt, k, slot), t, write=True), t)
-                for k, t in enumerate([update, *self._resident_tensors(rt)[1:]])
+                (self.residency.nvme.submit(self.residency.region(rt, k, slot), t, write=True), t)
+                for k, t in enumerate([update, *self.residency.resident_tensors(rt)[1:]])
             ]
 
         def read_direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
             numel = self.partition_numel(rt.unit)
             master, update = buffers[0][:numel], buffers[-1][:numel]
             return [
-                (self.nvme.submit(self._region(rt, 0, rt.slot), master, False), master),
-                (self.nvme.submit(self._region(rt, 0, 1 - rt.slot), update, False), update),
+                (
+                    self.residency.nvme.submit(
+                        self.residency.region(rt, 0, rt.slot), master, False
+                    ),
+                    master,
+                ),
+                (
+                    self.residency.nvme.submit(
+                        self.residency.region(rt, 0, 1 - rt.slot), update, False
+                    ),
+                    update,
+                ),
             ]
 
         def apply(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
@@ -635,78 +432,27 @@ class Engine:
             rt.master = buffers[0][:numel]
             hp, segments = kept[rt.index]
             self._lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
-            region = self._region(rt, 0, 1 - rt.slot)
-            tickets = [(self.nvme.submit(region, rt.master, write=True), rt.master)]
+            region = self.residency.region(rt, 0, 1 - rt.slot)
+            tickets = [(self.residency.nvme.submit(region, rt.master, write=True), rt.master)]
             updated.append(rt)
             self._publish(rt, None, exchange=False)
             return tickets
 
-        self._agree(self._nvme_pass(self._swap_in, direction, extra=1), updated, steps)
+        self._agree(
+            self.residency.step_pass(self.residency.swap_in, direction, extra=1), updated, steps
+        )
         norms = self._lamb_norms(sums)
-        self._agree(self._nvme_pass(read_direction, apply, extra=1), updated, steps)
-
-    def _nvme_pass(
-        self,
-        read: Callable[[UnitRuntime, list[Tensor]], list[Any]],
-        compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
-        extra: int = 0,
-    ) -> str:
-        """One pass over the units through `_pipeline_depth` sets of swap buffers: while
-        `compute` runs on unit i (returning its writes), the next units are being read
-        (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
-        every transfer has finished either way and no unit stays resident."""
-        units = self.units
-        depth = max(2, min(self._pipeline_depth, len(units)))
-        sets = [self._swap_buffers(extra) for _ in range(depth)]
-        reads: dict[int, list[Any]] = {}
-        writes: list[list[Any]] = [[] for _ in sets]
-
-        def start_read(j: int) -> None:
-            self._wait_swap(writes[j % depth], "writing")  # the last unit in that set
-            reads[j] = read(units[j], sets[j % depth])
-
-        failure = ""
-        try:
-            for j in range(min(depth - 1, len(units))):
-                start_read(j)
-            for i, rt in enumerate(units):
-                self._wait_swap(reads[i], "reading")
-                del reads[i]
-                if i + depth - 1 < len(units):  # into the set unit i-1 leaves
-                    start_read(i + depth - 1)
-                writes[i % depth] = compute(rt, sets[i % depth])
-            for tickets in writes:
-                self._wait_swap(tickets, "writing")
-        except OSError as error:
-            failure = str(error)
-        finally:  # also on any other error: no transfer outlives its buffer
-            self._drain_swap([*reads.values(), *writes])
-            for rt in units:
-                self._evict(rt)
-            for buffers in sets:
-                self._give_back(buffers)
-        return failure
+        self._agree(self.residency.step_pass(read_direction, apply, extra=1), updated, steps)
 
     def _agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Every rank learns whether any rank's pass failed; if one did, all roll back."""
-        failures = [failure.encode()]
-        if self.world_size > 1:
-            failures = comm.all_gather_bytes(failure.encode())
-        messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+        messages = self.residency.failures(failure, self.world_size)
         if messages:
             self._roll_back(updated, steps)
             raise OSError(
                 "NVMe offload: the optimizer step was not applied; parameters, master weights, "
                 f"optimizer state and gradients are as before it ({'; '.join(messages)})"
             )
-
-    def _drain_swap(self, batches: list[list[Any]]) -> None:
-        """Wait for (and remove) every transfer in `batches`, ignoring their errors (one
-        was raised)."""
-        for tickets in batches:
-            while tickets:
-                ticket, _ = tickets.pop(0)
-                self.nvme.io.wait(ticket)
 
     def _roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Undo a failed NVMe step: parameters from the masters in the current slots
@@ -715,21 +461,13 @@ class Engine:
             rt.state = rt.state._replace(step=step)
         try:
             for rt in updated:
-                with self.resident(rt, write_back=False):
+                with self.residency.resident(rt, write_back=False):
                     self._publish(rt, None, exchange=False)
         except OSError as error:
             raise OSError(
                 f"NVMe offload: a step failed and the parameters could not be restored from "
-                f"{self.nvme.path} ({error}); reload the last checkpoint"
+                f"{self.residency.nvme.path} ({error}); reload the last checkpoint"
             ) from error
-
-    def _to_host(self, tensor: Tensor) -> Tensor:
-        """A new fp32 copy where the optimizer runs: the host when offloading (pinned
-        with CUDA and `pin_memory`), else the device."""
-        if not self.offload:
-            return tensor.clone()
-        copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self._pin)
-        return copy.copy_(tensor)
 
     def _build_buckets(self, bucket_numel: int) -> list[Bucket]:
         """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
@@ -1016,8 +754,24 @@ class Engine:
                 self.stage3.release(rt)
         self.stage3.end_phase()
         self._reduced = self._reduced or self._needs_reduction()
-        if self._grads_on_nvme:
+        if self.residency.grads_on_disk:
             self._finish_grad_writes()
+
+    def _accumulate_grad(self, rt: UnitRuntime, value: Tensor) -> None:
+        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
+        accumulator (in the swap file with NVMe gradients; see `Residency`)."""
+        self.residency.accumulate_grad(rt, value, self._boundary_now, self._grad_stats)
+
+    def _finish_grad_writes(self) -> None:
+        """With gradients on NVMe, a write that failed on any rank drops the window on
+        every rank: its micro-steps are to be run again."""
+        messages = self.residency.finish_grad_writes(self.world_size)
+        if messages:
+            self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
+            raise OSError(
+                "NVMe offload: the gradients of this accumulation window were dropped; run "
+                f"its micro-steps again ({'; '.join(messages)})"
+            )
 
     def _take_left_grads(self) -> None:
         """Add what other passes left in managed `param.grad`s (the user did not clear
@@ -1087,7 +841,7 @@ class Engine:
     def _unit_grad_stats(self) -> list[tuple[Tensor | None, bool]]:
         """`_grad_stats` of every unit, in unit order (NVMe: taken when the last
         micro-step wrote the gradient; a unit without one has zeros)."""
-        if not self._grads_on_nvme:
+        if not self.residency.grads_on_disk:
             return [
                 self._grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
                 for rt in self.units
@@ -1124,7 +878,7 @@ class Engine:
         if self.config.gradient_clipping > 0:
             factor *= clip_coefficient(self._global_grad_norm, self.config.gradient_clipping)
         lrs = self._current_lrs()
-        if self.nvme is not None:
+        if self.residency.nvme is not None:
             self._nvme_updates(factor, lrs)
         elif self.functional_optimizer.name == "lamb":
             self._lamb_step(factor, lrs)
@@ -1148,19 +902,19 @@ class Engine:
             if factor != 1.0:
                 grad.mul_(factor)
             rt.state = self.functional_optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-        self._give_back(self._lent)
+        self.residency.give_back(self.residency.lent)
         return written
 
     def _step_grad(self, rt: UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
         grad = rt.grad[self.partition(rt.unit)] if self.stage < 2 else rt.grad
-        if not self.offload or self._grads_on_nvme:  # NVMe: read into a host swap buffer
+        if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
             return grad
-        if self._pin:  # CUDA's pinned host allocator caches these blocks itself
+        if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
             return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
-        self._lent.append(self._pool.take())  # given back after the unit's update
-        return self._lent[-1][: grad.numel()].copy_(grad)
+        self.residency.lent.append(self.residency.pool.take())  # given back after the unit's update
+        return self.residency.lent[-1][: grad.numel()].copy_(grad)
 
     def _native_update(
         self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
@@ -1193,7 +947,9 @@ class Engine:
         if not self._native or self.compute_dtype == torch.float32:
             return None
         if self.offload:  # a host buffer; _publish moves it to the device
-            return torch.empty(rt.master.numel(), dtype=self.compute_dtype, pin_memory=self._pin)
+            return torch.empty(
+                rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
+            )
         if rt.full is None and self.param_offload == "nvme":
             return torch.empty(rt.master.numel(), dtype=self.compute_dtype)
         if rt.full is None:
@@ -1266,7 +1022,7 @@ class Engine:
             direction = lamb_direction_(grad, rt.state, rt.master, hp)
             update = direction if update is None else update.copy_(direction)
         rt.state = rt.state._replace(step=rt.state.step + 1)
-        self._give_back(self._lent)
+        self.residency.give_back(self.residency.lent)
         segments = self._lamb_segments(rt)
         spans = [(a, b) for a, b, _ in segments]
         index = self._tensor_index
@@ -1322,7 +1078,7 @@ class Engine:
             return
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
-        shard = shard.to(self.device, copy=self.nvme is not None and written is None)
+        shard = shard.to(self.device, copy=self.residency.nvme is not None and written is None)
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self._publishing.append((work, rt, shard))
 

@@ -50,7 +50,7 @@ def gathered_parameters(
     if modifier_rank is not None:
         with torch.no_grad():
             for rt in units:
-                with engine.resident(rt, write_back=True):
+                with engine.residency.resident(rt, write_back=True):
                     _accept_edits(engine, rt, modifier_rank)
             for p in others:
                 if engine.world_size > 1:
@@ -77,7 +77,7 @@ def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
     if engine.stage == 0:
         return rt.master
     full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-    with engine.resident(rt, write_back=False):
+    with engine.residency.resident(rt, write_back=False):
         comm.all_gather_into(full, rt.master.to(engine.device).contiguous())
     return full
 

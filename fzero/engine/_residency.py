@@ -1,0 +1,329 @@
+"""Where each unit's optimizer partition lives between steps: with the parameters'
+device, in host memory (ZeRO-Offload, Ren et al. 2021), or in a swap file on NVMe
+(ZeRO-Infinity, Rajbhandari et al. 2021).
+
+On NVMe every unit has two slots of master + optimizer state: a step reads the current
+slot and writes the other, and the engine flips them only when every rank has written
+everything (`failures`), so a step is all or nothing. Stages 2-3 keep each unit's
+gradient accumulator in the file too (`grads_on_disk`). Host buffers for what moves
+every step come from one pool of unit-sized aligned buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero import _nvme, comm
+from fzero.config import Config
+from fzero.engine._units import UnitRuntime
+from fzero.partition import Plan, Unit
+
+__all__ = ["Residency"]
+
+
+class Residency:
+    """The swap file (if any), the host buffer pool, and moving units in and out."""
+
+    def __init__(
+        self,
+        config: Config,
+        plan: Plan,
+        *,
+        rank: int,
+        optimizer: Any,
+        partition_numel: Callable[[Unit], int],
+    ) -> None:
+        zero = config.zero_optimization
+        self.plan, self.partition_numel = plan, partition_numel
+        # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
+        # device keeps compute-dtype parameters and gradients.
+        self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
+        self.pin = self.offload and zero.offload_optimizer.pin_memory and torch.cuda.is_available()
+        self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
+        self.kinds: list[str] = []
+        self.grads_on_disk = False  # stages 2-3: gradient accumulators in it too
+        self.pipeline_depth = 2
+        self.write_buffers = zero.offload_optimizer.buffer_count
+        self._grad_writes: list[tuple[Any, Tensor]] = []
+        self._grad_failure = ""  # the first gradient I/O error of this backward
+        self.units: list[UnitRuntime] = []  # the engine's, once built
+        # host buffers of the largest unit partition, for what offload moves every step
+        largest = max((partition_numel(u) for u in plan.units), default=0)
+        self.pool = _nvme.BufferPool(largest)
+        self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
+        if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
+            _nvme.map_large_buffers()
+        if zero.offload_optimizer.device == "nvme":
+            self._open_swap(zero, config, optimizer, rank)
+
+    def _open_swap(self, zero: Any, config: Config, optimizer: Any, rank: int) -> None:
+        kinds = [
+            k for k, v in optimizer.init(torch.zeros(1))._asdict().items() if isinstance(v, Tensor)
+        ]
+        self.kinds = ["master", *kinds]
+        # Two slots per unit: a step reads the current one and writes the other, and
+        # flips them only when every rank has written everything (transactional).
+        sizes = [
+            4 * self.partition_numel(u)
+            for _slot in range(2)
+            for u in self.plan.units
+            for _ in self.kinds
+        ]
+        # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
+        # host holds no whole-model buffer: read with the state at the step.
+        self.grads_on_disk = zero.stage >= 2 and zero.offload_optimizer.swap_gradients
+        if self.grads_on_disk:
+            sizes += [4 * u.shard_numel for u in self.plan.units]
+        self.nvme = _nvme.SwapFile(
+            zero.offload_optimizer.nvme_path,
+            rank,
+            sizes,
+            threads=config.aio.thread_count,
+            block_size=config.aio.block_size,
+        )
+        per_unit = len(self.kinds) + self.grads_on_disk
+        self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+
+    def region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
+        return (slot * len(self.plan.units) + rt.index) * len(self.kinds) + kind_index
+
+    def grad_region(self, rt: UnitRuntime) -> int:
+        return 2 * len(self.plan.units) * len(self.kinds) + rt.index
+
+    def resident_tensors(self, rt: UnitRuntime) -> list[Tensor]:
+        return [rt.master] + [getattr(rt.state, k) for k in self.kinds[1:]]
+
+    def swap_out(self, rt: UnitRuntime, slot: int, wait: bool) -> list[Any]:
+        """Write the unit's master and state to `slot` of its regions (from aligned
+        copies when they are not already in aligned swap buffers)."""
+        tickets = []
+        for k, tensor in enumerate(self.resident_tensors(rt)):
+            if tensor.data_ptr() % _nvme.ALIGN:
+                tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
+            region = self.region(rt, k, slot)
+            tickets.append((self.nvme.submit(region, tensor, write=True), tensor))
+        if wait:
+            self.wait_swap(tickets, "writing")
+        return tickets
+
+    def swap_in(self, rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+        """Start reading the unit's current master and state (and gradient, when the
+        swap file holds it) into `buffers`; a gradient not written this window reads as
+        zeros."""
+        numel = self.partition_numel(rt.unit)
+        tickets = []
+        for k in range(len(self.kinds)):
+            region = self.region(rt, k, rt.slot)
+            tickets.append((self.nvme.submit(region, buffers[k][:numel], False), buffers[k]))
+        if self.grads_on_disk:
+            grad = buffers[len(self.kinds)][:numel]
+            if rt.grad_on_disk:
+                tickets.append((self.nvme.submit(self.grad_region(rt), grad, False), grad))
+            else:
+                grad.zero_()
+        return tickets
+
+    def wait_swap(self, tickets: list[Any], what: str) -> None:
+        """Wait for (and remove) every transfer in `tickets`; on a failure the rest are
+        still waited for before it is raised, so no transfer outlives its buffer."""
+        try:
+            while tickets:
+                ticket, _ = tickets.pop(0)
+                self.nvme.wait(ticket, what)
+        finally:
+            self.drain([tickets])
+
+    def bind_swapped(self, rt: UnitRuntime, buffers: list[Tensor]) -> None:
+        numel = self.partition_numel(rt.unit)
+        rt.master = buffers[0][:numel]
+        fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
+        rt.state = rt.state._replace(**fields)
+        if self.grads_on_disk:
+            rt.grad = buffers[len(self.kinds)][:numel]
+
+    def evict(self, rt: UnitRuntime) -> None:
+        empty = torch.empty(0)
+        rt.master = empty
+        rt.state = rt.state._replace(**dict.fromkeys(self.kinds[1:], empty))
+        if self.grads_on_disk:
+            rt.grad = empty
+
+    def swap_buffers(self, extra: int = 0) -> list[Tensor]:
+        """One pooled host buffer per swapped kind (and the gradient, and `extra` more),
+        each the largest unit's partition; give them back with `_give_back`."""
+        count = len(self.kinds) + self.grads_on_disk + extra
+        return [self.pool.take() for _ in range(count)]
+
+    def give_back(self, buffers: list[Tensor]) -> None:
+        for buffer in buffers:
+            self.pool.give(buffer)
+        buffers.clear()
+
+    def accumulate_grad(
+        self, rt: UnitRuntime, value: Tensor, at_boundary: bool, stats: Callable[[Tensor], Any]
+    ) -> None:
+        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
+        accumulator. With NVMe offload the accumulator is in the swap file: read (after
+        the window's first micro-step), added to, and written back asynchronously, at
+        most `offload_optimizer.buffer_count` writes in flight. At the window's last
+        micro-step its norm and finiteness are taken before it leaves memory."""
+        if not self.grads_on_disk:
+            rt.grad.add_(value)
+            return
+        if self._grad_failure:
+            return  # this window is dropped at the end of backward
+        pooled = self.pool.take()
+        buffer = pooled[: rt.unit.shard_numel]
+        region = self.grad_region(rt)
+        try:
+            if rt.grad_on_disk:
+                self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
+            else:
+                buffer.zero_()  # the same arithmetic as an in-memory accumulator
+            buffer.add_(value.to(buffer.device))
+            if at_boundary:
+                rt.grad_stats = stats(buffer)
+            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), pooled))
+            rt.grad_on_disk = True
+            while len(self._grad_writes) > self.write_buffers:
+                self._wait_grad_write()
+        except OSError as error:
+            self._grad_failure = str(error)
+            self.drain([self._grad_writes])
+
+    def _wait_grad_write(self) -> None:
+        """Wait for the oldest gradient write; its buffer goes back to the pool."""
+        ticket, pooled = self._grad_writes.pop(0)
+        self.nvme.wait(ticket, "writing")
+        self.pool.give(pooled)
+
+    def finish_grad_writes(self, world_size: int) -> list[str]:
+        """End of backward with gradients on NVMe: wait for the writes, then every rank
+        learns whether any rank's gradient I/O failed. If one did, all drop the window
+        (its gradients are partly written): the caller raises, its micro-steps are to be
+        run again, and training goes on as if they had not happened."""
+        try:
+            while self._grad_writes:
+                self._wait_grad_write()
+        except OSError as error:
+            self._grad_failure = self._grad_failure or str(error)
+            self.drain([self._grad_writes])
+        messages = self.failures(self._grad_failure, world_size)
+        self._grad_failure = ""
+        if messages:
+            for rt in self.units:
+                rt.grad_on_disk, rt.grad_stats = False, None
+        return messages
+
+    def failures(self, failure: str, world_size: int) -> list[str]:
+        """Every rank's I/O failure of the pass just run ("rank r: error"), agreed by all
+        (collective): either every rank commits or every rank rolls back."""
+        failures = [failure.encode()]
+        if world_size > 1:
+            failures = comm.all_gather_bytes(failure.encode())
+        return [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+
+    @contextlib.contextmanager
+    def resident(self, rt: UnitRuntime, write_back: bool) -> Iterator[None]:
+        """The unit's master, optimizer state and gradient accumulator in host memory
+        inside the block (a no-op unless they live on NVMe); written back on exit with
+        `write_back`."""
+        if self.nvme is None:
+            yield
+            return
+        buffers = self.swap_buffers()
+        self.wait_swap(self.swap_in(rt, buffers), "reading")
+        self.bind_swapped(rt, buffers)
+        try:
+            yield
+            if write_back:  # into the other slot, current once written
+                self.swap_out(rt, 1 - rt.slot, wait=True)
+                rt.slot = 1 - rt.slot
+                if self.grads_on_disk:
+                    self.write_grad(rt)
+        finally:
+            self.evict(rt)
+            self.give_back(buffers)
+
+    def write_next_slot(self, rt: UnitRuntime, with_grad: bool) -> None:
+        """Write the master and state bound to `rt` (and its gradient) to the unit's other
+        slot, then evict them; they become current when the caller flips `rt.slot`
+        (checkpoint loads, after every rank has read its part)."""
+        try:
+            self.swap_out(rt, 1 - rt.slot, wait=True)
+            if with_grad and self.grads_on_disk:
+                self.write_grad(rt)
+        finally:
+            self.evict(rt)
+
+    def write_grad(self, rt: UnitRuntime) -> None:
+        """Write the gradient bound to `rt` to its region (from an aligned copy when it
+        is not in a swap buffer); it is this window's accumulator from now on."""
+        grad = rt.grad
+        if grad.data_ptr() % _nvme.ALIGN:
+            grad = _nvme.aligned_empty(grad.numel()).copy_(grad)
+        self.nvme.wait(self.nvme.submit(self.grad_region(rt), grad, write=True), "writing")
+        rt.grad_on_disk = True
+
+    def step_pass(
+        self,
+        read: Callable[[UnitRuntime, list[Tensor]], list[Any]],
+        compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
+        extra: int = 0,
+    ) -> str:
+        """One pass over the units through `_pipeline_depth` sets of swap buffers: while
+        `compute` runs on unit i (returning its writes), the next units are being read
+        (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
+        every transfer has finished either way and no unit stays resident."""
+        units = self.units
+        depth = max(2, min(self.pipeline_depth, len(units)))
+        sets = [self.swap_buffers(extra) for _ in range(depth)]
+        reads: dict[int, list[Any]] = {}
+        writes: list[list[Any]] = [[] for _ in sets]
+
+        def start_read(j: int) -> None:
+            self.wait_swap(writes[j % depth], "writing")  # the last unit in that set
+            reads[j] = read(units[j], sets[j % depth])
+
+        failure = ""
+        try:
+            for j in range(min(depth - 1, len(units))):
+                start_read(j)
+            for i, rt in enumerate(units):
+                self.wait_swap(reads[i], "reading")
+                del reads[i]
+                if i + depth - 1 < len(units):  # into the set unit i-1 leaves
+                    start_read(i + depth - 1)
+                writes[i % depth] = compute(rt, sets[i % depth])
+            for tickets in writes:
+                self.wait_swap(tickets, "writing")
+        except OSError as error:
+            failure = str(error)
+        finally:  # also on any other error: no transfer outlives its buffer
+            self.drain([*reads.values(), *writes])
+            for rt in units:
+                self.evict(rt)
+            for buffers in sets:
+                self.give_back(buffers)
+        return failure
+
+    def drain(self, batches: list[list[Any]]) -> None:
+        """Wait for (and remove) every transfer in `batches`, ignoring their errors (one
+        was raised)."""
+        for tickets in batches:
+            while tickets:
+                ticket, _ = tickets.pop(0)
+                self.nvme.io.wait(ticket)
+
+    def to_host(self, tensor: Tensor) -> Tensor:
+        """A new fp32 copy where the optimizer runs: the host when offloading (pinned
+        with CUDA and `pin_memory`), else the device."""
+        if not self.offload:
+            return tensor.clone()
+        copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.pin)
+        return copy.copy_(tensor)
