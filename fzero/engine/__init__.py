@@ -5,7 +5,10 @@ One module per concern, each with its one job in its docstring:
 - `_engine`: the `Engine` class — DeepSpeed's surface (forward/backward/step, accessors,
   checkpoint wrappers) wiring the parts below together;
 - `_units`: each unit's buffers on this rank and how the module's parameters view them;
-- `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release;
+- `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
+  and where parameter shards live between uses;
+- `_residency`: where optimizer partitions live between steps (device, host, NVMe swap
+  slots), gradient accumulators on disk, the host buffer pool;
 - `_precision`: compute dtypes, input casting, the fp16 loss scale's bookkeeping;
 - `_views`: whole-model views: consolidated state dicts, memory held against the plan,
   `gathered_parameters`.

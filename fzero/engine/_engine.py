@@ -1,17 +1,9 @@
-"""The engine: a thin stateful shell that executes a sharding plan on torch.distributed.
+"""The `Engine`: DeepSpeed's surface over the parts of this package, and what is not
+yet its own module: gradient reduction (buckets, backward passes) and the optimizer step.
 
-Everything about layout comes from the plan (`fzero.partition`); every update is
-a functional optimizer's in-place path (`fzero.optim`). Per unit and rank the
-engine holds (ZeRO, Rajbhandari et al. 2020):
-
-- `full`: the unit's compute-dtype flat buffer, which the module's parameters
-  view (stages 0-2 and stage-3 persistent units; in stage 3 it exists only
-  while the unit is gathered);
-- `param_shard`: stage 3's compute-dtype shard (the master itself when fp32);
-- `master`: fp32 weights of the optimizer partition (this rank's shard for
-  stages 1-3, the whole buffer for stage 0); a view of `full` when fp32;
-- `grad`: fp32 gradient accumulator (whole buffer for stages 0-1, shard for 2-3);
-- the optimizer state over `master`.
+Everything about layout comes from the plan (`fzero.partition`); every update is a
+functional optimizer's in-place path (`fzero.optim`); each unit's buffers are
+described in `fzero.engine._units`.
 
 Whose gradient is it? (PyTorch's and DeepSpeed's rules, made explicit.) A gradient
 belongs to this engine when it arrives in one of the engine's own backward passes:
