@@ -9,7 +9,9 @@ One module per concern, each with its one job in its docstring:
   and where parameter shards live between uses;
 - `_residency`: where optimizer partitions live between steps (device, host, NVMe swap
   slots), gradient accumulators on disk, the host buffer pool;
-- `_precision`: compute dtypes, input casting, the fp16 loss scale's bookkeeping;
+- `_apply`: applying the optimizer — each unit's update (native kernels, LAMB), the
+  transactional NVMe step, writing new parameters back;
+- `_precision`: compute dtypes, input casting, the fp16 loss scale's setup;
 - `_views`: whole-model views: consolidated state dicts, memory held against the plan,
   `gathered_parameters`.
 """

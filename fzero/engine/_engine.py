@@ -1,5 +1,6 @@
 """The `Engine`: DeepSpeed's surface over the parts of this package, and what is not
-yet its own module: gradient reduction (buckets, backward passes) and the optimizer step.
+yet its own module: gradient reduction (buckets, whose backward pass it is) and the
+step's bookkeeping (clipping, the fp16 overflow check, counters).
 
 Everything about layout comes from the plan (`fzero.partition`); every update is a
 functional optimizer's in-place path (`fzero.optim`); each unit's buffers are
@@ -35,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import _nvme, comm, native, partition
+from fzero import _nvme, comm, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.engine import _views
+from fzero.engine._apply import OptimizerApplication, hparam_fields
 from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
 from fzero.engine._residency import Residency
 from fzero.engine._stage3 import Stage3Gatherer
@@ -55,10 +57,6 @@ from fzero.engine_optimizer import EngineOptimizer
 from fzero.optim import (
     Optimizer,
     clip_coefficient,
-    lamb_apply_,
-    lamb_direction_,
-    segment_sq_sums,
-    trust_ratio,
     with_overrides,
 )
 from fzero.partition import MemoryEstimate, Plan, Unit
@@ -151,7 +149,6 @@ class Engine:
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
         # fzero's native kernels run the update where the state lives on the CPU
-        self._native = native.available() and (self.device.type == "cpu" or self.offload)
         self.batch = _batch_or_none(config, self.world_size)
         self.schedule = schedule
         self.client_optimizer = client_optimizer
@@ -167,7 +164,6 @@ class Engine:
         self._skipped_last = False
         self.timers = Timers()
         self._pending: list[tuple[Any, Callable[[], None]]] = []
-        self._publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
         self._launch_next = 0
         # Gloo's reduce-scatter measured slower than its all-reduce at every size from
         # 1 MB to 32 MB (2 ranks): there, stages 2-3 all-reduce and keep their part.
@@ -203,7 +199,6 @@ class Engine:
             strategy=strategy or partition.flat_even,
             **options,
         )
-        self._tensor_index = {fqn: i for i, fqn in enumerate(self.plan.manifest.fqns)}
         self.residency = Residency(
             config,
             self.plan,
@@ -211,6 +206,7 @@ class Engine:
             optimizer=self.functional_optimizer,
             partition_numel=self.partition_numel,
         )
+        self.optimizer_application = OptimizerApplication(self)
         self._cast_module()
         named = dict(module.named_parameters())
         meta = None
@@ -350,116 +346,6 @@ class Engine:
         """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
         part = self.partition(unit)
         return part.stop - part.start
-
-    def _nvme_updates(self, factor: float, lrs: list[float]) -> None:
-        """The step over NVMe-resident units, pipelined (`_nvme_pass`).
-
-        Transactional: each unit's new state goes to its other slot and the new
-        parameters are written only locally; then every rank says whether all its I/O
-        succeeded. Either all flip their slots and exchange parameters, or all put back
-        the parameters from the untouched slots and raise: no rank keeps half a step.
-        """
-        steps = [rt.state.step for rt in self.units]
-        updated: list[UnitRuntime] = []
-
-        def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
-            self.residency.bind_swapped(rt, buffers)
-            written = self._update_unit(rt, factor, lrs)
-            tickets = self.residency.swap_out(rt, 1 - rt.slot, wait=False)
-            updated.append(rt)
-            self._publish(rt, written, exchange=False)
-            return tickets
-
-        if self.functional_optimizer.name == "lamb":
-            self._nvme_lamb(factor, lrs, updated, steps)
-        else:
-            self._agree(self.residency.step_pass(self.residency.swap_in, update), updated, steps)
-        for rt in self.units:
-            rt.slot = 1 - rt.slot
-            self._exchange(rt)
-        if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
-            self.residency.pool.trim(self.residency.write_buffers + 1)
-        _nvme.return_free_memory()
-
-    def _nvme_lamb(
-        self, factor: float, lrs: list[float], updated: list[UnitRuntime], steps: list[int]
-    ) -> None:
-        """LAMB over NVMe in two passes: moments and update direction (the direction
-        parked in the other slot's master region), one all-reduce of the norms, then
-        master += trust ratio x direction into that region."""
-        sums = self._lamb_sums()
-        kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
-
-        def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            self.residency.bind_swapped(rt, buffers)
-            update = buffers[-1][: rt.master.numel()]
-            _, hp, _, segments = self._lamb_direction(rt, factor, lrs, sums, update)
-            kept[rt.index] = (hp, segments)
-            slot = 1 - rt.slot
-            return [
-                (self.residency.nvme.submit(self.residency.region(rt, k, slot), t, write=True), t)
-                for k, t in enumerate([update, *self.residency.resident_tensors(rt)[1:]])
-            ]
-
-        def read_direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self.partition_numel(rt.unit)
-            master, update = buffers[0][:numel], buffers[-1][:numel]
-            return [
-                (
-                    self.residency.nvme.submit(
-                        self.residency.region(rt, 0, rt.slot), master, False
-                    ),
-                    master,
-                ),
-                (
-                    self.residency.nvme.submit(
-                        self.residency.region(rt, 0, 1 - rt.slot), update, False
-                    ),
-                    update,
-                ),
-            ]
-
-        def apply(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self.partition_numel(rt.unit)
-            rt.master = buffers[0][:numel]
-            hp, segments = kept[rt.index]
-            self._lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
-            region = self.residency.region(rt, 0, 1 - rt.slot)
-            tickets = [(self.residency.nvme.submit(region, rt.master, write=True), rt.master)]
-            updated.append(rt)
-            self._publish(rt, None, exchange=False)
-            return tickets
-
-        self._agree(
-            self.residency.step_pass(self.residency.swap_in, direction, extra=1), updated, steps
-        )
-        norms = self._lamb_norms(sums)
-        self._agree(self.residency.step_pass(read_direction, apply, extra=1), updated, steps)
-
-    def _agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
-        """Every rank learns whether any rank's pass failed; if one did, all roll back."""
-        messages = self.residency.failures(failure, self.world_size)
-        if messages:
-            self._roll_back(updated, steps)
-            raise OSError(
-                "NVMe offload: the optimizer step was not applied; parameters, master weights, "
-                f"optimizer state and gradients are as before it ({'; '.join(messages)})"
-            )
-
-    def _roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
-        """Undo a failed NVMe step: parameters from the masters in the current slots
-        (never written by the step), step counts restored."""
-        for rt, step in zip(self.units, steps):
-            rt.state = rt.state._replace(step=step)
-        try:
-            for rt in updated:
-                with self.residency.resident(rt, write_back=False):
-                    self._publish(rt, None, exchange=False)
-        except OSError as error:
-            raise OSError(
-                f"NVMe offload: a step failed and the parameters could not be restored from "
-                f"{self.residency.nvme.path} ({error}); reload the last checkpoint"
-            ) from error
 
     def _build_buckets(self, bucket_numel: int) -> list[Bucket]:
         """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
@@ -869,238 +755,19 @@ class Engine:
         self._global_grad_norm = math.sqrt(sq.item()) * factor
         if self.config.gradient_clipping > 0:
             factor *= clip_coefficient(self._global_grad_norm, self.config.gradient_clipping)
-        lrs = self._current_lrs()
-        if self.residency.nvme is not None:
-            self._nvme_updates(factor, lrs)
-        elif self.functional_optimizer.name == "lamb":
-            self._lamb_step(factor, lrs)
-        else:
-            for rt in self.units:
-                self._publish(rt, self._update_unit(rt, factor, lrs))
-        self._finish_publish()
+        self.optimizer_application.apply(factor, self._current_lrs())
         self._zero_grads()
         self.lr_steps += 1
         if self.client_scheduler is not None:
             self.client_scheduler.step()
 
-    def _update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
-        """Update the unit's master and state; returns the compute-dtype copy of the new
-        master when the native kernel wrote one (for `_publish`)."""
-        grad = self._step_grad(rt)
-        hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-        written = self._copy_target(rt)
-        if not self._native_update(rt, grad, factor, hp, written):
-            written = None
-            if factor != 1.0:
-                grad.mul_(factor)
-            rt.state = self.functional_optimizer.update_(grad, rt.state, rt.master, **_fields(hp))
-        self.residency.give_back(self.residency.lent)
-        return written
-
-    def _step_grad(self, rt: UnitRuntime) -> Tensor:
-        """The gradient of the rank's optimizer partition, where the optimizer runs
-        (offload: a host copy, made per step)."""
-        grad = rt.grad[self.partition(rt.unit)] if self.stage < 2 else rt.grad
-        if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
-            return grad
-        if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
-            return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
-        self.residency.lent.append(self.residency.pool.take())  # given back after the unit's update
-        return self.residency.lent[-1][: grad.numel()].copy_(grad)
-
-    def _native_update(
-        self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
-    ) -> bool:
-        """The update through fzero's native kernel, gradient scaling and the
-        compute-dtype copy fused into one pass; False when it does not apply."""
-        if not self._native:
-            return False
-        state = rt.state
-        if self.functional_optimizer.name in ("adam", "adamw"):
-            native.adam_(
-                rt.master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
-                lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-                decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
-                out=out,
-            )  # fmt: skip
-        elif self.functional_optimizer.name == "sgd":
-            native.sgd_(
-                rt.master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
-                momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
-                nesterov=hp.nesterov, grad_scale=factor, out=out,
-            )  # fmt: skip
-        else:
-            return False
-        rt.state = state._replace(step=state.step + 1)
-        return True
-
-    def _copy_target(self, rt: UnitRuntime) -> Tensor | None:
-        """Where a native update writes the compute-dtype copy of the new master."""
-        if not self._native or self.compute_dtype == torch.float32:
-            return None
-        if self.offload:  # a host buffer; _publish moves it to the device
-            return torch.empty(
-                rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
-            )
-        if rt.full is None and self.param_offload == "nvme":
-            return torch.empty(rt.master.numel(), dtype=self.compute_dtype)
-        if rt.full is None:
-            return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
-        if self.stage == 0 or self.world_size == 1:
-            return rt.full[self.partition(rt.unit)]
-        return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
-
-    def _step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
-        momentum = getattr(self.schedule, "momentum", None)
-        if momentum is not None:
-            beta1 = momentum(self.lr_steps)
-            if beta1 is not None and hasattr(rt.hparams, "betas"):
-                overrides["betas"] = (beta1, rt.hparams.betas[1])
-        return overrides
-
-    def _lamb_step(self, factor: float, lrs: list[float]) -> None:
-        """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
-        squares locally, one all-reduce, then apply."""
-        sums = self._lamb_sums()
-        work = [self._lamb_direction(rt, factor, lrs, sums) for rt in self.units]
-        norms = self._lamb_norms(sums)
-        for rt, hp, update, segments in work:
-            self._lamb_apply(rt, hp, update, segments, norms)
-            self._publish(rt)
-
-    def _lamb_sums(self) -> Tensor:
-        """Zeroed sums of squares: (parameter, update) x every tensor of the manifest."""
-        count = len(self.plan.manifest.tensors)
-        return torch.zeros(2, count, dtype=torch.float64, device=self.device)
-
-    def _lamb_segments(self, rt: UnitRuntime) -> list[tuple[int, int, str]]:
-        """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
-        if self.stage == 0:
-            return [
-                (pc.offset, pc.offset + pc.numel, pl.fqn)
-                for pl in rt.unit.placements
-                for pc in pl.pieces
-            ]
-        return [
-            (s.shard_offset, s.shard_offset + s.numel, s.fqn)
-            for s in partition.local_slices(self.plan, self.rank)
-            if s.unit == rt.index
-        ]
-
-    def _lamb_direction(
-        self,
-        rt: UnitRuntime,
-        factor: float,
-        lrs: list[float],
-        sums: Tensor,
-        update: Tensor | None = None,
-    ) -> tuple[UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
-        """LAMB's first half for one unit: new moments, the update direction (into
-        `update` when given) and its tensors' squares added to `sums`."""
-        grad = self._step_grad(rt)
-        hp = with_overrides(rt.hparams, self._step_overrides(rt, lrs))
-        if self._native:
-            update = torch.empty_like(rt.master) if update is None else update
-            native.lamb_direction_(
-                rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
-                step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
-                weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
-                grad_scale=factor,
-            )  # fmt: skip
-        else:
-            if factor != 1.0:
-                grad.mul_(factor)
-            direction = lamb_direction_(grad, rt.state, rt.master, hp)
-            update = direction if update is None else update.copy_(direction)
-        rt.state = rt.state._replace(step=rt.state.step + 1)
-        self.residency.give_back(self.residency.lent)
-        segments = self._lamb_segments(rt)
-        spans = [(a, b) for a, b, _ in segments]
-        index = self._tensor_index
-        for (_, _, fqn), p_sq, u_sq in zip(
-            segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
-        ):
-            sums[0, index[fqn]] += p_sq
-            sums[1, index[fqn]] += u_sq
-        return rt, hp, update, segments
-
-    def _lamb_norms(self, sums: Tensor) -> list[list[float]]:
-        if self.stage > 0:
-            comm.all_reduce(sums, op="sum")
-        return sums.sqrt().tolist()
-
-    def _lamb_apply(
-        self,
-        rt: UnitRuntime,
-        hp: Any,
-        update: Tensor,
-        segments: list[tuple[int, int, str]],
-        norms: list[list[float]],
-    ) -> None:
-        """LAMB's second half: each tensor's piece moves by its trust ratio."""
-        index = self._tensor_index
-        spans = [(a, b) for a, b, _ in segments]
-        p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
-        u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
-        if self._native:
-            scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
-            native.lamb_apply_(rt.master, update, spans, scales)
-        else:
-            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
-
-    def _publish(
-        self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
-    ) -> None:
-        """Start writing the unit's updated fp32 master back to the compute-dtype
-        parameters everyone uses; the all-gather overlaps the next units' updates.
-        `written`: the compute-dtype copy a native update already made. Without
-        `exchange` only this rank's part is written (`_exchange` sends it later)."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            if rt.param_shard is not None and written is not rt.param_shard:
-                value = written if written is not None else rt.master
-                self.stage3.store_param_shard(rt, value.to(self.compute_dtype))
-            return
-        if self.stage == 0 or self.world_size == 1 or not exchange:
-            target = rt.full[self.partition(rt.unit)]
-            if target.data_ptr() != rt.master.data_ptr() and written is not target:
-                target.copy_(written if written is not None else rt.master)
-            if exchange:
-                self._publishing.append((None, rt, None))
-            return
-        shard = written if written is not None else rt.master.to(self.compute_dtype)
-        # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
-        shard = shard.to(self.device, copy=self.residency.nvme is not None and written is None)
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
-        self._publishing.append((work, rt, shard))
-
     def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)
         to the parameters; `finish_publish` completes it. Collective."""
-        self._publish(rt)
+        self.optimizer_application.publish(rt)
 
     def finish_publish(self) -> None:
-        self._finish_publish()
-
-    def _exchange(self, rt: UnitRuntime) -> None:
-        """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            return
-        if self.world_size == 1:
-            self._publishing.append((None, rt, None))
-            return
-        shard = rt.full[self.partition(rt.unit)].clone()
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
-        self._publishing.append((work, rt, shard))
-
-    def _finish_publish(self) -> None:
-        with self.timers("comm"):
-            for work, rt, _shard in self._publishing:
-                if work is not None:
-                    work.wait()
-                if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
-                    bind(rt)  # copies, not views: refresh them
-        self._publishing.clear()
+        self.optimizer_application.finish_publish()
 
     def _zero_grads(self) -> None:
         for rt in self.units:
@@ -1135,7 +802,7 @@ class Engine:
         ]
         self._base_lrs = [hp.lr for hp in group_hparams]
         self._own_groups = [
-            {"params": list(group["params"]), **_fields(hp)}
+            {"params": list(group["params"]), **hparam_fields(hp)}
             for group, hp in zip(self._groups, group_hparams)
         ]
         for rt in self.units:
@@ -1374,10 +1041,6 @@ def _tensors_requiring_grad(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, Mapping):
         for item in value.values():
             yield from _tensors_requiring_grad(item)
-
-
-def _fields(hparams: Any) -> dict[str, Any]:
-    return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
 
 
 def _batch_or_none(config: Config, world_size: int):

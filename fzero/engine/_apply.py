@@ -1,0 +1,391 @@
+"""Applying the optimizer to this rank's shards.
+
+Each unit's update runs the functional optimizer's in-place path over its contiguous
+fp32 partition — through fzero's native kernels where the state is on the CPU, with the
+gradient scale (loss-scale inverse x clip coefficient) and the compute-dtype copy fused
+in — and LAMB's per-tensor trust ratio takes two halves with one all-reduce of norms
+between them. With NVMe residency the step is transactional: new state goes to the
+other slot, every rank agrees on success, then all commit or all roll back. New masters
+are written back to the compute-dtype parameters by all-gathers that overlap the next
+units' updates (`publish` ... `finish_publish`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero import _nvme, comm, native, partition
+from fzero.engine._units import UnitRuntime, bind
+from fzero.optim import (
+    lamb_apply_,
+    lamb_direction_,
+    segment_sq_sums,
+    trust_ratio,
+    with_overrides,
+)
+
+__all__ = ["OptimizerApplication", "hparam_fields"]
+
+Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+
+def hparam_fields(hparams: Any) -> dict[str, Any]:
+    """A frozen hyper-parameter dataclass as a dict (`update_`'s keyword arguments)."""
+    return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
+
+
+class OptimizerApplication:
+    """The update of every unit at a step, and writing new parameters back."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.residency = engine.residency
+        # fzero's native kernels run the update where the state lives on the CPU
+        self.native = native.available() and (engine.device.type == "cpu" or engine.offload)
+        self.tensor_index = {fqn: i for i, fqn in enumerate(engine.plan.manifest.fqns)}
+        self.publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
+
+    def apply(self, factor: float, lrs: list[float]) -> None:
+        """Update every unit with gradients scaled by `factor` at the groups' `lrs`, and
+        publish the new parameters."""
+        engine = self.engine
+        if self.residency.nvme is not None:
+            self.nvme_updates(factor, lrs)
+        elif engine.functional_optimizer.name == "lamb":
+            self.lamb_step(factor, lrs)
+        else:
+            for rt in engine.units:
+                self.publish(rt, self.update_unit(rt, factor, lrs))
+        self.finish_publish()
+
+    def update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
+        """Update the unit's master and state; returns the compute-dtype copy of the new
+        master when the native kernel wrote one (for `_publish`)."""
+        grad = self.step_grad(rt)
+        hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
+        written = self.copy_target(rt)
+        if not self.native_update(rt, grad, factor, hp, written):
+            written = None
+            if factor != 1.0:
+                grad.mul_(factor)
+            rt.state = self.engine.functional_optimizer.update_(
+                grad, rt.state, rt.master, **hparam_fields(hp)
+            )
+        self.residency.give_back(self.residency.lent)
+        return written
+
+    def step_grad(self, rt: UnitRuntime) -> Tensor:
+        """The gradient of the rank's optimizer partition, where the optimizer runs
+        (offload: a host copy, made per step)."""
+        grad = rt.grad[self.engine.partition(rt.unit)] if self.engine.stage < 2 else rt.grad
+        if (
+            not self.engine.offload or self.residency.grads_on_disk
+        ):  # NVMe: read into a host swap buffer
+            return grad
+        if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
+            return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
+        self.residency.lent.append(self.residency.pool.take())  # given back after the unit's update
+        return self.residency.lent[-1][: grad.numel()].copy_(grad)
+
+    def native_update(
+        self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
+    ) -> bool:
+        """The update through fzero's native kernel, gradient scaling and the
+        compute-dtype copy fused into one pass; False when it does not apply."""
+        if not self.native:
+            return False
+        state = rt.state
+        if self.engine.functional_optimizer.name in ("adam", "adamw"):
+            native.adam_(
+                rt.master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
+                lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
+                out=out,
+            )  # fmt: skip
+        elif self.engine.functional_optimizer.name == "sgd":
+            native.sgd_(
+                rt.master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
+                momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
+                nesterov=hp.nesterov, grad_scale=factor, out=out,
+            )  # fmt: skip
+        else:
+            return False
+        rt.state = state._replace(step=state.step + 1)
+        return True
+
+    def copy_target(self, rt: UnitRuntime) -> Tensor | None:
+        """Where a native update writes the compute-dtype copy of the new master."""
+        if not self.native or self.engine.compute_dtype == torch.float32:
+            return None
+        if self.engine.offload:  # a host buffer; _publish moves it to the device
+            return torch.empty(
+                rt.master.numel(), dtype=self.engine.compute_dtype, pin_memory=self.residency.pin
+            )
+        if rt.full is None and self.engine.param_offload == "nvme":
+            return torch.empty(rt.master.numel(), dtype=self.engine.compute_dtype)
+        if rt.full is None:
+            return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
+        if self.engine.stage == 0 or self.engine.world_size == 1:
+            return rt.full[self.engine.partition(rt.unit)]
+        return torch.empty(
+            rt.master.numel(), dtype=self.engine.compute_dtype, device=self.engine.device
+        )
+
+    def step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
+        overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
+        momentum = getattr(self.engine.schedule, "momentum", None)
+        if momentum is not None:
+            beta1 = momentum(self.engine.lr_steps)
+            if beta1 is not None and hasattr(rt.hparams, "betas"):
+                overrides["betas"] = (beta1, rt.hparams.betas[1])
+        return overrides
+
+    def lamb_step(self, factor: float, lrs: list[float]) -> None:
+        """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
+        squares locally, one all-reduce, then apply."""
+        sums = self.lamb_sums()
+        work = [self.lamb_direction(rt, factor, lrs, sums) for rt in self.engine.units]
+        norms = self.lamb_norms(sums)
+        for rt, hp, update, segments in work:
+            self.lamb_apply(rt, hp, update, segments, norms)
+            self.publish(rt)
+
+    def lamb_sums(self) -> Tensor:
+        """Zeroed sums of squares: (parameter, update) x every tensor of the manifest."""
+        count = len(self.engine.plan.manifest.tensors)
+        return torch.zeros(2, count, dtype=torch.float64, device=self.engine.device)
+
+    def lamb_segments(self, rt: UnitRuntime) -> list[tuple[int, int, str]]:
+        """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
+        if self.engine.stage == 0:
+            return [
+                (pc.offset, pc.offset + pc.numel, pl.fqn)
+                for pl in rt.unit.placements
+                for pc in pl.pieces
+            ]
+        return [
+            (s.shard_offset, s.shard_offset + s.numel, s.fqn)
+            for s in partition.local_slices(self.engine.plan, self.engine.rank)
+            if s.unit == rt.index
+        ]
+
+    def lamb_direction(
+        self,
+        rt: UnitRuntime,
+        factor: float,
+        lrs: list[float],
+        sums: Tensor,
+        update: Tensor | None = None,
+    ) -> tuple[UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
+        """LAMB's first half for one unit: new moments, the update direction (into
+        `update` when given) and its tensors' squares added to `sums`."""
+        grad = self.step_grad(rt)
+        hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
+        if self.native:
+            update = torch.empty_like(rt.master) if update is None else update
+            native.lamb_direction_(
+                rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
+                step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
+                weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
+                grad_scale=factor,
+            )  # fmt: skip
+        else:
+            if factor != 1.0:
+                grad.mul_(factor)
+            direction = lamb_direction_(grad, rt.state, rt.master, hp)
+            update = direction if update is None else update.copy_(direction)
+        rt.state = rt.state._replace(step=rt.state.step + 1)
+        self.residency.give_back(self.residency.lent)
+        segments = self.lamb_segments(rt)
+        spans = [(a, b) for a, b, _ in segments]
+        index = self.tensor_index
+        for (_, _, fqn), p_sq, u_sq in zip(
+            segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
+        ):
+            sums[0, index[fqn]] += p_sq
+            sums[1, index[fqn]] += u_sq
+        return rt, hp, update, segments
+
+    def lamb_norms(self, sums: Tensor) -> list[list[float]]:
+        if self.engine.stage > 0:
+            comm.all_reduce(sums, op="sum")
+        return sums.sqrt().tolist()
+
+    def lamb_apply(
+        self,
+        rt: UnitRuntime,
+        hp: Any,
+        update: Tensor,
+        segments: list[tuple[int, int, str]],
+        norms: list[list[float]],
+    ) -> None:
+        """LAMB's second half: each tensor's piece moves by its trust ratio."""
+        index = self.tensor_index
+        spans = [(a, b) for a, b, _ in segments]
+        p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
+        u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
+        if self.native:
+            scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
+            native.lamb_apply_(rt.master, update, spans, scales)
+        else:
+            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+
+    def publish(
+        self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
+    ) -> None:
+        """Start writing the unit's updated fp32 master back to the compute-dtype
+        parameters everyone uses; the all-gather overlaps the next units' updates.
+        `written`: the compute-dtype copy a native update already made. Without
+        `exchange` only this rank's part is written (`_exchange` sends it later)."""
+        if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
+            if rt.param_shard is not None and written is not rt.param_shard:
+                value = written if written is not None else rt.master
+                self.engine.stage3.store_param_shard(rt, value.to(self.engine.compute_dtype))
+            return
+        if self.engine.stage == 0 or self.engine.world_size == 1 or not exchange:
+            target = rt.full[self.engine.partition(rt.unit)]
+            if target.data_ptr() != rt.master.data_ptr() and written is not target:
+                target.copy_(written if written is not None else rt.master)
+            if exchange:
+                self.publishing.append((None, rt, None))
+            return
+        shard = written if written is not None else rt.master.to(self.engine.compute_dtype)
+        # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
+        shard = shard.to(
+            self.engine.device, copy=self.residency.nvme is not None and written is None
+        )
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self.publishing.append((work, rt, shard))
+
+    def exchange(self, rt: UnitRuntime) -> None:
+        """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
+        if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
+            return
+        if self.engine.world_size == 1:
+            self.publishing.append((None, rt, None))
+            return
+        shard = rt.full[self.engine.partition(rt.unit)].clone()
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self.publishing.append((work, rt, shard))
+
+    def finish_publish(self) -> None:
+        with self.engine.timers("comm"):
+            for work, rt, _shard in self.publishing:
+                if work is not None:
+                    work.wait()
+                if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
+                    bind(rt)  # copies, not views: refresh them
+        self.publishing.clear()
+
+    def nvme_updates(self, factor: float, lrs: list[float]) -> None:
+        """The step over NVMe-resident units, pipelined (`_nvme_pass`).
+
+        Transactional: each unit's new state goes to its other slot and the new
+        parameters are written only locally; then every rank says whether all its I/O
+        succeeded. Either all flip their slots and exchange parameters, or all put back
+        the parameters from the untouched slots and raise: no rank keeps half a step.
+        """
+        steps = [rt.state.step for rt in self.engine.units]
+        updated: list[UnitRuntime] = []
+
+        def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
+            self.residency.bind_swapped(rt, buffers)
+            written = self.update_unit(rt, factor, lrs)
+            tickets = self.residency.swap_out(rt, 1 - rt.slot, wait=False)
+            updated.append(rt)
+            self.publish(rt, written, exchange=False)
+            return tickets
+
+        if self.engine.functional_optimizer.name == "lamb":
+            self.nvme_lamb(factor, lrs, updated, steps)
+        else:
+            self.agree(self.residency.step_pass(self.residency.swap_in, update), updated, steps)
+        for rt in self.engine.units:
+            rt.slot = 1 - rt.slot
+            self.exchange(rt)
+        if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
+            self.residency.pool.trim(self.residency.write_buffers + 1)
+        _nvme.return_free_memory()
+
+    def nvme_lamb(
+        self, factor: float, lrs: list[float], updated: list[UnitRuntime], steps: list[int]
+    ) -> None:
+        """LAMB over NVMe in two passes: moments and update direction (the direction
+        parked in the other slot's master region), one all-reduce of the norms, then
+        master += trust ratio x direction into that region."""
+        sums = self.lamb_sums()
+        kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
+
+        def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            self.residency.bind_swapped(rt, buffers)
+            update = buffers[-1][: rt.master.numel()]
+            _, hp, _, segments = self.lamb_direction(rt, factor, lrs, sums, update)
+            kept[rt.index] = (hp, segments)
+            slot = 1 - rt.slot
+            return [
+                (self.residency.nvme.submit(self.residency.region(rt, k, slot), t, write=True), t)
+                for k, t in enumerate([update, *self.residency.resident_tensors(rt)[1:]])
+            ]
+
+        def read_direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self.engine.partition_numel(rt.unit)
+            master, update = buffers[0][:numel], buffers[-1][:numel]
+            return [
+                (
+                    self.residency.nvme.submit(
+                        self.residency.region(rt, 0, rt.slot), master, False
+                    ),
+                    master,
+                ),
+                (
+                    self.residency.nvme.submit(
+                        self.residency.region(rt, 0, 1 - rt.slot), update, False
+                    ),
+                    update,
+                ),
+            ]
+
+        def apply(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
+            numel = self.engine.partition_numel(rt.unit)
+            rt.master = buffers[0][:numel]
+            hp, segments = kept[rt.index]
+            self.lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
+            region = self.residency.region(rt, 0, 1 - rt.slot)
+            tickets = [(self.residency.nvme.submit(region, rt.master, write=True), rt.master)]
+            updated.append(rt)
+            self.publish(rt, None, exchange=False)
+            return tickets
+
+        self.agree(
+            self.residency.step_pass(self.residency.swap_in, direction, extra=1), updated, steps
+        )
+        norms = self.lamb_norms(sums)
+        self.agree(self.residency.step_pass(read_direction, apply, extra=1), updated, steps)
+
+    def agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
+        """Every rank learns whether any rank's pass failed; if one did, all roll back."""
+        messages = self.residency.failures(failure, self.engine.world_size)
+        if messages:
+            self.roll_back(updated, steps)
+            raise OSError(
+                "NVMe offload: the optimizer step was not applied; parameters, master weights, "
+                f"optimizer state and gradients are as before it ({'; '.join(messages)})"
+            )
+
+    def roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
+        """Undo a failed NVMe step: parameters from the masters in the current slots
+        (never written by the step), step counts restored."""
+        for rt, step in zip(self.engine.units, steps):
+            rt.state = rt.state._replace(step=step)
+        try:
+            for rt in updated:
+                with self.residency.resident(rt, write_back=False):
+                    self.publish(rt, None, exchange=False)
+        except OSError as error:
+            raise OSError(
+                f"NVMe offload: a step failed and the parameters could not be restored from "
+                f"{self.residency.nvme.path} ({error}); reload the last checkpoint"
+            ) from error
