@@ -3,12 +3,14 @@
 One module per concern, each with its one job in its docstring:
 
 - `_engine`: the `Engine` class — DeepSpeed's surface (forward/backward/step, accessors,
-  checkpoint wrappers) wiring the parts below together;
+  checkpoint wrappers) wiring the parts below together, and the step's bookkeeping;
 - `_units`: each unit's buffers on this rank and how the module's parameters view them;
 - `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
   and where parameter shards live between uses;
 - `_residency`: where optimizer partitions live between steps (device, host, NVMe swap
   slots), gradient accumulators on disk, the host buffer pool;
+- `_reduction`: gradient buckets and reductions, and whose backward pass a gradient
+  arrives in (the engine's own, another engine's, a plain backward's);
 - `_apply`: applying the optimizer — each unit's update (native kernels, LAMB), the
   transactional NVMe step, writing new parameters back;
 - `_precision`: compute dtypes, input casting, the fp16 loss scale's setup;

@@ -1,22 +1,10 @@
-"""The `Engine`: DeepSpeed's surface over the parts of this package, and what is not
-yet its own module: gradient reduction (buckets, whose backward pass it is) and the
-step's bookkeeping (clipping, the fp16 overflow check, counters).
+"""The `Engine`: DeepSpeed's surface (forward, backward, step, accessors, checkpoint
+wrappers) wiring the parts of this package together, and the step's bookkeeping:
+clipping, the fp16 overflow check and loss scale, counters, learning rates.
 
 Everything about layout comes from the plan (`fzero.partition`); every update is a
-functional optimizer's in-place path (`fzero.optim`); each unit's buffers are
-described in `fzero.engine._units`.
-
-Whose gradient is it? (PyTorch's and DeepSpeed's rules, made explicit.) A gradient
-belongs to this engine when it arrives in one of the engine's own backward passes:
-`engine.backward(loss)`, or a plain `loss.backward()` whose graph runs through a
-tensor `engine(...)` returned (DeepSpeed >= 0.17's torch-style backward; the output
-hooks scale by 1/gradient_accumulation_steps as `engine.backward` does). Those are
-reduced into fzero's buffers and cleared by the optimizer step. A gradient that
-reaches the module's parameters in any other pass (another engine's backward through
-this module, as a GAN's generator through its discriminator, or a plain backward
-through the raw module) stays in `param.grad` exactly as in PyTorch: the user's
-`zero_grad()` clears it, and what is still there at this engine's next own pass or
-`step()` is added as it is, as `torch.optim` would use it.
+functional optimizer's in-place path (`fzero.optim`, applied by `_apply`); whose
+gradient is whose is `_reduction`'s docstring; each unit's buffers are `_units`'.
 """
 
 from __future__ import annotations
@@ -42,14 +30,12 @@ from fzero.config import Config, batch_sizes, check_resolved
 from fzero.engine import _views
 from fzero.engine._apply import OptimizerApplication, hparam_fields
 from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
+from fzero.engine._reduction import GradientReduction
 from fzero.engine._residency import Residency
 from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._units import (
-    Bucket,
     UnitRuntime,
-    add_pieces,
     bind,
-    drop_flat,
     scatter_pieces,
     unbind,
 )
@@ -67,7 +53,6 @@ __all__ = ["Engine", "Precision"]
 log = logging.getLogger("fzero")
 
 _ENGINES = itertools.count()  # serial numbers: keys of each engine's checkpoint group
-_EXPLICIT: list[Engine] = []  # engines inside `backward(loss)` now, innermost last
 
 
 @dataclass(frozen=True)
@@ -163,23 +148,8 @@ class Engine:
         self.lr_steps = 0
         self._skipped_last = False
         self.timers = Timers()
-        self._pending: list[tuple[Any, Callable[[], None]]] = []
-        self._launch_next = 0
-        # Gloo's reduce-scatter measured slower than its all-reduce at every size from
-        # 1 MB to 32 MB (2 ranks): there, stages 2-3 all-reduce and keep their part.
-        self._scatter_by_all_reduce = dist.get_backend() == "gloo"
-        # Stage 3 prefetch: the order units are first used in each phase, recorded on
-        # the first pass and followed after (DeepSpeed's trace; FSDP2's fixed order).
         self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
-        # backward passes: whose gradients arrive now (see the module docstring)
-        self._boundary_now = False
-        self._explicit = False  # inside this engine's backward(loss)
-        self._pass_task: int | None = None  # the autograd pass touching the params now
-        self._pass_owned = False
-        self._manual_scale = False  # engine.scale(loss) was used for a plain backward
-        self._reduced = False  # this micro-step's gradients have been reduced
-        self._no_sync = False
         self._forward_contexts: list[Any] = []
         self._global_grad_norm: float | None = None
         self.lr_scheduler: Any = None  # what `initialize` returns as the scheduler
@@ -221,7 +191,8 @@ class Engine:
             pin_memory=self.residency.pin,
             timers=self.timers,
         )
-        self.stage3.on_backward_use = self._note_backward_use
+        self.reduction = GradientReduction(self)
+        self.stage3.on_backward_use = self.reduction.note_backward_use
         self.units = [
             self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
         ]
@@ -230,13 +201,10 @@ class Engine:
             meta.finish()
         if self.residency.nvme is not None:
             _nvme.return_free_memory()
-        self.buckets = self._build_buckets(zero.reduce_bucket_size)
-        self._param_unit = {
-            id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
-        }
+        self.reduction.build(zero.reduce_bucket_size)
         for rt in self.units:
             for p, _, _ in rt.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self.reduction.on_grad))
                 p._fzero_engine = weakref.ref(self)  # for fzero.gathered_parameters
         self._install_root_hooks()
         if self.stage == 3:
@@ -347,26 +315,6 @@ class Engine:
         part = self.partition(unit)
         return part.stop - part.start
 
-    def _build_buckets(self, bucket_numel: int) -> list[Bucket]:
-        """Reduction buckets; in stages 0-1 their buffers are the persistent gradient
-        accumulators and each unit's `grad` is a view of its bucket's buffer."""
-        buckets = []
-        for indices in partition.reduction_buckets(self.plan, bucket_numel):
-            bucket = Bucket([self.units[i] for i in indices])
-            for rt in bucket.units:
-                rt.bucket = bucket
-            if self.stage < 2:
-                self._bucket_views(bucket, "grad")
-            buckets.append(bucket)
-        return buckets
-
-    def _bucket_views(self, bucket: Bucket, name: str) -> None:
-        bucket.buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-        offset = 0
-        for rt in bucket.units:
-            setattr(rt, name, bucket.buffer[offset : offset + rt.unit.numel])
-            offset += rt.unit.numel
-
     # ---- forward / backward / step ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -389,7 +337,7 @@ class Engine:
         with self.timers("forward"):
             output = self.module(*args, **kwargs)
         for tensor in _tensors_requiring_grad(output):
-            tensor.register_hook(self._on_output_grad)
+            tensor.register_hook(self.reduction.on_output_grad)
         return output
 
     def _install_root_hooks(self) -> None:
@@ -431,251 +379,21 @@ class Engine:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale;
         without the division when not `scale_wrt_gas`, for callers that scale the loss
         themselves); reduces gradients as the plan says. Returns `loss`."""
-        self._check_trainable()
+        self.check_trainable()
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
         self.telemetry.losses.append(float(loss.detach().float()))
-        self._begin_backward()
-        self._explicit = True
-        _EXPLICIT.append(self)
-        try:
-            with self.timers("backward"):
-                (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
-        finally:
-            self._explicit = False
-            _EXPLICIT.remove(self)
+        with self.reduction.explicit_backward(), self.timers("backward"):
+            (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
         with self.timers("backward"):
-            self._finish_reduction()
+            self.reduction.finish()
         return loss
 
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the fp16 loss scale, for a plain `engine.scale(loss).backward()`
         (DeepSpeed's `engine.scale`); the output hooks divide by the accumulation steps."""
-        self._manual_scale = True
+        self.reduction.manual_scale = True
         return loss * (self.loss_scale_state.scale if self.loss_scale_state else 1.0)
-
-    def _begin_backward(self) -> None:
-        self._boundary_now = self.is_gradient_accumulation_boundary()
-        self._launch_next = 0
-        self.stage3.begin_phase("backward")
-
-    # ---- whose backward pass is it? (see the module docstring) ---------------------------
-
-    def _on_output_grad(self, grad: Tensor) -> Tensor:
-        """A plain backward reached a tensor `engine(...)` returned: unless another
-        engine's `backward(loss)` runs it, or it computes no parameter gradient
-        (`torch.autograd.grad`), it is this engine's pass."""
-        if self._explicit or _EXPLICIT:
-            return grad
-        task = _graph_task()
-        if task != self._pass_task and task >= 0 and self._accumulates_here():
-            self._enter_pass(task, owned=True)
-        if task != self._pass_task or not self._pass_owned:
-            return grad
-        accumulation = self.gradient_accumulation_steps()
-        return grad / accumulation if accumulation > 1 else grad
-
-    def _accumulates_here(self) -> bool:
-        """Whether the running autograd pass will store a gradient in a managed param."""
-        will_run = getattr(torch._C, "_will_engine_execute_node", None)
-        node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", None)
-        if will_run is None or node_of is None:
-            return True
-        return any(will_run(node_of(p)) for rt in self.units for p, _, _ in rt.params)
-
-    def _owns_pass(self) -> bool:
-        """Whether gradients arriving now are this engine's; a pass not seen before is
-        entered as another's."""
-        if self._explicit:
-            return True
-        task = _graph_task()
-        if task != self._pass_task:
-            self._enter_pass(task, owned=False)
-        return self._pass_owned
-
-    def _enter_pass(self, task: int, owned: bool) -> None:
-        """First event of autograd pass `task` here; its end is queued on autograd."""
-        self._pass_task, self._pass_owned = task, owned
-        self._begin_backward()
-        if task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(self._exit_pass, task)
-            )
-
-    def _exit_pass(self, task: int) -> None:
-        if self._pass_task != task:
-            return
-        owned, self._pass_task, self._manual_scale = self._pass_owned, None, False
-        if owned:
-            self._finish_reduction()
-            return
-        for rt in self.units:  # another's pass: nothing was taken, stage-3 units go
-            rt.reported, rt.ready = 0, False
-            if self.stage == 3:
-                self.stage3.release(rt)
-
-    def _note_backward_use(self) -> None:
-        """Stage 3 gathers a saved parameter in backward: in a pass of another's, enter it
-        here too, so its end frees the units it gathered."""
-        if not self._explicit and _graph_task() >= 0:
-            self._owns_pass()
-
-    def _check_trainable(self) -> None:
-        if self.functional_optimizer is _NO_OPTIMIZER:
-            raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
-
-    def _check_scaled(self) -> None:
-        scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
-        if scale != 1.0 and not self._explicit and not self._manual_scale:
-            raise RuntimeError(
-                f"fzero: fp16 loss scale is {scale}, but loss.backward() was called on an "
-                "unscaled loss; call engine.backward(loss) or engine.scale(loss).backward()"
-            )
-
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        rt, placement = self._param_unit[id(p)]
-        if not self._owns_pass():
-            self._keep_others_grad(rt, p)
-            return
-        self._check_trainable()
-        self._check_scaled()
-        grad = p.grad
-        p.grad = None
-        if grad is None:
-            return
-        target = rt.grad if self.stage < 2 else self._flat_grad(rt)
-        add_pieces(target, grad.reshape(-1), placement)
-        if self.stage == 3 and rt.full is None:
-            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        rt.reported += 1
-        if rt.reported == len(rt.params):
-            rt.ready = True
-            if self.stage == 3:
-                self.stage3.release(rt)
-            if self.overlap_comm:
-                self._launch_ready()
-
-    def _keep_others_grad(self, rt: UnitRuntime, p: torch.nn.Parameter) -> None:
-        """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
-        if self.stage != 3 or rt.unit.persistent:
-            return
-        rt.reported += 1
-        if rt.reported == len(rt.params):
-            self.stage3.release(rt)
-        elif rt.full is None:
-            p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-
-    def _flat_grad(self, rt: UnitRuntime) -> Tensor:
-        """Stages 2-3: the unit's full-size gradient, a view of its bucket's buffer,
-        alive from the first gradient until the bucket is reduced."""
-        if rt.flat_grad is None:
-            assert rt.bucket is not None
-            self._bucket_views(rt.bucket, "flat_grad")
-        assert rt.flat_grad is not None
-        return rt.flat_grad
-
-    def _needs_reduction(self) -> bool:
-        return not self._no_sync and (self.stage >= 2 or self._boundary_now)
-
-    def _launch_ready(self) -> None:
-        """Launch bucket reductions in bucket order (the same on every rank), as far as
-        their units are ready: collectives must be issued in one order everywhere."""
-        while self._launch_next < len(self.buckets) and all(
-            rt.ready for rt in self.buckets[self._launch_next].units
-        ):
-            self._launch(self.buckets[self._launch_next])
-            self._launch_next += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        if not self._needs_reduction():
-            return  # stage 0-1 inside an accumulation window: keep summing locally
-        if self.stage < 2:
-            assert bucket.buffer is not None
-            if self.world_size > 1:
-                work = comm.all_reduce(bucket.buffer, op="avg", async_op=True)
-                self._pending.append((work, lambda: None))
-            return
-        flats = [self._flat_grad(rt) for rt in bucket.units]
-
-        def keep_owned() -> None:
-            for rt, flat in zip(bucket.units, flats):
-                self._accumulate_grad(rt, flat[self.owned(rt.unit)])
-            drop_flat(bucket)
-
-        if self.world_size == 1:
-            keep_owned()
-        elif self._scatter_by_all_reduce:
-            assert bucket.buffer is not None
-            self._pending.append(
-                (comm.all_reduce(bucket.buffer, op="avg", async_op=True), keep_owned)
-            )
-        else:
-            for rt, flat in zip(bucket.units, flats):
-                shard = torch.empty(rt.unit.shard_numel, dtype=torch.float32, device=self.device)
-                work = comm.reduce_scatter_into(shard, flat, async_op=True)
-                self._pending.append((work, functools.partial(self._accumulate_grad, rt, shard)))
-            self._pending.append((None, lambda: drop_flat(bucket)))
-
-    def _finish_reduction(self) -> None:
-        for rt in self.units:
-            rt.ready = True  # parameters unused in this backward contribute zeros
-        with self.timers("comm"):
-            self._launch_ready()
-            for work, finish in self._pending:
-                if work is not None:
-                    work.wait()
-                finish()
-            self._pending.clear()
-        for rt in self.units:
-            rt.reported, rt.ready = 0, False
-            if self.stage == 3:
-                self.stage3.release(rt)
-        self.stage3.end_phase()
-        self._reduced = self._reduced or self._needs_reduction()
-        if self.residency.grads_on_disk:
-            self._finish_grad_writes()
-
-    def _accumulate_grad(self, rt: UnitRuntime, value: Tensor) -> None:
-        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
-        accumulator (in the swap file with NVMe gradients; see `Residency`)."""
-        self.residency.accumulate_grad(rt, value, self._boundary_now, self._grad_stats)
-
-    def _finish_grad_writes(self) -> None:
-        """With gradients on NVMe, a write that failed on any rank drops the window on
-        every rank: its micro-steps are to be run again."""
-        messages = self.residency.finish_grad_writes(self.world_size)
-        if messages:
-            self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-            raise OSError(
-                "NVMe offload: the gradients of this accumulation window were dropped; run "
-                f"its micro-steps again ({'; '.join(messages)})"
-            )
-
-    def _take_left_grads(self) -> None:
-        """Add what other passes left in managed `param.grad`s (the user did not clear
-        it), as `torch.optim` would use it. Where this micro-step has been reduced
-        already, or was never reduced (its backward was not this engine's), every rank
-        joins one more reduction when any rank has something (collective)."""
-        left = [(rt, p) for rt in self.units for p, _, _ in rt.params if p.grad is not None]
-        if not self._needs_reduction_at_step():
-            for rt, p in left:  # stages 0-1 inside an accumulation window: local sums
-                add_pieces(rt.grad, p.grad.reshape(-1), self._param_unit[id(p)][1])
-                p.grad = None
-            return
-        flag = torch.tensor([float(bool(left) or not self._reduced)], device=self.device)
-        if self.world_size > 1:
-            comm.all_reduce(flag, op="max")
-        if not flag.item():
-            return
-        self._begin_backward()
-        for rt, p in left:
-            target = rt.grad if self.stage < 2 else self._flat_grad(rt)
-            add_pieces(target, p.grad.reshape(-1), self._param_unit[id(p)][1])
-            p.grad = None
-        self._finish_reduction()
-
-    def _needs_reduction_at_step(self) -> bool:
-        return not self._no_sync and (self.stage >= 2 or self.is_gradient_accumulation_boundary())
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -683,11 +401,11 @@ class Engine:
     @_named("step")
     def step(self) -> None:
         """At the accumulation boundary: unscale, clip, update owned shards, regather."""
-        self._check_trainable()
-        if self._no_sync:
+        self.check_trainable()
+        if self.reduction.no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
-        self._take_left_grads()
-        self._reduced = False
+        self.reduction.take_left_grads()
+        self.reduction.reduced = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -705,7 +423,12 @@ class Engine:
             self.global_samples += self.batch.train_batch_size
         self.telemetry.step()
 
-    def _grad_stats(self, grad: Tensor) -> tuple[Tensor | None, bool]:
+    def check_trainable(self) -> None:
+        """Raise unless this engine has an optimizer to train with."""
+        if self.functional_optimizer is _NO_OPTIMIZER:
+            raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
+
+    def grad_stats(self, grad: Tensor) -> tuple[Tensor | None, bool]:
         """What the step needs of one unit's owned gradient: its sum of squares (float64
         with clipping; else one float32 pass, for `get_global_grad_norm`) and whether it
         is finite (with dynamic loss scaling)."""
@@ -721,10 +444,10 @@ class Engine:
         micro-step wrote the gradient; a unit without one has zeros)."""
         if not self.residency.grads_on_disk:
             return [
-                self._grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
+                self.grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
                 for rt in self.units
             ]
-        zeros = self._grad_stats(torch.zeros(1))
+        zeros = self.grad_stats(torch.zeros(1))
         return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in self.units]
 
     def _take_step(self) -> None:
@@ -908,13 +631,13 @@ class Engine:
                 f"no_sync() is incompatible with gradient partitioning of ZeRO stage "
                 f"{self.stage}; it is allowed at stages 0 and 1"
             )
-        if self._no_sync:
+        if self.reduction.no_sync:
             raise RuntimeError("no_sync() is already active; it cannot be re-entered")
-        self._no_sync = True
+        self.reduction.no_sync = True
         try:
             yield
         finally:
-            self._no_sync = False
+            self.reduction.no_sync = False
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give
@@ -1023,11 +746,6 @@ class Engine:
 
 
 # ---- helpers -----------------------------------------------------------------------------
-
-
-def _graph_task() -> int:
-    """The id of the autograd pass running now (-1 outside backward)."""
-    return torch._C._current_graph_task_id()
 
 
 def _tensors_requiring_grad(value: Any) -> Iterator[Tensor]:
