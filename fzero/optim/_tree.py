@@ -41,6 +41,17 @@ def _leaves_like(tree: Any, spec: Any, what: str) -> list[Any]:
     return leaves
 
 
+def _per_leaf(
+    fn: Any, grads: Any, state: Any, params: Any, overrides: dict[str, Any]
+) -> tuple[list[Any], Any]:
+    """`fn(grad, state, param, **overrides)` for each leaf of `params`, and its structure."""
+    leaves, spec = _flatten_params(params)
+    grad_leaves = _leaves_like(grads, spec, "grads")
+    state_leaves = _leaves_like(state, spec, "state")
+    results = [fn(g, s, p, **overrides) for g, s, p in zip(grad_leaves, state_leaves, leaves)]
+    return results, spec
+
+
 def over_trees(leaf: Optimizer) -> Optimizer:
     """`leaf` (an optimizer of one tensor) over any pytree of tensors."""
 
@@ -53,13 +64,7 @@ def over_trees(leaf: Optimizer) -> Optimizer:
     def update(grads: Any, state: Any, params: Any, **overrides: Any) -> tuple[Any, Any]:
         if isinstance(params, Tensor):
             return leaf.update(grads, state, params, **overrides)
-        leaves, spec = _flatten_params(params)
-        pairs = [
-            leaf.update(g, s, p, **overrides)
-            for g, s, p in zip(
-                _leaves_like(grads, spec, "grads"), _leaves_like(state, spec, "state"), leaves
-            )
-        ]
+        pairs, spec = _per_leaf(leaf.update, grads, state, params, overrides)
         return (
             pytree.tree_unflatten([p for p, _ in pairs], spec),
             pytree.tree_unflatten([s for _, s in pairs], spec),
@@ -68,13 +73,7 @@ def over_trees(leaf: Optimizer) -> Optimizer:
     def update_(grads: Any, state: Any, params: Any, **overrides: Any) -> Any:
         if isinstance(params, Tensor):
             return leaf.update_(grads, state, params, **overrides)
-        leaves, spec = _flatten_params(params)
-        states = [
-            leaf.update_(g, s, p, **overrides)
-            for g, s, p in zip(
-                _leaves_like(grads, spec, "grads"), _leaves_like(state, spec, "state"), leaves
-            )
-        ]
+        states, spec = _per_leaf(leaf.update_, grads, state, params, overrides)
         return pytree.tree_unflatten(states, spec)
 
     return leaf._replace(init=init, update=update, update_=update_)
