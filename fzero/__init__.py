@@ -6,7 +6,9 @@ left unchanged, `fzero run --as-deepspeed` serves `import deepspeed` (`fzero.com
 """
 
 from fzero import accelerator, checkpoint, checkpointing, comm, optim, partition, zero
+from fzero._functional import init, state_dict, train_step
 from fzero._meta_init import init_context
+from fzero._train_state import Counters, TrainState, UnitState
 from fzero._version import __version__
 from fzero.api import gathered_parameters, initialize, shard
 from fzero.compat.deepspeed.comm import init_distributed
@@ -17,8 +19,11 @@ DeepSpeedEngine = Engine  # DeepSpeed's name, for isinstance checks
 
 __all__ = [
     "Config",
+    "Counters",
     "DeepSpeedEngine",
     "Engine",
+    "TrainState",
+    "UnitState",
     "__version__",
     "accelerator",
     "add_config_arguments",
@@ -26,6 +31,7 @@ __all__ = [
     "checkpointing",
     "comm",
     "gathered_parameters",
+    "init",
     "init_context",
     "init_distributed",
     "initialize",
@@ -34,5 +40,7 @@ __all__ = [
     "partition",
     "resolve_auto",
     "shard",
+    "state_dict",
+    "train_step",
     "zero",
 ]

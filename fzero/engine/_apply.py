@@ -27,9 +27,40 @@ from fzero.optim import (
     with_overrides,
 )
 
-__all__ = ["OptimizerApplication", "hparam_fields"]
+__all__ = ["OptimizerApplication", "hparam_fields", "native_update_"]
 
 Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+
+def native_update_(
+    name: str,
+    master: Tensor,
+    grad: Tensor,
+    state: Any,
+    hp: Any,
+    factor: float,
+    out: Tensor | None = None,
+) -> Any:
+    """Optimizer `name`'s in-place update of one fp32 partition through fzero's native
+    kernel, the gradient scaled by `factor` and (with `out`) the compute-dtype copy of the
+    new master written in the same pass; the new state, or None when no kernel applies
+    (LAMB, or an optimizer without one). The engine and `fzero.train_step` both use it."""
+    if name in ("adam", "adamw"):
+        native.adam_(
+            master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
+            lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+            decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
+            out=out,
+        )  # fmt: skip
+    elif name == "sgd":
+        native.sgd_(
+            master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
+            momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
+            nesterov=hp.nesterov, grad_scale=factor, out=out,
+        )  # fmt: skip
+    else:
+        return None
+    return state._replace(step=state.step + 1)
 
 
 def hparam_fields(hparams: Any) -> dict[str, Any]:
@@ -93,27 +124,16 @@ class OptimizerApplication:
     def native_update(
         self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
     ) -> bool:
-        """The update through fzero's native kernel, gradient scaling and the
-        compute-dtype copy fused into one pass; False when it does not apply."""
+        """The update through fzero's native kernel (`native_update_`); False when it
+        does not apply."""
         if not self.native:
             return False
-        state = rt.state
-        if self.engine.functional_optimizer.name in ("adam", "adamw"):
-            native.adam_(
-                rt.master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
-                lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-                decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
-                out=out,
-            )  # fmt: skip
-        elif self.engine.functional_optimizer.name == "sgd":
-            native.sgd_(
-                rt.master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
-                momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
-                nesterov=hp.nesterov, grad_scale=factor, out=out,
-            )  # fmt: skip
-        else:
+        state = native_update_(
+            self.engine.functional_optimizer.name, rt.master, grad, rt.state, hp, factor, out
+        )
+        if state is None:
             return False
-        rt.state = state._replace(step=state.step + 1)
+        rt.state = state
         return True
 
     def copy_target(self, rt: UnitRuntime) -> Tensor | None:

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +32,7 @@ from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler,
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._residency import Residency
 from fzero.engine._stage3 import Stage3Gatherer
+from fzero.engine._step import GradStats, decide_step, grad_stats
 from fzero.engine._units import (
     UnitRuntime,
     bind,
@@ -40,11 +40,7 @@ from fzero.engine._units import (
     unbind,
 )
 from fzero.engine_optimizer import EngineOptimizer
-from fzero.optim import (
-    Optimizer,
-    clip_coefficient,
-    with_overrides,
-)
+from fzero.optim import Optimizer, with_overrides
 from fzero.partition import MemoryEstimate, Plan, Unit
 from fzero.telemetry import Telemetry, Timers
 
@@ -428,20 +424,9 @@ class Engine:
         if self.functional_optimizer is _NO_OPTIMIZER:
             raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
 
-    def grad_stats(self, grad: Tensor) -> tuple[Tensor | None, bool]:
-        """What the step needs of one unit's owned gradient: its sum of squares (float64
-        with clipping; else one float32 pass, for `get_global_grad_norm`) and whether it
-        is finite (with dynamic loss scaling)."""
-        if self.config.gradient_clipping > 0:
-            sq = grad.double().square().sum()
-        else:
-            sq = torch.linalg.vector_norm(grad).double().square()
-        dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
-        return sq, bool(torch.isfinite(grad).all()) if dynamic else True
-
-    def _unit_grad_stats(self) -> list[tuple[Tensor | None, bool]]:
-        """`_grad_stats` of every unit, in unit order (NVMe: taken when the last
-        micro-step wrote the gradient; a unit without one has zeros)."""
+    def _unit_grad_stats(self) -> list[GradStats]:
+        """`_step.grad_stats` of every unit's owned gradient, in unit order (NVMe: taken
+        when the last micro-step wrote the gradient; a unit without one has zeros)."""
         if not self.residency.grads_on_disk:
             return [
                 self.grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
@@ -450,35 +435,33 @@ class Engine:
         zeros = self.grad_stats(torch.zeros(1))
         return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in self.units]
 
+    def grad_stats(self, grad: Tensor) -> GradStats:
+        """What the step needs of one unit's owned gradient (`_step.grad_stats`)."""
+        dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
+        return grad_stats(grad, clipping=self.config.gradient_clipping, dynamic=dynamic)
+
     def _take_step(self) -> None:
-        scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
-        stats = self._unit_grad_stats()
-        if self.loss_scaler is not None and self.loss_scaler.dynamic:
-            flag = torch.tensor([float(not all(finite for _, finite in stats))], device=self.device)
-            comm.all_reduce(flag, op="max")
-            found_inf = bool(flag.item())
-            self.loss_scale_state = self.loss_scaler.update(self.loss_scale_state, found_inf)
-            if found_inf:
-                self._global_grad_norm = math.inf
-                self._skipped_last = True
-                self.skipped_steps += 1
-                log.warning(
-                    "fzero: step %d skipped: gradient overflow; loss scale now %s",
-                    self.global_steps,
-                    self.loss_scale_state.scale,
-                )
-                self._zero_grads()
-                return
-        self._skipped_last = False
-        factor = 1.0 / scale
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for unit_sq, _ in stats:
-            sq += unit_sq
-        comm.all_reduce(sq, op="sum")
-        self._global_grad_norm = math.sqrt(sq.item()) * factor
-        if self.config.gradient_clipping > 0:
-            factor *= clip_coefficient(self._global_grad_norm, self.config.gradient_clipping)
-        self.optimizer_application.apply(factor, self._current_lrs())
+        decision = decide_step(
+            self._unit_grad_stats(),
+            loss_scaler=self.loss_scaler,
+            loss_scale=self.loss_scale_state,
+            clipping=self.config.gradient_clipping,
+            device=self.device,
+            world_size=self.world_size,
+        )
+        self.loss_scale_state = decision.loss_scale
+        self._global_grad_norm = decision.norm
+        self._skipped_last = decision.skip
+        if decision.skip:
+            self.skipped_steps += 1
+            log.warning(
+                "fzero: step %d skipped: gradient overflow; loss scale now %s",
+                self.global_steps,
+                self.loss_scale_state.scale,
+            )
+            self._zero_grads()
+            return
+        self.optimizer_application.apply(decision.factor, self._current_lrs())
         self._zero_grads()
         self.lr_steps += 1
         if self.client_scheduler is not None:

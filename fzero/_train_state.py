@@ -1,0 +1,126 @@
+"""`TrainState`: one rank's whole training state as a value (flax's `TrainState`,
+levanter's trainer state) — what a step takes and returns, and what a checkpoint is.
+
+Per unit of the plan (`UnitState`), this rank holds:
+
+- `master`: the fp32 weights of its optimizer partition (its shard at stages 1-3, the
+  whole unit buffer at stage 0);
+- `optim`: the optimizer's state over `master` (`fzero.optim`, e.g. `AdamState`);
+- `params`: the compute-dtype parameters: the whole unit buffer at stages 0-2 and for
+  stage-3 persistent units, this rank's shard otherwise (None where `master` serves:
+  fp32 at stage 3);
+- `grad`: the fp32 gradient accumulator (the whole buffer at stages 0-1, the shard at
+  stages 2-3).
+
+With fp32 compute, `master` may be a view of `params` (the same numbers, held once).
+Besides the units: step counters, the fp16 loss-scale state and the random-number state
+a step draws from. The plan, counters and loss scale are the pytree's static context, the
+tensors (and optimizer step counts) its leaves:
+`torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)` copies a state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, Protocol
+
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from fzero.optim import LossScaleState
+from fzero.partition import Plan
+
+__all__ = ["Counters", "Residence", "TrainState", "UnitState"]
+
+
+class UnitState(NamedTuple):
+    """One unit's tensors on this rank (see the module docstring)."""
+
+    master: Tensor
+    optim: Any
+    params: Tensor | None
+    grad: Tensor
+
+
+class Counters(NamedTuple):
+    """DeepSpeed's counters: optimizer steps taken, samples seen, micro-steps (forward +
+    backward) run, steps skipped by an fp16 overflow, and the schedule's position."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    micro_steps: int = 0
+    skipped_steps: int = 0
+    lr_steps: int = 0
+
+
+class Residence(Protocol):
+    """Where units live when not all of them are in memory (the engine's NVMe swap file):
+    `resident(i)` makes unit i's tensors readable inside the block; `store_next(i, unit)`
+    writes a loaded unit where the next `commit()` makes it current."""
+
+    def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
+
+    def store_next(self, index: int, unit: UnitState) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """One rank's training state: `units` (one `UnitState` per unit of `plan`, this
+    `rank`'s partitions), `counters`, `loss_scale` (fp16) and `rng` (the torch generator
+    state the next step draws dropout from; None: the process's own generator).
+    `residence` is None when every unit is in memory (see `Residence`)."""
+
+    plan: Plan
+    rank: int
+    units: tuple[UnitState, ...]
+    counters: Counters = field(default_factory=Counters)
+    loss_scale: LossScaleState | None = None
+    rng: Tensor | None = None
+    residence: Residence | None = field(default=None, compare=False)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (`counters.global_steps`)."""
+        return self.counters.global_steps
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with `changes` (fields by name)."""
+        return replace(self, **changes)
+
+    @contextlib.contextmanager
+    def resident(self, index: int) -> Iterator[UnitState]:
+        """Unit `index`'s tensors, readable inside the block (NVMe: read back first)."""
+        if self.residence is None:
+            yield self.units[index]
+        else:
+            with self.residence.resident(index) as unit:
+                yield unit
+
+
+def _flatten(state: TrainState) -> tuple[list[Any], Any]:
+    context = (state.plan, state.rank, state.counters, state.loss_scale, state.residence)
+    return [state.units, state.rng], context
+
+
+def _unflatten(children: Any, context: Any) -> TrainState:
+    plan, rank, counters, loss_scale, residence = context
+    units, rng = children
+    return TrainState(
+        plan,
+        rank,
+        tuple(UnitState(*u) for u in units),
+        counters=counters,
+        loss_scale=loss_scale,
+        rng=rng,
+        residence=residence,
+    )
+
+
+pytree.register_pytree_node(
+    TrainState,
+    _flatten,
+    _unflatten,
+    serialized_type_name="fzero.TrainState",
+)

@@ -1,0 +1,360 @@
+"""`fzero.init` / `fzero.train_step` / `fzero.state_dict`: the functional front door
+reaches the engine's parameters bitwise (same reductions, same update kernels), keeps
+stage 3's per-unit gathering, composes with torch.func (`grad_fn`), and refuses misuse."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import fzero
+from tests._dist import run_world
+from tests.models import Awkward, Net, global_batch
+
+MICRO, STEPS, LR = 2, 3, 1e-2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _config(stage: int, accum: int, clip: float, precision: str, offload: bool) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "steps_per_print": 0,
+        "zero_optimization": {
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 300,
+        },
+    }
+    if offload:
+        config["zero_optimization"].update(stage=stage, offload_optimizer={"device": "cpu"})
+    if precision == "fp16":  # 2^15 overflows at the first step (skipped, scale halved), then trains
+        config["fp16"] = {"enabled": True, "initial_scale_power": 15, "hysteresis": 1}
+    return config
+
+
+def _plan(model: nn.Module, world: int, stage: int) -> fzero.partition.Plan:
+    options = {"persistence_threshold": 0} if stage == 3 else {}
+    manifest = fzero.partition.describe(model)
+    return fzero.partition.plan(manifest, world_size=world, stage=stage, **options)
+
+
+def engine_and_step_case(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Per case: the engine and train_step on the same micro-batches; their losses, and
+    both consolidated state dicts."""
+    results = {}
+    for stage, precision, accum, clip, offload in cases:
+        config = _config(stage, accum, clip, precision, offload)
+        optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
+        torch.manual_seed(0)
+        engine = fzero.shard(
+            Net(), stage=stage, optimizer=optimizer, config=config, precision=precision
+        )
+        torch.manual_seed(0)
+        model = Net()
+        plan = _plan(model, world, stage)
+        state = fzero.init(model, plan, optimizer, precision=precision, config=config)
+        dtype = DTYPES[precision]
+
+        def loss_fn(params, batch, model=model, dtype=dtype):
+            x, y = batch
+            out = torch.func.functional_call(model, params, (x.to(dtype),))
+            return F.mse_loss(out.float(), y)
+
+        step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+        engine_losses, step_losses, skipped = [], [], []
+        for i in range(STEPS):
+            x, y = global_batch(i, MICRO * accum * world)
+            for a in range(accum):
+                rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+                loss = F.mse_loss(engine(x[rows]).float(), y[rows])
+                engine.backward(loss)
+                engine.step()
+                state, metrics = step(state, (x[rows], y[rows]))
+                engine_losses.append(loss.item())
+                step_losses.append(metrics["loss"].item())
+            skipped.append((engine.was_step_skipped(), metrics["skipped"]))
+            assert metrics["stepped"] != metrics["skipped"]
+            assert metrics["grad_norm"] == engine.get_global_grad_norm()
+            assert metrics["loss_scale"] == engine.loss_scale
+        assert state.counters.global_steps == engine.global_steps == STEPS
+        assert state.counters.micro_steps == engine.micro_steps
+        assert state.counters.skipped_steps == engine.skipped_steps
+        results[(stage, precision, accum, clip, offload)] = {
+            "losses": (engine_losses, step_losses),
+            "skipped": skipped,
+            "engine": engine.state_dict(dtype=torch.float32),
+            "step": fzero.state_dict(state, module=model),
+        }
+        engine.destroy()
+    return results
+
+
+def _assert_same(results: dict) -> None:
+    for case, result in results.items():
+        engine_losses, step_losses = result["losses"]
+        assert engine_losses == step_losses, case
+        for ours, theirs in result["skipped"]:
+            assert ours == theirs, case
+        assert result["engine"].keys() == result["step"].keys()
+        for name, expected in result["engine"].items():
+            assert torch.equal(result["step"][name], expected), (case, name)
+
+
+FP32 = list(itertools.product(range(4), ["fp32"], (1, 2), (0.0, 0.05), (False,)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_step_equals_the_engine_bitwise_fp32_all_stages(world):
+    _assert_same(run_world(engine_and_step_case, world, FP32))
+
+
+def test_train_step_equals_the_engine_bitwise_bf16_fp16_and_offload():
+    cases = [(stage, "bf16", 2, 0.05, False) for stage in range(4)]
+    cases += [(stage, "fp16", 1, 0.0, False) for stage in (0, 3)]
+    cases += [(stage, "fp32", 1, 0.05, True) for stage in (1, 3)]
+    results = run_world(engine_and_step_case, 2, cases)
+    _assert_same(results)
+    fp16 = results[(3, "fp16", 1, 0.0, False)]["skipped"]
+    assert fp16[0] == (True, True) and not fp16[-1][0]  # overflow skipped, then trained
+
+
+WIDTH, DEPTH = 16, 6
+
+
+def _chain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
+
+
+def stage3_live_case(rank: int, world: int, max_live: int | None) -> dict:
+    model = _chain()
+    plan = _plan(model, world, 3)
+    unit_numel = plan.units[0].numel
+    zero = {"stage3_max_live_parameters": unit_numel * max_live} if max_live else {}
+    config = {"zero_optimization": zero}
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    state = fzero.init(model, plan, optimizer)
+
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    peaks, losses = [], []
+    for i in range(3):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank))
+        state, metrics = step(state, x)
+        peaks.append(metrics["gathered_peak_numel"])
+        losses.append(metrics["loss"].item())
+    held = sum(u.master.numel() for u in state.units)
+    return {"peaks": peaks, "unit": unit_numel, "losses": losses, "held": held}
+
+
+def test_stage3_train_step_gathers_one_unit_at_a_time_with_the_same_results():
+    one = run_world(stage3_live_case, 2, 1)
+    whole = run_world(stage3_live_case, 2, None)
+    assert max(one["peaks"]) == one["unit"]  # one unit gathered at a time, never the model
+    assert max(whole["peaks"]) == DEPTH * whole["unit"]  # the default bound lets all live
+    assert one["losses"] == whole["losses"]  # bitwise: gathering order changes no number
+    assert one["held"] == DEPTH * one["unit"] // 2  # between steps: this rank's shards only
+
+
+def per_sample_case(rank: int, world: int, stage: int) -> dict:
+    from examples.per_sample_clipping import clipped_mean_grads, make_batch, make_model
+
+    model = make_model()
+    plan = _plan(model, world, stage)
+    optimizer = fzero.optim.sgd(lr=0.1, momentum=0.9)
+    state = fzero.init(model, plan, optimizer)
+
+    def grad_fn(params, batch):
+        return clipped_mean_grads(model, params, *batch, 1.0)
+
+    step = fzero.train_step(plan=plan, optimizer=optimizer, grad_fn=grad_fn)
+    for i in range(3):
+        x, y = make_batch(i, 8 * world)
+        rows = slice(rank * 8, (rank + 1) * 8)
+        state, _ = step(state, (x[rows], y[rows]))
+    return fzero.state_dict(state)
+
+
+def per_sample_reference(world: int) -> dict[str, torch.Tensor]:
+    """One process, plain torch: each example's gradient clipped to norm 1, averaged."""
+    from examples.per_sample_clipping import make_batch, make_model
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(3):
+        x, y = make_batch(i, 8 * world)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for xi, yi in zip(x, y):
+            model.zero_grad()
+            F.cross_entropy(model(xi[None]), yi[None]).backward()
+            norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters()))
+            factor = min(1.0, 1.0 / (norm.item() + 1e-6))
+            for t, p in zip(total, model.parameters()):
+                t += factor * p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / len(x)
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world,stage", [(1, 3), (2, 3), (2, 2)])
+def test_per_sample_clipping_under_zero3_matches_a_single_process_reference(world, stage):
+    result = run_world(per_sample_case, world, stage)
+    expected = per_sample_reference(world)
+    assert result.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(result[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_per_sample_clipping_example_trains_under_zero3():
+    from tests.test_examples import ROOT, _fzero_run
+
+    out = _fzero_run(ROOT / "examples" / "per_sample_clipping.py", "--steps", "20")
+    assert "ZeRO-3 over 2 ranks: rank 0 holds 416 of 804 fp32 weights" in out
+    first, last = (float(v) for v in out.split("loss ")[-1].split(";")[0].split(" -> "))
+    assert last < first - 0.1, out
+
+
+def awkward_case(rank: int, world: int) -> dict:
+    """Tied weights, a frozen layer, an unused layer, a block used twice, at stage 3."""
+    torch.manual_seed(0)
+    engine = fzero.shard(Awkward(), stage=3, optimizer=fzero.optim.adam(lr=1e-2))
+    torch.manual_seed(0)
+    model = Awkward()
+    plan = _plan(model, world, 3)
+    state = fzero.init(model, plan, fzero.optim.adam(lr=1e-2))
+
+    def loss_fn(params, tokens):
+        return torch.func.functional_call(model, params, (tokens,)).logsumexp(-1).mean()
+
+    step = fzero.train_step(loss_fn, plan, fzero.optim.adam(lr=1e-2))
+    for i in range(3):
+        tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(i + rank))
+        engine.backward(engine(tokens).logsumexp(-1).mean())
+        engine.step()
+        state, _ = step(state, tokens)
+    return {"engine": engine.state_dict(), "step": fzero.state_dict(state, module=model)}
+
+
+def test_awkward_model_at_stage3_equals_the_engine():
+    result = run_world(awkward_case, 2)
+    assert list(result["step"]) == list(result["engine"])  # the module's keys, in order
+    for name, value in result["engine"].items():
+        torch.testing.assert_close(result["step"][name], value, rtol=0, atol=0, msg=name)
+
+
+def _single_state(stage: int = 2):
+    model = Net()
+    plan = _plan(model, 1, stage)
+    optimizer = fzero.optim.adam(lr=LR)
+    state = fzero.init(model, plan, optimizer, seed=3)
+
+    def loss_fn(params, batch):
+        out = torch.func.functional_call(model, params, (batch[0],))
+        return F.mse_loss(F.dropout(out, 0.5), batch[1])
+
+    return model, plan, optimizer, state, loss_fn
+
+
+def pytree_case(rank: int, world: int) -> dict:
+    _, plan, optimizer, state, loss_fn = _single_state()
+    step = fzero.train_step(loss_fn, plan, optimizer)
+    copy = pytree.tree_map_only(torch.Tensor, torch.clone, state)
+    assert type(copy) is fzero.TrainState and copy.counters == state.counters
+    batch = global_batch(0, 4)
+    first, m1 = step(state, batch)
+    with pytest.raises(ValueError, match="was given to a step already"):
+        step(state, batch)
+    second, m2 = step(copy, batch)  # the copy replays the step: same dropout, same result
+    assert m1["loss"].item() == m2["loss"].item()
+    assert torch.equal(first.rng, second.rng) and not torch.equal(first.rng, copy.rng)
+    a, b = fzero.state_dict(first), fzero.state_dict(second)
+    same = all(torch.equal(a[k], b[k]) for k in a)
+    return {"same": same, "leaves": len(pytree.tree_leaves(state))}
+
+
+def test_train_state_is_a_pytree_a_copy_replays_a_step_and_a_donated_state_is_refused():
+    result = run_world(pytree_case, 1)
+    assert result["same"]
+    assert result["leaves"] > 0
+
+
+def errors_case(rank: int, world: int) -> None:
+    model, plan, optimizer, state, loss_fn = _single_state()
+    with pytest.raises(TypeError, match="exactly one of loss_fn and grad_fn"):
+        fzero.train_step(loss_fn, plan, optimizer, grad_fn=lambda p, b: None)
+    with pytest.raises(ValueError, match=r"plan\.world_size is 2 but torch.distributed runs 1"):
+        fzero.init(model, _plan(model, 2, 1), optimizer)
+    with pytest.raises(ValueError, match="lamb"):
+        fzero.train_step(loss_fn, plan, fzero.optim.lamb(lr=1e-3))
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device is 'nvme'"):
+        fzero.init(model, plan, optimizer, config={"zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"config's zero_optimization\.stage is 3; the plan's 2"):
+        fzero.train_step(loss_fn, plan, optimizer, config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match="does not fit the plan: missing parameters"):
+        fzero.init(nn.Linear(2, 2), plan, optimizer)
+    bad = fzero.train_step(plan=plan, optimizer=optimizer, grad_fn=lambda p, b: (0.0, {"x": 1}))
+    with pytest.raises(ValueError, match=r"unknown names \['x'\]"):
+        bad(state, None)
+    scalar = fzero.train_step(lambda p, b: torch.ones(3, requires_grad=True), plan, optimizer)
+    with pytest.raises(ValueError, match=r"expected a scalar tensor"):
+        scalar(state, None)
+    other = fzero.train_step(loss_fn, _plan(model, 1, 3), optimizer)
+    with pytest.raises(ValueError, match="not the plan this step was made for"):
+        other(state, global_batch(0, 4))
+
+
+def test_train_step_errors_name_what_is_wrong():
+    run_world(errors_case, 1)
+
+
+def schedule_case(rank: int, world: int) -> list[float]:
+    """A config's optimizer and scheduler blocks drive train_step as they drive the engine."""
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+    }
+    torch.manual_seed(0)
+    engine, *_ = fzero.initialize(model=Net(), config=config)
+    torch.manual_seed(0)
+    model = Net()
+    plan = _plan(model, world, 1)
+    optimizer = fzero.optim.optimizer_from_name("AdamW", {"lr": 0.01})
+    state = fzero.init(model, plan, optimizer)
+
+    def loss_fn(params, batch):
+        return F.mse_loss(torch.func.functional_call(model, params, (batch[0],)), batch[1])
+
+    step = fzero.train_step(loss_fn, plan, config=config)
+    lrs = []
+    for i in range(5):
+        x, y = global_batch(i, 4)
+        engine.backward(F.mse_loss(engine(x), y))
+        lrs.append(engine.get_lr()[0])
+        engine.step()
+        state, metrics = step(state, (x, y))
+        assert metrics["lr"][0] == lrs[-1]
+    a, b = engine.state_dict(torch.float32), fzero.state_dict(state)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return lrs
+
+
+def test_config_optimizer_and_scheduler_blocks_drive_train_step():
+    lrs = run_world(schedule_case, 1)
+    assert lrs[0] < lrs[-1]
+
+
+def test_train_step_is_exported_with_its_state_types():
+    assert dist.is_available()
+    for name in ("init", "train_step", "state_dict", "TrainState", "UnitState", "Counters"):
+        assert name in fzero.__all__ and hasattr(fzero, name)
