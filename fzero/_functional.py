@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
-from fzero._train_state import Counters, TrainState, UnitState
+from fzero._train_state import Counters, TrainState, UnitState, publish
 from fzero._unit_gather import UnitGatherer, placeholder
 from fzero.config import Config, batch_sizes, load_config
 from fzero.engine._apply import hparam_fields, native_update_
@@ -556,23 +556,8 @@ class _Micro:
                     grad = grad * factor
                 state = optimizer.update_(grad, u.optim, u.master, **hparam_fields(hp))
             units[index] = u._replace(optim=state)
-            self._publish(index, units[index])
+            publish(self.plan, self.rank, index, units[index])
         return tuple(units)
-
-    def _publish(self, index: int, u: UnitState) -> None:
-        """The new master into the compute-dtype parameters (all-gathered at stages 1-2)."""
-        unit = self.plan.units[index]
-        if not self._whole(unit):
-            if u.params is not None:
-                u.params.copy_(u.master)
-            return
-        assert u.params is not None
-        part = _partition(self.plan, unit, self.rank)
-        target = u.params[part]
-        if target.data_ptr() != u.master.data_ptr():
-            target.copy_(u.master)
-        if self.plan.stage > 0 and self.world > 1:
-            comm.all_gather_into(u.params, target.clone())
 
 
 def _numel(plan: Plan) -> int:

@@ -29,10 +29,11 @@ from typing import Any, NamedTuple, Protocol
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from fzero import comm
 from fzero.optim import LossScaleState
 from fzero.partition import Plan
 
-__all__ = ["Counters", "Residence", "TrainState", "UnitState"]
+__all__ = ["Counters", "Residence", "TrainState", "UnitState", "publish"]
 
 
 class UnitState(NamedTuple):
@@ -62,7 +63,7 @@ class Residence(Protocol):
 
     def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
 
-    def store_next(self, index: int, unit: UnitState) -> None: ...
+    def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,24 @@ pytree.register_pytree_node(
     _unflatten,
     serialized_type_name="fzero.TrainState",
 )
+
+
+def publish(plan: Plan, rank: int, index: int, unit: UnitState) -> None:
+    """Write unit `index`'s fp32 master into its compute-dtype parameters: the shard at
+    stage 3, else this rank's part of the whole buffer, all-gathered from every rank's
+    part at stages 1-3 (collective there)."""
+    plan_unit = plan.units[index]
+    if plan.stage == 3 and not plan_unit.persistent:
+        if unit.params is not None:
+            unit.params.copy_(unit.master)
+        return
+    assert unit.params is not None
+    if plan.stage == 0:
+        target = unit.params[: plan_unit.numel]
+    else:
+        start, stop = plan_unit.shard_range(rank)
+        target = unit.params[start:stop]
+    if target.data_ptr() != unit.master.data_ptr():
+        target.copy_(unit.master)
+    if plan.stage > 0 and plan.world_size > 1:
+        comm.all_gather_into(unit.params, target.clone())

@@ -102,3 +102,27 @@ def test_the_pure_layers_import_no_engine_or_io():
         if name.startswith(("fzero.partition", "fzero.optim")):
             bad = {i for i in imports if not i.startswith(("fzero.partition", "fzero.optim"))}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_checkpoints_reach_no_engine_and_touch_no_private_engine_attribute():
+    """The checkpoint package saves and restores a TrainState: nothing it imports, even
+    indirectly, is the engine, and where it takes an engine (its wrappers) it reads only
+    public attributes."""
+    graph = import_graph()
+    for name in (n for n in graph if n.startswith("fzero.checkpoint")):
+        engine = {m for m in _reachable(graph, name) if m.startswith("fzero.engine")}
+        assert not engine, f"{name} reaches {sorted(engine)}"
+    for path in (ROOT / "fzero" / "checkpoint").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(getattr(node, "value", None), "id", None)
+            if isinstance(node, ast.Attribute) and name == "engine":
+                assert not node.attr.startswith("_"), f"{path.name}: engine.{node.attr}"

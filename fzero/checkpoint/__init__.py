@@ -1,8 +1,10 @@
 """Sharded checkpoints: safetensors slices + one msgpack index per tag (never pickled).
 
-`Engine.save_checkpoint` / `Engine.load_checkpoint` write and read them (any world
-size, stage or strategy on load); `consolidated_state_dict` and `consolidate` turn one
-into the model's own `state_dict` or `model.safetensors`; `inspect` verifies one.
+`save(directory, state, optimizer=...)` writes a `TrainState`, `restore(directory,
+like)` reads one back (any world size, stage or strategy on load);
+`Engine.save_checkpoint` / `Engine.load_checkpoint` are these with the engine's extras.
+`consolidated_state_dict` and `consolidate` turn one into the model's own `state_dict`
+or `model.safetensors`; `inspect` verifies one.
 """
 
 from fzero.checkpoint._consolidate import (
@@ -13,12 +15,18 @@ from fzero.checkpoint._consolidate import (
     parse_size,
 )
 from fzero.checkpoint._files import CheckpointError
+from fzero.checkpoint._state_io import Extras, Restored, restore, save, wait_for_save
 
 __all__ = [
     "CheckpointError",
+    "Extras",
+    "Restored",
     "consolidate",
     "consolidated_state_dict",
     "inspect",
     "iter_consolidated",
     "parse_size",
+    "restore",
+    "save",
+    "wait_for_save",
 ]

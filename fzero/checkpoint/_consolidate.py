@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from fzero import partition
-from fzero.checkpoint._engine_io import CLIENT_FILE, MODEL_16BIT, read_index, read_latest
 from fzero.checkpoint._files import (
     CheckpointError,
     SafetensorsFile,
     tensor_bytes,
     write_safetensors_stream,
 )
+from fzero.checkpoint._format import CLIENT_FILE, MODEL_16BIT, read_index, read_latest
 
 __all__ = ["consolidate", "consolidated_state_dict", "inspect", "iter_consolidated", "parse_size"]
 

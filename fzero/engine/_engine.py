@@ -25,12 +25,13 @@ from torch import Tensor
 
 from fzero import _nvme, comm, partition
 from fzero._meta_init import MetaInitializer
+from fzero._train_state import Counters, TrainState, UnitState
 from fzero.config import Config, batch_sizes, check_resolved
 from fzero.engine import _views
 from fzero.engine._apply import OptimizerApplication, hparam_fields
 from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
 from fzero.engine._reduction import GradientReduction
-from fzero.engine._residency import Residency
+from fzero.engine._residency import Residency, UnitResidence
 from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._step import GradStats, decide_step, grad_stats
 from fzero.engine._units import (
@@ -300,6 +301,31 @@ class Engine:
             self.residency.swap_out(rt, rt.slot, wait=True)
             self.residency.evict(rt)
         return rt
+
+    @property
+    def train_state(self) -> TrainState:
+        """The engine's training state as a `TrainState` over its own buffers (no copy):
+        what `save_checkpoint` saves and `load_checkpoint` restores."""
+        units = tuple(
+            UnitState(
+                rt.master,
+                rt.state,
+                rt.full if self.stage < 3 or rt.unit.persistent else rt.param_shard,
+                rt.grad,
+            )
+            for rt in self.units
+        )
+        counters = Counters(
+            self.global_steps,
+            self.global_samples,
+            self.micro_steps,
+            self.skipped_steps,
+            self.lr_steps,
+        )
+        residence = UnitResidence(self.residency, self.units) if self.nvme is not None else None
+        return TrainState(
+            self.plan, self.rank, units, counters, self.loss_scale_state, residence=residence
+        )
 
     @property
     def nvme(self) -> Any:

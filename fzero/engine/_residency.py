@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 
 from fzero import _nvme, comm
+from fzero._train_state import UnitState
 from fzero.config import Config
 from fzero.engine._units import UnitRuntime
 from fzero.partition import Plan, Unit
 
-__all__ = ["Residency"]
+__all__ = ["Residency", "UnitResidence"]
 
 
 class Residency:
@@ -327,3 +328,26 @@ class Residency:
             return tensor.clone()
         copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.pin)
         return copy.copy_(tensor)
+
+
+class UnitResidence:
+    """The NVMe residency as a `TrainState`'s `Residence`: units by index (checkpoints
+    read and write them through it, one unit in memory at a time)."""
+
+    def __init__(self, residency: Residency, units: list[UnitRuntime]) -> None:
+        self.residency, self.units = residency, units
+
+    @contextlib.contextmanager
+    def resident(self, index: int) -> Iterator[UnitState]:
+        rt = self.units[index]
+        with self.residency.resident(rt, write_back=False):
+            yield UnitState(rt.master, rt.state, None, rt.grad)
+
+    def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
+        """Write `unit` to the other slot of unit `index`'s regions (current once the
+        engine flips `rt.slot`); memory keeps none of it."""
+        rt = self.units[index]
+        rt.master, rt.state = unit.master, unit.optim
+        if with_grad and self.residency.grads_on_disk:
+            rt.grad = unit.grad
+        self.residency.write_next_slot(rt, with_grad=with_grad)

@@ -1,0 +1,156 @@
+"""`fzero.checkpoint.save` / `restore` of a `TrainState`: exact resumption (dropout's
+generator included, mid-accumulation too), resharding to another world size and stage,
+and one format for both front doors (an engine's checkpoint restores into a functional
+state and the other way round)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero.checkpoint import CheckpointError, consolidated_state_dict
+from tests._dist import run_world
+from tests.models import Net, global_batch
+
+MICRO = 2
+
+
+def _plan(model, world, stage):
+    options = {"persistence_threshold": 0} if stage == 3 else {}
+    return fzero.partition.plan(
+        fzero.partition.describe(model), world_size=world, stage=stage, **options
+    )
+
+
+def _setup(world: int, stage: int, accum: int, seed: int):
+    torch.manual_seed(seed)
+    model = Net()
+    plan = _plan(model, world, stage)
+    optimizer = fzero.optim.adamw(lr=1e-2, weight_decay=0.01)
+    state = fzero.init(model, plan, optimizer, seed=seed)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, params, (x,))
+        return F.mse_loss(F.dropout(out, 0.3), y)
+
+    config = {"gradient_accumulation_steps": accum}
+    return model, plan, optimizer, state, fzero.train_step(loss_fn, plan, optimizer, config=config)
+
+
+def _micro_steps(step, state, rank, world, first, count):
+    losses = []
+    for i in range(first, first + count):
+        x, y = global_batch(i, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(metrics["loss"].item())
+    return state, losses
+
+
+def resume_case(rank: int, world: int, root: str, stage: int, at: int) -> dict:
+    """Train 6 micro-steps (accumulation 2), saving after `at`; restore into a state
+    built from another seed and run the rest: the same losses and weights, bitwise."""
+    _, _, optimizer, state, step = _setup(world, stage, 2, seed=0)
+    state, _ = _micro_steps(step, state, rank, world, 0, at)
+    fzero.checkpoint.save(root, state, optimizer=optimizer, tag="t", client_state={"k": at})
+    state, rest = _micro_steps(step, state, rank, world, at, 6 - at)
+    straight = fzero.state_dict(state)
+    _, _, _, fresh, step = _setup(world, stage, 2, seed=7)
+    restored = fzero.checkpoint.restore(root, fresh, optimizer=optimizer)
+    assert restored.client_state == {"k": at} and restored.directory.endswith("t")
+    assert restored.state.counters.micro_steps == at
+    state, again = _micro_steps(step, restored.state, rank, world, at, 6 - at)
+    resumed = fzero.state_dict(state)
+    same = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    return {"rest": rest, "again": again, "same": same}
+
+
+@pytest.mark.parametrize("stage,at", [(3, 2), (3, 3), (1, 3), (0, 2)])
+def test_restore_resumes_exactly_with_dropout_and_mid_accumulation(tmp_path, stage, at):
+    result = run_world(resume_case, 2, str(tmp_path), stage, at)
+    assert result["rest"] == result["again"]
+    assert result["same"]
+
+
+def reshard_save_case(rank: int, world: int, root: str) -> dict:
+    model, _, optimizer, state, step = _setup(world, 3, 1, seed=0)
+    state, _ = _micro_steps(step, state, rank, world, 0, 2)
+    fzero.checkpoint.save(root, state, optimizer=optimizer, module=model)
+    return fzero.state_dict(state, module=model)
+
+
+def reshard_load_case(rank: int, world: int, root: str) -> dict:
+    """World 1, stage 1, bf16: a ZeRO-3 world-2 save restores; the engine loads it too."""
+    torch.manual_seed(5)
+    model = Net()
+    plan = _plan(model, world, 1)
+    optimizer = fzero.optim.adamw(lr=1e-2, weight_decay=0.01)
+    state = fzero.init(model, plan, optimizer, precision="bf16")
+    restored = fzero.checkpoint.restore(root, state, optimizer=optimizer, module=model)
+    torch.manual_seed(6)
+    engine = fzero.shard(Net(), stage=2, optimizer=optimizer)
+    engine.load_checkpoint(root)
+    return {
+        "functional": fzero.state_dict(restored.state, module=model),
+        "engine": engine.state_dict(dtype=torch.float32),
+        "steps": restored.state.counters.global_steps,
+        "bf16": restored.state.units[0].params.dtype == torch.bfloat16,
+        "consolidated": consolidated_state_dict(root),
+    }
+
+
+def test_restore_reshards_and_the_engine_loads_a_functional_checkpoint(tmp_path):
+    saved = run_world(reshard_save_case, 2, str(tmp_path))
+    loaded = run_world(reshard_load_case, 1, str(tmp_path))
+    assert loaded["steps"] == 2 and loaded["bf16"]
+    for view in ("functional", "engine", "consolidated"):
+        assert list(loaded[view]) == list(saved), view  # the module's keys, in order
+        for name, value in saved.items():
+            assert torch.equal(loaded[view][name], value), (view, name)
+
+
+def engine_to_state_case(rank: int, world: int, root: str) -> bool:
+    torch.manual_seed(0)
+    engine = fzero.shard(Net(), stage=2, optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+    for i in range(2):
+        x, y = global_batch(i, MICRO * world)
+        engine.backward(F.mse_loss(engine(x[rank * MICRO : (rank + 1) * MICRO]), y[:MICRO]))
+        engine.step()
+    engine.save_checkpoint(root)
+    expected = engine.state_dict(dtype=torch.float32)
+    torch.manual_seed(1)
+    model = Net()
+    optimizer = fzero.optim.sgd(lr=0.1, momentum=0.9)
+    state = fzero.init(model, _plan(model, world, 3), optimizer)
+    restored = fzero.checkpoint.restore(root, state, optimizer=optimizer, module=model).state
+    got = fzero.state_dict(restored, module=model)
+    momentum = [u.optim.momentum_buffer.abs().sum().item() for u in restored.units]
+    assert restored.counters.global_steps == 2 and any(m > 0 for m in momentum)
+    return rank != 0 or all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_an_engine_checkpoint_restores_into_a_functional_state(tmp_path):
+    assert run_world(engine_to_state_case, 2, str(tmp_path))
+
+
+def errors_case(rank: int, world: int, root: str) -> None:
+    _, _, optimizer, state, _ = _setup(world, 2, 1, seed=0)
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        fzero.checkpoint.restore(root, state, optimizer=optimizer)
+    fzero.checkpoint.save(root, state, optimizer=optimizer)
+    with pytest.raises(CheckpointError, match="load_optimizer_states=False"):
+        fzero.checkpoint.restore(root, state, optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        fzero.checkpoint.restore(root, state, load_optimizer_states=False)
+    sgd = fzero.optim.sgd(lr=0.1, momentum=0.9)
+    _, plan, _, _, _ = _setup(world, 2, 1, seed=0)
+    fresh = fzero.init(Net(), plan, sgd)
+    weights = fzero.checkpoint.restore(root, fresh, optimizer=sgd, load_optimizer_states=False)
+    assert weights.state.units[0].optim.step == 0
+
+
+def test_restore_errors_name_what_is_wrong(tmp_path):
+    run_world(errors_case, 1, str(tmp_path))
