@@ -6,13 +6,16 @@ left unchanged, `fzero run --as-deepspeed` serves `import deepspeed` (`fzero.com
 """
 
 from fzero import accelerator, checkpoint, checkpointing, comm, optim, partition, zero
-from fzero._functional import init, state_dict, train_step
+from fzero._arguments import add_config_arguments
+from fzero._auto import resolve_auto
+from fzero._functional import init, state_dict
 from fzero._meta_init import init_context
 from fzero._train_state import Counters, TrainState, UnitState
+from fzero._train_step import train_step
 from fzero._version import __version__
 from fzero.api import gathered_parameters, initialize, shard
 from fzero.compat.deepspeed.comm import init_distributed
-from fzero.config import Config, add_config_arguments, load_config, resolve_auto
+from fzero.config import Config, load_config
 from fzero.engine import Engine
 
 DeepSpeedEngine = Engine  # DeepSpeed's name, for isinstance checks

@@ -1,58 +1,27 @@
-"""Training as functions: `init` builds a `TrainState`, `train_step` makes the step
-`(state, batch) -> (state, metrics)`, `state_dict` consolidates the trained weights.
-
-```python
-plan = fzero.partition.plan(fzero.partition.describe(model), world_size=W, stage=3)
-optimizer = fzero.optim.adamw(lr=1e-3)
-state = fzero.init(model, plan, optimizer)
-
-def loss_fn(params, batch):                      # params: fqn -> full tensor
-    x, y = batch
-    return F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
-
-step = fzero.train_step(loss_fn, plan, optimizer, config={"gradient_clipping": 1.0})
-state, metrics = step(state, batch)
-```
-
-The step runs what the engine runs: the plan's layout and reductions (`fzero.partition`,
-`fzero.engine._units`), the step's rules (`fzero.engine._step`: fp16 overflow, global
-norm, clipping), the optimizer's in-place update with fzero's native kernels
-(`fzero.engine._apply.native_update_`), and stage 3's per-unit gathering
-(`fzero._unit_gather`). Gradients come from autograd over `loss_fn` or from a `grad_fn`
-built with any torch.func transform. The step *donates* its input state (as
-`jax.jit(..., donate_argnums=0)`): the returned state reuses its buffers, and passing the
-old state again is an error — ZeRO's memory promise does not survive a second copy of the
-model state. Copy first (`tree_map_only(torch.Tensor, torch.clone, state)`) to keep one.
+"""Training as functions, part one: `init` builds this rank's `TrainState` from a model
+and a plan, `state_dict` consolidates the trained weights from one. The step is
+`fzero.train_step` (`fzero._train_step`); checkpoints are `fzero.checkpoint.save` and
+`restore`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm, native, partition
-from fzero._train_state import Counters, TrainState, UnitState, publish
-from fzero._unit_gather import UnitGatherer, placeholder
-from fzero.config import Config, batch_sizes, load_config
-from fzero.engine._apply import hparam_fields, native_update_
+from fzero import comm, partition
+from fzero._train_state import Counters, TrainState, UnitState
+from fzero.config import Config, load_config
 from fzero.engine._precision import DTYPES, loss_scaler
-from fzero.engine._step import decide_step, grad_stats
-from fzero.engine._units import add_pieces, gather_pieces, scatter_pieces
-from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name, with_overrides
-from fzero.partition import Placement, Plan
+from fzero.engine._units import gather_pieces, scatter_pieces
+from fzero.optim import Optimizer
+from fzero.partition import Plan
 
-__all__ = ["init", "state_dict", "train_step"]
-
-LossFn = Callable[[dict[str, Tensor], Any], Any]
-GradFn = Callable[[dict[str, Tensor], Any], tuple[Tensor, Mapping[str, Tensor]]]
-_DONATED: dict[int, weakref.ref] = {}  # states a step has consumed, by id
-
+__all__ = ["check_optimizer", "init", "load", "partition_of", "state_dict"]
 
 # ---- init ----------------------------------------------------------------------------------
 
@@ -73,8 +42,8 @@ def init(
     the process generator's state now)."""
     if precision not in DTYPES:
         raise ValueError(f"precision is {precision!r}; allowed: {sorted(DTYPES)}")
-    _check_optimizer(optimizer)
-    cfg = _load(config, plan)
+    check_optimizer(optimizer)
+    cfg = load(config, plan)
     comm.init_distributed()
     _check_world(plan)
     rank, device, dtype = dist.get_rank(), comm.backend_device(), DTYPES[precision]
@@ -90,7 +59,7 @@ def init(
                 scatter_pieces(flat, value, placement)
         if plan.world_size > 1:
             dist.broadcast(flat, src=0)
-        part = _partition(plan, unit, rank)
+        part = partition_of(plan, unit, rank)
         if plan.stage < 3 or unit.persistent:
             params = flat if dtype == torch.float32 else flat.to(dtype)
             shares = dtype == torch.float32 and host == device
@@ -106,7 +75,7 @@ def init(
     return TrainState(plan, rank, tuple(units), Counters(), scale, rng)
 
 
-def _load(config: Config | Mapping[str, Any] | str | None, plan: Plan) -> Config:
+def load(config: Config | Mapping[str, Any] | str | None, plan: Plan) -> Config:
     """The config, which may leave the stage out (the plan has one) but not contradict it."""
     cfg = load_config(config if config is not None else {})
     stage = cfg.zero_optimization.stage
@@ -122,7 +91,7 @@ def _seeded(seed: int) -> Tensor:
     return torch.Generator().manual_seed(seed).get_state()
 
 
-def _check_optimizer(optimizer: Optimizer) -> None:
+def check_optimizer(optimizer: Optimizer) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer is a {type(optimizer).__name__}; expected an fzero.optim optimizer "
@@ -158,7 +127,7 @@ def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
         )
 
 
-def _partition(plan: Plan, unit: partition.Unit, rank: int) -> slice:
+def partition_of(plan: Plan, unit: partition.Unit, rank: int) -> slice:
     """This rank's optimizer partition of the unit (the whole buffer at stage 0)."""
     if plan.stage == 0:
         return slice(0, unit.numel)
@@ -179,415 +148,6 @@ def _optimizer_device(config: Config, device: torch.device, stage: int) -> torch
             "in memory: allowed 'none' or 'cpu' (NVMe offload runs in the engine)"
         )
     return torch.device("cpu") if where == "cpu" else device
-
-
-# ---- the step ------------------------------------------------------------------------------
-
-
-def train_step(
-    loss_fn: LossFn | None = None,
-    plan: Plan | None = None,
-    optimizer: Optimizer | None = None,
-    config: Config | Mapping[str, Any] | str | None = None,
-    *,
-    grad_fn: GradFn | None = None,
-    schedule: Callable[[int, float], float] | None = None,
-    has_aux: bool = False,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
-    """The step `(state, batch) -> (state, metrics)` of one micro-batch on this rank.
-
-    - `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`): `params` maps
-      each trained parameter's name to its full tensor; call the model with
-      `torch.func.functional_call(model, params, args)`. Floating inputs are not cast:
-      with bf16/fp16 cast them to the parameters' dtype. At stage 3 the tensors are
-      placeholders whose unit is gathered when an operation uses them, and at most
-      `stage3_max_live_parameters` elements stay gathered (none between forward and
-      backward: backward gathers again what it needs).
-    - `grad_fn(params, batch) -> (loss, grads)` instead: gradients of the full parameters
-      by any torch.func transform (`vmap(grad(...))` for per-sample gradients); `grads`
-      maps names to gradients of `loss` (missing names count as zero). At stage 3 every
-      unit is gathered while `grad_fn` runs: the whole model's compute-dtype parameters
-      at once, released when it returns. fp16 needs `loss_fn` (the loss scale applies to
-      a backward fzero runs).
-
-    Gradients are averaged over ranks as the plan says (stages 0-1 at the accumulation
-    boundary, 2-3 per micro-batch into shards); every `gradient_accumulation_steps`-th
-    call is a boundary, where fp16 overflow skips, `gradient_clipping` clips and the
-    optimizer updates. `config` is a DeepSpeed config (dict, JSON path or `Config`);
-    `optimizer` defaults to its `optimizer` block, `schedule(step, base_lr)` to its
-    `scheduler` block. `metrics`: `loss`, `stepped`, `skipped`, `grad_norm` (None off a
-    boundary), `lr`, `loss_scale`, `gathered_peak_numel` (stage 3), `aux`.
-    """
-    if (loss_fn is None) == (grad_fn is None):
-        raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
-    if plan is None:
-        raise TypeError("train_step needs the plan the state was built with (plan=...)")
-    cfg = _load(config, plan)
-    optimizer = _optimizer_of(optimizer, cfg)
-    _check_optimizer(optimizer)
-    schedule = schedule or _schedule_of(cfg)
-    runner = _Step(loss_fn, grad_fn, plan, optimizer, cfg, schedule, has_aux)
-    return runner
-
-
-def _optimizer_of(optimizer: Optimizer | None, config: Config) -> Optimizer:
-    if optimizer is not None:
-        return optimizer
-    if config.optimizer is None:
-        raise ValueError("train_step has no optimizer: pass one or give the config one")
-    return optimizer_from_name(config.optimizer.type, config.optimizer.params)
-
-
-def _schedule_of(config: Config) -> Callable[[int, float], float] | None:
-    if config.scheduler is None:
-        return None
-    return schedule_from_name(config.scheduler.type, config.scheduler.params)
-
-
-class _Step:
-    """`train_step`'s result: a callable holding only what the caller passed in."""
-
-    def __init__(
-        self,
-        loss_fn: LossFn | None,
-        grad_fn: GradFn | None,
-        plan: Plan,
-        optimizer: Optimizer,
-        config: Config,
-        schedule: Callable[[int, float], float] | None,
-        has_aux: bool,
-    ) -> None:
-        self.loss_fn, self.grad_fn, self.plan = loss_fn, grad_fn, plan
-        self.optimizer, self.config, self.schedule, self.has_aux = (
-            optimizer,
-            config,
-            schedule,
-            has_aux,
-        )
-        self.accumulation = _accumulation(config, plan.world_size)
-
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        self._take(state)
-        run = _Micro(self, state)
-        with _rng(state.rng) as rng:
-            loss, aux = run.gradients(batch)
-            new_rng = rng()
-        counters = state.counters._replace(micro_steps=state.counters.micro_steps + 1)
-        metrics: dict[str, Any] = {
-            "loss": loss.detach(),
-            "stepped": False,
-            "skipped": False,
-            "grad_norm": None,
-            "lr": self._lrs(counters.lr_steps),
-            "loss_scale": state.loss_scale.scale if state.loss_scale else 1.0,
-        }
-        if run.gatherer is not None:
-            metrics["gathered_peak_numel"] = run.gatherer.peak_numel
-        if self.has_aux:
-            metrics["aux"] = aux
-        loss_scale, units = state.loss_scale, state.units
-        if counters.micro_steps % self.accumulation == 0:
-            counters, loss_scale, units = run.boundary(counters, metrics)
-        new = state.replace(units=units, counters=counters, loss_scale=loss_scale, rng=new_rng)
-        _donate(state)
-        return new, metrics
-
-    def _take(self, state: TrainState) -> None:
-        """Check `state` fits this step and was not given to a step before; donate it."""
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state is a {type(state).__name__}; expected fzero.TrainState")
-        if state.plan != self.plan:
-            raise ValueError("state.plan is not the plan this step was made for")
-        if state.residence is not None:
-            raise ValueError("state has units outside memory (NVMe); train_step needs them all")
-        seen = _DONATED.get(id(state))
-        if seen is not None and seen() is state:
-            raise ValueError(
-                f"this TrainState (micro-step {state.counters.micro_steps}) was given to a step "
-                "already, which updated its buffers in place: use the state that step returned "
-                "(copy with tree_map_only(torch.Tensor, torch.clone, state) to keep one)"
-            )
-
-    def _lrs(self, lr_steps: int) -> list[float]:
-        base = self.optimizer.hparams.lr
-        if self.schedule is None:
-            return [base]
-        return [self.schedule(lr_steps, base)]
-
-
-def _donate(state: TrainState) -> None:
-    """Remember that `state`'s buffers now belong to the state a step returned."""
-    key = id(state)
-    _DONATED[key] = weakref.ref(state, lambda _: _DONATED.pop(key, None))
-
-
-def _accumulation(config: Config, world_size: int) -> int:
-    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
-        return config.gradient_accumulation_steps or 1
-    return batch_sizes(config, world_size).gradient_accumulation_steps
-
-
-@contextlib.contextmanager
-def _rng(state: Tensor | None) -> Iterator[Callable[[], Tensor | None]]:
-    """Draw from `state` inside the block (the process generator is left as it was);
-    yields a function returning the generator's state after the draws."""
-    if state is None:
-        yield lambda: None
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        yield torch.get_rng_state
-
-
-class _Micro:
-    """One call of the step: gradients of one micro-batch, and at a boundary the update."""
-
-    def __init__(self, step: _Step, state: TrainState) -> None:
-        self.step, self.state, self.plan = step, state, step.plan
-        self.rank, self.world = state.rank, self.plan.world_size
-        self.device = state.units[0].grad.device if state.units else torch.device("cpu")
-        self.dtype = next(
-            (u.params.dtype for u in state.units if u.params is not None), torch.float32
-        )
-        self.gatherer: UnitGatherer | None = None
-        if self.plan.stage == 3:
-            max_live = int(step.config.zero_optimization.stage3_max_live_parameters)
-            self.gatherer = UnitGatherer(
-                self.plan, self._shard, dtype=self.dtype, device=self.device, max_live=max_live
-            )
-        self.flats: dict[int, Tensor] = {}
-        self.waiting: dict[int, set[str]] = {}
-        self.next_reduce = len(self.plan.units) - 1  # stages 2-3 reduce in this order
-
-    # ---- gradients of the micro-batch ----
-
-    def gradients(self, batch: Any) -> tuple[Tensor, Any]:
-        if self.step.grad_fn is not None:
-            return self._by_grad_fn(batch)
-        scale = self.state.loss_scale.scale if self.state.loss_scale else 1.0
-        leaves = self._leaves()
-        context = self.gatherer.active() if self.gatherer is not None else contextlib.nullcontext()
-        with context:
-            out = self.step.loss_fn(dict(leaves), batch)
-        loss, aux = out if self.step.has_aux else (out, None)
-        _check_loss(loss)
-        if self.gatherer is not None:
-            self.gatherer.release_all()  # backward gathers again what it needs
-        hooks = [
-            leaf.register_post_accumulate_grad_hook(self._on_grad(fqn))
-            for fqn, leaf in leaves.items()
-        ]
-        try:
-            (loss.float() * (scale / self.step.accumulation)).backward()
-        finally:
-            for hook in hooks:
-                hook.remove()
-            if self.gatherer is not None:
-                self.gatherer.release_all()
-        self._reduce_rest()
-        return loss, aux
-
-    def _leaves(self) -> dict[str, Tensor]:
-        """What `loss_fn` gets: leaf views of whole units, or stage 3's placeholders."""
-        leaves: dict[str, Tensor] = {}
-        self.where: dict[str, tuple[int, Placement]] = {}
-        for index, unit in enumerate(self.plan.units):
-            params = self.state.units[index].params
-            self.waiting[index] = {pl.fqn for pl in unit.placements}
-            for pl in unit.placements:
-                shape = self.plan.manifest[pl.fqn].shape
-                self.where[pl.fqn] = (index, pl)
-                if self._whole(unit):
-                    leaf = gather_pieces(params, pl, shape).detach().requires_grad_()
-                else:
-                    assert self.gatherer is not None
-                    leaf = placeholder(shape, self.dtype, self.device)
-                    self.gatherer.placeholders[id(leaf)] = (index, pl, shape)
-                leaves[pl.fqn] = leaf
-        return leaves
-
-    def _whole(self, unit: partition.Unit) -> bool:
-        return self.plan.stage < 3 or unit.persistent
-
-    def _shard(self, index: int) -> Tensor:
-        u = self.state.units[index]
-        return u.params if u.params is not None else u.master
-
-    def _on_grad(self, fqn: str) -> Callable[[Tensor], None]:
-        def hook(leaf: Tensor) -> None:
-            assert leaf.grad is not None
-            index, pl = self.where[fqn]
-            self._add(index, pl, leaf.grad)
-            leaf.grad = None
-            self.waiting[index].discard(fqn)
-            self._reduce_ready()
-
-        return hook
-
-    def _by_grad_fn(self, batch: Any) -> tuple[Tensor, Any]:
-        if self.state.loss_scale is not None:
-            raise ValueError("fp16 needs loss_fn (its loss scale applies to fzero's backward)")
-        params: dict[str, Tensor] = {}
-        self.where = {}
-        for index, unit in enumerate(self.plan.units):
-            for pl in unit.placements:
-                shape = self.plan.manifest[pl.fqn].shape
-                self.where[pl.fqn] = (index, pl)
-                if self._whole(unit):
-                    params[pl.fqn] = gather_pieces(self.state.units[index].params, pl, shape)
-                else:
-                    assert self.gatherer is not None
-                    self.gatherer.max_live = max(self.gatherer.max_live, _numel(self.plan))
-                    params[pl.fqn] = self.gatherer.tensor(index, pl, shape)
-        params = {k: v.detach() for k, v in params.items()}
-        out = self.step.grad_fn(params, batch)
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-        loss, grads = _check_grads(out, self.plan)
-        for fqn, grad in grads.items():
-            index, pl = self.where[fqn]
-            self._add(index, pl, grad.detach() / self.step.accumulation)
-        self._reduce_rest()
-        return loss, None
-
-    def _add(self, index: int, placement: Placement, grad: Tensor) -> None:
-        """Add a gradient into the unit's flat fp32 gradient of this micro-batch."""
-        if self.plan.stage < 2:  # summed locally into the accumulator until the boundary
-            flat = self.state.units[index].grad
-        else:
-            flat = self.flats.get(index)
-            if flat is None:
-                numel = self.plan.units[index].numel
-                flat = self.flats[index] = torch.zeros(numel, device=self.device)
-        add_pieces(flat, grad.reshape(-1).float(), placement)
-
-    def _reduce_ready(self) -> None:
-        """Stages 2-3: reduce units in descending order as their gradients complete (the
-        same sequence of collectives on every rank)."""
-        while self.next_reduce >= 0 and not self.waiting.get(self.next_reduce, ()):
-            self._reduce(self.next_reduce)
-            self.next_reduce -= 1
-
-    def _reduce_rest(self) -> None:
-        while self.next_reduce >= 0:
-            self._reduce(self.next_reduce)
-            self.next_reduce -= 1
-
-    def _reduce(self, index: int) -> None:
-        if self.plan.stage < 2:
-            return
-        unit = self.plan.units[index]
-        flat = self.flats.pop(index, None)
-        if flat is None:
-            flat = torch.zeros(unit.numel, device=self.device)
-        start, stop = unit.shard_range(self.rank)
-        if self.world > 1 and dist.get_backend() == "gloo":
-            # gloo's all-reduce measured faster than its reduce-scatter (fzero.engine._reduction)
-            comm.all_reduce(flat, op="avg")
-            shard = flat[start:stop]
-        elif self.world > 1:
-            shard = torch.empty(unit.shard_numel, device=self.device)
-            comm.reduce_scatter_into(shard, flat)
-        else:
-            shard = flat[start:stop]
-        self.state.units[index].grad.add_(shard)
-
-    # ---- the update at an accumulation boundary ----
-
-    def boundary(
-        self, counters: Counters, metrics: dict[str, Any]
-    ) -> tuple[Counters, Any, tuple[UnitState, ...]]:
-        config, plan = self.step.config, self.plan
-        if plan.stage < 2 and self.world > 1:
-            for u in self.state.units:
-                comm.all_reduce(u.grad, op="avg")
-        scaler = loss_scaler(config) if self.state.loss_scale is not None else None
-        dynamic = scaler is not None and scaler.dynamic
-        stats = [
-            grad_stats(self._owned_grad(i), clipping=config.gradient_clipping, dynamic=dynamic)
-            for i in range(len(plan.units))
-        ]
-        decision = decide_step(
-            stats,
-            loss_scaler=scaler,
-            loss_scale=self.state.loss_scale,
-            clipping=config.gradient_clipping,
-            device=self.device,
-            world_size=self.world,
-        )
-        metrics.update(grad_norm=decision.norm, skipped=decision.skip, stepped=not decision.skip)
-        if decision.loss_scale is not None:
-            metrics["loss_scale"] = decision.loss_scale.scale
-        counters = counters._replace(global_steps=counters.global_steps + 1)
-        units = self.state.units
-        if decision.skip:
-            counters = counters._replace(skipped_steps=counters.skipped_steps + 1)
-        else:
-            units = self._update(decision.factor, metrics["lr"][0], counters.lr_steps)
-            counters = counters._replace(lr_steps=counters.lr_steps + 1)
-        for u in units:
-            u.grad.zero_()
-        return counters, decision.loss_scale, units
-
-    def _owned_grad(self, index: int) -> Tensor:
-        grad = self.state.units[index].grad
-        if self.plan.stage < 2:
-            start, stop = self.plan.units[index].shard_range(self.rank)
-            return grad[start:stop]
-        return grad
-
-    def _update(self, factor: float, lr: float, lr_steps: int) -> tuple[UnitState, ...]:
-        """Every unit's optimizer update (in place) and new parameters; the new units."""
-        optimizer = self.step.optimizer
-        hp = with_overrides(optimizer.hparams, {"lr": lr})
-        momentum = getattr(self.step.schedule, "momentum", None)
-        if momentum is not None and momentum(lr_steps) is not None and hasattr(hp, "betas"):
-            hp = with_overrides(hp, {"betas": (momentum(lr_steps), hp.betas[1])})
-        units = list(self.state.units)
-        for index, u in enumerate(units):
-            part = _partition(self.plan, self.plan.units[index], self.rank)
-            grad = u.grad[part] if self.plan.stage < 2 else u.grad
-            grad = grad.to(u.master.device)
-            state = None
-            if native.available() and u.master.device.type == "cpu":
-                state = native_update_(optimizer.name, u.master, grad, u.optim, hp, factor)
-            if state is None:
-                if factor != 1.0:
-                    grad = grad * factor
-                state = optimizer.update_(grad, u.optim, u.master, **hparam_fields(hp))
-            units[index] = u._replace(optim=state)
-            publish(self.plan, self.rank, index, units[index])
-        return tuple(units)
-
-
-def _numel(plan: Plan) -> int:
-    return sum(unit.numel for unit in plan.units)
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else loss
-        raise ValueError(f"loss_fn returned {what!r}; expected a scalar tensor (or (loss, aux))")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn's loss does not depend on params (it does not require grad)")
-
-
-def _check_grads(out: Any, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
-        raise ValueError("grad_fn must return (loss, grads) with grads a mapping name -> tensor")
-    loss, grads = out
-    unknown = sorted(set(grads) - set(plan.manifest.fqns))
-    wrong = [
-        f"{k}: {tuple(v.shape)} (parameter {plan.manifest[k].shape})"
-        for k, v in grads.items()
-        if k not in unknown and tuple(v.shape) != plan.manifest[k].shape
-    ]
-    if unknown or wrong:
-        raise ValueError(
-            f"grad_fn's grads do not fit the plan: unknown names {unknown}, shapes {wrong}; "
-            f"allowed names: the plan's parameters ({len(plan.manifest.fqns)})"
-        )
-    return torch.as_tensor(loss), dict(grads)
 
 
 # ---- views of a state ------------------------------------------------------------------------

@@ -428,12 +428,12 @@ def async_case(rank, world, root):
     resumed.load_checkpoint(f"{root}/async")
     resumed_losses = _train(resumed, rank, world, 1, 2)
 
-    from fzero.checkpoint import _state_io
+    from fzero.checkpoint import _save
 
     def broken(*_args, **_kwargs):
         raise OSError("disk full (injected)")
 
-    _state_io.write_safetensors_stream = broken
+    _save.write_safetensors_stream = broken
     engine.save_checkpoint(f"{root}/broken", async_save=True)
     try:
         engine.save_checkpoint(f"{root}/next")

@@ -8,16 +8,9 @@ import warnings
 
 import pytest
 
-from fzero.config import (
-    AUTO,
-    ConfigError,
-    add_config_arguments,
-    batch_sizes,
-    check_resolved,
-    load_config,
-    resolve_auto,
-    unresolved_auto,
-)
+from fzero import add_config_arguments, resolve_auto
+from fzero._auto import check_resolved, unresolved_auto
+from fzero.config import AUTO, ConfigError, batch_sizes, load_config
 
 REGRESSION = """
 {"train_batch_size": 32, "fp16": {"enabled": true},

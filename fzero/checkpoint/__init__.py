@@ -15,7 +15,8 @@ from fzero.checkpoint._consolidate import (
     parse_size,
 )
 from fzero.checkpoint._files import CheckpointError
-from fzero.checkpoint._state_io import Extras, Restored, restore, save, wait_for_save
+from fzero.checkpoint._restore import Restored, restore
+from fzero.checkpoint._save import Extras, save, wait_for_save
 
 __all__ = [
     "CheckpointError",

@@ -17,13 +17,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from fzero import comm
+from fzero.checkpoint._files import write_safetensors
 from fzero.checkpoint._format import jsonable, process_rng, restore_process_rng
-from fzero.checkpoint._state_io import (
+from fzero.checkpoint._restore import find, restore
+from fzero.checkpoint._save import (
     Extras,
-    find,
     module_tensors,
-    restore,
     same_on_every_rank,
     save,
     wait_for_save,
@@ -33,7 +35,7 @@ from fzero.checkpoint._state_io import (
 # engine (the engine imports it), and reads only the engine's public attributes.
 Engine = Any
 
-__all__ = ["load_checkpoint", "save_checkpoint", "wait_for_save"]
+__all__ = ["load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_for_save"]
 
 log = logging.getLogger("fzero")
 
@@ -117,8 +119,6 @@ def load_checkpoint(
     wait_for_save(engine)
     load_dir = os.fspath(load_dir)
     extras = _extras(engine, for_save=False)
-    from fzero import comm
-
     same_on_every_rank(
         comm.side_group(extras.group_key), "load_checkpoint", load_dir=load_dir, tag=tag
     )
@@ -219,3 +219,14 @@ def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:
             f"{engine.world_size})"
         )
     log.warning(message)
+
+
+def save_16bit_model(engine: Engine, save_dir: str, save_filename: str) -> bool:
+    """See `Engine.save_16bit_model`."""
+    state = engine.state_dict()
+    if engine.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        items = [(k, v.contiguous()) for k, v in state.items()]
+        write_safetensors(os.path.join(save_dir, save_filename), items, {"format": "pt"})
+    dist.barrier()
+    return True

@@ -14,7 +14,6 @@ import functools
 import itertools
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,25 +22,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import _nvme, comm, partition
-from fzero._meta_init import MetaInitializer
-from fzero._train_state import Counters, TrainState, UnitState
-from fzero.config import Config, batch_sizes, check_resolved
+from fzero import comm
+from fzero._auto import check_resolved
+from fzero._train_state import TrainState
+from fzero.config import Config, batch_sizes
 from fzero.engine import _views
-from fzero.engine._apply import OptimizerApplication, hparam_fields
-from fzero.engine._precision import DTYPES, Precision, cast_floats, loss_scaler, precision_of
+from fzero.engine._apply import OptimizerApplication
+from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
+from fzero.engine._precision import DTYPES, Precision, loss_scaler, precision_of
 from fzero.engine._reduction import GradientReduction
-from fzero.engine._residency import Residency, UnitResidence
+from fzero.engine._residency import Residency
 from fzero.engine._stage3 import Stage3Gatherer
-from fzero.engine._step import GradStats, decide_step, grad_stats
+from fzero.engine._step import GradStats, Hyperparams, grad_stats, take_step
 from fzero.engine._units import (
     UnitRuntime,
-    bind,
-    scatter_pieces,
-    unbind,
 )
 from fzero.engine_optimizer import EngineOptimizer
-from fzero.optim import Optimizer, with_overrides
+from fzero.optim import Optimizer
 from fzero.partition import MemoryEstimate, Plan, Unit
 from fzero.telemetry import Telemetry, Timers
 
@@ -147,7 +144,6 @@ class Engine:
         self.timers = Timers()
         self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
-        self._forward_contexts: list[Any] = []
         self._global_grad_norm: float | None = None
         self.lr_scheduler: Any = None  # what `initialize` returns as the scheduler
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
@@ -155,17 +151,7 @@ class Engine:
         self._groups = (
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
         )
-        manifest = partition.describe(module, self._groups)
-        options: dict[str, Any] = {}
-        if self.stage == 3:
-            options["persistence_threshold"] = zero.stage3_param_persistence_threshold
-        self.plan = partition.plan(
-            manifest,
-            world_size=self.world_size,
-            stage=self.stage,
-            strategy=strategy or partition.flat_even,
-            **options,
-        )
+        self.plan = plan_for(module, self._groups, config, self.world_size, strategy)
         self.residency = Residency(
             config,
             self.plan,
@@ -174,11 +160,7 @@ class Engine:
             partition_numel=self.partition_numel,
         )
         self.optimizer_application = OptimizerApplication(self)
-        self._cast_module()
-        named = dict(module.named_parameters())
-        meta = None
-        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            meta = MetaInitializer(module, self.device, param_init_fn)
+        cast_module(self)
         self.stage3 = Stage3Gatherer(
             config,
             self.plan,
@@ -190,24 +172,12 @@ class Engine:
         )
         self.reduction = GradientReduction(self)
         self.stage3.on_backward_use = self.reduction.note_backward_use
-        self.units = [
-            self._build_unit(i, unit, named, meta) for i, unit in enumerate(self.plan.units)
-        ]
+        self.units = build_units(self, param_init_fn)
         self.stage3.units = self.residency.units = self.units
-        if meta is not None:
-            meta.finish()
-        if self.residency.nvme is not None:
-            _nvme.return_free_memory()
         self.reduction.build(zero.reduce_bucket_size)
-        for rt in self.units:
-            for p, _, _ in rt.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self.reduction.on_grad))
-                p._fzero_engine = weakref.ref(self)  # for fzero.gathered_parameters
-        self._install_root_hooks()
-        if self.stage == 3:
-            self.stage3.install_hooks(self.module)
-            self._hooks += self.stage3.hooks
-        self._set_hparams()
+        self._hooks += install_hooks(self)
+        trainable = self.functional_optimizer is not _NO_OPTIMIZER
+        self.hyperparams = Hyperparams(self, self._groups, trainable)
         self.telemetry = Telemetry(self)
         log.info(
             "fzero: stage %d, %s, world %d, %d units, %s params",
@@ -215,26 +185,8 @@ class Engine:
             self.precision,
             self.world_size,
             len(self.units),
-            f"{manifest.numel:,}",
+            f"{self.plan.manifest.numel:,}",
         )
-
-    # ---- construction ------------------------------------------------------------------
-
-    def _cast_module(self) -> None:
-        """Compute dtype for frozen params and floating buffers (trainable ones are rebound)."""
-        if self.compute_dtype == torch.float32:
-            return
-        managed = {id(p) for p in self._managed_parameters()}
-        for p in self.module.parameters():
-            if id(p) not in managed and p.is_floating_point():
-                p.data = p.data.to(self.compute_dtype)
-        for b in self.module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.to(self.compute_dtype)
-
-    def _managed_parameters(self) -> list[torch.nn.Parameter]:
-        named = dict(self.module.named_parameters())
-        return [named[spec.fqn] for spec in self.plan.manifest.tensors]
 
     def partition(self, unit: Unit) -> slice:
         """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
@@ -248,84 +200,11 @@ class Engine:
         start, stop = unit.shard_range(self.rank)
         return slice(start, stop)
 
-    def _build_unit(
-        self,
-        index: int,
-        unit: Unit,
-        named: Mapping[str, torch.nn.Parameter],
-        meta: MetaInitializer | None,
-    ) -> UnitRuntime:
-        fqns = [pl.fqn for pl in unit.placements]
-        tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
-        params = [(p, pl, tuple(p.shape)) for p, pl in zip(tensors, unit.placements)]
-        flat = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            for p, placement, _ in params:
-                scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
-        if self.world_size > 1:
-            dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights
-        keeps_full = self.stage < 3 or unit.persistent
-        part = self.partition(unit)
-        full = master = param_shard = None
-        shares_master = (
-            self.compute_dtype == torch.float32
-            and not self.offload
-            and self.param_offload == "none"
-        )
-        if keeps_full:
-            full = flat if self.compute_dtype == torch.float32 else flat.to(self.compute_dtype)
-            master = full[part] if shares_master else self.residency.to_host(flat[part])
-        else:
-            master = self.residency.to_host(flat[part])
-            if not shares_master:
-                param_shard = flat[part].to(self.compute_dtype, copy=True)
-        del flat
-        # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
-        grad_numel = 0 if self.stage < 2 or self.residency.grads_on_disk else unit.shard_numel
-        rt = UnitRuntime(
-            index=index,
-            unit=unit,
-            params=params,
-            master=master,
-            state=self.functional_optimizer.init(master),
-            grad=torch.zeros(grad_numel, dtype=torch.float32, device=self.device),
-            full=full,
-            param_shard=param_shard,
-        )
-        if keeps_full:
-            bind(rt)
-        else:
-            unbind(rt, self.compute_dtype, self.device)
-            self.stage3.store_param_shard(rt, rt.param_shard)
-        if self.residency.nvme is not None:  # to the swap file; the host keeps nothing of it
-            self.residency.swap_out(rt, rt.slot, wait=True)
-            self.residency.evict(rt)
-        return rt
-
     @property
     def train_state(self) -> TrainState:
         """The engine's training state as a `TrainState` over its own buffers (no copy):
         what `save_checkpoint` saves and `load_checkpoint` restores."""
-        units = tuple(
-            UnitState(
-                rt.master,
-                rt.state,
-                rt.full if self.stage < 3 or rt.unit.persistent else rt.param_shard,
-                rt.grad,
-            )
-            for rt in self.units
-        )
-        counters = Counters(
-            self.global_steps,
-            self.global_samples,
-            self.micro_steps,
-            self.skipped_steps,
-            self.lr_steps,
-        )
-        residence = UnitResidence(self.residency, self.units) if self.nvme is not None else None
-        return TrainState(
-            self.plan, self.rank, units, counters, self.loss_scale_state, residence=residence
-        )
+        return _views.train_state(self)
 
     @property
     def nvme(self) -> Any:
@@ -361,38 +240,6 @@ class Engine:
         for tensor in _tensors_requiring_grad(output):
             tensor.register_hook(self.reduction.on_output_grad)
         return output
-
-    def _install_root_hooks(self) -> None:
-        """Hooks on the module itself (first of all its hooks): inputs cast to the compute
-        dtype, and in stage 3 the forward phase with its saved-tensor hooks."""
-        root = self.module
-        self._hooks.append(
-            root.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True)
-        )
-        self._hooks.append(root.register_forward_hook(self._after_forward, always_call=True))
-
-    def _before_forward(self, _module: Any, args: Any, kwargs: Any) -> Any:
-        if self.compute_dtype != torch.float32:
-            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
-        contexts: list[Any] = []
-        if self.config.torch_autocast.enabled:  # DeepSpeed's torch_autocast (bf16)
-            contexts.append(torch.autocast(self.device.type, dtype=torch.bfloat16))
-        if self.stage == 3:
-            self.stage3.begin_phase("forward")
-            hooks = torch.autograd.graph.saved_tensors_hooks(self.stage3.pack, self.stage3.unpack)
-            contexts.append(hooks)
-        for context in contexts:
-            context.__enter__()
-        self._forward_contexts.append(contexts)
-        return args, kwargs
-
-    def _after_forward(self, _module: Any, _args: Any, _output: Any) -> None:
-        if not self._forward_contexts:
-            return
-        for context in reversed(self._forward_contexts.pop()):
-            context.__exit__(None, None, None)
-        if self.stage == 3:
-            self.stage3.end_phase()
 
     @_named("backward")
     def backward(
@@ -435,11 +282,12 @@ class Engine:
         loss_scale_state = self.loss_scale_state
         try:
             with self.timers("step"):
-                self._take_step()
+                decision = take_step(self)
         except OSError:  # an NVMe step that was not applied: step() may be called again
             self.micro_steps -= 1
             self.loss_scale_state = loss_scale_state
             raise
+        self._global_grad_norm, self._skipped_last = decision.norm, decision.skip
         self.global_steps += 1
         if self.batch is not None:
             self.global_samples += self.batch.train_batch_size
@@ -450,49 +298,6 @@ class Engine:
         if self.functional_optimizer is _NO_OPTIMIZER:
             raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
 
-    def _unit_grad_stats(self) -> list[GradStats]:
-        """`_step.grad_stats` of every unit's owned gradient, in unit order (NVMe: taken
-        when the last micro-step wrote the gradient; a unit without one has zeros)."""
-        if not self.residency.grads_on_disk:
-            return [
-                self.grad_stats(rt.grad[self.owned(rt.unit)] if self.stage < 2 else rt.grad)
-                for rt in self.units
-            ]
-        zeros = self.grad_stats(torch.zeros(1))
-        return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in self.units]
-
-    def grad_stats(self, grad: Tensor) -> GradStats:
-        """What the step needs of one unit's owned gradient (`_step.grad_stats`)."""
-        dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
-        return grad_stats(grad, clipping=self.config.gradient_clipping, dynamic=dynamic)
-
-    def _take_step(self) -> None:
-        decision = decide_step(
-            self._unit_grad_stats(),
-            loss_scaler=self.loss_scaler,
-            loss_scale=self.loss_scale_state,
-            clipping=self.config.gradient_clipping,
-            device=self.device,
-            world_size=self.world_size,
-        )
-        self.loss_scale_state = decision.loss_scale
-        self._global_grad_norm = decision.norm
-        self._skipped_last = decision.skip
-        if decision.skip:
-            self.skipped_steps += 1
-            log.warning(
-                "fzero: step %d skipped: gradient overflow; loss scale now %s",
-                self.global_steps,
-                self.loss_scale_state.scale,
-            )
-            self._zero_grads()
-            return
-        self.optimizer_application.apply(decision.factor, self._current_lrs())
-        self._zero_grads()
-        self.lr_steps += 1
-        if self.client_scheduler is not None:
-            self.client_scheduler.step()
-
     def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)
         to the parameters; `finish_publish` completes it. Collective."""
@@ -500,11 +305,6 @@ class Engine:
 
     def finish_publish(self) -> None:
         self.optimizer_application.finish_publish()
-
-    def _zero_grads(self) -> None:
-        for rt in self.units:
-            rt.grad.zero_()
-            rt.grad_on_disk, rt.grad_stats = False, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every `param.grad` of the module (DeepSpeed's `engine.zero_grad`): what
@@ -514,49 +314,21 @@ class Engine:
             if p.grad is not None:
                 p.grad = None
 
-    # ---- learning rate --------------------------------------------------------------------
+    def grad_stats(self, grad: Tensor) -> GradStats:
+        """What the step needs of one unit's owned gradient (`_step.grad_stats`)."""
+        dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
+        return grad_stats(grad, clipping=self.config.gradient_clipping, dynamic=dynamic)
 
-    def _set_hparams(self) -> None:
-        """Each unit's hyper-parameters, and the param groups scripts read and edit: the
-        client optimizer's when there is one, else the engine's own."""
-        base = self.functional_optimizer.hparams
-        trainable = self.functional_optimizer is not _NO_OPTIMIZER
-        group_hparams = [
-            with_overrides(
-                base,
-                {
-                    k: (tuple(v) if k == "betas" else v)
-                    for k, v in group.items()
-                    if k not in ("params", "name") and trainable
-                },
-            )
-            for group in self._groups
-        ]
-        self._base_lrs = [hp.lr for hp in group_hparams]
-        self._own_groups = [
-            {"params": list(group["params"]), **hparam_fields(hp)}
-            for group, hp in zip(self._groups, group_hparams)
-        ]
-        for rt in self.units:
-            rt.hparams = group_hparams[rt.unit.group]
+    # ---- learning rate ------------------------------------------------------------------
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's param groups; a script's edit of a group's `lr` is the lr of the
         next step (with a schedule, the schedule sets it at each step, as DeepSpeed's)."""
-        if self.client_optimizer is not None:
-            return self.client_optimizer.param_groups
-        return self._own_groups
-
-    def _current_lrs(self) -> list[float]:
-        """The lr of each param group for the step about to run."""
-        if self.client_optimizer is None and self.schedule is not None:
-            for group, base in zip(self._own_groups, self._base_lrs):
-                group["lr"] = self.schedule(self.lr_steps, base)
-        return [group["lr"] for group in self.param_groups]
+        return self.hyperparams.param_groups
 
     def get_lr(self) -> list[float]:
-        return self._current_lrs()
+        return self.hyperparams.current_lrs()
 
     # ---- DeepSpeed-compatible accessors -------------------------------------------------
 
@@ -619,34 +391,15 @@ class Engine:
 
     def get_mom(self) -> list[Any]:
         """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed)."""
-        momentum = getattr(self.schedule, "momentum", None)
-        beta1 = momentum(self.lr_steps) if momentum is not None else None
-        result = []
-        for group in self.param_groups:
-            if "betas" in group:
-                betas = tuple(group["betas"])
-                result.append((beta1, betas[1]) if beta1 is not None else betas)
-            else:
-                result.append(group.get("momentum", 0.0))
-        return result
+        return self.hyperparams.momentum()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside the block sums gradients locally without reducing them; the
         first backward at an accumulation boundary after it reduces them all. Stages 0-1
         only (stages 2-3 reduce as they shard, as in DeepSpeed); no `step()` inside."""
-        if self.stage >= 2:
-            raise RuntimeError(
-                f"no_sync() is incompatible with gradient partitioning of ZeRO stage "
-                f"{self.stage}; it is allowed at stages 0 and 1"
-            )
-        if self.reduction.no_sync:
-            raise RuntimeError("no_sync() is already active; it cannot be re-entered")
-        self.reduction.no_sync = True
-        try:
+        with self.reduction.without_sync():
             yield
-        finally:
-            self.reduction.no_sync = False
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give
@@ -735,15 +488,9 @@ class Engine:
         """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
         the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
         method, without its pickle file."""
-        from fzero.checkpoint._files import write_safetensors
+        from fzero.checkpoint import _engine_io
 
-        state = self.state_dict()
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            items = [(k, v.contiguous()) for k, v in state.items()]
-            write_safetensors(os.path.join(save_dir, save_filename), items, {"format": "pt"})
-        dist.barrier()
-        return True
+        return _engine_io.save_16bit_model(self, save_dir, save_filename)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written and committed."""

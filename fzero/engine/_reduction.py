@@ -71,6 +71,25 @@ class GradientReduction:
         }
 
     @contextlib.contextmanager
+    def without_sync(self) -> Iterator[None]:
+        """DeepSpeed's `no_sync`: backward inside sums gradients locally; the first
+        backward at an accumulation boundary after it reduces them all. Stages 0-1 only
+        (stages 2-3 reduce as they shard, as in DeepSpeed); no `step()` inside."""
+        stage = self.engine.stage
+        if stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with gradient partitioning of ZeRO stage "
+                f"{stage}; it is allowed at stages 0 and 1"
+            )
+        if self.no_sync:
+            raise RuntimeError("no_sync() is already active; it cannot be re-entered")
+        self.no_sync = True
+        try:
+            yield
+        finally:
+            self.no_sync = False
+
+    @contextlib.contextmanager
     def explicit_backward(self) -> Iterator[None]:
         """`engine.backward(loss)`: the pass inside is this engine's, whatever it reaches."""
         self.begin()

@@ -2,10 +2,12 @@
 gradient says (its squares, whether it is finite), and from all units together whether
 the step runs (fp16 overflow), the global norm, and the factor every gradient is scaled
 by (loss-scale inverse x clip coefficient, as DeepSpeed's `unscale_and_clip_grads`).
+Then the engine's step itself (`take_step`) and its learning rates (`Hyperparams`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, NamedTuple
 
@@ -13,9 +15,22 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.optim import LossScaleState, clip_coefficient
+from fzero.engine._apply import hparam_fields
+from fzero.optim import LossScaleState, clip_coefficient, with_overrides
 
-__all__ = ["GradStats", "StepDecision", "decide_step", "grad_stats"]
+__all__ = [
+    "GradStats",
+    "Hyperparams",
+    "StepDecision",
+    "decide_step",
+    "grad_stats",
+    "take_step",
+    "unit_grad_stats",
+    "zero_grads",
+]
+
+log = logging.getLogger("fzero")
+Engine = Any  # fzero.engine.Engine (this module sits below it)
 
 GradStats = tuple[Tensor, bool]
 
@@ -71,3 +86,108 @@ def decide_step(
     if clipping > 0:
         factor *= clip_coefficient(norm, clipping)
     return StepDecision(False, factor, norm, loss_scale)
+
+
+# ---- the engine's step ----------------------------------------------------------------------
+
+
+def unit_grad_stats(engine: Engine) -> list[GradStats]:
+    """`grad_stats` of every unit's owned gradient, in unit order (NVMe: taken when the
+    last micro-step wrote the gradient; a unit without one has zeros)."""
+    if not engine.residency.grads_on_disk:
+        return [
+            engine.grad_stats(rt.grad[engine.owned(rt.unit)] if engine.stage < 2 else rt.grad)
+            for rt in engine.units
+        ]
+    zeros = engine.grad_stats(torch.zeros(1))
+    return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in engine.units]
+
+
+def take_step(engine: Engine) -> StepDecision:
+    """The engine's step at an accumulation boundary: decide, then skip (fp16 overflow)
+    or update every unit; gradients zeroed either way."""
+    decision = decide_step(
+        unit_grad_stats(engine),
+        loss_scaler=engine.loss_scaler,
+        loss_scale=engine.loss_scale_state,
+        clipping=engine.config.gradient_clipping,
+        device=engine.device,
+        world_size=engine.world_size,
+    )
+    engine.loss_scale_state = decision.loss_scale
+    if decision.skip:
+        engine.skipped_steps += 1
+        log.warning(
+            "fzero: step %d skipped: gradient overflow; loss scale now %s",
+            engine.global_steps,
+            decision.loss_scale.scale if decision.loss_scale else None,
+        )
+    else:
+        engine.optimizer_application.apply(decision.factor, engine.hyperparams.current_lrs())
+        engine.lr_steps += 1
+        if engine.client_scheduler is not None:
+            engine.client_scheduler.step()
+    zero_grads(engine)
+    return decision
+
+
+def zero_grads(engine: Engine) -> None:
+    for rt in engine.units:
+        rt.grad.zero_()
+        rt.grad_on_disk, rt.grad_stats = False, None
+
+
+class Hyperparams:
+    """Each unit's hyper-parameters, and the param groups scripts read and edit: the
+    client optimizer's when there is one, else the engine's own; a schedule sets each
+    group's lr at each step, as DeepSpeed's does."""
+
+    def __init__(self, engine: Engine, groups: list[dict[str, Any]], trainable: bool) -> None:
+        self.engine = engine
+        base = engine.functional_optimizer.hparams
+        group_hparams = [
+            with_overrides(
+                base,
+                {
+                    k: (tuple(v) if k == "betas" else v)
+                    for k, v in group.items()
+                    if k not in ("params", "name") and trainable
+                },
+            )
+            for group in groups
+        ]
+        self.base_lrs = [hp.lr for hp in group_hparams]
+        self.own_groups = [
+            {"params": list(group["params"]), **hparam_fields(hp)}
+            for group, hp in zip(groups, group_hparams)
+        ]
+        for rt in engine.units:
+            rt.hparams = group_hparams[rt.unit.group]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        client = self.engine.client_optimizer
+        return client.param_groups if client is not None else self.own_groups
+
+    def current_lrs(self) -> list[float]:
+        """The lr of each param group for the step about to run."""
+        engine = self.engine
+        if engine.client_optimizer is None and engine.schedule is not None:
+            for group, base in zip(self.own_groups, self.base_lrs):
+                group["lr"] = engine.schedule(engine.lr_steps, base)
+        return [group["lr"] for group in self.param_groups]
+
+    def momentum(self) -> list[Any]:
+        """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed's
+        `get_mom`), with a schedule's cycled beta1 in place."""
+        engine = self.engine
+        schedule = getattr(engine.schedule, "momentum", None)
+        beta1 = schedule(engine.lr_steps) if schedule is not None else None
+        result = []
+        for group in self.param_groups:
+            if "betas" in group:
+                betas = tuple(group["betas"])
+                result.append((beta1, betas[1]) if beta1 is not None else betas)
+            else:
+                result.append(group.get("momentum", 0.0))
+        return result

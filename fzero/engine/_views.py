@@ -13,10 +13,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
+from fzero._train_state import Counters, TrainState, UnitState
+from fzero.engine._residency import UnitResidence
 from fzero.engine._units import UnitRuntime, bind, gather_pieces, scatter_pieces
 from fzero.partition import MemoryEstimate
 
-__all__ = ["full_master", "gathered_parameters", "memory_held", "memory_planned", "state_dict"]
+__all__ = [
+    "full_master",
+    "gathered_parameters",
+    "memory_held",
+    "memory_planned",
+    "state_dict",
+    "train_state",
+]
 
 Engine = Any  # fzero.engine.Engine (this module sits below it)
 
@@ -149,4 +158,29 @@ def memory_planned(engine: Engine) -> MemoryEstimate:
         grad_dtype="float32",
         optimizer=engine.functional_optimizer,
         offload_optimizer=engine.offload,
+    )
+
+
+def train_state(engine: Engine) -> TrainState:
+    """The engine's `TrainState` over its own buffers (no copy); NVMe-resident units are
+    reached through its `Residence`."""
+    units = tuple(
+        UnitState(
+            rt.master,
+            rt.state,
+            rt.full if engine.stage < 3 or rt.unit.persistent else rt.param_shard,
+            rt.grad,
+        )
+        for rt in engine.units
+    )
+    counters = Counters(
+        engine.global_steps,
+        engine.global_samples,
+        engine.micro_steps,
+        engine.skipped_steps,
+        engine.lr_steps,
+    )
+    residence = UnitResidence(engine.residency, engine.units) if engine.nvme is not None else None
+    return TrainState(
+        engine.plan, engine.rank, units, counters, engine.loss_scale_state, residence=residence
     )

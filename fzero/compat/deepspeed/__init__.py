@@ -9,11 +9,11 @@ The names DeepSpeed training scripts use, served by fzero: `initialize`,
 from __future__ import annotations
 
 from fzero import checkpointing, zero
+from fzero._arguments import add_config_arguments
 from fzero._version import __version__ as _fzero_version
 from fzero.api import initialize
 from fzero.compat.deepspeed import accelerator, comm, utils
 from fzero.compat.deepspeed.comm import init_distributed
-from fzero.config import add_config_arguments
 from fzero.engine import Engine as DeepSpeedEngine
 
 # The DeepSpeed API level fzero follows, and what it really is.

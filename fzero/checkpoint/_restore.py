@@ -1,0 +1,317 @@
+"""`restore`: a sharded checkpoint into a `TrainState` (collective).
+
+The old plan comes from the index and fills the new plan's partitions with
+`partition.reshard_reads`, so world size, stage and strategy may all change. Every rank
+reads its part into new buffers, then all ranks agree that every read succeeded before
+anything is replaced: a damaged file seen by one rank fails the restore everywhere and
+loses nothing. Units that do not live in memory (the engine's NVMe offload) go to their
+next slot through the state's `Residence` as they are read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fzero import comm, partition
+from fzero._train_state import Counters, TrainState, UnitState, publish
+from fzero.checkpoint._files import CheckpointError, hugepage_hint
+from fzero.checkpoint._format import Reader, check_tag, read_index, read_latest, slice_key
+from fzero.checkpoint._save import (
+    Extras,
+    extras_of,
+    grad_numel,
+    same_on_every_rank,
+    side_group,
+    state_kinds,
+    wait_for_save,
+)
+from fzero.optim import LossScaleState, Optimizer
+from fzero.partition import Plan, PlanError
+
+__all__ = ["Restored", "find", "restore", "restored_counters"]
+
+
+class Restored(NamedTuple):
+    """What `restore` read: the new `state`, the `client_state` saved with it, the
+    module's frozen parameters and buffers (`module`, by key), the checkpoint's
+    `directory` and its `index` (counters, scheduler, each rank's random state)."""
+
+    state: TrainState
+    client_state: Any
+    module: dict[str, Tensor]
+    directory: str
+    index: dict[str, Any]
+
+
+def find(load_dir: str | os.PathLike[str], tag: str | None) -> str | None:
+    """`load_dir/tag` (default: the tag `load_dir/latest` names), or None if absent."""
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    directory = os.path.join(load_dir, check_tag(tag, "load_checkpoint"))
+    return directory if os.path.isdir(directory) else None
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    like: TrainState,
+    *,
+    optimizer: Optimizer | None = None,
+    tag: str | None = None,
+    module: torch.nn.Module | None = None,
+    load_optimizer_states: bool = True,
+    accumulation: int | None = None,
+    extras: Extras | None = None,
+    owner: Any = None,
+    install: bool = True,
+) -> Restored:
+    """Read the checkpoint `directory/tag` (default: the tag in `directory/latest`) into a
+    state laid out like `like` (its plan — any world size, stage or strategy may have
+    saved it — dtypes and devices); collective. `optimizer` checks the saved optimizer's
+    name, and re-initialises the state when `load_optimizer_states` is False. `module`
+    checks (and `Restored.module` returns) the frozen parameters and buffers.
+    With `install` (the default) the new masters are also written to the compute-dtype
+    parameters (collective), so the returned state is ready to train; the counters,
+    loss scale and generator come from the checkpoint (with `accumulation`, micro-steps
+    are realigned to it when the save was at a boundary). `like` is consumed (as by a
+    step): the restored state reuses its parameter and gradient buffers. If any rank
+    cannot read its part, every rank raises `CheckpointError` and `like` is untouched."""
+    wait_for_save(owner)
+    extras = extras_of(like.plan, module, extras)
+    group = side_group(extras)
+    found = find(directory, tag)
+    same_on_every_rank(group, "load_checkpoint", load_dir=os.fspath(directory), tag=tag)
+    if found is None:
+        raise CheckpointError(
+            f"no checkpoint in {os.fspath(directory)} (tag {tag!r}): nothing to restore"
+        )
+    try:
+        index, units, staged, client_state = _read(
+            found, like, optimizer, extras, load_optimizer_states
+        )
+        failure = ""
+    except (CheckpointError, OSError) as error:
+        failure = str(error)
+    # Every rank learns whether every rank could read its part before anything changes.
+    failures = comm.all_gather_bytes(failure.encode(), group=group)
+    messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+    if messages:
+        raise CheckpointError("; ".join(messages))
+    counters = restored_counters(index, accumulation)
+    loss_scale = like.loss_scale
+    if index["loss_scale"] is not None and like.loss_scale is not None:
+        loss_scale = LossScaleState(*index["loss_scale"])
+    rng = like.rng
+    if like.rng is not None and like.rank < index["world_size"]:
+        saved = index["ranks"][like.rank]["rng"].get("torch")
+        rng = torch.tensor(list(saved), dtype=torch.uint8) if saved is not None else rng
+    if install:
+        units = tuple(_install(like, i, unit) for i, unit in enumerate(units))
+    state = like.replace(units=units, counters=counters, loss_scale=loss_scale, rng=rng)
+    return Restored(state, client_state, staged, found, index)
+
+
+def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
+    """Unit i of the restored state, ready to train: the master written to the
+    parameters (all-gathered where whole), held once again as their view when it was;
+    the gradient accumulator zeroed unless it was loaded. Collective."""
+    old = like.units[i]
+    if unit.grad is old.grad:
+        old.grad.zero_()
+    else:
+        old.grad.copy_(unit.grad)
+    publish(like.plan, like.rank, i, unit)
+    if _viewed(like, i):
+        assert unit.params is not None
+        unit = unit._replace(master=unit.params[_part(like, i)])
+    return unit._replace(grad=old.grad)
+
+
+def restored_counters(index: Mapping[str, Any], accumulation: int | None) -> Counters:
+    """The saved counters; at a boundary, micro-steps realigned to `accumulation`."""
+    counters = Counters(**index["counters"])
+    if accumulation is not None and not index["mid_accumulation"]:  # it may have changed
+        counters = counters._replace(micro_steps=counters.global_steps * accumulation)
+    return counters
+
+
+def _read(
+    directory: str,
+    like: TrainState,
+    optimizer: Optimizer | None,
+    extras: Extras,
+    with_state: bool,
+) -> tuple[dict[str, Any], tuple[UnitState, ...], dict[str, Tensor], Any]:
+    """Everything this rank needs from the checkpoint, read into new buffers unit by unit
+    (units outside memory go to their next slot through `like.residence`)."""
+    index = read_index(directory)
+    old_plan = partition.from_bytes(index["plan"])
+    plan = like.plan
+    _check_model(plan, like.rank, old_plan, index, directory, extras.module)
+    if index["mid_accumulation"] and (index["world_size"] != plan.world_size or old_plan != plan):
+        raise CheckpointError(
+            f"{directory} was saved mid gradient-accumulation at world size "
+            f"{index['world_size']}, stage {index['stage']}; it loads only into the same world "
+            f"size, stage and plan (here world size {plan.world_size}, stage {plan.stage})"
+        )
+    kinds = ["master"]
+    if with_state:
+        _check_optimizer(like, optimizer, index, directory)
+        kinds += state_kinds(like)
+    elif optimizer is None:
+        raise ValueError("load_optimizer_states=False needs the optimizer to start its state")
+    units: list[UnitState] = []
+    with Reader(directory, index, old_plan) as reader:
+        reads = _reads_by_unit(plan, like.rank, old_plan)
+        for i, old in enumerate(like.units):
+            tensors = {kind: _new_partition(plan, like.rank, i) for kind in kinds}
+            for kind, out in tensors.items():
+                _fill(plan, reader, kind, out, reads.get(i, []))
+            unit = _unit_from(old, tensors, index, optimizer, with_state)
+            if index["mid_accumulation"]:
+                grad = torch.empty(grad_numel(plan, i), dtype=torch.float32)
+                reader.read_whole(like.rank, f"grad/unit{i}", grad)
+                unit = unit._replace(grad=grad.to(old.grad.device))
+            if like.residence is not None:  # to the unit's next slot; memory keeps none of it
+                like.residence.store_next(i, unit, index["mid_accumulation"])
+                unit = old._replace(grad=unit.grad)
+            units.append(unit)
+        staged = {}
+        for key, tensor in extras.module.items():
+            saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
+            reader.read_whole(0, f"module/{key}", saved)
+            staged[key] = saved
+        client_state = reader.client_state(index)
+    return index, tuple(units), staged, client_state
+
+
+def _unit_from(
+    old: UnitState,
+    tensors: dict[str, Tensor],
+    index: Mapping[str, Any],
+    optimizer: Optimizer | None,
+    with_state: bool,
+) -> UnitState:
+    """A unit of the restored state: the loaded master and optimizer state on the devices
+    of `old`'s; parameters and gradient are still `old`'s (`restore` writes them)."""
+    master = tensors["master"].to(old.master.device)
+    if with_state:
+        fields = {k.removeprefix("optim."): t.to(old.master.device) for k, t in tensors.items()}
+        fields.pop("master")
+        optim = old.optim._replace(**fields, **index["optimizer"]["scalars"])
+    else:
+        assert optimizer is not None
+        optim = optimizer.init(master)
+    return UnitState(master, optim, old.params, old.grad)
+
+
+def _part(like: TrainState, i: int) -> slice:
+    """The rank's optimizer partition of unit i (the whole buffer at stage 0)."""
+    unit = like.plan.units[i]
+    return slice(0, unit.numel) if like.plan.stage == 0 else slice(*unit.shard_range(like.rank))
+
+
+def _viewed(like: TrainState, i: int) -> bool:
+    """Whether `like`'s unit i keeps its master as a view of its parameters (fp32)."""
+    old = like.units[i]
+    if old.params is None or old.params.numel() != like.plan.units[i].numel:
+        return False
+    return old.master.numel() > 0 and old.params[_part(like, i)].data_ptr() == old.master.data_ptr()
+
+
+def _new_partition(plan: Plan, rank: int, i: int) -> Tensor:
+    """An uninitialised fp32 buffer like the unit's partition, its padding zeroed (the
+    reads fill every other element)."""
+    unit = plan.units[i]
+    ranks = range(plan.world_size) if plan.stage == 0 else [rank]
+    covered = []
+    for r in ranks:
+        for s in partition.local_slices(plan, r):
+            if s.unit == i:
+                base = unit.shard_range(r)[0] if plan.stage == 0 else 0
+                covered.append((base + s.shard_offset, s.numel))
+    numel = unit.numel if plan.stage == 0 else unit.shard_numel
+    buffer = torch.empty(numel, dtype=torch.float32)
+    hugepage_hint(buffer)
+    at = 0
+    for start, count in sorted(covered):
+        buffer[at:start].zero_()
+        at = start + count
+    buffer[at:].zero_()
+    return buffer
+
+
+def _check_model(
+    plan: Plan,
+    rank: int,
+    old_plan: Plan,
+    index: Mapping[str, Any],
+    directory: str,
+    module: Mapping[str, Tensor],
+) -> None:
+    try:
+        partition.reshard_reads(old_plan, plan, rank)
+    except PlanError as error:
+        raise CheckpointError(f"{directory} does not fit this model: {error}") from None
+    if not module:
+        return
+    saved = {t["key"]: t for t in index["tensors"] if t["fqn"] is None}
+    missing = sorted(set(module) - set(saved))
+    unexpected = sorted(set(saved) - set(module))
+    changed = sorted(
+        f"{k}: {tuple(saved[k]['shape'])} -> {tuple(module[k].shape)}"
+        for k in set(saved) & set(module)
+        if tuple(saved[k]["shape"]) != tuple(module[k].shape)
+    )
+    if missing or unexpected or changed:
+        raise CheckpointError(
+            f"{directory} does not fit this model's frozen parameters and buffers: missing "
+            f"{missing}, unexpected {unexpected}, shape changed {changed}"
+        )
+
+
+def _check_optimizer(
+    like: TrainState, optimizer: Optimizer | None, index: Mapping[str, Any], directory: str
+) -> None:
+    saved = index["optimizer"]
+    name = optimizer.name if optimizer is not None else saved["name"]
+    if saved["name"] != name or saved["kinds"] != state_kinds(like):
+        raise CheckpointError(
+            f"{directory} holds {saved['name']} state {saved['kinds']}; this run uses "
+            f"{name} with {state_kinds(like)}: pass load_optimizer_states=False to load the "
+            "weights only"
+        )
+
+
+def _reads_by_unit(plan: Plan, rank: int, old_plan: Plan) -> dict[int, list[tuple[int, Any]]]:
+    """The reshard reads that fill this rank's partitions (stage 0: every rank's part of
+    the whole buffers), by new unit: (target rank, read)."""
+    targets = range(plan.world_size) if plan.stage == 0 else [rank]
+    by_unit: dict[int, list[tuple[int, Any]]] = {}
+    for target in targets:
+        for read in partition.reshard_reads(old_plan, plan, target):
+            by_unit.setdefault(read.new_unit, []).append((target, read))
+    return by_unit
+
+
+def _fill(plan: Plan, reader: Reader, kind: str, out: Tensor, reads: list[tuple[int, Any]]) -> None:
+    """One unit's new partition buffer of `kind`, from whichever old ranks hold it."""
+    for target, read in reads:
+        unit = plan.units[read.new_unit]
+        at = read.new_offset + (unit.shard_range(target)[0] if plan.stage == 0 else 0)
+        old = reader.old_slice(read.old_rank, read.old_unit, read.old_offset)
+        key = slice_key(kind, old.fqn, old.start, old.stop)
+        reader.read_range(
+            read.old_rank, key, read.old_offset - old.shard_offset, out[at : at + read.numel]
+        )
+
+
+def _saved_dtype(index: Mapping[str, Any], key: str) -> str:
+    return next(t["dtype"] for t in index["tensors"] if t["key"] == key)

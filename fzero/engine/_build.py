@@ -1,0 +1,150 @@
+"""Building an engine: its plan, the module's floating tensors cast to the compute dtype,
+each unit's buffers filled from the module's parameters (rank 0's, broadcast) and placed
+where the plan, precision and offload say (`fzero.engine._units`), and its hooks."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fzero import _nvme, partition
+from fzero._meta_init import MetaInitializer
+from fzero.config import Config
+from fzero.engine._forward import ForwardHooks
+from fzero.engine._units import UnitRuntime, bind, scatter_pieces, unbind
+from fzero.partition import Plan, Unit
+
+__all__ = ["build_unit", "build_units", "cast_module", "install_hooks", "plan_for"]
+
+Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+
+def plan_for(
+    module: torch.nn.Module,
+    groups: list[dict[str, Any]],
+    config: Config,
+    world_size: int,
+    strategy: Callable[..., Plan] | None,
+) -> Plan:
+    """The engine's plan: the module's trainable tensors by group, split as the config's
+    stage (and stage 3's persistence threshold) and `strategy` (default `flat_even`) say."""
+    zero = config.zero_optimization
+    options: dict[str, Any] = {}
+    if zero.stage == 3:
+        options["persistence_threshold"] = zero.stage3_param_persistence_threshold
+    return partition.plan(
+        partition.describe(module, groups),
+        world_size=world_size,
+        stage=zero.stage,
+        strategy=strategy or partition.flat_even,
+        **options,
+    )
+
+
+def cast_module(engine: Engine) -> None:
+    """Compute dtype for frozen params and floating buffers (trainable ones are rebound)."""
+    if engine.compute_dtype == torch.float32:
+        return
+    named = dict(engine.module.named_parameters())
+    managed = {id(named[spec.fqn]) for spec in engine.plan.manifest.tensors}
+    for p in engine.module.parameters():
+        if id(p) not in managed and p.is_floating_point():
+            p.data = p.data.to(engine.compute_dtype)
+    for b in engine.module.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(engine.compute_dtype)
+
+
+def build_units(
+    engine: Engine, param_init_fn: Callable[[torch.nn.Module], None] | None
+) -> list[UnitRuntime]:
+    """Every unit of the plan, built in order (a model on the meta device is materialised
+    a few tensors at a time, as the units need them)."""
+    module = engine.module
+    named = dict(module.named_parameters())
+    meta = None
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        meta = MetaInitializer(module, engine.device, param_init_fn)
+    units = [build_unit(engine, i, unit, named, meta) for i, unit in enumerate(engine.plan.units)]
+    if meta is not None:
+        meta.finish()
+    if engine.residency.nvme is not None:
+        _nvme.return_free_memory()
+    return units
+
+
+def install_hooks(engine: Engine) -> list[Any]:
+    """The engine's hooks on its module and parameters: gradient reduction as gradients
+    arrive, the root's forward hooks, stage 3's gathering. Returns their handles."""
+    handles = []
+    for rt in engine.units:
+        for p, _, _ in rt.params:
+            handles.append(p.register_post_accumulate_grad_hook(engine.reduction.on_grad))
+            p._fzero_engine = weakref.ref(engine)  # for fzero.gathered_parameters
+    handles += ForwardHooks(engine).install()
+    if engine.stage == 3:
+        engine.stage3.install_hooks(engine.module)
+        handles += engine.stage3.hooks
+    return handles
+
+
+def build_unit(
+    engine: Engine,
+    index: int,
+    unit: Unit,
+    named: Mapping[str, torch.nn.Parameter],
+    meta: MetaInitializer | None,
+) -> UnitRuntime:
+    """Unit `index`'s buffers on this rank, the module's parameters bound to them (or, in
+    stage 3, left empty until gathered)."""
+    fqns = [pl.fqn for pl in unit.placements]
+    tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
+    params = [(p, pl, tuple(p.shape)) for p, pl in zip(tensors, unit.placements)]
+    flat = torch.zeros(unit.numel, dtype=torch.float32, device=engine.device)
+    with torch.no_grad():
+        for p, placement, _ in params:
+            scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
+    if engine.world_size > 1:
+        dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights
+    keeps_full = engine.stage < 3 or unit.persistent
+    part = engine.partition(unit)
+    residency = engine.residency
+    full = master = param_shard = None
+    shares_master = (
+        engine.compute_dtype == torch.float32
+        and not engine.offload
+        and engine.param_offload == "none"
+    )
+    if keeps_full:
+        full = flat if engine.compute_dtype == torch.float32 else flat.to(engine.compute_dtype)
+        master = full[part] if shares_master else residency.to_host(flat[part])
+    else:
+        master = residency.to_host(flat[part])
+        if not shares_master:
+            param_shard = flat[part].to(engine.compute_dtype, copy=True)
+    del flat
+    # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
+    grad_numel = 0 if engine.stage < 2 or residency.grads_on_disk else unit.shard_numel
+    rt = UnitRuntime(
+        index=index,
+        unit=unit,
+        params=params,
+        master=master,
+        state=engine.functional_optimizer.init(master),
+        grad=torch.zeros(grad_numel, dtype=torch.float32, device=engine.device),
+        full=full,
+        param_shard=param_shard,
+    )
+    if keeps_full:
+        bind(rt)
+    else:
+        unbind(rt, engine.compute_dtype, engine.device)
+        engine.stage3.store_param_shard(rt, rt.param_shard)
+    if residency.nvme is not None:  # to the swap file; the host keeps nothing of it
+        residency.swap_out(rt, rt.slot, wait=True)
+        residency.evict(rt)
+    return rt
