@@ -119,6 +119,26 @@ def main() -> None:
         rows.append((name, timed(step, args.steps), peak_rss_mb()))
         del engine
 
+    # The functional front door on the same model: fzero.train_step over a TrainState.
+    for stage in (1, 3):
+        model = make_model(args.width, args.depth)
+        options = {"persistence_threshold": 0} if stage == 3 else {}
+        manifest = fzero.partition.describe(model)
+        plan = fzero.partition.plan(manifest, world_size=world, stage=stage, **options)
+        optimizer = fzero.optim.adamw(lr=1e-3)
+        state = {"now": fzero.init(model, plan, optimizer)}
+
+        def loss_fn(params, batch, model=model):
+            return torch.func.functional_call(model, params, (batch,)).square().mean()
+
+        train = fzero.train_step(loss_fn, plan, optimizer)
+
+        def step(_, state=state, train=train):
+            state["now"], _ = train(state["now"], x)
+
+        rows.append((f"fzero.train_step stage {stage}", timed(step, args.steps), peak_rss_mb()))
+        del state, model
+
     if rank == 0:
         base = rows[0][1]
         params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())

@@ -21,7 +21,7 @@ from fzero.engine._units import gather_pieces, scatter_pieces
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 
-__all__ = ["check_optimizer", "init", "load", "partition_of", "state_dict"]
+__all__ = ["check_optimizer", "full_master", "init", "load", "partition_of", "state_dict"]
 
 # ---- init ----------------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ def state_dict(
     result: dict[str, Tensor] = {}
     plan = state.plan
     for index, unit in enumerate(plan.units):
-        full = _full_master(state, index)
+        full = full_master(state, index)
         if state.rank != 0:
             continue
         for pl in unit.placements:
@@ -178,14 +178,16 @@ def state_dict(
     return {k: result[k] if k in result else v.detach().clone() for k, v in own.items()}
 
 
-def _full_master(state: TrainState, index: int) -> Tensor:
-    master = state.units[index].master
-    if state.plan.stage == 0:
-        return master
-    device = state.units[index].grad.device
-    full = torch.empty(state.plan.units[index].numel, dtype=torch.float32, device=device)
-    if state.plan.world_size > 1:
-        comm.all_gather_into(full, master.to(device).contiguous())
-    else:
-        full.copy_(master)
+def full_master(state: TrainState, index: int) -> Tensor:
+    """Unit `index`'s whole fp32 master buffer, gathered on every rank (collective; a unit
+    outside memory is read back first)."""
+    device = comm.backend_device()
+    with state.resident(index) as unit:
+        if state.plan.stage == 0:
+            return unit.master.to(device, copy=True)
+        full = torch.empty(state.plan.units[index].numel, dtype=torch.float32, device=device)
+        if state.plan.world_size > 1:
+            comm.all_gather_into(full, unit.master.to(device).contiguous())
+        else:
+            full.copy_(unit.master)
     return full

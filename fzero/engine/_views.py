@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm, partition
+from fzero import _functional as functional
+from fzero import partition
 from fzero._train_state import Counters, TrainState, UnitState
 from fzero.engine._residency import UnitResidence
-from fzero.engine._units import UnitRuntime, bind, gather_pieces, scatter_pieces
+from fzero.engine._units import UnitRuntime, bind, scatter_pieces
 from fzero.partition import MemoryEstimate
 
 __all__ = [
@@ -83,38 +84,15 @@ def _accept_edits(engine: Engine, rt: UnitRuntime, source: int) -> None:
 
 def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
     """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
-    if engine.stage == 0:
-        return rt.master
-    full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-    with engine.residency.resident(rt, write_back=False):
-        comm.all_gather_into(full, rt.master.to(engine.device).contiguous())
-    return full
+    return functional.full_master(train_state(engine), rt.index)
 
 
 def state_dict(engine: Engine, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The consolidated model state dict, on rank 0 ({} elsewhere); collective.
-
-    Trainable tensors come from the fp32 masters (cast to `dtype`, default the
-    compute dtype); every alias of a tied tensor gets it; frozen parameters and
-    buffers come from the module.
-    """
+    """The consolidated model state dict, on rank 0 ({} elsewhere); collective: the fp32
+    masters cast to `dtype` (default the compute dtype) under every name of a tied
+    tensor, the frozen parameters and buffers from the module (`fzero.state_dict`)."""
     dtype = dtype or engine.compute_dtype
-    result: dict[str, Tensor] = {}
-    for rt in engine.units:
-        full = full_master(engine, rt)
-        if engine.rank == 0:
-            for _, placement, shape in rt.params:
-                tensor = gather_pieces(full, placement, shape).to(dtype).clone()
-                spec = engine.plan.manifest[placement.fqn]
-                for name in (spec.fqn, *spec.aliases):
-                    result[name] = tensor
-    if engine.rank != 0:
-        return {}
-    managed = set(result)
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():
-        if name not in managed:
-            result[name] = tensor.detach().clone()
-    return {name: result[name] for name in engine.module.state_dict(keep_vars=True)}
+    return functional.state_dict(train_state(engine), module=engine.module, dtype=dtype)
 
 
 def memory_held(engine: Engine) -> MemoryEstimate:
