@@ -313,7 +313,7 @@ def test_inspect_reports_and_verifies(saved):
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        ("flip", r"tensor '.*' in .*rank00001.safetensors fails its CRC-32 check"),
+        ("flip", r"tensor '.*' in .*rank00001.safetensors fails its xxh3_64 check"),
         ("truncate", r"rank00001.safetensors has \d+ bytes, the index says \d+"),
         ("remove", r"rank00001.safetensors is missing"),
         ("index", r"index.msgpack fails its CRC-32 check"),

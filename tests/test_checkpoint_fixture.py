@@ -48,3 +48,28 @@ def test_a_checkpoint_of_the_previous_format_loads_and_resumes(tmp_path, world, 
     tolerance = 0 if (world, stage) == (1, 2) else 1e-6  # same reduction order: bitwise
     for name, expected in load_file(FIXTURE / "expected_step3.safetensors").items():
         torch.testing.assert_close(result["next"][name], expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_previous_formats_crc32_checksums_still_verify_and_name_damage(tmp_path):
+    """Checkpoints written before XXH3 name no algorithm: their CRC-32s are checked."""
+    from fzero.checkpoint import CheckpointError, inspect
+    from fzero.checkpoint._format import Reader, checksum_algorithm, read_index
+    from fzero.partition import from_bytes
+
+    report, intact = inspect(str(FIXTURE))
+    assert intact and "files ok" in report
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURE, directory)
+    tag = (directory / "latest").read_text()
+    index = read_index(str(directory / tag))
+    assert checksum_algorithm(index) == "crc32"
+    rank_file = directory / tag / "rank00000.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor
+    rank_file.write_bytes(bytes(data))
+    assert not inspect(str(directory))[1]
+    last = index["ranks"][0]["slices"][-1]
+    with Reader(str(directory / tag), index, from_bytes(index["plan"])) as reader:
+        out = torch.empty(last["stop"] - last["start"])
+        with pytest.raises(CheckpointError, match=r"rank00000.safetensors fails its crc32 check"):
+            reader.read_whole(0, last["key"], out)

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,13 +19,20 @@ import torch
 from torch import Tensor
 
 from fzero import partition
+from fzero.checkpoint._checksum import digest, digest_bytes, new_hasher
 from fzero.checkpoint._files import (
     CheckpointError,
     SafetensorsFile,
     tensor_bytes,
     write_safetensors_stream,
 )
-from fzero.checkpoint._format import CLIENT_FILE, MODEL_16BIT, read_index, read_latest
+from fzero.checkpoint._format import (
+    CLIENT_FILE,
+    MODEL_16BIT,
+    checksum_algorithm,
+    read_index,
+    read_latest,
+)
 
 __all__ = ["consolidate", "consolidated_state_dict", "inspect", "iter_consolidated", "parse_size"]
 
@@ -74,7 +80,8 @@ def iter_consolidated(
     def file(rank: int) -> SafetensorsFile:
         if rank not in files:
             info = index["ranks"][rank]
-            files[rank] = SafetensorsFile(os.path.join(directory, info["file"]), info["size"])
+            path = os.path.join(directory, info["file"])
+            files[rank] = SafetensorsFile(path, info["size"], checksum_algorithm(index))
         return files[rank]
 
     try:
@@ -207,7 +214,8 @@ def inspect(save_dir: str) -> tuple[str, bool]:
         files += [(name, i["size"], i["checksum"]) for name, i in index["files"].items()]
         for name, size, checksum in files:
             try:
-                for kind, nbytes in _verify(os.path.join(directory, name), size, checksum):
+                path = os.path.join(directory, name)
+                for kind, nbytes in _verify(path, size, checksum, checksum_algorithm(index)):
                     sizes[kind] = sizes.get(kind, 0) + nbytes
             except CheckpointError as error:
                 problems.append(str(error))
@@ -221,17 +229,17 @@ def inspect(save_dir: str) -> tuple[str, bool]:
     return "\n".join(lines), intact
 
 
-def _verify(path: str, size: int, checksum: int) -> list[tuple[str, int]]:
+def _verify(path: str, size: int, checksum: int, algorithm: str) -> list[tuple[str, int]]:
     """Read every tensor of `path`, recompute its checksum; (kind, bytes) per tensor."""
     out = []
-    with SafetensorsFile(path, size) as f:
-        running = zlib.crc32(f.header_bytes)
+    with SafetensorsFile(path, size, algorithm) as f:
+        running = new_hasher(algorithm, f.header_bytes)
         for entry in sorted(f.entries.values(), key=lambda e: e.begin):
             tensor = f.read(entry.key, None)  # alive while its bytes are read
-            crc = zlib.crc32(tensor_bytes(tensor))
-            running = zlib.crc32(crc.to_bytes(4, "little"), running)
+            value = digest(tensor_bytes(tensor), algorithm)
+            running.update(digest_bytes(value, algorithm))
             out.append((_kind(os.path.basename(path), entry.key), entry.end - entry.begin))
-    if running != checksum:
+    if running.intdigest() != checksum:
         raise CheckpointError(f"{path} fails its checksum: the file is damaged")
     return out
 

@@ -1,4 +1,4 @@
-"""safetensors files written and read without copies, with a CRC-32 per tensor.
+"""safetensors files written and read without copies, with a checksum per tensor.
 
 The format is safetensors' own (8-byte little-endian header length, a JSON
 header of dtype/shape/data_offsets per key, the bytes), so `safetensors.safe_open`
@@ -15,12 +15,14 @@ import math
 import os
 import struct
 import sys
-import zlib
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from fzero.checkpoint._checksum import WRITE_ALGORITHM, digest, digest_bytes, new_hasher
 
 __all__ = [
     "CheckpointError",
@@ -67,8 +69,9 @@ class TensorEntry:
 class WrittenFile:
     name: str
     size: int
-    checksum: int  # CRC-32 of the header and of the tensor CRC-32s, in order
-    crcs: dict[str, int]
+    checksum: int  # the hash of the header and of the tensors' digests, in order
+    crcs: dict[str, int]  # each tensor's digest (the index's "crc" field, any algorithm)
+    algorithm: str = WRITE_ALGORITHM
 
 
 def tensor_bytes(tensor: Tensor) -> memoryview:
@@ -145,7 +148,7 @@ def write_safetensors_stream(
     tensors arrive one at a time, so only one need be in memory; fsync it."""
     header = _header(specs, metadata or {})
     crcs: dict[str, int] = {}
-    checksum = zlib.crc32(header)
+    checksum = new_hasher(WRITE_ALGORITHM, header)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
@@ -157,13 +160,13 @@ def write_safetensors_stream(
                 )
             tensor = tensor.contiguous()  # kept alive while its bytes are written
             data = tensor_bytes(tensor)
-            crcs[key] = zlib.crc32(data)
-            checksum = zlib.crc32(crcs[key].to_bytes(4, "little"), checksum)
+            crcs[key] = digest(data, WRITE_ALGORITHM)
+            checksum.update(digest_bytes(crcs[key], WRITE_ALGORITHM))
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    return WrittenFile(os.path.basename(path), size, checksum, crcs)
+    return WrittenFile(os.path.basename(path), size, checksum.intdigest(), crcs)
 
 
 def fsync_dir(path: str) -> None:
@@ -174,11 +177,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class SafetensorsFile:
-    """Reads tensors (or element ranges of them) into given buffers, checking CRC-32s."""
+_CHUNK = 16 * 2**20  # bytes read while the previous chunk is hashed
+_HASHING: list[ThreadPoolExecutor] = []  # one thread: a tensor's chunks hash in order
 
-    def __init__(self, path: str, expected_size: int | None = None) -> None:
+
+def _hash_thread() -> ThreadPoolExecutor:
+    if not _HASHING:
+        _HASHING.append(ThreadPoolExecutor(1, thread_name_prefix="fzero-checksum"))
+    return _HASHING[0]
+
+
+class SafetensorsFile:
+    """Reads tensors (or element ranges of them) into given buffers, verifying each
+    tensor's checksum (`algorithm`: the index's; CRC-32 for checkpoints that name none)
+    while the next chunk is read."""
+
+    def __init__(
+        self, path: str, expected_size: int | None = None, algorithm: str = WRITE_ALGORITHM
+    ) -> None:
         self.path = path
+        self.algorithm = algorithm
         try:
             self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
         except FileNotFoundError:
@@ -239,11 +257,24 @@ class SafetensorsFile:
                 f"expected {len(view)}"
             )
         self._file.seek(entry.begin)
-        if self._file.readinto(view) != len(view):
-            raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
-        if crc is not None and zlib.crc32(view) != crc:
+        hasher = new_hasher(self.algorithm) if crc is not None else None
+        hashing: Future | None = None
+        try:
+            for at in range(0, len(view), _CHUNK):
+                chunk = view[at : at + _CHUNK]
+                if self._file.readinto(chunk) != len(chunk):
+                    raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
+                if hasher is not None:
+                    if hashing is not None:
+                        hashing.result()
+                    hashing = _hash_thread().submit(hasher.update, chunk)
+        finally:
+            if hashing is not None:
+                hashing.result()
+        if hasher is not None and hasher.intdigest() != crc:
             raise CheckpointError(
-                f"tensor {key!r} in {self.path} fails its CRC-32 check: the file is damaged"
+                f"tensor {key!r} in {self.path} fails its {self.algorithm} check: the file "
+                "is damaged"
             )
 
     def read(self, key: str, crc: int | None) -> Tensor:

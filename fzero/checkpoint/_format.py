@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fzero import partition
+from fzero.checkpoint._checksum import LEGACY_ALGORITHM
 from fzero.checkpoint._files import CheckpointError, SafetensorsFile
 from fzero.checkpoint._index import decode_client_state, unpack
 from fzero.partition import LocalSlice, Plan
@@ -33,6 +34,7 @@ __all__ = [
     "AsyncSave",
     "Reader",
     "check_tag",
+    "checksum_algorithm",
     "jsonable",
     "process_rng",
     "rank_file",
@@ -157,6 +159,11 @@ def write_durably(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def checksum_algorithm(index: Mapping[str, Any]) -> str:
+    """The algorithm of a checkpoint's tensor checksums (CRC-32 before it was recorded)."""
+    return index.get("checksum_algorithm", LEGACY_ALGORITHM)
+
+
 def read_latest(load_dir: str) -> str | None:
     path = os.path.join(load_dir, "latest")
     if not os.path.isfile(path):
@@ -191,6 +198,7 @@ class Reader:
         self.old_plan = old_plan
         self._files: dict[int, SafetensorsFile] = {}
         self._crcs = [{r["key"]: r["crc"] for r in rank["slices"]} for rank in index["ranks"]]
+        self.algorithm = checksum_algorithm(index)
         self._slices: dict[tuple[int, int], list[LocalSlice]] = {}
         self._cached: tuple[int, str, Tensor] | None = None
 
@@ -198,7 +206,7 @@ class Reader:
         if rank not in self._files:
             info = self.index["ranks"][rank]
             self._files[rank] = SafetensorsFile(
-                os.path.join(self.directory, info["file"]), info["size"]
+                os.path.join(self.directory, info["file"]), info["size"], self.algorithm
             )
         return self._files[rank]
 
@@ -236,7 +244,8 @@ class Reader:
         tensors = {}
         info = index["files"].get(CLIENT_FILE)
         if info is not None:
-            with SafetensorsFile(os.path.join(self.directory, CLIENT_FILE), info["size"]) as f:
+            path = os.path.join(self.directory, CLIENT_FILE)
+            with SafetensorsFile(path, info["size"], self.algorithm) as f:
                 tensors = {key: f.read(key, crc) for key, crc in info["crcs"].items()}
         return decode_client_state(index["client_state"], tensors)
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero._train_state import TrainState, UnitState
 from fzero._version import __version__
+from fzero.checkpoint._checksum import WRITE_ALGORITHM
 from fzero.checkpoint._files import fsync_dir, write_safetensors, write_safetensors_stream
 from fzero.checkpoint._format import (
     CLIENT_FILE,
@@ -371,6 +372,7 @@ def _index_body(
         "scheduler": {**scheduler, **(extras.scheduler or {})},
         "loss_scale": list(state.loss_scale) if state.loss_scale else None,
         "tensors": _tensor_table(state.plan, extras),
+        "checksum_algorithm": WRITE_ALGORITHM,
     }
 
 
