@@ -50,6 +50,13 @@ def init(
     host = _optimizer_device(cfg, device, plan.stage)
     named = dict(model.named_parameters())
     _check_model(plan, named)
+    meta = [fqn for fqn, p in named.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"fzero.init needs the model's weights, but {len(meta)} parameter(s) are on the "
+            f"meta device (first: {meta[0]!r}); build the model eagerly, or give the "
+            "meta-device model to fzero.shard, which materialises it unit by unit"
+        )
     units = []
     for unit in plan.units:
         flat = torch.zeros(unit.numel, dtype=torch.float32, device=device)

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import errno
 import os
+import shutil
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -207,6 +208,16 @@ class SwapFile:
             self.offsets.append(total)
             total += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = total
+        # Every local rank puts its file in the same directory: say so before training
+        # starts, not when a step runs out of room halfway.
+        free = shutil.disk_usage(directory).free
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if total * ranks > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"{key} {directory!r} cannot hold the {what} swap files: {ranks} local "
+                f"rank(s) x {total:,} bytes needed, {free:,} bytes free",
+            )
         self.direct = True
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
@@ -221,7 +232,8 @@ class SwapFile:
             self.close()
             raise OSError(
                 error.errno,
-                f"cannot allocate the {what} swap file {self.path}: {total:,} bytes needed "
+                f"cannot allocate the {what} swap file {self.path}: {total:,} bytes needed, "
+                f"{shutil.disk_usage(directory).free:,} free "
                 f"({os.strerror(error.errno or errno.EIO)})",
             ) from None
         if os.fstat(self.fd).st_size < total:

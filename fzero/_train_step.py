@@ -170,7 +170,7 @@ class _Step:
         """Check `state` fits this step and was not given to a step before; donate it."""
         if not isinstance(state, TrainState):
             raise TypeError(f"state is a {type(state).__name__}; expected fzero.TrainState")
-        if state.plan != self.plan:
+        if state.plan is not self.plan and state.plan != self.plan:
             raise ValueError("state.plan is not the plan this step was made for")
         if state.residence is not None:
             raise ValueError("state has units outside memory (NVMe); train_step needs them all")

@@ -186,6 +186,7 @@ def load_every_checkpoint(rank, world, root):
     return out, messages
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
     for world in (1, 2, 4):
         run_world(save_all_stages, world, str(tmp_path))

@@ -83,7 +83,7 @@ def _cases(precisions, strategies=("flat_even",)):
     return list(itertools.product(range(4), precisions, (1, 4), (0.0, 0.05), strategies))
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fp32_all_stages_match_torch_optim(world):
     cases = _cases(["fp32"]) + list(
         itertools.product(range(4), ["fp32"], (2,), (0.05,), ["per_tensor_dim0"])
@@ -101,7 +101,7 @@ def test_fp32_all_stages_match_torch_optim(world):
             assert error <= 1e-5, (case, name, error)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_bf16_all_stages_track_reference_and_own_world1_run(world):
     cases = _cases(["bf16"])
     results = run_world(train_cases, world, cases)

@@ -134,7 +134,9 @@ def meta_case(rank, world, stage, name):
     return engine.state_dict(dtype=torch.float32)
 
 
-@pytest.mark.parametrize(("stage", "name"), [(1, "Net"), (3, "Net"), (3, "Awkward")])
+@pytest.mark.parametrize(
+    ("stage", "name"), [(1, "Net"), (3, "Net"), pytest.param(3, "Awkward", marks=pytest.mark.slow)]
+)
 def test_meta_model_gets_the_eager_weights_at_every_world_size(stage, name):
     torch.manual_seed(0)
     eager = MODELS[name]().state_dict()  # constructors use the RNG in module order, as fzero

@@ -311,6 +311,10 @@ def errors_case(rank: int, world: int) -> None:
         fzero.train_step(loss_fn, plan, optimizer, config={"zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="does not fit the plan: missing parameters"):
         fzero.init(nn.Linear(2, 2), plan, optimizer)
+    with fzero.init_context():
+        on_meta = Net()
+    with pytest.raises(ValueError, match=r"on the meta device \(first: 'embed.weight'\)"):
+        fzero.init(on_meta, plan, optimizer)
     bad = fzero.train_step(plan=plan, optimizer=optimizer, grad_fn=lambda p, b: (0.0, {"x": 1}))
     with pytest.raises(ValueError, match=r"unknown names \['x'\]"):
         bad(state, None)

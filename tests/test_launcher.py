@@ -77,6 +77,7 @@ def _losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"epoch \d+ loss ([\d.]+)", output)]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_train_like_one_node_with_two_processes():
     script = str(ROOT / "examples" / "regression" / "train.py")
     single = _cli("-n", "2", script, "--epochs", "3")

@@ -114,10 +114,28 @@ def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
     with pytest.raises(
         OSError,
-        match=r"cannot allocate the optimizer swap file .*fzero-optimizer-.*: [\d,]+ bytes needed",
+        match=r"cannot allocate the optimizer swap file .*fzero-optimizer-.*: [\d,]+ bytes "
+        r"needed, [\d,]+ free",
     ):
         fzero.shard(Net(), stage=2, config=config)
     assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_a_disk_too_small_is_named_before_anything_is_written(tmp_path, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("shutil.disk_usage", lambda _: usage._replace(free=4096))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
+    with pytest.raises(
+        OSError,
+        match=r"offload_optimizer.nvme_path '.*' cannot hold the optimizer swap files: 2 local "
+        r"rank\(s\) x [\d,]+ bytes needed, 4,096 bytes free",
+    ):
+        fzero.shard(Net(), stage=2, config=config)
+    assert not list(tmp_path.iterdir())
 
 
 def test_offload_needs_a_sharding_stage():
