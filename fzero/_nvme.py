@@ -76,6 +76,19 @@ class BufferPool:
         del self._free[keep:]
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says a new allocation can have without swapping
+    (`MemAvailable`), or None where it does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def return_free_memory() -> None:
     """Give freed heap memory back to the OS (glibc's malloc_trim).
 

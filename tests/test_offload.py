@@ -121,6 +121,20 @@ def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 
+def test_memory_too_small_for_the_swap_buffers_is_named_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr("fzero._nvme.available_memory", lambda: 1000)
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
+    with pytest.raises(
+        MemoryError,
+        match=r"NVMe offload needs at least [\d,]+ bytes of host buffers per rank \(\d+ units in "
+        r"flight x \d tensors x [\d,]+ elements x 4 bytes\) x 1 local rank\(s\); 1,000 bytes "
+        r"are available",
+    ):
+        fzero.shard(Net(), stage=2, config=config)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_disk_too_small_is_named_before_anything_is_written(tmp_path, monkeypatch):
     import shutil
 

@@ -12,6 +12,7 @@ every step come from one pool of unit-sized aligned buffers.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,6 +81,9 @@ class Residency:
         self.grads_on_disk = zero.stage >= 2 and zero.offload_optimizer.swap_gradients
         if self.grads_on_disk:
             sizes += [4 * u.shard_numel for u in self.plan.units]
+        per_unit = len(self.kinds) + self.grads_on_disk
+        self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+        self._check_memory(per_unit)
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
             rank,
@@ -87,8 +91,24 @@ class Residency:
             threads=config.aio.thread_count,
             block_size=config.aio.block_size,
         )
-        per_unit = len(self.kinds) + self.grads_on_disk
-        self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+
+    def _check_memory(self, per_unit: int) -> None:
+        """Refuse before training starts when the host cannot hold even the step's swap
+        buffers (a lower bound of the working set: units in flight x their tensors x the
+        largest unit partition, for every local rank)."""
+        available = _nvme.available_memory()
+        if available is None:
+            return
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        per_rank = self.pipeline_depth * per_unit * 4 * self.pool.numel
+        if per_rank * ranks > available:
+            raise MemoryError(
+                f"NVMe offload needs at least {per_rank:,} bytes of host buffers per rank "
+                f"({self.pipeline_depth} units in flight x {per_unit} tensors x "
+                f"{self.pool.numel:,} elements x 4 bytes) x {ranks} local rank(s); "
+                f"{available:,} bytes are available: lower "
+                "zero_optimization.offload_optimizer.buffer_count or plan smaller units"
+            )
 
     def region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
         return (slot * len(self.plan.units) + rt.index) * len(self.kinds) + kind_index
