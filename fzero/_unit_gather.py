@@ -37,11 +37,19 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 class _Bind(torch.autograd.Function):
-    """`value` in the graph in place of `stand_in`: the gradient goes to `stand_in`."""
+    """`value` in the graph in place of `stand_in`: the gradient goes to `stand_in`.
+    torch.func-ready (`setup_context`, a generated vmap rule), so a `loss_fn` may use
+    `vmap` and other transforms over the model."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, stand_in: Tensor, value: Tensor) -> Tensor:
+    def forward(stand_in: Tensor, value: Tensor) -> Tensor:
         return value.view_as(value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

@@ -370,3 +370,36 @@ def test_train_step_is_exported_with_its_state_types():
     assert dist.is_available()
     for name in ("init", "train_step", "state_dict", "TrainState", "UnitState", "Counters"):
         assert name in fzero.__all__ and hasattr(fzero, name)
+
+
+def transforms_case(rank: int, world: int) -> dict:
+    """A loss_fn that vmaps the model over examples and passes (params, buffers) to
+    functional_call, plus an input-gradient penalty (double backward): stage 3's
+    placeholders go through torch.func transforms and reach stage 0's weights."""
+    results = {}
+    for stage in (0, 3):
+        model = _chain()
+        plan = _plan(model, world, stage)
+        optimizer = fzero.optim.adamw(lr=1e-2)
+        state = fzero.init(model, plan, optimizer)
+
+        def loss_fn(params, x, model=model):
+            def one(xi):
+                return torch.func.functional_call(model, (params, {}), (xi,))
+
+            out = torch.func.vmap(one)(x.requires_grad_())
+            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            return out.square().mean() + 0.1 * slope.square().mean()
+
+        step = fzero.train_step(loss_fn, plan, optimizer)
+        for i in range(3):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank))
+            state, _ = step(state, x)
+        results[stage] = fzero.state_dict(state)
+    return results
+
+
+def test_stage3_placeholders_compose_with_vmap_and_double_backward():
+    results = run_world(transforms_case, 2)
+    for name, expected in results[0].items():
+        torch.testing.assert_close(results[3][name], expected, rtol=1e-6, atol=1e-7, msg=name)
