@@ -11,7 +11,7 @@ from fzero._auto import resolve_auto
 from fzero._functional import init, state_dict
 from fzero._meta_init import init_context
 from fzero._train_state import Counters, TrainState, UnitState
-from fzero._train_step import train_step
+from fzero._train_step import eval_step, train_step
 from fzero._version import __version__
 from fzero.api import gathered_parameters, initialize, shard
 from fzero.compat.deepspeed.comm import init_distributed
@@ -33,6 +33,7 @@ __all__ = [
     "checkpoint",
     "checkpointing",
     "comm",
+    "eval_step",
     "gathered_parameters",
     "init",
     "init_context",

@@ -48,7 +48,7 @@ from fzero.engine._units import add_pieces, gather_pieces
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name, with_overrides
 from fzero.partition import Placement, Plan
 
-__all__ = ["train_step"]
+__all__ = ["eval_step", "train_step"]
 
 LossFn = Callable[[dict[str, Tensor], Any], Any]
 GradFn = Callable[[dict[str, Tensor], Any], tuple[Tensor, Mapping[str, Tensor]]]
@@ -167,26 +167,31 @@ class _Step:
         return new, metrics
 
     def _take(self, state: TrainState) -> None:
-        """Check `state` fits this step and was not given to a step before; donate it."""
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state is a {type(state).__name__}; expected fzero.TrainState")
-        if state.plan is not self.plan and state.plan != self.plan:
-            raise ValueError("state.plan is not the plan this step was made for")
-        if state.residence is not None:
-            raise ValueError("state has units outside memory (NVMe); train_step needs them all")
-        seen = _DONATED.get(id(state))
-        if seen is not None and seen() is state:
-            raise ValueError(
-                f"this TrainState (micro-step {state.counters.micro_steps}) was given to a step "
-                "already, which updated its buffers in place: use the state that step returned "
-                "(copy with tree_map_only(torch.Tensor, torch.clone, state) to keep one)"
-            )
+        """Check `state` fits this step and was not given to a step before."""
+        check_state(state, self.plan, "train_step")
 
     def _lrs(self, lr_steps: int) -> list[float]:
         base = self.optimizer.hparams.lr
         if self.schedule is None:
             return [base]
         return [self.schedule(lr_steps, base)]
+
+
+def check_state(state: TrainState, plan: Plan, where: str) -> None:
+    """`state` is a TrainState of `plan`, all in memory, not given to a step before."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{where}: state is a {type(state).__name__}; expected fzero.TrainState")
+    if state.plan is not plan and state.plan != plan:
+        raise ValueError(f"{where}: state.plan is not the plan this step was made for")
+    if state.residence is not None:
+        raise ValueError(f"{where}: state has units outside memory (NVMe); it needs them all")
+    seen = _DONATED.get(id(state))
+    if seen is not None and seen() is state:
+        raise ValueError(
+            f"{where}: this TrainState (micro-step {state.counters.micro_steps}) was given to "
+            "a step already, which updated its buffers in place: use the state that step "
+            "returned (copy with tree_map_only(torch.Tensor, torch.clone, state) to keep one)"
+        )
 
 
 def _donate(state: TrainState) -> None:
@@ -462,3 +467,52 @@ def _check_grads(out: Any, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
             f"allowed names: the plan's parameters ({len(plan.manifest.fqns)})"
         )
     return torch.as_tensor(loss), dict(grads)
+
+
+# ---- evaluation -----------------------------------------------------------------------------
+
+
+def eval_step(
+    fn: Callable[[dict[str, Tensor], Any], Any],
+    plan: Plan,
+    config: Config | Mapping[str, Any] | str | None = None,
+) -> Callable[[TrainState, Any], Any]:
+    """`evaluate(state, batch) -> fn(params, batch)` under `torch.no_grad()`, with
+    `params` as `train_step` gives them (stage 3: units gathered while used, at most
+    `stage3_max_live_parameters` elements at once). The state is read, not changed or
+    donated. Collective at stage 3 (every rank evaluates)."""
+    cfg = load(config, plan)
+    max_live = int(cfg.zero_optimization.stage3_max_live_parameters)
+
+    def evaluate(state: TrainState, batch: Any) -> Any:
+        check_state(state, plan, "eval_step")
+        device = state.units[0].grad.device if state.units else torch.device("cpu")
+        dtype = next((u.params.dtype for u in state.units if u.params is not None), torch.float32)
+        gatherer = None
+        if plan.stage == 3:
+
+            def shard(index: int) -> Tensor:
+                unit = state.units[index]
+                return unit.params if unit.params is not None else unit.master
+
+            gatherer = UnitGatherer(plan, shard, dtype=dtype, device=device, max_live=max_live)
+        params: dict[str, Tensor] = {}
+        for index, unit in enumerate(plan.units):
+            for pl in unit.placements:
+                shape = plan.manifest[pl.fqn].shape
+                if gatherer is None or unit.persistent:
+                    params[pl.fqn] = gather_pieces(state.units[index].params, pl, shape)
+                else:
+                    params[pl.fqn] = torch.empty_strided(
+                        shape, (0,) * len(shape), dtype=dtype, device=device
+                    )
+                    gatherer.placeholders[id(params[pl.fqn])] = (index, pl, shape)
+        active = gatherer.active() if gatherer is not None else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), active:
+                return fn(params, batch)
+        finally:
+            if gatherer is not None:
+                gatherer.release_all()
+
+    return evaluate

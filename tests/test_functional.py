@@ -403,3 +403,44 @@ def test_stage3_placeholders_compose_with_vmap_and_double_backward():
     results = run_world(transforms_case, 2)
     for name, expected in results[0].items():
         torch.testing.assert_close(results[3][name], expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def eval_case(rank: int, world: int) -> dict:
+    """eval_step at stage 3 (one unit gathered at a time) gives the outputs of the
+    consolidated model, reads the state without donating it, and changes nothing."""
+    model = _chain()
+    plan = _plan(model, world, 3)
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    state = fzero.init(model, plan, optimizer)
+
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    def forward(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    step = fzero.train_step(loss_fn, plan, optimizer)
+    one_unit = {"zero_optimization": {"stage3_max_live_parameters": plan.units[0].numel}}
+    evaluate = fzero.eval_step(forward, plan, config=one_unit)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
+    state, _ = step(state, x)
+    before = fzero.state_dict(state)
+    out = evaluate(state, x)
+    assert not out.requires_grad
+    after = fzero.state_dict(state)
+    old = state
+    state, _ = step(state, x)  # eval_step did not donate it: the state trains on
+    with pytest.raises(ValueError, match=r"eval_step: this TrainState .* was given to a step"):
+        evaluate(old, x)
+    return {"out": out, "x": x, "before": before, "after": after}
+
+
+def test_eval_step_at_stage3_matches_the_consolidated_model():
+    result = run_world(eval_case, 2)
+    model = _chain()
+    model.load_state_dict(result["before"])
+    with torch.no_grad():
+        expected = model(result["x"])
+    torch.testing.assert_close(result["out"], expected, rtol=1e-6, atol=1e-6)
+    for name, value in result["before"].items():
+        assert torch.equal(result["after"][name], value), name
