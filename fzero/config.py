@@ -194,6 +194,8 @@ class Config:
     gradient_clipping: float = 0.0
     """Clip gradients to this global L2 norm; 0 disables."""
     steps_per_print: int = 10
+    """Report every this many optimizer steps; 0 never (so does `inf`, which the
+    Transformers integration writes, as DeepSpeed reads it)."""
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dataloader_drop_last: bool = False
@@ -471,7 +473,10 @@ def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
         )
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a JSON object, found {type(raw).__name__}")
-    config = _parse_section(Config, _take_max_grad_norm(dict(raw)), "")
+    raw = _take_max_grad_norm(dict(raw))
+    if raw.get("steps_per_print") == math.inf:  # DeepSpeed's "never", from Transformers
+        raw["steps_per_print"] = 0
+    config = _parse_section(Config, raw, "")
     _check(config)
     return config
 

@@ -5,6 +5,7 @@ launcher's flags, and errors that name what went wrong across ranks."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -75,7 +76,23 @@ def test_namespace_serves_fzero_and_names_what_it_lacks(deepspeed):
 def test_uninstall_forgets_the_served_modules(deepspeed):
     compat.uninstall()
     assert not compat.installed() and "deepspeed" not in sys.modules
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("deepspeed")
     compat.install()  # the fixture's teardown expects it
+
+
+def test_package_metadata_answers_with_a_version_that_says_fzero(deepspeed):
+    """Transformers and Accelerate look DeepSpeed up by distribution metadata."""
+    assert importlib.metadata.version("deepspeed") == deepspeed.__version__
+    assert importlib.metadata.version("DeepSpeed").startswith("0.16.0+fzero.")
+    summary = importlib.metadata.distribution("deepspeed").metadata["Summary"]
+    assert "fzero" in summary
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    assert DeepSpeedEngine is fzero.Engine
+    for name in VALID_LR_SCHEDULES:  # every name Accelerate accepts, fzero builds
+        assert fzero.optim.schedule_from_name(name, {}) is not None
 
 
 def test_import_fzero_as_deepspeed_has_the_top_level_names():

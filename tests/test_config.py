@@ -246,3 +246,9 @@ def test_add_config_arguments_accepts_deepspeed_flags():
     assert args.deepspeed and args.deepspeed_config == "ds.json" and not args.fzero
     args = parser.parse_args(["--fzero", "--fzero_config", "c.json"])
     assert args.fzero and args.fzero_config == "c.json"
+
+
+def test_steps_per_print_inf_means_never_as_transformers_writes_it():
+    assert load_config({"steps_per_print": float("inf")}).steps_per_print == 0
+    with pytest.raises(ConfigError, match=r"'steps_per_print' must be a whole number, found nan"):
+        load_config({"steps_per_print": float("nan")})

@@ -2,7 +2,10 @@
 
 `install()` (or `fzero run --as-deepspeed`) puts an import finder first on
 `sys.meta_path` that resolves `deepspeed` and `deepspeed.<name>` to
-`fzero.compat.deepspeed[.<name>]` for this process. It is never implicit: nothing is
+`fzero.compat.deepspeed[.<name>]` for this process, and answers package-metadata
+lookups (`importlib.metadata.version("deepspeed")`, which Transformers and Accelerate
+check) with fzero's DeepSpeed-compatible version, `<deepspeed version>+fzero.<version>`,
+so the answer itself says that fzero stands in. It is never implicit: nothing is
 written to disk, and when a real DeepSpeed is installed the first log line says that
 fzero stands in for it. `import fzero as deepspeed` works without it.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -36,8 +40,34 @@ class _Alias(importlib.abc.Loader):
         """The module ran when `create_module` imported it."""
 
 
+class _Distribution(importlib.metadata.Distribution):
+    """The `deepspeed` distribution as fzero answers for it: metadata only, no files."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename != "METADATA":
+            return None
+        from fzero.compat.deepspeed import __version__
+
+        return (
+            "Metadata-Version: 2.1\n"
+            f"Name: {_PREFIX}\n"
+            f"Version: {__version__}\n"
+            "Summary: served by fzero's DeepSpeed compatibility layer (fzero.compat)\n"
+        )
+
+    def locate_file(self, path: Any) -> Any:
+        return None
+
+
 class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
     """`deepspeed[.x]` -> `fzero.compat.deepspeed[.x]`; names fzero lacks are not found."""
+
+    def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        """The `deepspeed` distribution, when that is the name asked for (metadata API)."""
+        name = getattr(context, "name", None)
+        if name is None or name.lower().replace("_", "-") != _PREFIX:
+            return []
+        return [_Distribution()]
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != _PREFIX and not fullname.startswith(_PREFIX + "."):

@@ -2,7 +2,8 @@
 
 The names DeepSpeed training scripts use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
-`accelerator`, `checkpointing`, `utils.logger`, `ops.adam`. `deepspeed.moe` and
+`accelerator`, `checkpointing`, `utils.logger`, `ops.adam`, `runtime.engine`,
+`runtime.lr_schedules`. `deepspeed.moe` and
 `deepspeed.pipe` are not supported and say so when imported.
 """
 
@@ -12,7 +13,7 @@ from fzero import checkpointing, zero
 from fzero._arguments import add_config_arguments
 from fzero._version import __version__ as _fzero_version
 from fzero.api import initialize
-from fzero.compat.deepspeed import accelerator, comm, utils
+from fzero.compat.deepspeed import accelerator, comm, runtime, utils
 from fzero.compat.deepspeed.comm import init_distributed
 from fzero.engine import Engine as DeepSpeedEngine
 
@@ -29,6 +30,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "runtime",
     "utils",
     "zero",
 ]
