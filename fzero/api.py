@@ -197,8 +197,13 @@ def initialize(
     schedule = None
     if lr_scheduler is None and cfg.scheduler is not None:
         schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
-    if lr_scheduler is not None and client is None:
-        raise ValueError("a client lr_scheduler needs a client torch.optim optimizer to drive")
+    # DeepSpeed calls a scheduler factory with its optimizer (Accelerate passes one)
+    factory = lr_scheduler if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else None
+    if lr_scheduler is not None and client is None and factory is None:
+        raise ValueError(
+            "a client lr_scheduler object needs a client torch.optim optimizer to drive; "
+            "pass a callable optimizer -> scheduler instead to schedule fzero's optimizer"
+        )
     engine = Engine(
         model,
         optimizer=functional,
@@ -206,7 +211,7 @@ def initialize(
         param_groups=groups,
         schedule=schedule,
         client_optimizer=client,
-        client_scheduler=lr_scheduler,
+        client_scheduler=lr_scheduler if factory is None else None,
         param_init_fn=param_init_fn,
         name=name,
     )
@@ -224,6 +229,8 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
             collate_fn=collate_fn,
         )
+    if factory is not None:
+        lr_scheduler = engine.client_scheduler = factory(engine.optimizer)
     scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
     engine.lr_scheduler = scheduler
     return engine, engine.optimizer, loader, scheduler

@@ -45,12 +45,22 @@ __all__ = [
 AUTO = "auto"
 
 
+class _Section:
+    """Dict-style reads of a config section, for code written against DeepSpeed's
+    `engine.config` dict (Transformers reads `config.get("zero_optimization", {})
+    .get("stage")`): a field's value, or `default` for a key the section lacks."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return getattr(self, key) if key in names else default
+
+
 class ConfigError(ValueError):
     """A config key has a wrong name, type or value; the message names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadOptimizerConfig:
+class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     """Where fp32 master weights and optimizer state live (ZeRO-Offload / ZeRO-Infinity)."""
     nvme_path: str | None = None
@@ -71,7 +81,7 @@ class OffloadOptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadParamConfig:
+class OffloadParamConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     """Where stage-3 parameter shards live between uses."""
     nvme_path: str | None = None
@@ -82,7 +92,7 @@ class OffloadParamConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroConfig:
+class ZeroConfig(_Section):
     stage: int = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     allgather_partitions: bool = True
@@ -109,7 +119,7 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FP16Config:
+class FP16Config(_Section):
     enabled: bool = False
     loss_scale: float = 0.0
     """0 means dynamic loss scaling; any other value is a static scale."""
@@ -122,12 +132,12 @@ class FP16Config:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BF16Config:
+class BF16Config(_Section):
     enabled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
-class TorchAutocastConfig:
+class TorchAutocastConfig(_Section):
     """DeepSpeed's `torch_autocast`: the forward under `torch.autocast` (over fp32
     parameters, or with `bf16` enabled over bf16 ones, as DeepSpeed allows)."""
 
@@ -142,7 +152,7 @@ class TorchAutocastConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ActivationCheckpointingConfig:
+class ActivationCheckpointingConfig(_Section):
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -152,7 +162,7 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AioConfig:
+class AioConfig(_Section):
     block_size: int = 1_048_576
     """Bytes per pread/pwrite of a swap transfer."""
     queue_depth: int = 8
@@ -167,21 +177,21 @@ class AioConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     type: str
     """Adam, AdamW, Lamb or SGD (any case)."""
     params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
+class SchedulerConfig(_Section):
     type: str
     """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or WarmupExpDecayExp."""
     params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(_Section):
     train_batch_size: int | None = None
     """Global batch: micro batch x accumulation steps x data-parallel world size."""
     train_micro_batch_size_per_gpu: int | None = None

@@ -23,11 +23,15 @@ Engine = Any
 __all__ = ["EngineOptimizer"]
 
 
-class EngineOptimizer:
-    """A `torch.optim.Optimizer`-shaped view of an engine's optimizer."""
+class EngineOptimizer(torch.optim.Optimizer):
+    """A `torch.optim.Optimizer` view of an engine's optimizer: an instance of the class
+    (so torch's LR schedulers accept it, as DeepSpeed's basic optimizer is one), with
+    every method acting on the engine. `torch.optim.Optimizer.__init__` is not run: the
+    parameters and their state live in the engine's shards, not here."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine) -> None:  # no super().__init__: see the docstring
         self._engine = engine
+        self.state: dict[Any, Any] = {}  # per-parameter state is the engine's (state_dict)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -70,16 +70,26 @@ def _extras(engine: Engine, for_save: bool) -> Extras:
     )
 
 
+def _accumulation(engine: Engine) -> int | None:
+    """The accumulation steps that micro-steps count, or None when the caller manages the
+    windows (`set_gradient_accumulation_boundary`): then a save is mid-window when any
+    gradient is held, and a load keeps the saved micro-step count."""
+    if engine.boundary_override is not None:
+        return None
+    return engine.gradient_accumulation_steps()
+
+
 def _scheduler_state(engine: Engine) -> dict[str, Any]:
     state: dict[str, Any] = {"client": None, "client_groups": None}
     if engine.client_scheduler is not None:
         client = {k: v for k, v in engine.client_scheduler.state_dict().items() if not callable(v)}
         state["client"] = jsonable(client)
-    if engine.client_optimizer is not None:
-        state["client_groups"] = [
-            {k: jsonable(v) for k, v in g.items() if k != "params"}
-            for g in engine.client_optimizer.param_groups
-        ]
+    # The param groups' hyper-parameters as the next step would use them (a client
+    # optimizer's, or the engine's own, which a client scheduler sets): a resumed step
+    # uses the saved lr, not the one the groups started with.
+    state["client_groups"] = [
+        {k: jsonable(v) for k, v in g.items() if k != "params"} for g in engine.param_groups
+    ]
     return state
 
 
@@ -99,7 +109,7 @@ def save_checkpoint(
         optimizer=engine.functional_optimizer,
         tag=tag,
         client_state=client_state,
-        accumulation=engine.gradient_accumulation_steps(),
+        accumulation=_accumulation(engine),
         save_latest=save_latest,
         async_save=async_save,
         extras=_extras(engine, for_save=True),
@@ -114,6 +124,7 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    load_module_strict: bool = True,
 ) -> tuple[str | None, Any]:
     """See `Engine.load_checkpoint`."""
     wait_for_save(engine)
@@ -137,10 +148,11 @@ def load_checkpoint(
             optimizer=engine.functional_optimizer,
             tag=tag,
             load_optimizer_states=load_optimizer_states and not load_module_only,
-            accumulation=engine.gradient_accumulation_steps(),
+            accumulation=_accumulation(engine),
             extras=extras,
             owner=engine,
             install=False,
+            strict=load_module_strict,
         )
     except Exception:
         for rt, (state, grad_on_disk) in zip(engine.units, before):
@@ -149,7 +161,8 @@ def load_checkpoint(
     _install(engine, like, restored.state)
     with torch.no_grad():
         for key, tensor in module_tensors(engine.plan, engine.module).items():
-            tensor.copy_(restored.module[key])
+            if key in restored.module:  # all of them unless load_module_strict=False
+                tensor.copy_(restored.module[key])
     for rt in engine.units:
         with engine.residency.resident(rt, write_back=False):
             engine.publish_master(rt)
@@ -195,8 +208,8 @@ def _restore_counters(engine: Engine, restored: Any, with_scheduler: bool) -> No
         return
     scheduler = index["scheduler"]
     engine.lr_steps = scheduler["lr_steps"]
-    if engine.client_optimizer is not None and scheduler["client_groups"] is not None:
-        for group, saved in zip(engine.client_optimizer.param_groups, scheduler["client_groups"]):
+    if scheduler["client_groups"] is not None:
+        for group, saved in zip(engine.param_groups, scheduler["client_groups"]):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     if engine.client_scheduler is not None and scheduler["client"] is not None:

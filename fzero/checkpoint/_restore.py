@@ -71,12 +71,15 @@ def restore(
     extras: Extras | None = None,
     owner: Any = None,
     install: bool = True,
+    strict: bool = True,
 ) -> Restored:
     """Read the checkpoint `directory/tag` (default: the tag in `directory/latest`) into a
     state laid out like `like` (its plan — any world size, stage or strategy may have
     saved it — dtypes and devices); collective. `optimizer` checks the saved optimizer's
     name, and re-initialises the state when `load_optimizer_states` is False. `module`
-    checks (and `Restored.module` returns) the frozen parameters and buffers.
+    checks (and `Restored.module` returns) the frozen parameters and buffers; without
+    `strict`, those the checkpoint or the module lacks are skipped (a changed shape
+    still fails).
     With `install` (the default) the new masters are also written to the compute-dtype
     parameters (collective), so the returned state is ready to train; the counters,
     loss scale and generator come from the checkpoint (with `accumulation`, micro-steps
@@ -94,7 +97,7 @@ def restore(
         )
     try:
         index, units, staged, client_state = _read(
-            found, like, optimizer, extras, load_optimizer_states
+            found, like, optimizer, extras, load_optimizer_states, strict
         )
         failure = ""
     except (CheckpointError, OSError) as error:
@@ -148,13 +151,14 @@ def _read(
     optimizer: Optimizer | None,
     extras: Extras,
     with_state: bool,
+    strict: bool = True,
 ) -> tuple[dict[str, Any], tuple[UnitState, ...], dict[str, Tensor], Any]:
     """Everything this rank needs from the checkpoint, read into new buffers unit by unit
     (units outside memory go to their next slot through `like.residence`)."""
     index = read_index(directory)
     old_plan = partition.from_bytes(index["plan"])
     plan = like.plan
-    _check_model(plan, like.rank, old_plan, index, directory, extras.module)
+    _check_model(plan, like.rank, old_plan, index, directory, extras.module, strict)
     if index["mid_accumulation"] and (index["world_size"] != plan.world_size or old_plan != plan):
         raise CheckpointError(
             f"{directory} was saved mid gradient-accumulation at world size "
@@ -184,7 +188,10 @@ def _read(
                 unit = old._replace(grad=unit.grad)
             units.append(unit)
         staged = {}
+        on_disk = {t["key"] for t in index["tensors"] if t["fqn"] is None}
         for key, tensor in extras.module.items():
+            if key not in on_disk:  # only without `strict` (checked above)
+                continue
             saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
             reader.read_whole(0, f"module/{key}", saved)
             staged[key] = saved
@@ -255,6 +262,7 @@ def _check_model(
     index: Mapping[str, Any],
     directory: str,
     module: Mapping[str, Tensor],
+    strict: bool = True,
 ) -> None:
     try:
         partition.reshard_reads(old_plan, plan, rank)
@@ -270,6 +278,8 @@ def _check_model(
         for k in set(saved) & set(module)
         if tuple(saved[k]["shape"]) != tuple(module[k].shape)
     )
+    if not strict:
+        missing = unexpected = []
     if missing or unexpected or changed:
         raise CheckpointError(
             f"{directory} does not fit this model's frozen parameters and buffers: missing "

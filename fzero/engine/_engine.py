@@ -141,6 +141,7 @@ class Engine:
         self.skipped_steps = 0
         self.lr_steps = 0
         self._skipped_last = False
+        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self.timers = Timers()
         self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
@@ -221,6 +222,12 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    @property
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        """The child registry DeepSpeed's engine has as an `nn.Module` (its `module`), which
+        Accelerate's helpers read before they unwrap `engine.module`."""
+        return {"module": self.module}
+
     def __getattr__(self, name: str) -> Any:
         """Public attributes the engine lacks come from the module (DeepSpeed's engine does
         the same: `engine.named_parameters()`, `engine.generate(...)`, a model's fields)."""
@@ -265,7 +272,17 @@ class Engine:
         return loss * (self.loss_scale_state.scale if self.loss_scale_state else 1.0)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch ends an accumulation window: by the micro-step
+        count, or as `set_gradient_accumulation_boundary` last said."""
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's caller-managed accumulation (Accelerate's): from now on the caller
+        says whether the next backward ends a window, and calls `step()` only when it
+        does; each such `step()` is one micro-step and one optimizer step."""
+        self.boundary_override = bool(is_boundary)
 
     @_named("step")
     def step(self) -> None:
@@ -471,17 +488,26 @@ class Engine:
         self,
         load_dir: str,
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, Any]:
         """Load `load_dir/tag` (default: the tag in `load_dir/latest`), whatever world
         size, stage or strategy saved it; collective. Returns `(path, client_state)`, or
-        `(None, None)` with a warning when there is no checkpoint (as DeepSpeed)."""
+        `(None, None)` with a warning when there is no checkpoint (as DeepSpeed). DeepSpeed's
+        arguments in its order; without `load_module_strict`, frozen parameters and
+        buffers that the checkpoint or the module lacks are skipped."""
         from fzero.checkpoint import _engine_io
 
         return _engine_io.load_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            load_module_strict=load_module_strict,
         )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:

@@ -126,6 +126,11 @@ def take_step(engine: Engine) -> StepDecision:
         engine.optimizer_application.apply(decision.factor, engine.hyperparams.current_lrs())
         engine.lr_steps += 1
         if engine.client_scheduler is not None:
+            # torch's schedulers warn unless the optimizer they wrap has stepped: the
+            # engine's update was that step (its `step()` is never called on its own)
+            wrapped = getattr(engine.client_scheduler, "optimizer", None)
+            if wrapped is not None:
+                wrapped._opt_called = True
             engine.client_scheduler.step()
     zero_grads(engine)
     return decision
