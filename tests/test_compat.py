@@ -427,3 +427,15 @@ def _nccl_case(rank: int, world: int) -> str:
 
     deepspeed.init_distributed(dist_backend="nccl")
     return torch.distributed.get_backend()
+
+
+def test_zero3_consolidated_16bit_state_dict_as_transformers_calls_it():
+    from tests.models import Awkward
+
+    config = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}}
+    engine = fzero.shard(Awkward(), stage=3, optimizer=fzero.optim.adam(lr=0.1), config=config)
+    assert engine.zero_gather_16bit_weights_on_model_save()
+    whole = engine._zero3_consolidated_16bit_state_dict()
+    assert list(whole) == list(engine.module.state_dict())
+    trainable = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    assert set(whole) - set(trainable) == {"frozen.weight", "frozen.bias"}

@@ -199,11 +199,13 @@ def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None
     return tmp_path / out
 
 
-def test_transformers_trainer_zero2_matches_ddp_and_resumes_exactly(tmp_path):
-    """`--deepspeed` with the seed's ZeRO-2 "auto" config: Accelerate drives fzero's
-    engine (a scheduler callable, caller-managed accumulation boundaries); the weights
-    equal plain Trainer DDP's to fp32 rounding, and `--resume_from_checkpoint` from the
-    step-2 checkpoint ends bitwise where the uninterrupted run did."""
+def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exactly(tmp_path):
+    """`--deepspeed` with an "auto" config, ZeRO-2 with CPU optimizer offload: Accelerate
+    drives fzero's engine (a scheduler callable, caller-managed accumulation boundaries);
+    the weights equal plain Trainer DDP's to fp32 rounding, and `--resume_from_checkpoint`
+    from the step-2 checkpoint ends bitwise where the uninterrupted run did. ZeRO-3 (the
+    model built by its constructor; `save_model` through the 16-bit consolidation) equals
+    DDP's too."""
     pytest.importorskip("accelerate")
     from safetensors.torch import load_file
 
@@ -212,16 +214,21 @@ def test_transformers_trainer_zero2_matches_ddp_and_resumes_exactly(tmp_path):
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
     }
     zero = _trainer(tmp_path, "zero2", deepspeed=config)
     ddp = _trainer(tmp_path, "ddp")
+    stage3 = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    zero3 = _trainer(tmp_path, "zero3", deepspeed={**config, "zero_optimization": stage3})
     assert (zero / "checkpoint-2" / "latest").read_text() == "global_step2"
     ours, theirs = load_file(zero / "model.safetensors"), load_file(ddp / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
+    consolidated = load_file(zero3 / "model.safetensors")
+    for name, value in theirs.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=1e-6, msg=name)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(zero / "checkpoint-2", resumed / "checkpoint-2")

@@ -510,6 +510,23 @@ class Engine:
             load_module_strict=load_module_strict,
         )
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Tensor] | None:
+        """DeepSpeed's name (Accelerate and Transformers call it at save): the whole model's
+        state dict in the compute dtype, on rank 0 (None elsewhere); collective. Without
+        the frozen parameters when `exclude_frozen_parameters`."""
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
         the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
