@@ -429,13 +429,22 @@ def _nccl_case(rank: int, world: int) -> str:
     return torch.distributed.get_backend()
 
 
-def test_zero3_consolidated_16bit_state_dict_as_transformers_calls_it():
+def consolidated_16bit_case(rank: int, world: int) -> dict:
     from tests.models import Awkward
 
     config = {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}}
     engine = fzero.shard(Awkward(), stage=3, optimizer=fzero.optim.adam(lr=0.1), config=config)
-    assert engine.zero_gather_16bit_weights_on_model_save()
     whole = engine._zero3_consolidated_16bit_state_dict()
-    assert list(whole) == list(engine.module.state_dict())
     trainable = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
-    assert set(whole) - set(trainable) == {"frozen.weight", "frozen.bias"}
+    return {
+        "gather": engine.zero_gather_16bit_weights_on_model_save(),
+        "whole": None if whole is None else list(whole),
+        "trainable": None if trainable is None else list(trainable),
+        "keys": list(engine.module.state_dict()),
+    }
+
+
+def test_zero3_consolidated_16bit_state_dict_as_transformers_calls_it():
+    result = run_world(consolidated_16bit_case, 2)
+    assert result["gather"] and result["whole"] == result["keys"]
+    assert set(result["whole"]) - set(result["trainable"]) == {"frozen.weight", "frozen.bias"}
