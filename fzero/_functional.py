@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm, partition
-from fzero._train_state import Counters, TrainState, UnitState
+from fzero import comm
+from fzero._train_state import Counters, TrainState, UnitState, optimizer_partition
 from fzero.config import Config, load_config
 from fzero.engine._precision import DTYPES, loss_scaler
 from fzero.engine._units import gather_pieces, scatter_pieces
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 
-__all__ = ["check_optimizer", "full_master", "init", "load", "partition_of", "state_dict"]
+__all__ = ["check_optimizer", "full_master", "init", "load", "state_dict"]
 
 # ---- init ----------------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def init(
                 scatter_pieces(flat, value, placement)
         if plan.world_size > 1:
             dist.broadcast(flat, src=0)
-        part = partition_of(plan, unit, rank)
+        part = optimizer_partition(plan, unit, rank)
         if plan.stage < 3 or unit.persistent:
             params = flat if dtype == torch.float32 else flat.to(dtype)
             shares = dtype == torch.float32 and host == device
@@ -132,14 +132,6 @@ def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
             f"the model does not fit the plan: missing parameters {missing}, shapes differ "
             f"{changed}"
         )
-
-
-def partition_of(plan: Plan, unit: partition.Unit, rank: int) -> slice:
-    """This rank's optimizer partition of the unit (the whole buffer at stage 0)."""
-    if plan.stage == 0:
-        return slice(0, unit.numel)
-    start, stop = unit.shard_range(rank)
-    return slice(start, stop)
 
 
 def _optimizer_device(config: Config, device: torch.device, stage: int) -> torch.device:

@@ -31,9 +31,9 @@ from torch.utils import _pytree as pytree
 
 from fzero import comm
 from fzero.optim import LossScaleState
-from fzero.partition import Plan
+from fzero.partition import Plan, Unit
 
-__all__ = ["Counters", "Residence", "TrainState", "UnitState", "publish"]
+__all__ = ["Counters", "Residence", "TrainState", "UnitState", "optimizer_partition", "publish"]
 
 
 class UnitState(NamedTuple):
@@ -127,6 +127,15 @@ pytree.register_pytree_node(
 )
 
 
+def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
+    """`rank`'s optimizer partition of `unit`'s flat buffer: the whole buffer at stage 0
+    (every rank updates all of it), its shard (`Unit.shard_range`) at stages 1-3."""
+    if plan.stage == 0:
+        return slice(0, unit.numel)
+    start, stop = unit.shard_range(rank)
+    return slice(start, stop)
+
+
 def publish(plan: Plan, rank: int, index: int, unit: UnitState) -> None:
     """Write unit `index`'s fp32 master into its compute-dtype parameters: the shard at
     stage 3, else this rank's part of the whole buffer, all-gathered from every rank's
@@ -137,11 +146,7 @@ def publish(plan: Plan, rank: int, index: int, unit: UnitState) -> None:
             unit.params.copy_(unit.master)
         return
     assert unit.params is not None
-    if plan.stage == 0:
-        target = unit.params[: plan_unit.numel]
-    else:
-        start, stop = plan_unit.shard_range(rank)
-        target = unit.params[start:stop]
+    target = unit.params[optimizer_partition(plan, plan_unit, rank)]
     if target.data_ptr() != unit.master.data_ptr():
         target.copy_(unit.master)
     if plan.stage > 0 and plan.world_size > 1:

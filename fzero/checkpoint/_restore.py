@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero._train_state import Counters, TrainState, UnitState, publish
+from fzero._train_state import Counters, TrainState, UnitState, optimizer_partition, publish
 from fzero.checkpoint._files import CheckpointError, hugepage_hint
 from fzero.checkpoint._format import Reader, check_tag, read_index, read_latest, slice_key
 from fzero.checkpoint._save import (
@@ -133,7 +133,9 @@ def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
     publish(like.plan, like.rank, i, unit)
     if _viewed(like, i):
         assert unit.params is not None
-        unit = unit._replace(master=unit.params[_part(like, i)])
+        unit = unit._replace(
+            master=unit.params[optimizer_partition(like.plan, like.plan.units[i], like.rank)]
+        )
     return unit._replace(grad=old.grad)
 
 
@@ -219,18 +221,16 @@ def _unit_from(
     return UnitState(master, optim, old.params, old.grad)
 
 
-def _part(like: TrainState, i: int) -> slice:
-    """The rank's optimizer partition of unit i (the whole buffer at stage 0)."""
-    unit = like.plan.units[i]
-    return slice(0, unit.numel) if like.plan.stage == 0 else slice(*unit.shard_range(like.rank))
-
-
 def _viewed(like: TrainState, i: int) -> bool:
     """Whether `like`'s unit i keeps its master as a view of its parameters (fp32)."""
     old = like.units[i]
     if old.params is None or old.params.numel() != like.plan.units[i].numel:
         return False
-    return old.master.numel() > 0 and old.params[_part(like, i)].data_ptr() == old.master.data_ptr()
+    return (
+        old.master.numel() > 0
+        and old.params[optimizer_partition(like.plan, like.plan.units[i], like.rank)].data_ptr()
+        == old.master.data_ptr()
+    )
 
 
 def _new_partition(plan: Plan, rank: int, i: int) -> Tensor:

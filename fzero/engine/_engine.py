@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fzero import comm
 from fzero._auto import check_resolved
-from fzero._train_state import TrainState
+from fzero._train_state import TrainState, optimizer_partition
 from fzero.config import Config, batch_sizes
 from fzero.engine import _views
 from fzero.engine._apply import OptimizerApplication
@@ -191,10 +191,7 @@ class Engine:
 
     def partition(self, unit: Unit) -> slice:
         """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
-        if self.stage == 0:
-            return slice(0, unit.numel)
-        start, stop = unit.shard_range(self.rank)
-        return slice(start, stop)
+        return optimizer_partition(self.plan, unit, self.rank)
 
     def owned(self, unit: Unit) -> slice:
         """This rank's shard of the unit buffer (`plan`'s range)."""
