@@ -37,8 +37,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
-from fzero._functional import check_optimizer, load, partition_of
-from fzero._train_state import Counters, TrainState, UnitState, publish
+from fzero._functional import check_optimizer, load
+from fzero._train_state import (
+    Counters,
+    TrainState,
+    UnitState,
+    optimizer_partition,
+    publish,
+)
 from fzero._unit_gather import UnitGatherer, placeholder
 from fzero.config import Config, batch_sizes
 from fzero.engine._apply import hparam_fields, native_update_
@@ -424,7 +430,7 @@ class _Micro:
             hp = with_overrides(hp, {"betas": (momentum(lr_steps), hp.betas[1])})
         units = list(self.state.units)
         for index, u in enumerate(units):
-            part = partition_of(self.plan, self.plan.units[index], self.rank)
+            part = optimizer_partition(self.plan, self.plan.units[index], self.rank)
             grad = u.grad[part] if self.plan.stage < 2 else u.grad
             grad = grad.to(u.master.device)
             state = None
@@ -445,8 +451,8 @@ def _numel(plan: Plan) -> int:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else loss
-        raise ValueError(f"loss_fn returned {what!r}; expected a scalar tensor (or (loss, aux))")
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else repr(loss)
+        raise ValueError(f"loss_fn returned {what}; expected a scalar tensor (or (loss, aux))")
     if not loss.requires_grad:
         raise ValueError("loss_fn's loss does not depend on params (it does not require grad)")
 

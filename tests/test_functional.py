@@ -5,6 +5,7 @@ stage 3's per-unit gathering, composes with torch.func (`grad_fn`), and refuses 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -296,38 +297,57 @@ def test_train_state_is_a_pytree_a_copy_replays_a_step_and_a_donated_state_is_re
     assert result["leaves"] > 0
 
 
-def errors_case(rank: int, world: int) -> None:
+def _error(call) -> str:
+    """`call()`'s exception as "Type: message" ("no error" when it returns)."""
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def errors_case(rank: int, world: int) -> dict[str, str]:
     model, plan, optimizer, state, loss_fn = _single_state()
-    with pytest.raises(TypeError, match="exactly one of loss_fn and grad_fn"):
-        fzero.train_step(loss_fn, plan, optimizer, grad_fn=lambda p, b: None)
-    with pytest.raises(ValueError, match=r"plan\.world_size is 2 but torch.distributed runs 1"):
-        fzero.init(model, _plan(model, 2, 1), optimizer)
-    with pytest.raises(ValueError, match="lamb"):
-        fzero.train_step(loss_fn, plan, fzero.optim.lamb(lr=1e-3))
-    with pytest.raises(ValueError, match=r"offload_optimizer\.device is 'nvme'"):
-        fzero.init(model, plan, optimizer, config={"zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})  # fmt: skip
-    with pytest.raises(ValueError, match=r"config's zero_optimization\.stage is 3; the plan's 2"):
-        fzero.train_step(loss_fn, plan, optimizer, config={"zero_optimization": {"stage": 3}})
-    with pytest.raises(ValueError, match="does not fit the plan: missing parameters"):
-        fzero.init(nn.Linear(2, 2), plan, optimizer)
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
     with fzero.init_context():
         on_meta = Net()
-    with pytest.raises(ValueError, match=r"on the meta device \(first: 'embed.weight'\)"):
-        fzero.init(on_meta, plan, optimizer)
     bad = fzero.train_step(plan=plan, optimizer=optimizer, grad_fn=lambda p, b: (0.0, {"x": 1}))
-    with pytest.raises(ValueError, match=r"unknown names \['x'\]"):
-        bad(state, None)
     scalar = fzero.train_step(lambda p, b: torch.ones(3, requires_grad=True), plan, optimizer)
-    with pytest.raises(ValueError, match=r"expected a scalar tensor"):
-        scalar(state, None)
     other = fzero.train_step(loss_fn, _plan(model, 1, 3), optimizer)
-    with pytest.raises(ValueError, match="not the plan this step was made for"):
-        other(state, global_batch(0, 4))
+    calls = {
+        "both": lambda: fzero.train_step(loss_fn, plan, optimizer, grad_fn=lambda p, b: None),
+        "world": lambda: fzero.init(model, _plan(model, 2, 1), optimizer),
+        "lamb": lambda: fzero.train_step(loss_fn, plan, fzero.optim.lamb(lr=1e-3)),
+        "nvme": lambda: fzero.init(model, plan, optimizer, config={"zero_optimization": nvme}),
+        "stage": lambda: fzero.train_step(
+            loss_fn, plan, optimizer, config={"zero_optimization": {"stage": 3}}
+        ),
+        "model": lambda: fzero.init(nn.Linear(2, 2), plan, optimizer),
+        "meta": lambda: fzero.init(on_meta, plan, optimizer),
+        "grads": lambda: bad(state, None),
+        "scalar": lambda: scalar(state, None),
+        "plan": lambda: other(state, global_batch(0, 4)),
+    }
+    return {name: _error(call) for name, call in calls.items()}
 
 
 def test_train_step_errors_name_what_is_wrong():
-    run_world(errors_case, 1)
+    errors = run_world(errors_case, 1)
+    expected = {
+        "both": r"TypeError: train_step takes exactly one of loss_fn and grad_fn",
+        "world": r"ValueError: plan\.world_size is 2 but torch.distributed runs 1 ranks",
+        "lamb": r"ValueError: optimizer lamb: train_step supports adam, adamw and sgd",
+        "nvme": r"ValueError: .*offload_optimizer\.device is 'nvme'.*allowed 'none' or 'cpu'",
+        "stage": r"ValueError: the config's zero_optimization\.stage is 3; the plan's 2",
+        "model": r"ValueError: the model does not fit the plan: missing parameters \['embed",
+        "meta": r"ValueError: .*on the meta device \(first: 'embed.weight'\)",
+        "grads": r"ValueError: grad_fn's grads do not fit the plan: unknown names \['x'\]",
+        "scalar": r"ValueError: loss_fn returned a tensor of shape \(3,\).*expected a scalar",
+        "plan": r"ValueError: train_step: state.plan is not the plan this step was made for",
+    }
+    assert errors.keys() == expected.keys()
+    for name, pattern in expected.items():
+        assert re.match(pattern, errors[name]), (name, errors[name])
 
 
 def schedule_case(rank: int, world: int) -> list[float]:

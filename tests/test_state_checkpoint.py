@@ -5,12 +5,14 @@ state and the other way round)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fzero
-from fzero.checkpoint import CheckpointError, consolidated_state_dict
+from fzero.checkpoint import consolidated_state_dict
 from tests._dist import run_world
 from tests.models import Net, global_batch
 
@@ -136,21 +138,37 @@ def test_an_engine_checkpoint_restores_into_a_functional_state(tmp_path):
     assert run_world(engine_to_state_case, 2, str(tmp_path))
 
 
-def errors_case(rank: int, world: int, root: str) -> None:
-    _, _, optimizer, state, _ = _setup(world, 2, 1, seed=0)
-    with pytest.raises(CheckpointError, match="no checkpoint in"):
-        fzero.checkpoint.restore(root, state, optimizer=optimizer)
-    fzero.checkpoint.save(root, state, optimizer=optimizer)
-    with pytest.raises(CheckpointError, match="load_optimizer_states=False"):
-        fzero.checkpoint.restore(root, state, optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
-    with pytest.raises(ValueError, match="needs the optimizer"):
-        fzero.checkpoint.restore(root, state, load_optimizer_states=False)
+def _error(call) -> str:
+    """`call()`'s exception as "Type: message" ("no error" when it returns)."""
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def errors_case(rank: int, world: int, root: str) -> dict:
+    _, plan, optimizer, state, _ = _setup(world, 2, 1, seed=0)
     sgd = fzero.optim.sgd(lr=0.1, momentum=0.9)
-    _, plan, _, _, _ = _setup(world, 2, 1, seed=0)
+    errors = {"missing": _error(lambda: fzero.checkpoint.restore(root, state, optimizer=optimizer))}
+    fzero.checkpoint.save(root, state, optimizer=optimizer)
+    errors["optimizer"] = _error(lambda: fzero.checkpoint.restore(root, state, optimizer=sgd))
+    errors["no optimizer"] = _error(
+        lambda: fzero.checkpoint.restore(root, state, load_optimizer_states=False)
+    )
     fresh = fzero.init(Net(), plan, sgd)
     weights = fzero.checkpoint.restore(root, fresh, optimizer=sgd, load_optimizer_states=False)
-    assert weights.state.units[0].optim.step == 0
+    return {"errors": errors, "step": weights.state.units[0].optim.step}
 
 
 def test_restore_errors_name_what_is_wrong(tmp_path):
-    run_world(errors_case, 1, str(tmp_path))
+    result = run_world(errors_case, 1, str(tmp_path))
+    errors = result["errors"]
+    assert re.match(r"CheckpointError: no checkpoint in .* \(tag None\)", errors["missing"])
+    assert re.match(
+        r"CheckpointError: rank 0: .*global_step0 holds adamw state \['optim.exp_avg', "
+        r"'optim.exp_avg_sq'\]; this run uses sgd with .*: pass load_optimizer_states=False",
+        errors["optimizer"],
+    ), errors["optimizer"]
+    assert errors["no optimizer"].startswith("ValueError: load_optimizer_states=False needs")
+    assert result["step"] == 0  # weights only: the optimizer starts afresh
