@@ -59,12 +59,12 @@ class BufferPool:
     trimmed.
     """
 
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        self.numel, self.dtype = numel, dtype
         self._free: list[Tensor] = []
 
     def take(self) -> Tensor:
-        return self._free.pop() if self._free else aligned_empty(self.numel)
+        return self._free.pop() if self._free else aligned_empty(self.numel, self.dtype)
 
     def give(self, buffer: Tensor) -> None:
         if buffer.numel() != self.numel:

@@ -78,6 +78,13 @@ class OffloadOptimizerConfig(_Section):
     parameter). False keeps them in host memory: faster where they fit."""
     fast_init: bool = False
     """Skip writing initial state files eagerly (NVMe)."""
+    commit: Literal["two_slots", "in_place"] = "two_slots"
+    """fzero, NVMe: how a step's new master and optimizer state reach the swap file.
+    "two_slots" writes them beside the current ones and switches only when every rank
+    has written everything: an I/O error mid-step changes nothing and the step can be
+    run again (the state takes twice its size on disk). "in_place" overwrites the one
+    copy (DeepSpeed's way, half the disk): an I/O error mid-step stops the engine with
+    an error naming the step, and training goes on from the last checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +141,11 @@ class FP16Config(_Section):
 @dataclass(frozen=True, kw_only=True)
 class BF16Config(_Section):
     enabled: bool = False
+    bf16_optimizer_states: bool = False
+    """The optimizer's moments (Adam's exp_avg and exp_avg_sq, SGD's momentum) kept in
+    bf16 where they rest between steps, stochastically rounded; masters stay fp32 and
+    each update runs in fp32. fzero applies it to the NVMe swap file (two bytes per
+    moment per parameter instead of four), so it needs `offload_optimizer` on nvme."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,7 +286,6 @@ _NOT_SUPPORTED = {
         "immediate_grad_update",
         "check_grad_overflow",
         "bf16_master_weights_and_grads",
-        "bf16_optimizer_states",
     },
     "zero_optimization.offload_optimizer": {"ratio"},
 }
@@ -524,6 +535,13 @@ def _check(config: Config) -> None:
         )
     if zero.offload_optimizer.device not in ("none", AUTO) and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs stage 1, 2 or 3, found 0")
+    if config.bf16.bf16_optimizer_states is True and zero.offload_optimizer.device != "nvme":
+        raise ConfigError(
+            "config key 'bf16.bf16_optimizer_states' is true but "
+            f"'zero_optimization.offload_optimizer.device' is {zero.offload_optimizer.device!r}: "
+            "fzero keeps bf16 optimizer states only in the NVMe swap file; set the device "
+            "to 'nvme' or the key to false"
+        )
     if config.optimizer is not None:
         kind = config.optimizer.type.lower()
         if kind not in _OPTIMIZER_PARAMS:

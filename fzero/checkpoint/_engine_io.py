@@ -103,6 +103,7 @@ def save_checkpoint(
 ) -> str:
     """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
     wait_for_save(engine)
+    engine.residency.check_usable()  # a failed in-place step: nothing whole to save
     return save(
         save_dir,
         engine.train_state,
@@ -141,6 +142,7 @@ def load_checkpoint(
     # is read (one unit in memory at a time); the slots flip once every rank has read.
     before = [(rt.state, rt.grad_on_disk) for rt in engine.units]
     like = engine.train_state
+    residency, stored = engine.residency, engine.residency.stored
     try:
         restored = restore(
             load_dir,
@@ -154,10 +156,16 @@ def load_checkpoint(
             install=False,
             strict=load_module_strict,
         )
-    except Exception:
+    except Exception as error:
         for rt, (state, grad_on_disk) in zip(engine.units, before):
             rt.state, rt.grad_on_disk = state, grad_on_disk
+        if residency.slots == 1 and residency.stored > stored:
+            residency.broken = (
+                f"loading {load_dir} failed after units were overwritten in place in "
+                f"{residency.nvme.path} ({error}); load a checkpoint again to go on"
+            )
         raise
+    residency.broken = ""  # the file holds the loaded step now
     _install(engine, like, restored.state)
     with torch.no_grad():
         for key, tensor in module_tensors(engine.plan, engine.module).items():
@@ -186,7 +194,7 @@ def _install(engine: Engine, like: Any, state: Any) -> None:
             if unit.grad is not old.grad and rt.grad.numel():
                 rt.grad.copy_(unit.grad)
             if swapped:
-                rt.slot = 1 - rt.slot
+                rt.slot = engine.residency.next_slot(rt)
                 continue
             if rt.master._base is not None:
                 rt.master.copy_(unit.master)  # a view of the parameters' buffer

@@ -314,7 +314,9 @@ class OptimizerApplication:
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self.residency.bind_swapped(rt, buffers)
             written = self.update_unit(rt, factor, lrs)
-            tickets = self.residency.swap_out(rt, 1 - rt.slot, wait=False)
+            tickets = self.residency.swap_out(
+                rt, self.residency.next_slot(rt), wait=False, buffers=buffers
+            )
             updated.append(rt)
             self.publish(rt, written, exchange=False)
             return tickets
@@ -324,7 +326,7 @@ class OptimizerApplication:
         else:
             self.agree(self.residency.step_pass(self.residency.swap_in, update), updated, steps)
         for rt in self.engine.units:
-            rt.slot = 1 - rt.slot
+            rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
         if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
             self.residency.pool.trim(self.residency.write_buffers + 1)
@@ -344,9 +346,9 @@ class OptimizerApplication:
             update = buffers[-1][: rt.master.numel()]
             _, hp, _, segments = self.lamb_direction(rt, factor, lrs, sums, update)
             kept[rt.index] = (hp, segments)
-            slot = 1 - rt.slot
+            slot = self.residency.next_slot(rt)
             return [
-                (self.residency.nvme.submit(self.residency.region(rt, k, slot), t, write=True), t)
+                self.residency.write_kind(rt, k, slot, t, buffers)
                 for k, t in enumerate([update, *self.residency.resident_tensors(rt)[1:]])
             ]
 
@@ -386,8 +388,19 @@ class OptimizerApplication:
         self.agree(self.residency.step_pass(read_direction, apply, extra=1), updated, steps)
 
     def agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
-        """Every rank learns whether any rank's pass failed; if one did, all roll back."""
+        """Every rank learns whether any rank's pass failed; if one did, all roll back
+        (two slots) or stop (in place: nothing to roll back to)."""
         messages = self.residency.failures(failure, self.engine.world_size)
+        if messages and self.residency.slots == 1:
+            self.residency.broken = (
+                f"NVMe offload with commit 'in_place': step {self.engine.global_steps + 1} "
+                f"failed after {len(updated)} of {len(self.engine.units)} units on this rank "
+                f"were overwritten in {self.residency.nvme.path}, so it holds no single step "
+                "and this engine will not go on; load the last checkpoint "
+                "(engine.load_checkpoint) to continue, or use commit 'two_slots' for steps "
+                f"that roll back ({'; '.join(messages)})"
+            )
+            raise OSError(self.residency.broken)
         if messages:
             self.roll_back(updated, steps)
             raise OSError(

@@ -238,6 +238,7 @@ class Engine:
         """Run the module (floating inputs cast to the compute dtype, stage-3 gathering:
         the module's own hooks, so calling the module directly trains the same). A
         plain `loss.backward()` through the returned tensors is this engine's backward."""
+        self.residency.check_usable()
         self.telemetry.forward(args, kwargs)
         with self.timers("forward"):
             output = self.module(*args, **kwargs)
@@ -308,9 +309,11 @@ class Engine:
         self.telemetry.step()
 
     def check_trainable(self) -> None:
-        """Raise unless this engine has an optimizer to train with."""
+        """Raise unless this engine has an optimizer to train with and its state is whole
+        (not after a failed in-place NVMe step)."""
         if self.functional_optimizer is _NO_OPTIMIZER:
             raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
+        self.residency.check_usable()
 
     def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)
@@ -447,6 +450,7 @@ class Engine:
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""
+        self.residency.check_usable()
         return _views.state_dict(self, dtype)
 
     def memory_held(self) -> MemoryEstimate:

@@ -2,11 +2,17 @@
 device, in host memory (ZeRO-Offload, Ren et al. 2021), or in a swap file on NVMe
 (ZeRO-Infinity, Rajbhandari et al. 2021).
 
-On NVMe every unit has two slots of master + optimizer state: a step reads the current
-slot and writes the other, and the engine flips them only when every rank has written
-everything (`failures`), so a step is all or nothing. Stages 2-3 keep each unit's
-gradient accumulator in the file too (`grads_on_disk`). Host buffers for what moves
-every step come from one pool of unit-sized aligned buffers.
+On NVMe every unit has two slots of master + optimizer state by default
+(`offload_optimizer.commit: two_slots`): a step reads the current slot and writes the
+other, and the engine flips them only when every rank has written everything
+(`failures`), so a step is all or nothing. With `commit: in_place` there is one slot,
+overwritten by the step: half the disk, and an I/O error mid-step leaves the file
+holding no single step, so the engine refuses to go on (`broken`) until a checkpoint
+is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
+(`grads_on_disk`). With `bf16.bf16_optimizer_states` the optimizer's moments rest
+there in bf16 (stochastically rounded on the way out, exact on the way in); in memory
+and in the update they are fp32. Host buffers for what moves every step come from
+pools of unit-sized aligned buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from fzero import _nvme, comm
 from fzero._train_state import UnitState
 from fzero.config import Config
 from fzero.engine._units import UnitRuntime
+from fzero.optim import bf16_stochastic
 from fzero.partition import Plan, Unit
 
 __all__ = ["Residency", "UnitResidence"]
@@ -49,6 +56,11 @@ class Residency:
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
         self.kinds: list[str] = []
         self.grads_on_disk = False  # stages 2-3: gradient accumulators in it too
+        self.slots = 2  # copies of each unit's master and state: two_slots or in_place
+        self.state_dtype = torch.float32  # of the moments in the file
+        self.broken = ""  # in_place: why the file no longer holds one step
+        self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
+        self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
         self.pipeline_depth = 2
         self.write_buffers = zero.offload_optimizer.buffer_count
         self._grad_writes: list[tuple[Any, Tensor]] = []
@@ -57,6 +69,7 @@ class Residency:
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(largest)
+        self.staging = _nvme.BufferPool(largest, torch.bfloat16)  # bf16 moments in transit
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
         if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
             _nvme.map_large_buffers()
@@ -70,18 +83,29 @@ class Residency:
         self.kinds = ["master", *kinds]
         # Two slots per unit: a step reads the current one and writes the other, and
         # flips them only when every rank has written everything (transactional).
+        self.slots = 2 if zero.offload_optimizer.commit == "two_slots" else 1
+        if self.slots == 1 and getattr(optimizer, "name", "") == "lamb":
+            raise ValueError(
+                "zero_optimization.offload_optimizer.commit 'in_place' does not work with "
+                "LAMB (its update direction waits in the second slot between its two "
+                "passes); use commit 'two_slots'"
+            )
+        if config.bf16.bf16_optimizer_states is True:
+            self.state_dtype = torch.bfloat16
+        self.seed = rank
         sizes = [
-            4 * self.partition_numel(u)
-            for _slot in range(2)
+            self.kind_bytes(k) * self.partition_numel(u)
+            for _slot in range(self.slots)
             for u in self.plan.units
-            for _ in self.kinds
+            for k in range(len(self.kinds))
         ]
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = zero.stage >= 2 and zero.offload_optimizer.swap_gradients
         if self.grads_on_disk:
             sizes += [4 * u.shard_numel for u in self.plan.units]
-        per_unit = len(self.kinds) + self.grads_on_disk
+        # (bf16 moments: their staging buffers are half-size)
+        per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
         self._check_memory(per_unit)
         self.nvme = _nvme.SwapFile(
@@ -110,24 +134,70 @@ class Residency:
                 "zero_optimization.offload_optimizer.buffer_count or plan smaller units"
             )
 
+    @property
+    def staged(self) -> int:
+        """Host staging buffers a unit's bf16 moments take (0 with fp32 moments)."""
+        return len(self.kinds) - 1 if self.state_dtype != torch.float32 else 0
+
+    def kind_bytes(self, kind_index: int) -> int:
+        """Bytes per element of `kinds[kind_index]` in the file."""
+        return 4 if kind_index == 0 else self.state_dtype.itemsize
+
+    def next_slot(self, rt: UnitRuntime) -> int:
+        """Where a step writes the unit: the other slot, or (in_place) the same one."""
+        return (rt.slot + 1) % self.slots
+
     def region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
         return (slot * len(self.plan.units) + rt.index) * len(self.kinds) + kind_index
 
     def grad_region(self, rt: UnitRuntime) -> int:
-        return 2 * len(self.plan.units) * len(self.kinds) + rt.index
+        return self.slots * len(self.plan.units) * len(self.kinds) + rt.index
+
+    def check_usable(self) -> None:
+        """Raise if an in-place step failed midway (the file holds no single step)."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+
+    def staging_of(self, buffers: list[Tensor] | None, kind_index: int, numel: int) -> Tensor:
+        """Where kind `kind_index`'s bf16 copy goes: its staging buffer in `buffers`
+        (a swap buffer set), or a new aligned one."""
+        if buffers is None:
+            return _nvme.aligned_empty(numel, self.state_dtype)
+        return buffers[len(self.kinds) + self.grads_on_disk + kind_index - 1][:numel]
+
+    def write_kind(
+        self,
+        rt: UnitRuntime,
+        kind_index: int,
+        slot: int,
+        tensor: Tensor,
+        buffers: list[Tensor] | None = None,
+    ) -> tuple[Any, Tensor]:
+        """Start writing fp32 `tensor` as kind `kind_index` of the unit (bf16 moments
+        rounded stochastically into a staging buffer first); a (ticket, buffer) pair."""
+        if kind_index > 0 and self.state_dtype != torch.float32:
+            step = int(getattr(rt.state, "step", 0))
+            seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
+            staged = self.staging_of(buffers, kind_index, tensor.numel())
+            tensor = bf16_stochastic(tensor, seed % 2**63, out=staged)
+        elif tensor.data_ptr() % _nvme.ALIGN:
+            tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
+        region = self.region(rt, kind_index, slot)
+        return self.nvme.submit(region, tensor, write=True), tensor
 
     def resident_tensors(self, rt: UnitRuntime) -> list[Tensor]:
         return [rt.master] + [getattr(rt.state, k) for k in self.kinds[1:]]
 
-    def swap_out(self, rt: UnitRuntime, slot: int, wait: bool) -> list[Any]:
+    def swap_out(
+        self, rt: UnitRuntime, slot: int, wait: bool, buffers: list[Tensor] | None = None
+    ) -> list[Any]:
         """Write the unit's master and state to `slot` of its regions (from aligned
-        copies when they are not already in aligned swap buffers)."""
-        tickets = []
-        for k, tensor in enumerate(self.resident_tensors(rt)):
-            if tensor.data_ptr() % _nvme.ALIGN:
-                tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
-            region = self.region(rt, k, slot)
-            tickets.append((self.nvme.submit(region, tensor, write=True), tensor))
+        copies when they are not already in aligned swap buffers; bf16 moments through
+        the staging buffers of `buffers`, the unit's swap set)."""
+        tickets = [
+            self.write_kind(rt, k, slot, tensor, buffers)
+            for k, tensor in enumerate(self.resident_tensors(rt))
+        ]
         if wait:
             self.wait_swap(tickets, "writing")
         return tickets
@@ -140,7 +210,10 @@ class Residency:
         tickets = []
         for k in range(len(self.kinds)):
             region = self.region(rt, k, rt.slot)
-            tickets.append((self.nvme.submit(region, buffers[k][:numel], False), buffers[k]))
+            target = buffers[k][:numel]
+            if k > 0 and self.staged:  # widened to fp32 by `bind_swapped`
+                target = self.staging_of(buffers, k, numel)
+            tickets.append((self.nvme.submit(region, target, False), target))
         if self.grads_on_disk:
             grad = buffers[len(self.kinds)][:numel]
             if rt.grad_on_disk:
@@ -160,7 +233,11 @@ class Residency:
             self.drain([tickets])
 
     def bind_swapped(self, rt: UnitRuntime, buffers: list[Tensor]) -> None:
+        """Point the unit's master and state (and gradient) at the swap set `buffers`,
+        read by `swap_in` (bf16 moments widened to fp32 here)."""
         numel = self.partition_numel(rt.unit)
+        for k in range(1, len(self.kinds)) if self.staged else ():
+            buffers[k][:numel].copy_(self.staging_of(buffers, k, numel))
         rt.master = buffers[0][:numel]
         fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
         rt.state = rt.state._replace(**fields)
@@ -175,14 +252,19 @@ class Residency:
             rt.grad = empty
 
     def swap_buffers(self, extra: int = 0) -> list[Tensor]:
-        """One pooled host buffer per swapped kind (and the gradient, and `extra` more),
-        each the largest unit's partition; give them back with `_give_back`."""
-        count = len(self.kinds) + self.grads_on_disk + extra
-        return [self.pool.take() for _ in range(count)]
+        """One pooled host buffer per swapped kind (and the gradient, a bf16 staging
+        buffer per bf16 moment, and `extra` more), each the largest unit's partition;
+        give them back with `give_back`."""
+        count = len(self.kinds) + self.grads_on_disk
+        return (
+            [self.pool.take() for _ in range(count)]
+            + [self.staging.take() for _ in range(self.staged)]
+            + [self.pool.take() for _ in range(extra)]
+        )
 
     def give_back(self, buffers: list[Tensor]) -> None:
         for buffer in buffers:
-            self.pool.give(buffer)
+            (self.staging if buffer.dtype == torch.bfloat16 else self.pool).give(buffer)
         buffers.clear()
 
     def accumulate_grad(
@@ -263,8 +345,8 @@ class Residency:
         try:
             yield
             if write_back:  # into the other slot, current once written
-                self.swap_out(rt, 1 - rt.slot, wait=True)
-                rt.slot = 1 - rt.slot
+                self.swap_out(rt, self.next_slot(rt), wait=True, buffers=buffers)
+                rt.slot = self.next_slot(rt)
                 if self.grads_on_disk:
                     self.write_grad(rt)
         finally:
@@ -276,7 +358,8 @@ class Residency:
         slot, then evict them; they become current when the caller flips `rt.slot`
         (checkpoint loads, after every rank has read its part)."""
         try:
-            self.swap_out(rt, 1 - rt.slot, wait=True)
+            self.stored += 1
+            self.swap_out(rt, self.next_slot(rt), wait=True)
             if with_grad and self.grads_on_disk:
                 self.write_grad(rt)
         finally:

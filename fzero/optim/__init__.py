@@ -30,6 +30,7 @@ from fzero.optim._lamb import (
 )
 from fzero.optim._loss_scale import DynamicLossScale, LossScaleState, StaticLossScale
 from fzero.optim._registry import OPTIMIZERS, SCHEDULES, optimizer_from_name, schedule_from_name
+from fzero.optim._rounding import bf16_stochastic
 from fzero.optim._schedules import (
     LRRangeTest,
     OneCycle,
@@ -67,6 +68,7 @@ __all__ = [
     "adam_update",
     "adam_update_",
     "adamw",
+    "bf16_stochastic",
     "clip_coefficient",
     "constant",
     "global_norm",

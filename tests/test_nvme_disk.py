@@ -1,0 +1,217 @@
+"""What the NVMe swap file costs on disk: `offload_optimizer.commit` "in_place" (one copy
+of master and optimizer state instead of two) and `bf16.bf16_optimizer_states` (moments in
+bf16, stochastically rounded). Each against the default two-slot, fp32-state run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero.config import ConfigError
+from fzero.optim import bf16_stochastic
+from tests._dist import run_world
+from tests.models import Net, global_batch
+
+MICRO = 2
+
+
+def _config(nvme_path: str, commit: str, bf16_states: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True, "bf16_optimizer_states": bf16_states},
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "commit": commit},
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path},
+        },
+    }
+
+
+def _engine(nvme_path: str, commit: str, bf16_states: bool):
+    torch.manual_seed(0)
+    config = _config(nvme_path, commit, bf16_states)
+    return fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+
+
+def _step(engine, rank: int, world: int, step: int) -> float:
+    x, y = global_batch(step, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def train(rank, world, nvme_path, commit, bf16_states, root):
+    """8 steps with a checkpoint after step 4, then steps 5-7 again from it in a new
+    engine; also the swap file's size and whether every moment is a bf16 value."""
+    engine = _engine(nvme_path, commit, bf16_states)
+    losses = []
+    for step in range(8):
+        losses.append(_step(engine, rank, world, step))
+        if step == 4:
+            engine.save_checkpoint(root)
+    moments_bf16 = True
+    for index in range(len(engine.units)):
+        with engine.train_state.residence.resident(index) as unit:
+            for moment in (unit.optim.exp_avg, unit.optim.exp_avg_sq):
+                moments_bf16 &= torch.equal(moment.to(torch.bfloat16).float(), moment)
+    swap_bytes = engine.nvme.nbytes
+    state = engine.state_dict(dtype=torch.float32)
+    again = _engine(nvme_path, commit, bf16_states)
+    again.load_checkpoint(root)
+    resumed = [_step(again, rank, world, step) for step in range(5, 8)]
+    return losses, state, resumed, swap_bytes, moments_bf16
+
+
+@pytest.mark.parametrize("bf16_states", [False, True])
+def test_in_place_commit_trains_like_two_slots_on_half_the_disk(bf16_states, tmp_path):
+    """Stage 3, parameters and optimizer on NVMe, 2 ranks: in place, the losses and
+    weights equal the two-slot run's bitwise, a checkpoint resumes bitwise, and the state
+    part of the swap file is half as large. bf16 moments: every moment at rest is a bf16
+    value, a run resumes bitwise, and the state takes 8 bytes per element, not 12."""
+    (tmp_path / "swap").mkdir()
+    runs = {
+        commit: run_world(
+            train, 2, str(tmp_path / "swap"), commit, bf16_states, str(tmp_path / commit)
+        )
+        for commit in ("two_slots", "in_place")
+    }
+    (slots_losses, slots_state, slots_resumed, slots_bytes, slots_bf16) = runs["two_slots"]
+    (losses, state, resumed, swap_bytes, moments_bf16) = runs["in_place"]
+    assert losses == slots_losses and resumed == slots_resumed == losses[5:]
+    assert all(torch.equal(state[k], v) for k, v in slots_state.items())
+    assert moments_bf16 == slots_bf16 == bf16_states
+    numel = sum(p.numel() for p in Net().parameters())
+    grads = 4 * -(-numel // 2)  # this rank's fp32 gradient shard, in the same file
+    state_bytes = (4 + 2 * (2 if bf16_states else 4)) * -(-numel // 2)
+    # regions round up to 4 KiB each: compare with that much slack per region
+    slack = 4096 * 2 * 4 * len(Net().state_dict())
+    assert abs(slots_bytes - (2 * state_bytes + grads)) < slack
+    assert abs(swap_bytes - (state_bytes + grads)) < slack
+
+
+def test_bf16_optimizer_states_track_fp32_states(tmp_path):
+    """The accuracy cost of bf16 moments over 8 steps of the test model: losses within
+    1% of the fp32-state run's."""
+    (tmp_path / "swap").mkdir()
+    fp32 = run_world(train, 1, str(tmp_path / "swap"), "in_place", False, str(tmp_path / "a"))
+    bf16 = run_world(train, 1, str(tmp_path / "swap"), "in_place", True, str(tmp_path / "b"))
+    torch.testing.assert_close(torch.tensor(bf16[0]), torch.tensor(fp32[0]), rtol=1e-2, atol=0)
+    assert bf16[0] != fp32[0]  # the moments did round
+
+
+def failing_in_place(rank, world, nvme_path, root):
+    """Rank 1's third state write of step 3 fails in place: the engine stops (step,
+    forward, save, state_dict) until the step-2 checkpoint is loaded, then trains on."""
+    engine = _engine(nvme_path, "in_place", False)
+    losses = [_step(engine, rank, world, step) for step in range(3)]
+    engine.save_checkpoint(root)
+    x, y = global_batch(3, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine.backward(nn.functional.mse_loss(engine(x[rows]).float(), y[rows]))
+    real_wait, writes = engine.nvme.wait, []
+
+    def wait(ticket, what):
+        real_wait(ticket, what)
+        writes.append(what)
+        if rank == 1 and writes.count("writing") == 3:
+            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
+
+    engine.nvme.wait = wait
+    try:
+        engine.step()
+        message = "no error"
+    except OSError as error:
+        message = str(error)
+    engine.nvme.wait = real_wait
+    refused = []
+    for attempt in (
+        engine.step,
+        lambda: engine(x[rows]),
+        lambda: engine.save_checkpoint(root, tag="after_failure"),
+        engine.state_dict,
+    ):
+        try:
+            attempt()
+            refused.append("")
+        except RuntimeError as error:
+            refused.append(str(error))
+    engine.load_checkpoint(root)
+    losses += [_step(engine, rank, world, step) for step in range(3, 6)]
+    return message, refused, losses
+
+
+def test_a_failed_in_place_step_stops_the_engine_until_a_checkpoint_loads(tmp_path):
+    """No partial step is ever trained on or saved: every rank raises the step's error,
+    refuses to go on, and after loading the last checkpoint trains as if nothing failed."""
+    (tmp_path / "swap").mkdir()
+    message, refused, losses = run_world(
+        failing_in_place, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt")
+    )
+    assert "commit 'in_place': step 4 failed after" in message
+    assert "rank 1: " in message and "No space left on device" in message
+    assert "load the last checkpoint" in message
+    assert refused == [message] * 4
+    reference = run_world(train, 2, str(tmp_path / "swap"), "in_place", False, str(tmp_path / "r"))
+    assert losses == reference[0][:6]
+
+
+def test_bf16_optimizer_states_and_in_place_config_errors(tmp_path):
+    """bf16 moments without NVMe, and a commit that is not one, are refused by name."""
+    with pytest.raises(ConfigError, match=r"'bf16.bf16_optimizer_states' is true but .*'cpu'"):
+        fzero.config.load_config(
+            {
+                "bf16": {"enabled": True, "bf16_optimizer_states": True},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            }
+        )
+    allowed = r"commit' is 'in-place'; allowed: \['two_slots', 'in_place'\]"
+    with pytest.raises(ConfigError, match=allowed):
+        fzero.config.load_config(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"commit": "in-place"}}}
+        )
+
+
+def lamb_in_place(rank, world, nvme_path):
+    config = _config(nvme_path, "in_place", False)
+    try:
+        fzero.shard(Net(), optimizer=fzero.optim.lamb(lr=1e-2), config=config)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_lamb_refuses_in_place_commits(tmp_path):
+    (tmp_path / "swap").mkdir()
+    message = run_world(lamb_in_place, 1, str(tmp_path / "swap"))
+    assert "commit 'in_place' does not work with LAMB" in message
+
+
+def test_bf16_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
+    """Each value goes to one of its two bf16 neighbours, the error averages to zero,
+    bf16 values stay, the same seed gives the same bits, non-finite values round to
+    nearest."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    rounded = bf16_stochastic(x, seed=7).float()
+    bits = x.view(torch.int32).bitwise_and(-65536)
+    toward_zero, away = bits.view(torch.float32), (bits + 65536).view(torch.float32)
+    assert bool(((rounded == toward_zero) | (rounded == away)).all())
+    down = x.to(torch.bfloat16).float()
+    assert abs(float((rounded - x).mean())) < 1e-4 * float(x.abs().mean())
+    assert float((down - x).abs().mean()) < float((rounded - x).abs().mean())
+    assert torch.equal(bf16_stochastic(x, seed=7), bf16_stochastic(x, seed=7))
+    assert not torch.equal(bf16_stochastic(x, seed=7), bf16_stochastic(x, seed=8))
+    assert torch.equal(bf16_stochastic(down, seed=3).float(), down)
+    special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3e38])
+    assert torch.equal(bf16_stochastic(special, seed=1)[:4], special[:4].to(torch.bfloat16))
+    # 1 + 2^-9 lies a quarter of the way from 1 to 1 + 2^-7: rounds up a quarter of the time
+    quarter = bf16_stochastic(torch.full((40_000,), 1 + 2**-9), seed=5).float()
+    assert abs(float((quarter > 1).float().mean()) - 0.25) < 0.01
+    with pytest.raises(TypeError, match=r"rounds fp32 values, found torch\.float64"):
+        bf16_stochastic(x.double(), seed=0)
