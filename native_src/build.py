@@ -38,6 +38,7 @@ void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, f
             void *out, int out_kind, int threads);
 void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threads);
 void fz_stream_floor(float *p, const float *g, float *m, float *v, int64_t n, int threads);
+void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed, int threads);
 """
 CDEF += AIO_PROTOTYPES
 

@@ -289,6 +289,28 @@ void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threa
     *nonfinite = bad;
 }
 
+/* float -> bfloat16, stochastically: the 16 dropped bits plus 16 random bits carry into
+ * the kept ones with probability (dropped bits) / 2^16, so the rounding error averages to
+ * zero. The random bits are the top 16 of splitmix64(seed + (i + 1) * golden): they
+ * depend on (seed, i) only, as in fzero.optim.bf16_stochastic. Non-finite values round
+ * to nearest. */
+static inline uint64_t fz_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = fz_bits(x[i]);
+        const uint64_t z = fz_mix64(seed + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
+        const uint32_t noise = (uint32_t)(z >> 48);
+        const int finite = (u & 0x7f800000u) != 0x7f800000u;
+        out[i] = finite ? (uint16_t)((u + noise) >> 16) : fz_bf16(x[i]);
+    }
+}
+
 /* The memory floor of an Adam step: read p, g, m, v and write p, m, v (28 bytes per
  * element) with the least arithmetic, for benchmarks/cpu_adam.py. */
 FZ_CLONES

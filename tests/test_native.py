@@ -20,7 +20,16 @@ import pytest
 import torch
 
 from fzero import native
-from fzero.optim import adam, adamw, lamb, lamb_apply_, lamb_direction_, segment_sq_sums, sgd
+from fzero.optim import (
+    adam,
+    adamw,
+    bf16_stochastic,
+    lamb,
+    lamb_apply_,
+    lamb_direction_,
+    segment_sq_sums,
+    sgd,
+)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.why())
 
@@ -139,6 +148,23 @@ def test_sq_sum_and_nonfinite_flag(n):
     if n:
         g[n // 2] = float("nan")
         assert native.sq_sum(g)[1]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("seed", [0, 7, 2**64 - 1])
+def test_bf16_stochastic_matches_pure_bit_for_bit(n, seed):
+    """The same random bits and carries as `fzero.optim.bf16_stochastic`; non-finite
+    values round to nearest (NaN's payload aside)."""
+    x = _data(n, seed=3)[0] * 1e3
+    if n > 10:
+        x[3], x[5], x[7], x[9] = float("inf"), -float("inf"), float("nan"), 3.3e38
+    out = torch.empty(n, dtype=torch.bfloat16)
+    got, want = native.bf16_stochastic_(x, out, seed), bf16_stochastic(x, seed)
+    nan = torch.isnan(x)
+    assert got is out and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    with pytest.raises(ValueError, match=r"out has dtype torch\.float16"):
+        native.bf16_stochastic_(x, torch.empty(n, dtype=torch.float16), seed)
 
 
 @pytest.mark.parametrize(

@@ -140,12 +140,12 @@ class OptimizerApplication:
         """Where a native update writes the compute-dtype copy of the new master."""
         if not self.native or self.engine.compute_dtype == torch.float32:
             return None
+        if rt.full is None and self.engine.param_offload == "nvme":  # written as it is
+            return _nvme.aligned_empty(rt.master.numel(), self.engine.compute_dtype)
         if self.engine.offload:  # a host buffer; _publish moves it to the device
             return torch.empty(
                 rt.master.numel(), dtype=self.engine.compute_dtype, pin_memory=self.residency.pin
             )
-        if rt.full is None and self.engine.param_offload == "nvme":
-            return torch.empty(rt.master.numel(), dtype=self.engine.compute_dtype)
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.engine.stage == 0 or self.engine.world_size == 1:
@@ -263,7 +263,8 @@ class OptimizerApplication:
         if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
-                self.engine.stage3.store_param_shard(rt, value.to(self.engine.compute_dtype))
+                value = value.to(self.engine.compute_dtype)
+                self.engine.stage3.store_param_shard(rt, value, wait=False)
             return
         if self.engine.stage == 0 or self.engine.world_size == 1 or not exchange:
             target = rt.full[self.engine.partition(rt.unit)]
@@ -292,6 +293,9 @@ class OptimizerApplication:
         self.publishing.append((work, rt, shard))
 
     def finish_publish(self) -> None:
+        failure = self.engine.stage3.finish_param_writes()
+        if failure:
+            raise OSError(f"NVMe offload: writing the new parameters failed ({failure})")
         with self.engine.timers("comm"):
             for work, rt, _shard in self.publishing:
                 if work is not None:
@@ -324,7 +328,8 @@ class OptimizerApplication:
         if self.engine.functional_optimizer.name == "lamb":
             self.nvme_lamb(factor, lrs, updated, steps)
         else:
-            self.agree(self.residency.step_pass(self.residency.swap_in, update), updated, steps)
+            failure = self.residency.step_pass(self.residency.swap_in, update)
+            self.agree(self.settle(failure), updated, steps)
         for rt in self.engine.units:
             rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
@@ -385,7 +390,13 @@ class OptimizerApplication:
             self.residency.step_pass(self.residency.swap_in, direction, extra=1), updated, steps
         )
         norms = self.lamb_norms(sums)
-        self.agree(self.residency.step_pass(read_direction, apply, extra=1), updated, steps)
+        failure = self.residency.step_pass(read_direction, apply, extra=1)
+        self.agree(self.settle(failure), updated, steps)
+
+    def settle(self, failure: str) -> str:
+        """A pass's I/O failure, or else its parameter writes' (all waited for)."""
+        param_failure = self.engine.stage3.finish_param_writes()
+        return failure or param_failure
 
     def agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Every rank learns whether any rank's pass failed; if one did, all roll back
@@ -417,6 +428,9 @@ class OptimizerApplication:
             for rt in updated:
                 with self.residency.resident(rt, write_back=False):
                     self.publish(rt, None, exchange=False)
+            failure = self.engine.stage3.finish_param_writes()
+            if failure:
+                raise OSError(failure)
         except OSError as error:
             raise OSError(
                 f"NVMe offload: a step failed and the parameters could not be restored from "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import _nvme, comm
+from fzero import _nvme, comm, native
 from fzero._train_state import UnitState
 from fzero.config import Config
 from fzero.engine._units import UnitRuntime
@@ -179,7 +179,10 @@ class Residency:
             step = int(getattr(rt.state, "step", 0))
             seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
             staged = self.staging_of(buffers, kind_index, tensor.numel())
-            tensor = bf16_stochastic(tensor, seed % 2**63, out=staged)
+            if native.available():
+                tensor = native.bf16_stochastic_(tensor, staged, seed)
+            else:
+                tensor = bf16_stochastic(tensor, seed, out=staged)
         elif tensor.data_ptr() % _nvme.ALIGN:
             tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
         region = self.region(rt, kind_index, slot)
@@ -286,9 +289,9 @@ class Residency:
         try:
             if rt.grad_on_disk:
                 self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
-            else:
-                buffer.zero_()  # the same arithmetic as an in-memory accumulator
-            buffer.add_(value.to(buffer.device))
+                buffer.add_(value.to(buffer.device))
+            else:  # value + 0: the same arithmetic as a zeroed in-memory accumulator
+                torch.add(value.to(buffer.device), 0.0, out=buffer)
             if at_boundary:
                 rt.grad_stats = stats(buffer)
             self._grad_writes.append((self.nvme.submit(region, buffer, write=True), pooled))

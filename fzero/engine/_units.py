@@ -52,6 +52,7 @@ class UnitRuntime:
     flat_grad: Tensor | None = None
     gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
     gather_input: Tensor | None = None
+    param_read: Any = None  # offload_param nvme: the shard's read still in flight
     used: bool = False  # gathered for use since the current phase began (stage 3)
     bucket: Bucket | None = None
     reported: int = 0

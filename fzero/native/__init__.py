@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "adam_",
     "available",
+    "bf16_stochastic_",
     "lamb_apply_",
     "lamb_direction_",
     "sgd_",
@@ -253,3 +254,15 @@ def stream_floor_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     n = param.numel()
     _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     _lib.fz_stream_floor(_ptr(param), _ptr(grad), _ptr(exp_avg), _ptr(exp_avg_sq), n, _threads())
+
+
+def bf16_stochastic_(x: Tensor, out: Tensor, seed: int) -> Tensor:
+    """`x` (fp32) rounded to bf16 stochastically into `out`, the random bits drawn from
+    `seed` and each element's index (`fzero.optim.bf16_stochastic`'s bits, one pass)."""
+    _require()
+    n = x.numel()
+    _buffer("x", x, n)
+    _buffer("out", out, n, torch.bfloat16)
+    _no_alias(x=x, out=out)
+    _lib.fz_bf16_stochastic(_ptr(x), _ptr(out, "uint16_t *"), n, seed % 2**64, _threads())
+    return out

@@ -2,6 +2,10 @@
 probability by distance, so the rounding error is zero on average. Optimizer moments
 kept in bf16 need it: Adam's second moment moves by (1 - beta2) = 0.1% of itself a step,
 under half a bf16 ulp (0.2%), so round-to-nearest would leave it where it is.
+
+The random bits are a counter-based hash of (seed, element index) — splitmix64 — so a
+result depends on the seed and the values only, and `fzero.native.bf16_stochastic_`
+computes the same bits in one pass.
 """
 
 from __future__ import annotations
@@ -11,22 +15,43 @@ from torch import Tensor
 
 __all__ = ["bf16_stochastic"]
 
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _noise(numel: int, seed: int, device: torch.device) -> Tensor:
+    """The top 16 bits of splitmix64(seed + (i + 1) * golden) for i < numel, int64 (the
+    products wrap modulo 2^64, as the C kernel's uint64_t arithmetic does)."""
+    z = torch.arange(1, numel + 1, dtype=torch.int64, device=device)
+    z = z.mul_(_signed(_GOLDEN)).add_(_signed(seed))
+    z = (z ^ _shift_right(z, 30)).mul_(_signed(_MIX1))
+    z = (z ^ _shift_right(z, 27)).mul_(_signed(_MIX2))
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 48)
+
 
 def bf16_stochastic(x: Tensor, seed: int, out: Tensor | None = None) -> Tensor:
-    """`x` (fp32) rounded to bf16 stochastically, the random bits drawn from `seed`
-    (the same seed and values give the same result). Non-finite values round to
-    nearest. Into `out` (bf16, `x`'s shape) when given."""
+    """`x` (fp32) rounded to bf16 stochastically, the random bits drawn from `seed` and
+    each element's index (the same seed and values give the same result). Non-finite
+    values round to nearest. Into `out` (bf16, `x`'s shape) when given."""
     if x.dtype != torch.float32:
         raise TypeError(f"bf16_stochastic rounds fp32 values, found {x.dtype}")
-    generator = torch.Generator(device=x.device).manual_seed(seed)
-    noise = torch.randint(
-        0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device=x.device
-    )
-    # adding up to one bf16 ulp below the kept bits, then dropping them: the kept value
-    # moves up a step with probability (dropped bits) / 2^16 (sign-magnitude, so away
-    # from zero for either sign)
-    bits = noise.add_(x.view(torch.int32)).bitwise_and_(-65536)
-    rounded = bits.view(torch.float32)
+    bits = x.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # unsigned
+    # adding the noise below the kept bits, then dropping them: the kept value moves up
+    # a step with probability (dropped bits) / 2^16 (sign-magnitude: away from zero for
+    # either sign)
+    kept = _shift_right(bits.add_(_noise(x.numel(), seed, x.device)), 16)
+    rounded = (kept << 16).to(torch.int32).view(torch.float32).reshape(x.shape)
     rounded = torch.where(torch.isfinite(x), rounded, x)
     if out is None:
         return rounded.to(torch.bfloat16)
