@@ -1,11 +1,15 @@
 """DeepSpeed's `deepspeed.zero` names over fzero's own: `Init` and `GatheredParameters`.
 
-`Init` builds the model inside `fzero.init_context()`: on the meta device, so it never
-exists whole; the engine then materialises it one module at a time, each from its
-`reset_parameters()` (or `param_init_fn`), sharded as the plan says. Unlike DeepSpeed's
-`zero.Init`, initialisation that a parent module runs on its children's tensors inside
-`__init__` (e.g. `self.apply(self._init_weights)`) acts on meta tensors and is lost;
-give such models a `param_init_fn`, or build them outside `Init`.
+`Init` has DeepSpeed's results without its mechanism: the model built inside is built
+whole on the host, as if there were no context, and sharded when the engine is built.
+DeepSpeed partitions each module at the end of its constructor, so what a parent's
+constructor does to its children's tensors acts on placeholders, and Transformers
+initialises and loads such models afterwards through `GatheredParameters(...,
+modifier_rank=0)`; fzero runs those blocks on real tensors, and `GatheredParameters`
+broadcasts rank `modifier_rank`'s edits of parameters no engine holds yet, so every
+rank ends with rank 0's weights as under DeepSpeed. The model is whole in host memory
+until the engine shards it; to never build it whole, use `fzero.init_context()` (the
+meta device, each module initialised by its `reset_parameters()` when sharded).
 """
 
 from __future__ import annotations
@@ -16,19 +20,19 @@ from typing import Any
 
 import torch
 
-from fzero._meta_init import init_context
 from fzero.api import gathered_parameters
 
 __all__ = ["GatheredParameters", "Init"]
 
 
 class Init(contextlib.ContextDecorator):
-    """DeepSpeed's `deepspeed.zero.Init(...)`: the model built inside takes no memory
-    until `fzero.initialize` / `fzero.shard` shards it (stage 3 or any other).
+    """DeepSpeed's `deepspeed.zero.Init(...)`: the model built inside is the one built
+    without it (whole, on the host); `fzero.initialize` / `fzero.shard` shards it.
 
-    DeepSpeed's arguments are accepted; `enabled=False` builds normally. A
-    `remote_device` other than None/"cpu"/"nvme" is an error: where shards live is the
-    config's `offload_param`, read when the engine is built.
+    DeepSpeed's arguments are accepted and change nothing: where shards live is the
+    config's `offload_param`, read when the engine is built; `dtype` (DeepSpeed builds
+    the partitions in it) is not applied, since fzero's fp32 masters start from the
+    values built. `module=` (partition a built model) and `mpu=` are errors.
     """
 
     def __init__(
@@ -57,18 +61,12 @@ class Init(contextlib.ContextDecorator):
                 f"zero.Init remote_device is {remote_device!r}; allowed: None, 'cpu', 'nvme'"
             )
         self.enabled = enabled
-        self._context: contextlib.AbstractContextManager[None] | None = None
 
     def __enter__(self) -> Init:
-        if self.enabled:
-            self._context = init_context()
-            self._context.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._context is not None:
-            context, self._context = self._context, None
-            context.__exit__(*exc)
+        return None
 
 
 @contextlib.contextmanager

@@ -448,3 +448,44 @@ def test_zero3_consolidated_16bit_state_dict_as_transformers_calls_it():
     result = run_world(consolidated_16bit_case, 2)
     assert result["gather"] and result["whole"] == result["keys"]
     assert set(result["whole"]) - set(result["trainable"]) == {"frozen.weight", "frozen.bias"}
+
+
+def zero_init_before_the_engine(rank, world):
+    """`zero.Init` builds whole; `GatheredParameters(modifier_rank=1)` on parameters no
+    engine holds yet leaves rank 1's edit on every rank; without a modifier nothing moves;
+    a meta parameter with a modifier is refused by name."""
+    from fzero import compat
+
+    compat.install()
+    import deepspeed
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    deepspeed.init_distributed()
+    torch.manual_seed(rank)  # different weights on each rank before the broadcast
+    with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        layer = torch.nn.Linear(3, 2)
+    built_whole = not layer.weight.is_meta and layer.weight.shape == (2, 3)
+    wrapped = pp.zero_wrapper_for_fp_tensor_constructor(pp._orig_torch_arange, torch.bfloat16)
+    with torch.no_grad():
+        with deepspeed.zero.GatheredParameters([layer.weight, layer.bias], modifier_rank=1):
+            if rank == 1:
+                layer.weight.fill_(7.0)
+        with deepspeed.zero.GatheredParameters([layer.bias]):
+            layer.bias.fill_(float(rank))
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    try:
+        with deepspeed.zero.GatheredParameters([meta.weight], modifier_rank=0):
+            pass
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return built_whole, wrapped is torch.arange, layer.weight.tolist(), layer.bias.tolist(), refused
+
+
+def test_gathered_parameters_before_the_engine_broadcast_the_modifiers_edits():
+    built_whole, unwrapped, weight, bias, refused = run_world(zero_init_before_the_engine, 2)
+    assert built_whole and unwrapped
+    assert weight == [[7.0] * 3] * 2  # rank 1's edit, on rank 0
+    assert bias == [0.0, 0.0]  # no modifier: rank 0 kept its own edit
+    assert "modifier_rank=0) got parameter 0 (shape (2, 3)) on the meta device" in refused

@@ -239,3 +239,36 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
     again = load_file(resumed / "model.safetensors")
     for name, value in ours.items():
         assert torch.equal(again[name], value), name
+
+
+def test_transformers_from_config_inside_zero_init_initialises_like_hf_and_trains_like_ddp(
+    tmp_path,
+):
+    """ZeRO-3 with `from_config`: Transformers builds the model inside
+    `deepspeed.zero.Init` (patching `partition_parameters`), re-initialises it on rank 0
+    under `GatheredParameters(modifier_rank=0)`; every rank starts from rank 0's weights,
+    which are Transformers' own initialisation (normal(0, 0.02) matrices, zero biases,
+    unit LayerNorm), and training from them equals plain Trainer DDP's from the same."""
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    }
+    init = str(tmp_path / "init")
+    zero3 = _trainer(tmp_path, "zero3", "--from_config", "--save_init", init, deepspeed=config)
+    first, second = load_file(f"{init}-rank0.safetensors"), load_file(f"{init}-rank1.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    query = first["bert.encoder.layer.0.attention.self.query.weight"]
+    assert abs(float(query.std()) - 0.02) < 0.004
+    assert not first["bert.encoder.layer.0.attention.self.query.bias"].any()
+    assert torch.equal(first["bert.embeddings.LayerNorm.weight"], torch.ones(32))
+    ddp = _trainer(tmp_path, "ddp", "--init_from", f"{init}-rank0.safetensors")
+    ours, theirs = load_file(zero3 / "model.safetensors"), load_file(ddp / "model.safetensors")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)

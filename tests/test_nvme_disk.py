@@ -4,6 +4,8 @@ bf16, stochastically rounded). Each against the default two-slot, fp32-state run
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -215,3 +217,49 @@ def test_bf16_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
     assert abs(float((quarter > 1).float().mean()) - 0.25) < 0.01
     with pytest.raises(TypeError, match=r"rounds fp32 values, found torch\.float64"):
         bf16_stochastic(x.double(), seed=0)
+
+
+def damaged_load_in_place(rank, world, nvme_path, root):
+    """In place, a load that fails after overwriting units (a byte flipped in the last
+    tensor) leaves the engine refusing to train until a good checkpoint loads."""
+    from fzero.checkpoint import CheckpointError
+
+    engine = _engine(nvme_path, "in_place", True)
+    for step in range(2):
+        _step(engine, rank, world, step)
+    engine.save_checkpoint(root, tag="good")
+    _step(engine, rank, world, 2)
+    engine.save_checkpoint(root, tag="damaged")
+    rank_file = os.path.join(root, "damaged", "rank00000.safetensors")
+    with open(rank_file, "r+b") as f:
+        f.seek(os.path.getsize(rank_file) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        engine.load_checkpoint(root, tag="damaged")
+        failed = "no error"
+    except CheckpointError as error:
+        failed = str(error)
+    try:
+        _step(engine, rank, world, 3)
+        refused = "no error"
+    except RuntimeError as error:
+        refused = str(error)
+    engine.load_checkpoint(root, tag="good")
+    losses = [_step(engine, rank, world, step) for step in range(2, 5)]
+    fresh = _engine(nvme_path, "in_place", True)
+    fresh.load_checkpoint(root, tag="good")
+    expected = [_step(fresh, rank, world, step) for step in range(2, 5)]
+    return failed, refused, losses, expected
+
+
+def test_a_damaged_load_in_place_stops_the_engine_until_a_good_one_loads(tmp_path):
+    (tmp_path / "swap").mkdir()
+    failed, refused, losses, expected = run_world(
+        damaged_load_in_place, 1, str(tmp_path / "swap"), str(tmp_path / "ckpt")
+    )
+    assert "fails its xxh3_64 check" in failed
+    assert refused.startswith("loading ") and "overwritten in place" in refused
+    assert "load a checkpoint again to go on" in refused
+    assert losses == expected

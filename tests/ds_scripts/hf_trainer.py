@@ -1,16 +1,28 @@
 """A Transformers `Trainer` script as its users write one: `TrainingArguments` from the
 command line (`--deepspeed ds_config.json` switches DeepSpeed on), a model from a config,
 `trainer.train(resume_from_checkpoint=...)`, `trainer.save_model()`. Tiny BERT, data
-made here."""
+made here; `--from_config` builds it with `AutoModelForSequenceClassification.from_config`
+(inside `deepspeed.zero.Init` under ZeRO-3, as Transformers does), else its constructor."""
+
+from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoModelForSequenceClassification,
     BertConfig,
     BertForSequenceClassification,
     HfArgumentParser,
     Trainer,
     TrainingArguments,
 )
+
+
+@dataclass
+class ModelArguments:
+    from_config: bool = False
+    save_init: str = ""  # each rank writes its initial weights to save_init-rank{r}
+    init_from: str = ""  # start from these weights
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -27,13 +39,22 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    parser = HfArgumentParser((TrainingArguments, ModelArguments))
+    args, model_args = parser.parse_args_into_dataclasses()
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=32,
     )  # fmt: skip
-    model = BertForSequenceClassification(config)
+    if model_args.from_config:
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = BertForSequenceClassification(config)
+    if model_args.save_init:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        save_file(model.state_dict(), f"{model_args.save_init}-rank{rank}.safetensors")
+    if model_args.init_from:
+        model.load_state_dict(load_file(model_args.init_from))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()

@@ -1,6 +1,6 @@
-"""`deepspeed.runtime`: the engine class and the schedule names, as Accelerate and
-Transformers look them up."""
+"""`deepspeed.runtime`: the engine class, the schedule names and `zero`, as Accelerate
+and Transformers look them up."""
 
-from fzero.compat.deepspeed.runtime import engine, lr_schedules
+from fzero.compat.deepspeed.runtime import engine, lr_schedules, zero
 
-__all__ = ["engine", "lr_schedules"]
+__all__ = ["engine", "lr_schedules", "zero"]

@@ -1,0 +1,33 @@
+"""`deepspeed.runtime.zero.partition_parameters`, as far as Transformers reaches into it.
+
+DeepSpeed's `zero.Init` replaces torch's tensor constructors with
+`zero_wrapper_for_fp_tensor_constructor(fn, dtype)` (casting new float tensors to the
+config's dtype); Transformers swaps that wrapper to exempt `torch.arange`
+(`_orig_torch_arange`) while it builds a model. fzero's `Init` wraps no constructor
+(the model is built as without it), so the wrapper here returns `fn` itself and the
+swap changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fzero.zero import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init", "zero_wrapper_for_fp_tensor_constructor"]
+
+_orig_torch_arange = torch.arange
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype, target_device: Any = None
+) -> Callable[..., torch.Tensor]:
+    """DeepSpeed's constructor wrapper; fzero's `Init` casts nothing: `fn` itself."""
+    return fn
