@@ -249,7 +249,7 @@ def table(rows: list[tuple[str, dict[str, Any]]], bandwidth: float) -> None:
             print(f"{'':<8} {'':>7} checkpoint: {r['checkpoint_bytes'] / 1e9:.1f} GB")
 
 
-def plot(rows: list[tuple[str, dict[str, Any]]], path: str) -> None:
+def plot(rows: list[tuple[str, dict[str, Any]]], bandwidth: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,9 +259,13 @@ def plot(rows: list[tuple[str, dict[str, Any]]], path: str) -> None:
     for system in sorted({s for s, _ in rows}):
         done = [r for s, r in rows if s == system and "failed" not in r]
         sizes = [r["params"] / 1e9 for r in done]
-        memory.plot(sizes, [r["peak"] / 1024 for r in done], "o-", label=system)
+        memory.plot(sizes, [r["peak"] / 1024 for r in done], "o-", label=f"{system} peak RSS")
+        memory.plot(sizes, [r["disk"] / 1e9 / 10 for r in done], "s--", label=f"{system} disk / 10")
         step.plot(sizes, [r["step_s"] for r in done], "o-", label=f"{system} step")
-    memory.set(xlabel="parameters (billions)", ylabel="peak RSS (GiB)", title="memory")
+        if system == "fzero":
+            floors = [MOVED * r["params"] / bandwidth for r in done]
+            step.plot(sizes, floors, "k:", label="disk floor")
+    memory.set(xlabel="parameters (billions)", ylabel="GB", title="memory and disk", ylim=(0, None))
     step.set(xlabel="parameters (billions)", ylabel="seconds per step", title="step time")
     memory.legend()
     step.legend()
@@ -277,12 +281,22 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--checkpoint-up-to", type=float, default=1.0)
     parser.add_argument("--plot", default="")
+    parser.add_argument("--results", default="", help="write the rows here (JSON)")
+    parser.add_argument("--replot", default="", help="table and plot from saved results")
     parser.add_argument("--one", choices=["fzero", "deepspeed"], help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         run = run_fzero if args.one == "fzero" else run_deepspeed
         print(json.dumps(run(args)))
+        return
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        rows = [(system, row) for system, row in saved["rows"]]
+        table(rows, saved["bandwidth"])
+        if args.plot:
+            plot(rows, saved["bandwidth"], args.plot)
         return
     bandwidth = disk_bandwidth(args.dir)
     free = shutil.disk_usage(args.dir).free
@@ -306,8 +320,11 @@ def main() -> None:
             ds_bytes_per_param = rows[-1][1]["disk"] / rows[-1][1]["params"]
     print(f"ZeRO-Infinity on this machine: stage 3, bf16, AdamW, 1 rank, width {args.width}")
     table(rows, bandwidth)
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump({"bandwidth": bandwidth, "rows": rows}, f)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, bandwidth, args.plot)
         print(f"plot: {args.plot}")
 
 

@@ -281,4 +281,3 @@ def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) ->
             dist.broadcast(value, src=modifier_rank)
             if value.data_ptr() != p.data.data_ptr():
                 p.data.copy_(value)
-

@@ -489,3 +489,43 @@ def test_gathered_parameters_before_the_engine_broadcast_the_modifiers_edits():
     assert weight == [[7.0] * 3] * 2  # rank 1's edit, on rank 0
     assert bias == [0.0, 0.0]  # no modifier: rank 0 kept its own edit
     assert "modifier_rank=0) got parameter 0 (shape (2, 3)) on the meta device" in refused
+
+
+def exclude_frozen(rank, world, root):
+    """A frozen layer under a trainable head (PEFT's shape)."""
+    from fzero.checkpoint import CheckpointError
+    from fzero.checkpoint._format import read_index
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        model[0].requires_grad_(False)
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+        return fzero.shard(model, optimizer=fzero.optim.adamw(lr=0.1), config=config)
+
+    def step(engine, i):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine = build()
+    step(engine, 0)
+    path = engine.save_checkpoint(root, exclude_frozen_parameters=True)
+    keys = [t["key"] for t in read_index(path)["tensors"]]
+    again = build()
+    try:
+        again.load_checkpoint(root)
+        strict = "no error"
+    except CheckpointError as error:
+        strict = str(error)
+    again.load_checkpoint(root, load_module_strict=False)
+    return keys, strict, [step(engine, 1)], [step(again, 1)]
+
+
+def test_save_checkpoint_can_leave_frozen_parameters_out(tmp_path):
+    keys, strict, losses, resumed = run_world(exclude_frozen, 1, str(tmp_path))
+    assert keys == ["1.weight", "1.bias"]
+    assert "missing ['0.bias', '0.weight']" in strict
+    assert resumed == losses

@@ -40,13 +40,15 @@ __all__ = ["load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_for_s
 log = logging.getLogger("fzero")
 
 
-def _extras(engine: Engine, for_save: bool) -> Extras:
+def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Extras:
     module = engine.module
-    extras = Extras(
-        module=module_tensors(engine.plan, module),
-        keys=list(module.state_dict(keep_vars=True)),
-        group_key=engine.serial,
-    )
+    tensors = module_tensors(engine.plan, module)
+    keys = list(module.state_dict(keep_vars=True))
+    if exclude_frozen:  # DeepSpeed's exclude_frozen_parameters: buffers stay
+        frozen = _frozen_keys(module, tensors)
+        tensors = {k: t for k, t in tensors.items() if k not in frozen}
+        keys = [k for k in keys if k not in frozen]
+    extras = Extras(module=tensors, keys=keys, group_key=engine.serial)
     if not for_save:
         return extras
     batch = engine.batch
@@ -68,6 +70,13 @@ def _extras(engine: Engine, for_save: bool) -> Extras:
         rng=process_rng(),
         group_key=engine.serial,
     )
+
+
+def _frozen_keys(module: torch.nn.Module, tensors: Mapping[str, Any]) -> set[str]:
+    """The state_dict keys among `tensors` that are parameters (frozen ones: the plan
+    holds the trainable), not buffers."""
+    entries = module.state_dict(keep_vars=True)
+    return {key for key in tensors if isinstance(entries[key], torch.nn.Parameter)}
 
 
 def _accumulation(engine: Engine) -> int | None:
@@ -100,6 +109,7 @@ def save_checkpoint(
     client_state: Mapping[str, Any] | None = None,
     save_latest: bool = True,
     async_save: bool = False,
+    exclude_frozen_parameters: bool = False,
 ) -> str:
     """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
     wait_for_save(engine)
@@ -113,7 +123,7 @@ def save_checkpoint(
         accumulation=_accumulation(engine),
         save_latest=save_latest,
         async_save=async_save,
-        extras=_extras(engine, for_save=True),
+        extras=_extras(engine, for_save=True, exclude_frozen=exclude_frozen_parameters),
         owner=engine,
     )
 

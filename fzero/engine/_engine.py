@@ -470,19 +470,24 @@ class Engine:
         tag: str | None = None,
         client_state: Mapping[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
         *,
         async_save: bool = False,
     ) -> str:
         """Save a sharded checkpoint to `save_dir/tag` (default tag `global_step{N}`) and
         point `save_dir/latest` at it; collective. `client_state` (ints, floats, strings,
-        lists, dicts, tensors) comes back from `load_checkpoint`. With `async_save` the
-        state is copied to host memory and written by a background thread; the next
-        save, load or the process exit waits for it and raises its error."""
+        lists, dicts, tensors) comes back from `load_checkpoint`. With
+        `exclude_frozen_parameters` (DeepSpeed's, for PEFT adapters) the frozen parameters
+        are left out; load it with `load_module_strict=False` into a model that has them.
+        With `async_save` the state is copied to host memory and written by a background
+        thread; the next save, load or the process exit waits for it and raises its
+        error."""
         from fzero.checkpoint import _engine_io
 
         return _engine_io.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, async_save=async_save
-        )
+            self, save_dir, tag, client_state, save_latest, async_save=async_save,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )  # fmt: skip
 
     @_named("load_checkpoint")
     def load_checkpoint(

@@ -219,6 +219,8 @@ class Stage3Gatherer:
         self.phase, self._cursor = phase, 0
         for rt in self.units:
             rt.used = False
+            if phase == "forward":  # the root's forward starts: no holder runs yet
+                rt.active = 0
 
     def end_phase(self) -> None:
         """A recorded phase is followed from now on."""
@@ -240,29 +242,48 @@ class Stage3Gatherer:
 
     def install_hooks(self, root: torch.nn.Module) -> None:
         """Gather each module's units before its forward, release them after (unless
-        their next use is close); shape stand-ins for released parameters' gradients."""
-        by_module: dict[str, list[UnitRuntime]] = {}
+        their next use is close, or an enclosing module's forward still holds them);
+        shape stand-ins for released parameters' gradients.
+
+        A unit hangs on its module and on every module holding one of its parameters
+        directly: a tied weight (T5's `shared` in `encoder.embed_tokens` and `lm_head`)
+        is gathered whichever holder runs, also when a caller runs a submodule on its own
+        (`generate` runs the encoder alone)."""
+        holders: dict[int, list[torch.nn.Module]] = {}
+        for module in root.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    holders.setdefault(id(p), []).append(module)
+        by_module: dict[int, tuple[torch.nn.Module, list[UnitRuntime]]] = {}
         for rt in self.units:
-            if not rt.unit.persistent:
-                by_module.setdefault(rt.unit.module, []).append(rt)
-        for path, rts in by_module.items():
-            module = root.get_submodule(path)
+            if rt.unit.persistent:
+                continue
+            modules = [root.get_submodule(rt.unit.module)]
+            modules += [m for p, _, _ in rt.params for m in holders.get(id(p), [])]
+            for module in modules:
+                rts = by_module.setdefault(id(module), (module, []))[1]
+                if rt not in rts:
+                    rts.append(rt)
+        for module, rts in by_module.values():
 
             def pre(_module: Any, _inputs: Any, rts: list[UnitRuntime] = rts) -> None:
                 for rt in rts:
+                    rt.active += 1
                     self.use(rt)
 
             def post(_module: Any, _inputs: Any, _output: Any, rts=rts) -> None:
+                for rt in rts:
+                    rt.active = max(0, rt.active - 1)
                 # In backward (activation-checkpoint recomputation) autograd holds the
                 # parameters themselves: they are released when their gradients arrive.
                 if self.phase != "forward":
                     return
                 for rt in rts:
-                    if not self.keeps_after_forward(rt):
+                    if rt.active == 0 and not self.keeps_after_forward(rt):
                         self.release(rt)
 
             self.hooks.append(module.register_forward_pre_hook(pre))
-            self.hooks.append(module.register_forward_hook(post))
+            self.hooks.append(module.register_forward_hook(post, always_call=True))
         self._params = {id(p): rt for rt in self.units for p, _, _ in rt.params}
         for rt in self.units:
             if not rt.unit.persistent:

@@ -54,6 +54,7 @@ class UnitRuntime:
     gather_input: Tensor | None = None
     param_read: Any = None  # offload_param nvme: the shard's read still in flight
     used: bool = False  # gathered for use since the current phase began (stage 3)
+    active: int = 0  # forwards of its holder modules running now (stage 3)
     bucket: Bucket | None = None
     reported: int = 0
     ready: bool = False
