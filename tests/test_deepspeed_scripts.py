@@ -241,6 +241,7 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
         assert torch.equal(again[name], value), name
 
 
+@pytest.mark.slow  # with the other Trainer runs, the suite neared 9 minutes
 def test_transformers_from_config_inside_zero_init_initialises_like_hf_and_trains_like_ddp(
     tmp_path,
 ):

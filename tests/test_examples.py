@@ -101,6 +101,7 @@ def test_t5_translation_zero2_offload_auto_config_and_from_pretrained(tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
+@pytest.mark.slow  # with the other Trainer runs, the suite neared 9 minutes
 def test_t5_seq2seq_trainer_zero3_generates_and_evaluates_as_plain_pytorch(tmp_path):
     """`run_translation.py` through `Seq2SeqTrainer --deepspeed` at ZeRO-3: the model made
     inside `zero.Init`, trained, evaluated and predicted with `generate(synced_gpus=True)`;
