@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests._dist import run_launched
+
 SCRIPTS = Path(__file__).resolve().parent / "ds_scripts"
 ROOT = SCRIPTS.parent.parent
 
@@ -194,7 +196,7 @@ def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None
     command += ["-n", "2", str(SCRIPTS / "hf_trainer.py"), "--output_dir", str(tmp_path / out)]
     command += ["--max_steps", "4", "--per_device_train_batch_size", "4", "--use_cpu"]
     command += ["--report_to", "none", "--save_steps", "2", *extra, *args]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_launched(command, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return tmp_path / out
 
@@ -207,6 +209,7 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
     model built by its constructor; `save_model` through the 16-bit consolidation) equals
     DDP's too."""
     pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     config = {
@@ -223,6 +226,8 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
     zero3 = _trainer(tmp_path, "zero3", deepspeed={**config, "zero_optimization": stage3})
     assert (zero / "checkpoint-2" / "latest").read_text() == "global_step2"
     ours, theirs = load_file(zero / "model.safetensors"), load_file(ddp / "model.safetensors")
+    loaded = transformers.BertForSequenceClassification.from_pretrained(zero).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in ours.items())
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
