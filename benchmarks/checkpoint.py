@@ -5,10 +5,10 @@ with FSDP2, and DeepSpeed ZeRO-3 when `deepspeed` imports; same model, 2 ranks, 
 
 Model: `depth` Linear(width, width) layers (100.7M params at 2048 x 24), AdamW with
 one step taken so its state exists. Both saves are durable: DCP's writer fsyncs each
-file by default; fzero fsyncs its files and directories and verifies CRC-32s on
-load. Loads read from the page cache the saves left, as a restart on the same node
-would. Saves and loads of the two libraries alternate, each after an `os.sync()`
-that writes back what came before, and the table shows medians.
+file by default; fzero fsyncs its files and directories and verifies an XXH3-64
+checksum of every tensor on load. Loads read from the page cache the saves left, as a
+restart on the same node would. Saves and loads of the two libraries alternate, each
+after an `os.sync()` that writes back what came before, and the table shows medians.
 Also: consolidation to one model.safetensors and its peak RSS against the largest
 tensor (rank 0).
 """

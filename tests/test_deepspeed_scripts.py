@@ -207,7 +207,8 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
     the weights equal plain Trainer DDP's to fp32 rounding, and `--resume_from_checkpoint`
     from the step-2 checkpoint ends bitwise where the uninterrupted run did. ZeRO-3 (the
     model built by its constructor; `save_model` through the 16-bit consolidation) equals
-    DDP's too."""
+    DDP's too, and so does ZeRO-2 with offload and no optimizer block (the Trainer's own
+    torch AdamW, handed over by Accelerate)."""
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
@@ -234,6 +235,11 @@ def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exact
     consolidated = load_file(zero3 / "model.safetensors")
     for name, value in theirs.items():
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=1e-6, msg=name)
+    # no optimizer block: the Trainer's own torch AdamW, through Accelerate, offloaded
+    client = {k: v for k, v in config.items() if k != "optimizer"}
+    torch_adamw = load_file(_trainer(tmp_path, "client", deepspeed=client) / "model.safetensors")
+    for name, value in theirs.items():
+        torch.testing.assert_close(torch_adamw[name], value, rtol=0, atol=1e-6, msg=name)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(zero / "checkpoint-2", resumed / "checkpoint-2")
