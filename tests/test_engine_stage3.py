@@ -201,3 +201,29 @@ def test_gathered_parameters_reads_whole_and_broadcasts_edits(stage):
     assert torch.equal(seen, expected)
     assert released == (0 if stage == 3 else expected.numel())  # stage 3 releases after
     assert torch.equal(state["head.weight"], torch.full_like(expected, 0.25))
+
+
+def submodule_alone_case(rank, world):
+    """After a step, a submodule run on its own (as `generate` runs an encoder) gathers
+    its units and releases them again, under no_grad and with grad."""
+    model = _chain()
+    config = {
+        "zero_optimization": {
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+        }
+    }
+    engine = fzero.shard(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+    engine.backward(engine(_batch(0, rank)).square().mean())
+    engine.step()
+    live = []
+    with torch.no_grad():
+        out = model[2](_batch(1, rank))
+    live.append(engine.stage3.live_numel())
+    model[3](out).sum().backward()
+    live.append(engine.stage3.live_numel())
+    return live
+
+
+def test_a_submodule_run_alone_after_a_step_releases_its_units():
+    assert run_world(submodule_alone_case, 2) == [0, 0]

@@ -276,7 +276,9 @@ class Stage3Gatherer:
                     rt.active = max(0, rt.active - 1)
                 # In backward (activation-checkpoint recomputation) autograd holds the
                 # parameters themselves: they are released when their gradients arrive.
-                if self.phase != "forward":
+                # Outside any pass (a submodule run alone after a step: `generate`'s
+                # encoder) they are released as in forward.
+                if self.phase != "forward" and torch._C._current_graph_task_id() != -1:
                     return
                 for rt in rts:
                     if rt.active == 0 and not self.keeps_after_forward(rt):
