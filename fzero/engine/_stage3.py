@@ -208,6 +208,10 @@ class Stage3Gatherer:
                 if self.live_numel() + ahead.unit.numel > self._max_live:
                     break
                 self.gather(ahead, wait=False)
+            elif ahead.param_read is not None:
+                # read ahead on an earlier use (NVMe): all-gather it now, so that overlaps
+                # this unit's compute too
+                self._finish_read(ahead)
 
     def live_numel(self) -> int:
         """Elements of stage-3 units gathered (or being gathered) now (a running count:
