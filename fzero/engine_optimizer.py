@@ -121,9 +121,41 @@ class EngineOptimizer(torch.optim.Optimizer):
         for group, saved in zip(engine.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the engine's param groups are fixed when it is built (its plan holds
+        every parameter)."""
+        raise NotImplementedError(
+            "EngineOptimizer.add_param_group: fzero's engine plans its parameters when it is "
+            "built; pass every group in model_parameters=[{'params': ...}, ...] to "
+            "fzero.initialize (edit a group's lr or weight_decay in param_groups instead)"
+        )
+
     def __repr__(self) -> str:
         name = self._engine.functional_optimizer.name
         return f"EngineOptimizer({name}, groups={len(self.param_groups)})"
+
+
+def _no_hooks(name: str) -> Callable[..., Any]:
+    def refuse(self: EngineOptimizer, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"EngineOptimizer.{name}: the engine's optimizer runs no torch.optim hooks; wrap "
+            "engine.step() (or hook the module) to run code around a step"
+        )
+
+    refuse.__name__ = name
+    refuse.__doc__ = "Refused: the engine's optimizer runs no torch.optim hooks."
+    return refuse
+
+
+for _hook in (
+    "register_step_pre_hook",
+    "register_step_post_hook",
+    "register_state_dict_pre_hook",
+    "register_state_dict_post_hook",
+    "register_load_state_dict_pre_hook",
+    "register_load_state_dict_post_hook",
+):
+    setattr(EngineOptimizer, _hook, _no_hooks(_hook))
 
 
 def _state_tensors(state: Any) -> dict[str, Tensor]:

@@ -108,3 +108,25 @@ def run_launched(command: list[str], **kwargs: Any) -> Any:
     if done.returncode != 0 and GLOO_EXIT_ABORT in done.stderr + done.stdout:
         done = subprocess.run(command, capture_output=True, text=True, **kwargs)
     return done
+
+
+def failing_at_write(engine: Any, write: int, action: Callable[[], Any]) -> str:
+    """Run `action` with the engine's `write`-th swap-file write (counted from now)
+    failing with ENOSPC after it completed; returns the error `action` raised, or "no
+    error". The real I/O is back in place afterwards."""
+    real_wait, writes = engine.nvme.wait, []
+
+    def wait(ticket: Any, what: str) -> None:
+        real_wait(ticket, what)
+        writes.append(what)
+        if writes.count("writing") == write:
+            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
+
+    engine.nvme.wait = wait
+    try:
+        action()
+        return "no error"
+    except OSError as error:
+        return str(error)
+    finally:
+        engine.nvme.wait = real_wait

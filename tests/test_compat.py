@@ -529,3 +529,39 @@ def test_save_checkpoint_can_leave_frozen_parameters_out(tmp_path):
     assert keys == ["1.weight", "1.bias"]
     assert "missing ['0.bias', '0.weight']" in strict
     assert resumed == losses
+
+
+def optimizer_refusals(rank, world):
+    model = torch.nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    engine, optimizer, _, _ = fzero.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={**config, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+    )
+    messages = []
+    for call in (
+        lambda: optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]}),
+        lambda: optimizer.register_step_pre_hook(lambda *a: None),
+        lambda: optimizer.register_load_state_dict_post_hook(lambda *a: None),
+    ):
+        try:
+            call()
+            messages.append("")
+        except NotImplementedError as error:
+            messages.append(str(error))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    scheduler.step()
+    return messages, optimizer.param_groups[0]["lr"]
+
+
+def test_engine_optimizer_refuses_what_it_cannot_do_by_name():
+    """torch.optim.Optimizer methods the engine's optimizer has no meaning for say so;
+    torch's schedulers still drive it."""
+    messages, lr = run_world(optimizer_refusals, 1)
+    assert messages[0].startswith("EngineOptimizer.add_param_group: fzero's engine plans")
+    assert messages[1].startswith("EngineOptimizer.register_step_pre_hook: the engine's")
+    assert messages[2].startswith("EngineOptimizer.register_load_state_dict_post_hook")
+    assert lr == pytest.approx(0.05)

@@ -13,7 +13,7 @@ from torch import nn
 import fzero
 from fzero.config import ConfigError
 from fzero.optim import bf16_stochastic
-from tests._dist import run_world
+from tests._dist import failing_at_write, run_world
 from tests.models import Net, global_batch
 
 MICRO = 2
@@ -117,21 +117,7 @@ def failing_in_place(rank, world, nvme_path, root):
     x, y = global_batch(3, MICRO * world)
     rows = slice(rank * MICRO, (rank + 1) * MICRO)
     engine.backward(nn.functional.mse_loss(engine(x[rows]).float(), y[rows]))
-    real_wait, writes = engine.nvme.wait, []
-
-    def wait(ticket, what):
-        real_wait(ticket, what)
-        writes.append(what)
-        if rank == 1 and writes.count("writing") == 3:
-            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
-
-    engine.nvme.wait = wait
-    try:
-        engine.step()
-        message = "no error"
-    except OSError as error:
-        message = str(error)
-    engine.nvme.wait = real_wait
+    message = failing_at_write(engine, 3 if rank == 1 else -1, engine.step)
     refused = []
     for attempt in (
         engine.step,

@@ -6,10 +6,11 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fzero
-from tests._dist import run_world
+from tests._dist import failing_at_write, run_world
 from tests.models import Net, global_batch
 
 MICRO, STEPS = 2, 20
@@ -105,7 +106,16 @@ def test_offload_trains_bit_for_bit_like_no_offload(
         assert swap.startswith(str(swap_dir)) and not list(swap_dir.iterdir())  # removed
 
 
-def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
+@pytest.fixture
+def own_group():
+    """For tests that build an engine in this process (it starts a world-1 process
+    group): end the group after the test, so none is left for the tests that follow."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch, own_group):
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
 
@@ -121,7 +131,9 @@ def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # nothing left behind
 
 
-def test_memory_too_small_for_the_swap_buffers_is_named_before_training(tmp_path, monkeypatch):
+def test_memory_too_small_for_the_swap_buffers_is_named_before_training(
+    tmp_path, monkeypatch, own_group
+):
     monkeypatch.setattr("fzero._nvme.available_memory", lambda: 1000)
     offload = {"device": "nvme", "nvme_path": str(tmp_path)}
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
@@ -135,7 +147,7 @@ def test_memory_too_small_for_the_swap_buffers_is_named_before_training(tmp_path
     assert not list(tmp_path.iterdir())
 
 
-def test_a_disk_too_small_is_named_before_anything_is_written(tmp_path, monkeypatch):
+def test_a_disk_too_small_is_named_before_anything_is_written(tmp_path, monkeypatch, own_group):
     import shutil
 
     usage = shutil.disk_usage(tmp_path)
@@ -260,23 +272,9 @@ def failing_step(rank, world, stage, nvme_path, param, optim, failing_write):
     rows = slice(rank * MICRO, (rank + 1) * MICRO)
     loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
     engine.backward(loss)
-    real_wait, writes = engine.nvme.wait, []
     # the third write, or the first of Lamb's second pass (its first writes 3 per unit)
     at = 3 if failing_write == "first pass" else 3 * len(engine.units) + 1
-
-    def wait(ticket, what):
-        real_wait(ticket, what)
-        writes.append(what)
-        if rank == 1 and writes.count("writing") == at:
-            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
-
-    engine.nvme.wait = wait
-    try:
-        engine.step()
-        message = "no error"
-    except OSError as error:
-        message = str(error)
-    engine.nvme.wait = real_wait
+    message = failing_at_write(engine, at if rank == 1 else -1, engine.step)
     after_failure = engine.state_dict(dtype=torch.float32)
     steps = engine.global_steps
     engine.step()  # the same gradients, now written
@@ -333,21 +331,9 @@ def failing_backward(rank, world, nvme_path):
     config = window_config(nvme_path)
     engine = fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
     losses = [_step(engine, rank, world, step) for step in range(3)]  # 2 opens a window
-    real_wait, writes = engine.nvme.wait, []
-
-    def wait(ticket, what):
-        real_wait(ticket, what)
-        writes.append(what)
-        if rank == 1 and writes.count("writing") == 2:
-            raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
-
-    engine.nvme.wait = wait
-    try:
-        _step(engine, rank, world, 3)
-        message = "no error"
-    except OSError as error:
-        message = str(error)
-    engine.nvme.wait = real_wait
+    message = failing_at_write(
+        engine, 2 if rank == 1 else -1, lambda: _step(engine, rank, world, 3)
+    )
     window_start = engine.micro_steps
     losses += [_step(engine, rank, world, step) for step in range(2, 8)]  # the window again
     return message, window_start, losses
