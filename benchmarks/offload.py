@@ -97,9 +97,10 @@ def deepspeed_available() -> str:
     return ""
 
 
-def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
-    """The same model and ZeRO knobs under DeepSpeed (CPU accelerator, gloo), with its
-    sub-groups one layer and no parameters kept in host memory (`max_in_cpu` 0)."""
+def deepspeed_infinity(width: int, path: str) -> dict[str, Any]:
+    """DeepSpeed's process group on gloo (one rank, no launcher) and its ZeRO-Infinity
+    config for `width`-wide layers with the shared knobs: sub-groups one layer, swap
+    files in `path`, no parameters kept in host memory."""
     import deepspeed
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0")):
@@ -107,8 +108,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed(dist_backend="gloo")
-    baseline = vm_rss_mb()
-    config = {
+    return {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**6,
         "bf16": {"enabled": True},
@@ -116,11 +116,20 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
         "aio": {"block_size": 2**20, "thread_count": 2},
         "zero_optimization": {
             **ZERO,
-            "sub_group_size": args.width * args.width + args.width,
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.dir},
-            "offload_param": {"device": "nvme", "nvme_path": args.dir, "max_in_cpu": 0},
+            "sub_group_size": width * width + width,
+            "offload_optimizer": {"device": "nvme", "nvme_path": path},
+            "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0},
         },
     }
+
+
+def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
+    """The same model and ZeRO knobs under DeepSpeed (CPU accelerator, gloo), with its
+    sub-groups one layer and no parameters kept in host memory (`max_in_cpu` 0)."""
+    import deepspeed
+
+    config = deepspeed_infinity(args.width, args.dir)
+    baseline = vm_rss_mb()
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])

@@ -38,7 +38,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offload import ZERO, deepspeed_available, disk_bandwidth, vm_hwm_mb, vm_rss_mb
+from offload import (
+    ZERO,
+    deepspeed_available,
+    deepspeed_infinity,
+    disk_bandwidth,
+    vm_hwm_mb,
+    vm_rss_mb,
+)
 
 import fzero
 
@@ -151,26 +158,9 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     import deepspeed
 
     swap_dir = tempfile.mkdtemp(prefix="ds-scale-", dir=args.dir)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
     row: dict[str, Any] = {"baseline": vm_rss_mb()}
     try:
-        deepspeed.init_distributed(dist_backend="gloo")
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 4,
-            "steps_per_print": 10**6,
-            "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "aio": {"block_size": 2**20, "thread_count": 2},
-            "zero_optimization": {
-                **ZERO,
-                "sub_group_size": args.width * args.width + args.width,
-                "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
-                "offload_param": {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0},
-            },
-        }
+        ds_config = deepspeed_infinity(args.width, swap_dir)
         torch.manual_seed(0)
         reset_peak()
         start = time.perf_counter()

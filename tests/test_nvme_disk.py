@@ -15,8 +15,7 @@ from fzero.config import ConfigError
 from fzero.optim import bf16_stochastic
 from tests._dist import failing_at_write, run_world
 from tests.models import Net, global_batch
-
-MICRO = 2
+from tests.test_offload import MICRO, _step
 
 
 def _config(nvme_path: str, commit: str, bf16_states: bool) -> dict:
@@ -38,15 +37,6 @@ def _engine(nvme_path: str, commit: str, bf16_states: bool):
     torch.manual_seed(0)
     config = _config(nvme_path, commit, bf16_states)
     return fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
-
-
-def _step(engine, rank: int, world: int, step: int) -> float:
-    x, y = global_batch(step, MICRO * world)
-    rows = slice(rank * MICRO, (rank + 1) * MICRO)
-    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
 
 
 def train(rank, world, nvme_path, commit, bf16_states, root):

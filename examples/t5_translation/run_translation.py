@@ -29,14 +29,13 @@ from transformers import (
     HfArgumentParser,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    T5Config,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # examples/text_data.py, shared by the examples
 from text_data import tokenizer  # noqa: E402
-from train import MAX_LEN, bleu, sentence_pairs  # noqa: E402
+from train import MAX_LEN, bleu, sentence_pairs, t5_config  # noqa: E402
 
 
 @dataclass
@@ -91,11 +90,7 @@ def main() -> None:
         ]
         return {"bleu": bleu(outputs, [t.split() for _, t in evaluation])}
 
-    config = T5Config(
-        vocab_size=tok.get_vocab_size(), d_model=128, d_kv=32, d_ff=256, num_layers=2,
-        num_decoder_layers=2, num_heads=4, pad_token_id=pad, eos_token_id=eos,
-        decoder_start_token_id=pad, dropout_rate=0.0,
-    )  # fmt: skip
+    config = t5_config(tok)
     torch.manual_seed(args.seed)
     if data_args.model_name_or_path:
         model = AutoModelForSeq2SeqLM.from_pretrained(data_args.model_name_or_path)

@@ -76,6 +76,17 @@ def sentence_pairs(target_lang: str) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
+def t5_config(tok) -> T5Config:
+    """The tiny T5 both routes train: the tokenizer's vocabulary, [PAD] as pad and
+    decoder start, [SEP] as end of sequence."""
+    pad, eos = tok.token_to_id("[PAD]"), tok.token_to_id("[SEP]")
+    return T5Config(
+        vocab_size=tok.get_vocab_size(), d_model=128, d_kv=32, d_ff=256, num_layers=2,
+        num_decoder_layers=2, num_heads=4, pad_token_id=pad, eos_token_id=eos,
+        decoder_start_token_id=pad, dropout_rate=0.0,
+    )  # fmt: skip
+
+
 def bleu(candidates: list[list[str]], references: list[list[str]]) -> float:
     """Corpus BLEU-4 with the brevity penalty (Papineni et al. 2002), single reference."""
     matches, totals = [0] * 4, [0] * 4
@@ -118,11 +129,7 @@ def main() -> None:
         sources, labels = encode([s for s, _ in part]), encode([t for _, t in part])
         return torch.utils.data.TensorDataset(sources, labels.masked_fill(labels == pad, -100))
 
-    config = T5Config(
-        vocab_size=tok.get_vocab_size(), d_model=128, d_kv=32, d_ff=256, num_layers=2,
-        num_decoder_layers=2, num_heads=4, pad_token_id=pad, eos_token_id=eos,
-        decoder_start_token_id=pad, dropout_rate=0.0,
-    )  # fmt: skip
+    config = t5_config(tok)
     torch.manual_seed(args.seed)
     model = T5ForConditionalGeneration(config)
     train_set = dataset(training)

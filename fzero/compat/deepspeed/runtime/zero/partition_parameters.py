@@ -19,11 +19,7 @@ from fzero.zero import GatheredParameters, Init
 
 __all__ = ["GatheredParameters", "Init", "zero_wrapper_for_fp_tensor_constructor"]
 
-_orig_torch_arange = torch.arange
-_orig_torch_empty = torch.empty
-_orig_torch_zeros = torch.zeros
-_orig_torch_ones = torch.ones
-_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange  # what Transformers compares the wrapped function with
 
 
 def zero_wrapper_for_fp_tensor_constructor(
