@@ -360,6 +360,83 @@ def test_no_checkpoint_returns_none_with_a_warning(tmp_path):
     assert any("no checkpoint to load" in m for m in caught)
 
 
+def load_faults_case(rank, world, root):
+    """A damaged file leaves the engine as it was; a read failing after the checksums
+    passed leaves it refusing to go on until a load succeeds; loads read in place."""
+    from fzero.checkpoint import _files
+
+    engine = _engine(2, world=world)
+    _train(engine, rank, world, 1, 0)
+    engine.save_checkpoint(root, tag="good")
+    saved = _snapshot(engine)
+    continued = _train(engine, rank, world, 1, 1)
+    trained = _snapshot(engine)
+    buffers = [(rt.master.data_ptr(), rt.state.exp_avg.data_ptr()) for rt in engine.units]
+    if rank == 0:
+        shutil.copytree(f"{root}/good", f"{root}/bad")
+        damaged = Path(f"{root}/bad/rank00001.safetensors")
+        _flip_byte(damaged, damaged.stat().st_size - 3)
+    torch.distributed.barrier()
+    out = {}
+    try:
+        engine.load_checkpoint(root, tag="bad")
+    except CheckpointError as error:
+        out["damaged"] = str(error)
+    out["untouched"] = _same(_snapshot(engine), trained)
+
+    real = _files.SafetensorsFile.read_into
+
+    def failing(self, key, out_tensor, crc):
+        if crc is None and rank == 1:  # the second pass, after every check passed
+            raise OSError(5, "Input/output error")
+        return real(self, key, out_tensor, crc)
+
+    _files.SafetensorsFile.read_into = failing
+    try:
+        engine.load_checkpoint(root, tag="good")
+    except CheckpointError as error:
+        out["partly"] = (type(error).__name__, str(error))
+    finally:
+        _files.SafetensorsFile.read_into = real
+    refusals = []
+    for attempt in (
+        lambda: engine(global_batch(0, MICRO)[0]),
+        lambda: engine.step(),
+        lambda: engine.save_checkpoint(root, tag="after"),
+    ):
+        try:
+            attempt()
+        except RuntimeError as error:
+            refusals.append(str(error))
+    out["refusals"] = refusals
+    engine.load_checkpoint(root, tag="good")
+    out["restored"] = _same(_snapshot(engine), saved)
+    out["in_place"] = buffers == [
+        (rt.master.data_ptr(), rt.state.exp_avg.data_ptr()) for rt in engine.units
+    ]
+    out["trains"] = _train(engine, rank, world, 1, 1) == continued
+    return out
+
+
+def _same(a, b) -> bool:
+    (ta, *ra), (tb, *rb) = a, b
+    return ra == rb and len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+def test_failed_loads_lose_nothing_or_stop_the_engine_and_loads_read_in_place(tmp_path):
+    out = run_world(load_faults_case, 2, str(tmp_path))
+    assert re.search(r"rank 1: tensor '.*' in .*bad/rank00001.safetensors fails", out["damaged"])
+    assert out["untouched"]
+    kind, message = out["partly"]
+    assert kind == "PartlyRestoredError"
+    assert "rank 1:" in message and "after its checksums passed" in message
+    assert len(out["refusals"]) == 3
+    assert all(
+        "partly overwritten" in r and "load a checkpoint again" in r for r in out["refusals"]
+    )
+    assert out["restored"] and out["in_place"] and out["trains"]
+
+
 # ---- the DeepSpeed pattern, options, async ------------------------------------------------
 
 

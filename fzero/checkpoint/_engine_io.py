@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fzero import comm
 from fzero.checkpoint._files import write_safetensors
 from fzero.checkpoint._format import jsonable, process_rng, restore_process_rng
-from fzero.checkpoint._restore import find, restore
+from fzero.checkpoint._restore import PartlyRestoredError, find, restore
 from fzero.checkpoint._save import (
     Extras,
     module_tensors,
@@ -169,7 +169,12 @@ def load_checkpoint(
     except Exception as error:
         for rt, (state, grad_on_disk) in zip(engine.units, before):
             rt.state, rt.grad_on_disk = state, grad_on_disk
-        if residency.slots == 1 and residency.stored > stored:
+        if isinstance(error, PartlyRestoredError):
+            residency.broken = (
+                f"loading {load_dir} failed after the engine's buffers were partly "
+                f"overwritten ({error}); load a checkpoint again to go on"
+            )
+        elif residency.slots == 1 and residency.stored > stored:
             residency.broken = (
                 f"loading {load_dir} failed after units were overwritten in place in "
                 f"{residency.nvme.path} ({error}); load a checkpoint again to go on"
@@ -206,7 +211,9 @@ def _install(engine: Engine, like: Any, state: Any) -> None:
             if swapped:
                 rt.slot = engine.residency.next_slot(rt)
                 continue
-            if rt.master._base is not None:
+            if unit.master is rt.master:  # read in place
+                pass
+            elif rt.master._base is not None:
                 rt.master.copy_(unit.master)  # a view of the parameters' buffer
             else:
                 rt.master = unit.master

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fzero.checkpoint._checksum import WRITE_ALGORITHM, digest, digest_bytes, new_hasher
+from fzero.checkpoint._checksum import (
+    WRITE_ALGORITHM,
+    Hasher,
+    digest,
+    digest_bytes,
+    new_hasher,
+)
 
 __all__ = [
     "CheckpointError",
@@ -271,7 +277,27 @@ class SafetensorsFile:
         finally:
             if hashing is not None:
                 hashing.result()
-        if hasher is not None and hasher.intdigest() != crc:
+        if hasher is not None:
+            self._check(key, hasher, crc)
+
+    def verify(self, key: str, crc: int, scratch: memoryview) -> None:
+        """Check tensor `key` against its checksum by reading it through `scratch` (a
+        small reused buffer: no page of the destination is touched, and the bytes stay in
+        the page cache for the read that follows)."""
+        entry = self.entry(key)
+        self._file.seek(entry.begin)
+        hasher = new_hasher(self.algorithm)
+        left = entry.end - entry.begin
+        while left:
+            chunk = scratch[: min(left, len(scratch))]
+            if self._file.readinto(chunk) != len(chunk):
+                raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
+            hasher.update(chunk)
+            left -= len(chunk)
+        self._check(key, hasher, crc)
+
+    def _check(self, key: str, hasher: Hasher, crc: int) -> None:
+        if hasher.intdigest() != crc:
             raise CheckpointError(
                 f"tensor {key!r} in {self.path} fails its {self.algorithm} check: the file "
                 "is damaged"

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fzero import partition
 from fzero.checkpoint._checksum import LEGACY_ALGORITHM
-from fzero.checkpoint._files import CheckpointError, SafetensorsFile
+from fzero.checkpoint._files import CheckpointError, SafetensorsFile, tensor_bytes
 from fzero.checkpoint._index import decode_client_state, unpack
 from fzero.partition import LocalSlice, Plan
 
@@ -49,6 +49,7 @@ INDEX = "index.msgpack"
 CLIENT_FILE = "client.safetensors"
 MODEL_16BIT = "model.safetensors"
 FAULT_VARIABLE = "FZERO_CHECKPOINT_FAULT"  # tests: "kill-rank-R" kills rank R mid-save
+_SCRATCH = 2**20  # bytes: a verification pass reads through a buffer this size (L2-sized)
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
 
@@ -201,6 +202,26 @@ class Reader:
         self.algorithm = checksum_algorithm(index)
         self._slices: dict[tuple[int, int], list[LocalSlice]] = {}
         self._cached: tuple[int, str, Tensor] | None = None
+        self._verified: set[tuple[int, str]] = set()  # read later without hashing again
+        self._scratch: Tensor | None = None
+
+    def _crc(self, rank: int, key: str) -> int:
+        crc = self._crcs[rank].get(key)
+        if crc is None:
+            raise CheckpointError(
+                f"tensor {key!r} is not listed for rank {rank} in {self.directory}"
+            )
+        return crc
+
+    def verify(self, rank: int, key: str) -> None:
+        """Check saved tensor `key` of `rank` against its checksum without keeping it;
+        later reads of it skip the check."""
+        if (rank, key) in self._verified:
+            return
+        if self._scratch is None:
+            self._scratch = torch.empty(_SCRATCH, dtype=torch.uint8)
+        self.file(rank).verify(key, self._crc(rank, key), tensor_bytes(self._scratch))
+        self._verified.add((rank, key))
 
     def file(self, rank: int) -> SafetensorsFile:
         if rank not in self._files:
@@ -223,11 +244,9 @@ class Reader:
 
     def read_range(self, rank: int, key: str, begin: int, out: Tensor) -> None:
         """Elements `[begin, begin + out.numel())` of saved tensor `key` into `out`."""
-        crc = self._crcs[rank].get(key)
-        if crc is None:
-            raise CheckpointError(
-                f"tensor {key!r} is not listed for rank {rank} in {self.directory}"
-            )
+        crc: int | None = self._crc(rank, key)
+        if (rank, key) in self._verified:
+            crc = None
         entry = self.file(rank).entry(key)
         whole = begin == 0 and out.numel() == _numel(entry.shape)
         if whole and out.is_contiguous() and out.device.type == "cpu":

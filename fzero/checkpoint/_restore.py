@@ -1,15 +1,23 @@
 """`restore`: a sharded checkpoint into a `TrainState` (collective).
 
 The old plan comes from the index and fills the new plan's partitions with
-`partition.reshard_reads`, so world size, stage and strategy may all change. Every rank
-reads its part into new buffers, then all ranks agree that every read succeeded before
-anything is replaced: a damaged file seen by one rank fails the restore everywhere and
-loses nothing. Units that do not live in memory (the engine's NVMe offload) go to their
-next slot through the state's `Residence` as they are read.
+`partition.reshard_reads`, so world size, stage and strategy may all change. A restore
+runs in two passes. The first checks every tensor this rank needs against its checksum,
+reading it through a small reused buffer, and all ranks agree that every check passed
+before anything is replaced: a damaged file seen by one rank fails the restore
+everywhere and loses nothing. The second reads the verified bytes (now in the page
+cache) straight into the state's own buffers: no new memory is faulted in, which is what
+made reading into fresh buffers cost twice DCP's in-place load. Should that second read
+fail (the file vanished in between), every rank raises `PartlyRestoredError`: the state
+is partly overwritten and must be restored again. Units that do not live in memory (the
+engine's NVMe offload) are read in one verified pass and go to their next slot through
+the state's `Residence` as they are read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -33,7 +41,7 @@ from fzero.checkpoint._save import (
 from fzero.optim import LossScaleState, Optimizer
 from fzero.partition import Plan, PlanError
 
-__all__ = ["Restored", "find", "restore", "restored_counters"]
+__all__ = ["PartlyRestoredError", "Restored", "find", "restore", "restored_counters"]
 
 
 class Restored(NamedTuple):
@@ -84,8 +92,11 @@ def restore(
     parameters (collective), so the returned state is ready to train; the counters,
     loss scale and generator come from the checkpoint (with `accumulation`, micro-steps
     are realigned to it when the save was at a boundary). `like` is consumed (as by a
-    step): the restored state reuses its parameter and gradient buffers. If any rank
-    cannot read its part, every rank raises `CheckpointError` and `like` is untouched."""
+    step): the restored state reuses its buffers, reading master and optimizer state in
+    place. If any rank cannot read or verify its part, every rank raises
+    `CheckpointError` and `like` is untouched; if reading fails after the checksums
+    passed (the files changed in between), every rank raises `PartlyRestoredError` and
+    `like` must be restored again."""
     wait_for_save(owner)
     extras = extras_of(like.plan, module, extras)
     group = side_group(extras)
@@ -95,18 +106,21 @@ def restore(
         raise CheckpointError(
             f"no checkpoint in {os.fspath(directory)} (tag {tag!r}): nothing to restore"
         )
-    try:
-        index, units, staged, client_state = _read(
-            found, like, optimizer, extras, load_optimizer_states, strict
-        )
+    with contextlib.ExitStack() as files:
         failure = ""
-    except (CheckpointError, OSError) as error:
-        failure = str(error)
-    # Every rank learns whether every rank could read its part before anything changes.
-    failures = comm.all_gather_bytes(failure.encode(), group=group)
-    messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
-    if messages:
-        raise CheckpointError("; ".join(messages))
+        try:
+            read = _read(found, like, optimizer, extras, load_optimizer_states, strict, files)
+        except (CheckpointError, OSError) as error:
+            failure = str(error)
+        # Every rank learns whether every rank could read its part before anything changes.
+        _agree(failure, group, CheckpointError)
+        if like.residence is None:  # the second pass, into the state's buffers
+            try:
+                read.fill()
+            except (CheckpointError, OSError) as error:
+                failure = f"{error} (after its checksums passed)"
+            _agree(failure, group, PartlyRestoredError)
+    index, units = read.index, read.units(like, optimizer, load_optimizer_states)
     counters = restored_counters(index, accumulation)
     loss_scale = like.loss_scale
     if index["loss_scale"] is not None and like.loss_scale is not None:
@@ -118,7 +132,7 @@ def restore(
     if install:
         units = tuple(_install(like, i, unit) for i, unit in enumerate(units))
     state = like.replace(units=units, counters=counters, loss_scale=loss_scale, rng=rng)
-    return Restored(state, client_state, staged, found, index)
+    return Restored(state, read.client_state, read.module, found, index)
 
 
 def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
@@ -147,16 +161,77 @@ def restored_counters(index: Mapping[str, Any], accumulation: int | None) -> Cou
     return counters
 
 
+class PartlyRestoredError(CheckpointError):
+    """A restore failed after it began writing the state's buffers: the state holds
+    neither its old values nor the checkpoint's; restore a checkpoint again to go on."""
+
+
+def _agree(failure: str, group: Any, error: type[CheckpointError]) -> None:
+    """Raise `error` on every rank if any rank failed (collective)."""
+    failures = comm.all_gather_bytes(failure.encode(), group=group)
+    messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
+    if messages:
+        raise error("; ".join(messages))
+
+
+class _Fill(NamedTuple):
+    """A partition buffer to read in the second pass, from whichever old ranks hold it."""
+
+    unit: int
+    kind: str
+    out: Tensor
+    reads: list[tuple[int, Any]]
+
+
+@dataclasses.dataclass
+class _Read:
+    """What the first pass of `_read` found: the index, units already complete (read into
+    new buffers, or sent to their residence), the in-place fills still to do, the
+    module's frozen tensors and the client state."""
+
+    index: dict[str, Any]
+    plan: Plan
+    reader: Reader
+    done: dict[int, UnitState]
+    fills: list[_Fill]
+    grads: dict[int, Tensor]  # gradient accumulators saved mid-accumulation
+    module: dict[str, Tensor]
+    client_state: Any
+
+    def fill(self) -> None:
+        for f in self.fills:
+            _fill(self.plan, self.reader, f.kind, f.out, f.reads)
+
+    def units(
+        self, like: TrainState, optimizer: Optimizer | None, with_state: bool
+    ) -> tuple[UnitState, ...]:
+        tensors: dict[int, dict[str, Tensor]] = {}
+        for f in self.fills:
+            tensors.setdefault(f.unit, {})[f.kind] = f.out
+        units = []
+        for i, old in enumerate(like.units):
+            unit = self.done.get(i)
+            if unit is None:
+                unit = _unit_from(old, tensors[i], self.index, optimizer, with_state)
+                if i in self.grads:
+                    unit = unit._replace(grad=self.grads[i].to(old.grad.device))
+            units.append(unit)
+        return tuple(units)
+
+
 def _read(
     directory: str,
     like: TrainState,
     optimizer: Optimizer | None,
     extras: Extras,
     with_state: bool,
-    strict: bool = True,
-) -> tuple[dict[str, Any], tuple[UnitState, ...], dict[str, Tensor], Any]:
-    """Everything this rank needs from the checkpoint, read into new buffers unit by unit
-    (units outside memory go to their next slot through `like.residence`)."""
+    strict: bool,
+    files: contextlib.ExitStack,
+) -> _Read:
+    """The first pass: every tensor this rank needs, checked. A partition whose buffer in
+    `like` can take it in place (fp32, contiguous, in host memory) is only verified and
+    left to `_Read.fill`; any other is read, verified, into a new buffer, and units
+    outside memory go to their next slot through `like.residence`."""
     index = read_index(directory)
     old_plan = partition.from_bytes(index["plan"])
     plan = like.plan
@@ -173,32 +248,39 @@ def _read(
         kinds += state_kinds(like)
     elif optimizer is None:
         raise ValueError("load_optimizer_states=False needs the optimizer to start its state")
-    units: list[UnitState] = []
-    with Reader(directory, index, old_plan) as reader:
-        reads = _reads_by_unit(plan, like.rank, old_plan)
-        for i, old in enumerate(like.units):
-            tensors = {kind: _new_partition(plan, like.rank, i) for kind in kinds}
-            for kind, out in tensors.items():
-                _fill(plan, reader, kind, out, reads.get(i, []))
-            unit = _unit_from(old, tensors, index, optimizer, with_state)
-            if index["mid_accumulation"]:
-                grad = torch.empty(grad_numel(plan, i), dtype=torch.float32)
-                reader.read_whole(like.rank, f"grad/unit{i}", grad)
-                unit = unit._replace(grad=grad.to(old.grad.device))
-            if like.residence is not None:  # to the unit's next slot; memory keeps none of it
-                like.residence.store_next(i, unit, index["mid_accumulation"])
-                unit = old._replace(grad=unit.grad)
-            units.append(unit)
-        staged = {}
-        on_disk = {t["key"] for t in index["tensors"] if t["fqn"] is None}
-        for key, tensor in extras.module.items():
-            if key not in on_disk:  # only without `strict` (checked above)
-                continue
-            saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
-            reader.read_whole(0, f"module/{key}", saved)
-            staged[key] = saved
-        client_state = reader.client_state(index)
-    return index, tuple(units), staged, client_state
+    reader = files.enter_context(Reader(directory, index, old_plan))
+    read = _Read(index, plan, reader, {}, [], {}, {}, None)
+    reads = _reads_by_unit(plan, like.rank, old_plan)
+    for i, old in enumerate(like.units):
+        if index["mid_accumulation"]:
+            grad = torch.empty(grad_numel(plan, i), dtype=torch.float32)
+            reader.read_whole(like.rank, f"grad/unit{i}", grad)
+            read.grads[i] = grad
+        if like.residence is None:
+            for kind in kinds:
+                out = _in_place(like, i, kind)
+                for _, r in reads.get(i, []):
+                    s = reader.old_slice(r.old_rank, r.old_unit, r.old_offset)
+                    reader.verify(r.old_rank, slice_key(kind, s.fqn, s.start, s.stop))
+                read.fills.append(_Fill(i, kind, out, reads.get(i, [])))
+            continue
+        tensors = {kind: _new_partition(plan, like.rank, i) for kind in kinds}
+        for kind, out in tensors.items():
+            _fill(plan, reader, kind, out, reads.get(i, []))
+        unit = _unit_from(old, tensors, index, optimizer, with_state)
+        if i in read.grads:
+            unit = unit._replace(grad=read.grads.pop(i).to(old.grad.device))
+        like.residence.store_next(i, unit, index["mid_accumulation"])  # memory keeps none
+        read.done[i] = old._replace(grad=unit.grad)
+    on_disk = {t["key"] for t in index["tensors"] if t["fqn"] is None}
+    for key, tensor in extras.module.items():
+        if key not in on_disk:  # only without `strict` (checked above)
+            continue
+        saved = torch.empty(tensor.shape, dtype=partition.dtype_of(_saved_dtype(index, key)))
+        reader.read_whole(0, f"module/{key}", saved)
+        read.module[key] = saved
+    read.client_state = reader.client_state(index)
+    return read
 
 
 def _unit_from(
@@ -233,9 +315,27 @@ def _viewed(like: TrainState, i: int) -> bool:
     )
 
 
-def _new_partition(plan: Plan, rank: int, i: int) -> Tensor:
-    """An uninitialised fp32 buffer like the unit's partition, its padding zeroed (the
-    reads fill every other element)."""
+def _in_place(like: TrainState, i: int, kind: str) -> Tensor:
+    """Where unit i's partition of `kind` is read in the second pass: `like`'s own buffer
+    when it is fp32, contiguous and in host memory, else a new one; its padding zeroed
+    (the reads fill every other element)."""
+    old = like.units[i]
+    out = old.master if kind == "master" else getattr(old.optim, kind.removeprefix("optim."))
+    numel, gaps = _layout(like.plan, like.rank, i)
+    if not (
+        out.device.type == "cpu"
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+        and out.numel() == numel
+    ):
+        return _new_partition(like.plan, like.rank, i)
+    for start, stop in gaps:
+        out[start:stop].zero_()
+    return out
+
+
+def _layout(plan: Plan, rank: int, i: int) -> tuple[int, list[tuple[int, int]]]:
+    """The numel of unit i's partition on `rank` and the ranges no saved slice covers."""
     unit = plan.units[i]
     ranks = range(plan.world_size) if plan.stage == 0 else [rank]
     covered = []
@@ -245,13 +345,21 @@ def _new_partition(plan: Plan, rank: int, i: int) -> Tensor:
                 base = unit.shard_range(r)[0] if plan.stage == 0 else 0
                 covered.append((base + s.shard_offset, s.numel))
     numel = unit.numel if plan.stage == 0 else unit.shard_numel
+    gaps, at = [], 0
+    for start, count in sorted(covered):
+        gaps.append((at, start))
+        at = start + count
+    gaps.append((at, numel))
+    return numel, [(a, b) for a, b in gaps if b > a]
+
+
+def _new_partition(plan: Plan, rank: int, i: int) -> Tensor:
+    """An uninitialised fp32 buffer like the unit's partition, its padding zeroed."""
+    numel, gaps = _layout(plan, rank, i)
     buffer = torch.empty(numel, dtype=torch.float32)
     hugepage_hint(buffer)
-    at = 0
-    for start, count in sorted(covered):
-        buffer[at:start].zero_()
-        at = start + count
-    buffer[at:].zero_()
+    for start, stop in gaps:
+        buffer[start:stop].zero_()
     return buffer
 
 

@@ -58,7 +58,7 @@ class Residency:
         self.grads_on_disk = False  # stages 2-3: gradient accumulators in it too
         self.slots = 2  # copies of each unit's master and state: two_slots or in_place
         self.state_dtype = torch.float32  # of the moments in the file
-        self.broken = ""  # in_place: why the file no longer holds one step
+        self.broken = ""  # why the state holds no single step (a failed in-place step or load)
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
         self.pipeline_depth = 2
