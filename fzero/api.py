@@ -89,13 +89,17 @@ def shard(
     `param_init_fn(module)`, or each module's `reset_parameters()`. `name` labels the
     engine's log lines (default: the model's class).
     """
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
+    if stage is not None and isinstance(config, Mapping | None):
+        # validated with the stage it runs at (offload needs stage >= 1)
+        config = dict(config or {})
+        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": stage}
     cfg = _config(config)
     if stage is not None:
         cfg = dataclasses.replace(
             cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, stage=stage)
         )
-        if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
     if optimizer is None:
         optimizer = (
             optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
