@@ -79,7 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     insp.set_defaults(func=_inspect)
 
     run = sub.add_parser("run", help="run a training script on N local processes via torchrun")
-    run.add_argument("-n", "--nproc_per_node", "--num_gpus", type=int, default=1)
+    run.add_argument(
+        "-n",
+        "--nproc_per_node",
+        "--num_gpus",
+        type=int,
+        default=None,
+        help="processes per node (default: one per visible GPU, else 1)",
+    )
     run.add_argument("--num_nodes", type=int, default=1)
     run.add_argument("--node_rank", type=int, default=0)
     run.add_argument("--master_addr", default=None)

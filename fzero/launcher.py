@@ -195,8 +195,17 @@ def torchrun_command(
     return [*command, script, *script_args]
 
 
+def default_nproc_per_node() -> int:
+    """As DeepSpeed's launcher: one process per visible GPU; one on a machine without."""
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
 def run(args, script_args: Sequence[str]) -> int:
     """Run the command for parsed `fzero run` arguments; return its exit code."""
+    if args.nproc_per_node is None:
+        args.nproc_per_node = default_nproc_per_node()
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
     local = hosts[0].slots if hosts else args.nproc_per_node
     env = script_environment(args, local)

@@ -73,6 +73,19 @@ def test_slurm_and_hostfile_dry_runs(tmp_path):
     assert bad.returncode == 2 and "select hosts of a --hostfile" in bad.stderr
 
 
+@pytest.mark.parametrize(("gpus", "expected"), [(0, 1), (4, 4)])
+def test_processes_per_node_default_to_one_per_visible_gpu(monkeypatch, gpus, expected):
+    import torch
+
+    from fzero import cli
+
+    commands = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr("fzero.launcher._call", lambda command, env, dry: commands.append(command))
+    cli.main(["run", "--dry-run", "t.py"])
+    assert f"--nproc-per-node={expected}" in commands[0]
+
+
 def _losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"epoch \d+ loss ([\d.]+)", output)]
 
