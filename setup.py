@@ -8,6 +8,7 @@ import os
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_src"))
 from build import ffibuilder
@@ -15,4 +16,15 @@ from build import ffibuilder
 extension = ffibuilder.distutils_extension(tmpdir="build/cffi")
 extension.optional = True
 
-setup(ext_modules=[extension])
+
+class BuildPy(build_py):
+    """Also ship the CUDA source, which fzero.native._cuda compiles with NVRTC at run time."""
+
+    def run(self) -> None:
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        target = os.path.join(self.build_lib, "fzero", "native")
+        self.copy_file(os.path.join(here, "native_src", "fzero_kernels.cu"), target)
+
+
+setup(ext_modules=[extension], cmdclass={"build_py": BuildPy})

@@ -434,7 +434,7 @@ class _Micro:
             grad = u.grad[part] if self.plan.stage < 2 else u.grad
             grad = grad.to(u.master.device)
             state = None
-            if native.available() and u.master.device.type == "cpu":
+            if native.available(u.master.device):
                 state = native_update_(optimizer.name, u.master, grad, u.optim, hp, factor)
             if state is None:
                 if factor != 1.0:

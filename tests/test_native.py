@@ -8,6 +8,11 @@ chunk) is compiled with FMA contraction where the vector body is not (addcmul), 
 the reverse for lerp. So whichever rule the kernel follows, some elements differ from
 torch by one rounding; measured here, m and v are bitwise on torch's vector body and
 the updated parameter differs on about 0.05% of elements, by 1-2 ulps.
+
+The twin tests run twice (`kernels`): through the C kernels, and through the CUDA
+kernels' source compiled for the host (`tests/_cuda_host.py`: same arithmetic, same
+argument lists as a CUDA launch, checked against the kernels' prototypes), so the CUDA
+arithmetic is held to the same twins on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.why())
 SIZES = [0, 1, 15, 16, 17, 1000, 65_537]
 
 
+@pytest.fixture(params=["c", "cuda_source"])
+def kernels(request, monkeypatch):
+    """Which kernels the wrappers call: the C build, or the CUDA source built for the host."""
+    if request.param == "cuda_source":
+        from tests._cuda_host import host_kernels
+
+        monkeypatch.setattr(native, "_run", host_kernels().run)
+    return request.param
+
+
 def _data(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -52,7 +67,7 @@ def assert_near(native_p, ref_p):
     ("decoupled", "bias_correction", "grad_scale"),
     [(True, True, 1.0), (False, True, 1.0), (True, False, 0.25), (False, False, 0.5)],
 )
-def test_adam_matches_pure(n, threads, decoupled, bias_correction, grad_scale):
+def test_adam_matches_pure(kernels, n, threads, decoupled, bias_correction, grad_scale):
     torch.set_num_threads(threads)
     make = adamw if decoupled else adam
     opt = make(lr=1e-3, weight_decay=0.01, bias_correction=bias_correction)
@@ -78,7 +93,7 @@ def test_adam_matches_pure(n, threads, decoupled, bias_correction, grad_scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("skew", [0, 3])
-def test_copy_out_is_the_rounded_parameter(dtype, n, skew):
+def test_copy_out_is_the_rounded_parameter(kernels, dtype, n, skew):
     """Also into a buffer `skew` elements past a 16-byte boundary: the kernel streams the
     copy out in aligned blocks and stores the head and tail directly."""
     p, g = _data(n)
@@ -95,7 +110,7 @@ def test_copy_out_is_the_rounded_parameter(dtype, n, skew):
     ("momentum", "nesterov", "weight_decay"),
     [(0.0, False, 0.0), (0.9, False, 1e-2), (0.9, True, 0.0)],
 )
-def test_sgd_matches_pure(n, momentum, nesterov, weight_decay):
+def test_sgd_matches_pure(kernels, n, momentum, nesterov, weight_decay):
     opt = sgd(lr=0.1, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     p, _ = _data(n)
     ref_p, nat_p = p.clone(), p.clone()
@@ -113,7 +128,7 @@ def test_sgd_matches_pure(n, momentum, nesterov, weight_decay):
 
 
 @pytest.mark.parametrize("n", [1, 17, 1000])
-def test_lamb_matches_pure(n):
+def test_lamb_matches_pure(kernels, n):
     opt = lamb(lr=1e-2, weight_decay=0.01)
     p, g = _data(n)
     segments = [(0, n // 3), (n // 3, n)]
@@ -152,7 +167,7 @@ def test_sq_sum_and_nonfinite_flag(n):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("seed", [0, 7, 2**64 - 1])
-def test_bf16_stochastic_matches_pure_bit_for_bit(n, seed):
+def test_bf16_stochastic_matches_pure_bit_for_bit(kernels, n, seed):
     """The same random bits and carries as `fzero.optim.bf16_stochastic`; non-finite
     values round to nearest (NaN's payload aside)."""
     x = _data(n, seed=3)[0] * 1e3

@@ -74,8 +74,9 @@ class OptimizerApplication:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.residency = engine.residency
-        # fzero's native kernels run the update where the state lives on the CPU
-        self.native = native.available() and (engine.device.type == "cpu" or engine.offload)
+        # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
+        # state lives: on the host with optimizer offload, else on the engine's device
+        self.native = native.available("cpu" if engine.offload else engine.device)
         self.tensor_index = {fqn: i for i, fqn in enumerate(engine.plan.manifest.fqns)}
         self.publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
 

@@ -1,11 +1,16 @@
-"""Native CPU kernels (C, OpenMP, SIMD by runtime dispatch) bound through cffi.
+"""Native kernels bound through cffi: C for the CPU (OpenMP, SIMD by runtime dispatch),
+CUDA for GPUs.
 
-Built from `native_src/` during `pip install`. `available()` says whether they loaded
-(`why()` says why not, logged once); `FZERO_NATIVE=0` turns them off. Every kernel
-has a pure-torch twin in `fzero.optim` that it matches (see tests/test_native.py), so
-switching them off changes speed, not results. Each wrapper checks its arguments
-(dtype, device, contiguity, sizes, aliasing) before the call: a bad one is a
-`ValueError` naming it.
+The C kernels are built from `native_src/` during `pip install`; the CUDA kernels
+(`native_src/fzero_kernels.cu`) are compiled by NVRTC at first use (`fzero.native._cuda`).
+Each wrapper picks the kernel by its tensors' device. `available(device)` says whether
+that device's kernels loaded (`why(device)` says why not); `FZERO_NATIVE=0` turns all of
+them off. Every kernel has a pure-torch twin in `fzero.optim` that it matches (see
+tests/test_native.py and tests/test_cuda_source.py), so switching them off changes
+speed, not results. Each wrapper checks its arguments (dtype, device, contiguity,
+sizes, aliasing) before the call: a bad one is a `ValueError` naming it. A kernel's
+arguments are written once, as (C type, value) pairs in its prototype's order, and
+passed to whichever device runs it.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from fzero.native import _cuda
 
 __all__ = [
     "adam_",
@@ -47,28 +55,49 @@ except ImportError as error:  # no compiler at install time, or switched off
     _WHY = f"native kernels unavailable ({error}); using the torch path"
     log.info("fzero: %s", _WHY)
 
-
-def available() -> bool:
-    """Whether the compiled kernels loaded (and are not switched off)."""
-    return _lib is not None
+Args = list[tuple[str, Any]]  # (C type, value) per kernel argument; pointers as tensors
 
 
-def why() -> str:
-    """'loaded', or why the torch path is used."""
-    return _WHY
+def _device_type(device: torch.device | str | None) -> str:
+    return "cpu" if device is None else torch.device(device).type
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """Whether the kernels for `device` (default: the CPU's) loaded and are not switched
+    off. The CUDA kernels are checked (NVRTC, driver, a compile) at the first call."""
+    kind = _device_type(device)
+    if kind == "cuda":
+        return _cuda.available()
+    return kind == "cpu" and _lib is not None
+
+
+def why(device: torch.device | str | None = None) -> str:
+    """'loaded', or why `device`'s tensors take the torch path."""
+    kind = _device_type(device)
+    if kind == "cuda":
+        return _cuda.why()
+    return _WHY if kind == "cpu" else f"no native kernels for {kind} tensors"
 
 
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def _buffer(name: str, tensor: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+def _buffer(
+    name: str,
+    tensor: Tensor,
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> Tensor:
     if not isinstance(tensor, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, found {type(tensor).__name__}")
     if tensor.dtype != dtype:
         raise ValueError(f"{name} has dtype {tensor.dtype}; expected {dtype}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} is on {tensor.device}; native kernels take CPU tensors")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}; the other buffers are on {device}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {tensor.device}; native kernels take CPU or CUDA tensors")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} is not contiguous (strides {tensor.stride()})")
     if tensor.numel() != numel:
@@ -76,9 +105,14 @@ def _buffer(name: str, tensor: Tensor, numel: int, dtype: torch.dtype = torch.fl
     return tensor
 
 
-def _buffers(numel: int, **tensors: Tensor) -> None:
+def _buffers(numel: int, **tensors: Tensor) -> torch.device:
+    """Check `tensors` (fp32, contiguous, `numel` elements, one device); their device."""
+    first = next(iter(tensors.values()))
+    device = first.device if isinstance(first, Tensor) else None
     for name, tensor in tensors.items():
-        _buffer(name, tensor, numel)
+        _buffer(name, tensor, numel, device=device)
+    assert device is not None
+    return device
 
 
 def _no_alias(**tensors: Tensor | None) -> None:
@@ -93,23 +127,36 @@ def _no_alias(**tensors: Tensor | None) -> None:
             raise ValueError(f"{first} and {second} overlap in memory; they must be distinct")
 
 
-def _ptr(tensor: Tensor | None, kind: str = "float *"):
-    if tensor is None:
-        return _ffi.NULL
-    return _ffi.cast(kind, tensor.data_ptr())
-
-
-def _out(out: Tensor | None, numel: int) -> tuple[Tensor | None, int]:
+def _out(out: Tensor | None, numel: int, device: torch.device) -> tuple[Tensor | None, int]:
     if out is None:
         return None, 0
     if out.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"out has dtype {out.dtype}; allowed: torch.bfloat16, torch.float16")
-    return _buffer("out", out, numel, out.dtype), _OUT_KINDS[out.dtype]
+    return _buffer("out", out, numel, out.dtype, device), _OUT_KINDS[out.dtype]
 
 
-def _require() -> None:
-    if _lib is None:
-        raise RuntimeError(f"fzero native kernels: {_WHY}")
+def _require(device: torch.device) -> None:
+    if not available(device):
+        raise RuntimeError(f"fzero native kernels for {device.type}: {why(device)}")
+
+
+def _pointer(value: Tensor | None) -> int:
+    return 0 if value is None else value.data_ptr()
+
+
+def _run(name: str, device: torch.device, args: Args, elements: int = 0) -> None:
+    """Kernel `name` with `args` on `device`: the C kernel (with the thread count
+    appended), or the CUDA kernel on the current stream over `elements`."""
+    if device.type == "cuda":
+        if elements == 0:
+            return
+        blocks = min(-(-elements // _cuda.THREADS), _cuda.MAX_BLOCKS)
+        values = [(kind, _pointer(v) if kind.endswith("*") else v) for kind, v in args]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _cuda.launch(name, device.index or 0, stream, (blocks, 1), values)
+        return
+    values = [_ffi.cast(kind, _pointer(v)) if kind.endswith("*") else v for kind, v in args]
+    getattr(_lib, name)(*values, _threads())
 
 
 def _f32(value: float) -> float:
@@ -135,23 +182,25 @@ def adam_(
 ) -> None:
     """One Adam(W) step in place (`step` is 1-based), as `fzero.optim.adam_update_`;
     gradients times `grad_scale` first; `out` (bf16/fp16) gets the updated params."""
-    _require()
     n = param.numel()
-    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    out, out_kind = _out(out, n)
+    device = _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    _require(device)
+    out, out_kind = _out(out, n, device)
     _no_alias(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
     beta1, beta2 = betas
     if bias_correction:
         step_size, c2sqrt = lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
     else:
         step_size, c2sqrt = lr, 1.0
-    _lib.fz_adam(
-        _ptr(param), _ptr(grad), _ptr(exp_avg), _ptr(exp_avg_sq), n, _f32(grad_scale),
-        int(bool(decoupled and weight_decay)), _f32(1 - lr * weight_decay),
-        _f32(0.0 if decoupled else weight_decay), _f32(1 - beta1), _f32(beta2),
-        _f32(1 - beta2), _f32(c2sqrt), _f32(eps), _f32(-step_size), _ptr(out, "void *"),
-        out_kind, _threads(),
-    )  # fmt: skip
+    args = [
+        ("float *", param), ("float *", grad), ("float *", exp_avg), ("float *", exp_avg_sq),
+        ("int64_t", n), ("float", _f32(grad_scale)),
+        ("int", int(bool(decoupled and weight_decay))), ("float", _f32(1 - lr * weight_decay)),
+        ("float", _f32(0.0 if decoupled else weight_decay)), ("float", _f32(1 - beta1)),
+        ("float", _f32(beta2)), ("float", _f32(1 - beta2)), ("float", _f32(c2sqrt)),
+        ("float", _f32(eps)), ("float", _f32(-step_size)), ("void *", out), ("int", out_kind),
+    ]  # fmt: skip
+    _run("fz_adam", device, args, n)
 
 
 def lamb_direction_(
@@ -169,17 +218,22 @@ def lamb_direction_(
     grad_scale: float = 1.0,
 ) -> None:
     """LAMB's moments in place and its direction into `update`, as `lamb_direction_`."""
-    _require()
     n = param.numel()
-    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, update=update)
+    device = _buffers(
+        n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, update=update
+    )
+    _require(device)
     _no_alias(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, update=update)
     beta1, beta2 = betas
     c1, c2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
-    _lib.fz_lamb_direction(
-        _ptr(param), _ptr(grad), _ptr(exp_avg), _ptr(exp_avg_sq), _ptr(update), n,
-        _f32(grad_scale), _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2),
-        _f32(c1), _f32(c2), _f32(eps), _f32(weight_decay), _threads(),
-    )  # fmt: skip
+    args = [
+        ("float *", param), ("float *", grad), ("float *", exp_avg), ("float *", exp_avg_sq),
+        ("float *", update), ("int64_t", n), ("float", _f32(grad_scale)),
+        ("float", _f32(beta1)), ("float", _f32(1 - beta1)), ("float", _f32(beta2)),
+        ("float", _f32(1 - beta2)), ("float", _f32(c1)), ("float", _f32(c2)),
+        ("float", _f32(eps)), ("float", _f32(weight_decay)),
+    ]  # fmt: skip
+    _run("fz_lamb_direction", device, args, n)
 
 
 def lamb_apply_(
@@ -190,24 +244,44 @@ def lamb_apply_(
     out: Tensor | None = None,
 ) -> None:
     """`param[a:b] += scale * update[a:b]` per segment (scale = -lr x trust ratio)."""
-    _require()
     n = param.numel()
-    _buffer("param", param, n)
-    _buffer("update", update, n)
-    out, out_kind = _out(out, n)
+    device = _buffers(n, param=param, update=update)
+    _require(device)
+    out, out_kind = _out(out, n, device)
     _no_alias(param=param, update=update, out=out)
     if len(segments) != len(scales):
         raise ValueError(f"segments has {len(segments)} entries, scales {len(scales)}")
     for a, b in segments:
         if not 0 <= a <= b <= n:
             raise ValueError(f"segment ({a}, {b}) is outside [0, {n}]")
-    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64)
-    stops = torch.tensor([b for _, b in segments], dtype=torch.int64)
-    values = torch.tensor(list(scales), dtype=torch.float32)
-    _lib.fz_lamb_apply(
-        _ptr(param), _ptr(update), _ptr(starts, "int64_t *"), _ptr(stops, "int64_t *"),
-        _ptr(values), len(segments), _ptr(out, "void *"), out_kind, _threads(),
-    )  # fmt: skip
+    if not segments:
+        return
+    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64, device=device)
+    stops = torch.tensor([b for _, b in segments], dtype=torch.int64, device=device)
+    values = torch.tensor(list(scales), dtype=torch.float32, device=device)
+    pointers = [
+        ("float *", param), ("float *", update), ("int64_t *", starts), ("int64_t *", stops),
+        ("float *", values),
+    ]  # fmt: skip
+    if device.type == "cuda":  # one launch: blockIdx.y is the segment
+        if len(segments) > _cuda.MAX_BLOCKS_Y:
+            raise ValueError(
+                f"{len(segments)} segments; a CUDA launch takes at most {_cuda.MAX_BLOCKS_Y}"
+            )
+        longest = max(b - a for a, b in segments)
+        blocks = max(1, min(-(-longest // _cuda.THREADS), _cuda.MAX_BLOCKS))
+        args = [(k, _pointer(v)) for k, v in pointers] + [
+            ("void *", _pointer(out)),
+            ("int", out_kind),
+        ]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _cuda.launch("fz_lamb_apply", device.index or 0, stream, (blocks, len(segments)), args)
+        return
+    _run(
+        "fz_lamb_apply",
+        device,
+        [*pointers[:5], ("int64_t", len(segments)), ("void *", out), ("int", out_kind)],
+    )
 
 
 def sgd_(
@@ -225,44 +299,69 @@ def sgd_(
     out: Tensor | None = None,
 ) -> None:
     """One SGD step in place, as `fzero.optim.sgd_update_` (`first`: the first step)."""
-    _require()
     n = param.numel()
-    _buffers(n, param=param, grad=grad, momentum_buffer=momentum_buffer)
-    out, out_kind = _out(out, n)
+    device = _buffers(n, param=param, grad=grad, momentum_buffer=momentum_buffer)
+    _require(device)
+    out, out_kind = _out(out, n, device)
     _no_alias(param=param, grad=grad, momentum_buffer=momentum_buffer, out=out)
-    _lib.fz_sgd(
-        _ptr(param), _ptr(grad), _ptr(momentum_buffer), n, _f32(grad_scale), _f32(weight_decay),
-        _f32(momentum), _f32(1 - dampening), int(first), int(nesterov), _f32(-lr),
-        _ptr(out, "void *"), out_kind, _threads(),
-    )  # fmt: skip
+    args = [
+        ("float *", param), ("float *", grad), ("float *", momentum_buffer), ("int64_t", n),
+        ("float", _f32(grad_scale)), ("float", _f32(weight_decay)), ("float", _f32(momentum)),
+        ("float", _f32(1 - dampening)), ("int", int(first)), ("int", int(nesterov)),
+        ("float", _f32(-lr)), ("void *", out), ("int", out_kind),
+    ]  # fmt: skip
+    _run("fz_sgd", device, args, n)
 
 
 def sq_sum(grad: Tensor) -> tuple[float, bool]:
-    """(sum of squares in float64, any inf/NaN) of `grad`, in one pass."""
-    _require()
-    _buffer("grad", grad, grad.numel())
+    """(sum of squares in float64, any inf/NaN) of `grad`, in one pass (CUDA: a
+    deterministic two-pass reduction, then one synchronising read)."""
+    device = _buffers(grad.numel(), grad=grad)
+    _require(device)
+    n = grad.numel()
+    if device.type == "cuda":
+        blocks = max(1, min(-(-n // _cuda.THREADS), _cuda.REDUCE_BLOCKS))
+        partials = torch.zeros(blocks, dtype=torch.float64, device=device)
+        flags = torch.zeros(blocks, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        index = device.index or 0
+        _cuda.launch(
+            "fz_sq_sum_partial", index, stream, (blocks, 1),
+            [("float *", grad.data_ptr()), ("int64_t", n), ("double *", partials.data_ptr()),
+             ("int *", flags.data_ptr())],
+        )  # fmt: skip
+        _cuda.launch(
+            "fz_sq_sum_final", index, stream, (1, 1),
+            [("double *", partials.data_ptr()), ("int *", flags.data_ptr()), ("int", blocks)],
+        )  # fmt: skip
+        return float(partials[0].item()), bool(flags[0].item())
     total = _ffi.new("double *")
     bad = _ffi.new("int *")
-    _lib.fz_sq_sum(_ptr(grad), grad.numel(), total, bad, _threads())
+    _lib.fz_sq_sum(_ffi.cast("float *", grad.data_ptr()), n, total, bad, _threads())
     return float(total[0]), bool(bad[0])
 
 
 def stream_floor_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
     """Touch the 28 bytes per element any Adam step must move, with minimal arithmetic
     (the memory floor `benchmarks/cpu_adam.py` compares against)."""
-    _require()
     n = param.numel()
-    _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    _lib.fz_stream_floor(_ptr(param), _ptr(grad), _ptr(exp_avg), _ptr(exp_avg_sq), n, _threads())
+    device = _buffers(n, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    _require(device)
+    args = [
+        ("float *", param), ("float *", grad), ("float *", exp_avg), ("float *", exp_avg_sq),
+        ("int64_t", n),
+    ]  # fmt: skip
+    _run("fz_stream_floor", device, args, n)
 
 
 def bf16_stochastic_(x: Tensor, out: Tensor, seed: int) -> Tensor:
     """`x` (fp32) rounded to bf16 stochastically into `out`, the random bits drawn from
     `seed` and each element's index (`fzero.optim.bf16_stochastic`'s bits, one pass)."""
-    _require()
     n = x.numel()
-    _buffer("x", x, n)
-    _buffer("out", out, n, torch.bfloat16)
+    device = _buffers(n, x=x)
+    _require(device)
+    _buffer("out", out, n, torch.bfloat16, device)
     _no_alias(x=x, out=out)
-    _lib.fz_bf16_stochastic(_ptr(x), _ptr(out, "uint16_t *"), n, seed % 2**64, _threads())
+    args = [("float *", x), ("uint16_t *", out), ("int64_t", n), ("uint64_t", seed % 2**64)]
+    _run("fz_bf16_stochastic", device, args, n)
     return out

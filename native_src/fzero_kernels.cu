@@ -1,0 +1,246 @@
+/* fzero native optimizer kernels for CUDA devices, over contiguous fp32 buffers (one
+ * optimizer shard): the same contract and arithmetic as fzero_kernels.c, element for
+ * element, so each matches the same pure-torch twin in fzero/optim.
+ *
+ * Compiled at first use by NVRTC (fzero/native/_cuda.py) with --fmad=false: nothing is
+ * fused but the fmaf calls, which stand where ATen's kernels fuse (lerp, add with alpha),
+ * exactly as in the C kernels; division and sqrt are IEEE round-to-nearest (NVRTC's
+ * default -prec-div/-prec-sqrt). Elementwise kernels are grid-stride loops launched on
+ * PyTorch's current stream; the sum of squares reduces per block into `partials` and
+ * then in one block in a fixed order, so it is deterministic (no atomics).
+ *
+ * Entry points are extern "C" so their names are the ones `_cuda.KERNELS` lists.
+ */
+
+typedef unsigned short fz_u16;
+typedef unsigned int fz_u32;
+typedef unsigned long long fz_u64;
+typedef long long fz_i64;
+
+#define FZ_OUT_NONE 0
+#define FZ_OUT_BF16 1
+#define FZ_OUT_FP16 2
+
+__device__ __forceinline__ fz_u32 fz_bits(float f) { return __float_as_uint(f); }
+
+__device__ __forceinline__ float fz_float(fz_u32 u) { return __uint_as_float(u); }
+
+/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays
+ * NaN. The C kernels' bit formula, so both devices give the same bits. */
+__device__ __forceinline__ fz_u16 fz_bf16(float f) {
+    const fz_u32 u = fz_bits(f);
+    const fz_u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const fz_u32 quiet_nan = (u >> 16) | 0x0040u;
+    const fz_u32 is_nan = 0u - (fz_u32)((u & 0x7fffffffu) > 0x7f800000u);
+    return (fz_u16)((quiet_nan & is_nan) | (rounded & ~is_nan));
+}
+
+/* float -> IEEE half, round to nearest even, overflow to inf (Maratyszcza's FP16). */
+__device__ __forceinline__ fz_u16 fz_fp16(float f) {
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+    const fz_u32 w = fz_bits(f);
+    const fz_u32 shl1_w = w + w;
+    const fz_u32 sign = w & 0x80000000u;
+    const fz_u32 raw_bias = shl1_w & 0xff000000u;
+    const fz_u32 small = 0u - (fz_u32)(raw_bias < 0x71000000u);
+    const fz_u32 bias = (0x71000000u & small) | (raw_bias & ~small);
+    base = fz_float((bias >> 1) + 0x07800000u) + base;
+    const fz_u32 bits = fz_bits(base);
+    const fz_u32 exp_bits = (bits >> 13) & 0x00007c00u;
+    const fz_u32 mantissa_bits = bits & 0x00000fffu;
+    const fz_u32 nonsign = exp_bits + mantissa_bits;
+    const fz_u32 is_nan = 0u - (fz_u32)(shl1_w > 0xff000000u);
+    return (fz_u16)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
+}
+
+__device__ __forceinline__ void fz_copy_out(void *out, int out_kind, fz_i64 i, float value) {
+    if (out_kind == FZ_OUT_BF16) ((fz_u16 *)out)[i] = fz_bf16(value);
+    else if (out_kind == FZ_OUT_FP16) ((fz_u16 *)out)[i] = fz_fp16(value);
+}
+
+#define FZ_GRID_STRIDE(i, n)                                                                \
+    for (fz_i64 i = (fz_i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                 \
+         i += (fz_i64)gridDim.x * blockDim.x)
+
+/* Adam / AdamW in place, as fz_adam: with `decoupled`, p *= decay (1 - lr*wd); with
+ * `use_l2`, g += l2 * p. Then m = lerp(m, g, w) (w = 1-beta1); v = v*beta2 +
+ * (1-beta2)*g*g; p += (neg_step * m) / (sqrt(v) / c2sqrt + eps). Gradients are first
+ * multiplied by `grad_scale` unless it is 1. */
+extern "C" __global__ void fz_adam(float *__restrict__ p, const float *__restrict__ g,
+                                   float *__restrict__ m, float *__restrict__ v, fz_i64 n,
+                                   float grad_scale, int decoupled, float decay, float l2,
+                                   float w, float beta2, float one_minus_beta2, float c2sqrt,
+                                   float eps, float neg_step, void *out, int out_kind) {
+    const int scaled = grad_scale != 1.0f;
+    const int use_l2 = !decoupled && l2 != 0.0f;
+    const int small_w = fabsf(w) < 0.5f;
+    FZ_GRID_STRIDE(i, n) {
+        float gi = scaled ? g[i] * grad_scale : g[i];
+        float pi = p[i];
+        if (decoupled) pi = pi * decay;
+        if (use_l2) gi = fmaf(l2, pi, gi);
+        const float diff = gi - m[i];
+        const float mi = small_w ? fmaf(w, diff, m[i]) : fmaf(w - 1.0f, diff, gi);
+        float vi = v[i] * beta2;
+        vi = vi + one_minus_beta2 * gi * gi;
+        const float denom = sqrtf(vi) / c2sqrt + eps;
+        pi = pi + neg_step * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* LAMB, first pass, as fz_lamb_direction: advance the moments and write the direction
+ * u = (m / c1) / (sqrt(v / c2) + eps) + wd * p. */
+extern "C" __global__ void fz_lamb_direction(const float *__restrict__ p,
+                                             const float *__restrict__ g, float *__restrict__ m,
+                                             float *__restrict__ v, float *__restrict__ u,
+                                             fz_i64 n, float grad_scale, float beta1,
+                                             float one_minus_beta1, float beta2,
+                                             float one_minus_beta2, float c1, float c2,
+                                             float eps, float wd) {
+    const int scaled = grad_scale != 1.0f;
+    FZ_GRID_STRIDE(i, n) {
+        const float gi = scaled ? g[i] * grad_scale : g[i];
+        const float mi = fmaf(one_minus_beta1, gi, m[i] * beta1);
+        float vi = v[i] * beta2;
+        vi = vi + one_minus_beta2 * gi * gi;
+        float ui = (mi / c1) / (sqrtf(vi / c2) + eps);
+        if (wd != 0.0f) ui = fmaf(wd, p[i], ui);
+        m[i] = mi;
+        v[i] = vi;
+        u[i] = ui;
+    }
+}
+
+/* LAMB, second pass, as fz_lamb_apply: p += scales[s] * u over segment s =
+ * [starts[s], stops[s]) (scale = -lr x trust ratio); blockIdx.y is the segment. */
+extern "C" __global__ void fz_lamb_apply(float *__restrict__ p, const float *__restrict__ u,
+                                         const fz_i64 *__restrict__ starts,
+                                         const fz_i64 *__restrict__ stops,
+                                         const float *__restrict__ scales, void *out,
+                                         int out_kind) {
+    const fz_i64 start = starts[blockIdx.y];
+    const float scale = scales[blockIdx.y];
+    FZ_GRID_STRIDE(j, stops[blockIdx.y] - start) {
+        const fz_i64 i = start + j;
+        const float pi = fmaf(scale, u[i], p[i]);
+        p[i] = pi;
+        fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* SGD, as fz_sgd: g += wd * p; buf = first ? g : buf * momentum + (1 - dampening) * g;
+ * d = nesterov ? g + momentum * buf : buf (or g without momentum); p += neg_lr * d. */
+extern "C" __global__ void fz_sgd(float *__restrict__ p, const float *__restrict__ g,
+                                  float *__restrict__ buf, fz_i64 n, float grad_scale, float wd,
+                                  float momentum, float one_minus_dampening, int first,
+                                  int nesterov, float neg_lr, void *out, int out_kind) {
+    const int scaled = grad_scale != 1.0f;
+    FZ_GRID_STRIDE(i, n) {
+        float gi = scaled ? g[i] * grad_scale : g[i];
+        if (wd != 0.0f) gi = fmaf(wd, p[i], gi);
+        float d = gi;
+        if (momentum != 0.0f) {
+            const float bi = first ? gi : fmaf(one_minus_dampening, gi, buf[i] * momentum);
+            buf[i] = bi;
+            d = nesterov ? fmaf(momentum, bi, gi) : bi;
+        }
+        const float pi = fmaf(neg_lr, d, p[i]);
+        p[i] = pi;
+        fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+#define FZ_REDUCE_THREADS 256 /* the launch's block size for both reduction kernels */
+
+/* Block-wide sums (double) and ors (int) into thread 0, in a fixed tree order. */
+__device__ __forceinline__ void fz_block_reduce(double *sums, int *flags) {
+    for (int stride = FZ_REDUCE_THREADS / 2; stride > 0; stride /= 2) {
+        __syncthreads();
+        if (threadIdx.x < stride) {
+            sums[threadIdx.x] += sums[threadIdx.x + stride];
+            flags[threadIdx.x] |= flags[threadIdx.x + stride];
+        }
+    }
+}
+
+/* Sum of squares (in double) and any inf/NaN of g, first pass: one partial per block
+ * into partials[blockIdx.x] and flags[blockIdx.x]. */
+extern "C" __global__ void fz_sq_sum_partial(const float *__restrict__ g, fz_i64 n,
+                                             double *__restrict__ partials,
+                                             int *__restrict__ flags) {
+    __shared__ double sums[FZ_REDUCE_THREADS];
+    __shared__ int bad[FZ_REDUCE_THREADS];
+    double total = 0.0;
+    int nonfinite = 0;
+    FZ_GRID_STRIDE(i, n) {
+        const double x = (double)g[i];
+        total += x * x;
+        nonfinite |= !isfinite(g[i]);
+    }
+    sums[threadIdx.x] = total;
+    bad[threadIdx.x] = nonfinite;
+    fz_block_reduce(sums, bad);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sums[0];
+        flags[blockIdx.x] = bad[0];
+    }
+}
+
+/* Second pass, one block: the `count` partials summed into partials[0], flags[0]. */
+extern "C" __global__ void fz_sq_sum_final(double *__restrict__ partials,
+                                           int *__restrict__ flags, int count) {
+    __shared__ double sums[FZ_REDUCE_THREADS];
+    __shared__ int bad[FZ_REDUCE_THREADS];
+    double total = 0.0;
+    int nonfinite = 0;
+    for (int i = threadIdx.x; i < count; i += FZ_REDUCE_THREADS) {
+        total += partials[i];
+        nonfinite |= flags[i];
+    }
+    sums[threadIdx.x] = total;
+    bad[threadIdx.x] = nonfinite;
+    fz_block_reduce(sums, bad);
+    if (threadIdx.x == 0) {
+        partials[0] = sums[0];
+        flags[0] = bad[0];
+    }
+}
+
+/* float -> bfloat16 stochastically, as fz_bf16_stochastic: the random bits are the top
+ * 16 of splitmix64(seed + (i + 1) * golden), so they depend on (seed, i) only. */
+__device__ __forceinline__ fz_u64 fz_mix64(fz_u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void fz_bf16_stochastic(const float *__restrict__ x,
+                                              fz_u16 *__restrict__ out, fz_i64 n,
+                                              fz_u64 seed) {
+    FZ_GRID_STRIDE(i, n) {
+        const fz_u32 u = fz_bits(x[i]);
+        const fz_u64 z = fz_mix64(seed + (fz_u64)(i + 1) * 0x9e3779b97f4a7c15ull);
+        const fz_u32 noise = (fz_u32)(z >> 48);
+        const int finite = (u & 0x7f800000u) != 0x7f800000u;
+        out[i] = finite ? (fz_u16)((u + noise) >> 16) : fz_bf16(x[i]);
+    }
+}
+
+/* The memory floor of an Adam step, as fz_stream_floor: read p, g, m, v and write p, m, v
+ * (28 bytes per element) with the least arithmetic. */
+extern "C" __global__ void fz_stream_floor(float *__restrict__ p, const float *__restrict__ g,
+                                           float *__restrict__ m, float *__restrict__ v,
+                                           fz_i64 n) {
+    FZ_GRID_STRIDE(i, n) {
+        const float gi = g[i];
+        m[i] = m[i] + gi;
+        v[i] = v[i] + gi;
+        p[i] = p[i] + gi;
+    }
+}
