@@ -164,11 +164,14 @@ def test_a_disk_too_small_is_named_before_anything_is_written(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-def test_offload_needs_a_sharding_stage():
+def test_offload_needs_a_sharding_stage(own_group):
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(ValueError, match=r"offload_optimizer' needs stage 1, 2 or 3, found 0"):
-        fzero.shard(
-            Net(), stage=0, config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
-        )
+        fzero.shard(Net(), stage=0, config=offload)
+    engine = fzero.shard(Net(), stage=2, config=offload)  # the stage given only here
+    assert engine.offload and offload == {  # the caller's dict is not changed
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}}
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2])
