@@ -22,8 +22,11 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         super().run()
+        if getattr(self, "editable_mode", False):  # an editable install reads native_src/
+            return
         here = os.path.dirname(os.path.abspath(__file__))
         target = os.path.join(self.build_lib, "fzero", "native")
+        self.mkpath(target)
         self.copy_file(os.path.join(here, "native_src", "fzero_kernels.cu"), target)
 
 
