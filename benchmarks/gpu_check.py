@@ -39,7 +39,15 @@ from torch import nn
 
 import fzero
 from fzero import native
-from fzero.optim import adam, adamw, bf16_stochastic, lamb, lamb_direction_, sgd
+from fzero.optim import (
+    adam,
+    adamw,
+    bf16_stochastic,
+    lamb,
+    lamb_direction_,
+    segment_sq_sums,
+    sgd,
+)
 
 ROWS: list[tuple[str, str, str]] = []  # (check, measured, verdict)
 FAILED: list[str] = []
@@ -139,7 +147,11 @@ def check_kernels(device: torch.device, sizes: list[int]) -> None:
                 ref_p[a:b].add_(want[a:b], alpha=s)
             native.lamb_apply_(nat_p, want, segments, scales)
             ok = [_close(update, want), _close(nat.exp_avg, ref.exp_avg), _close(nat_p, ref_p)]
-            record(f"{device.type} lamb vs twin, n={n}", f"{sum(ok)}/3 close", all(ok))
+            spans = [(0, n), (0, n // 3), (n // 3, n), (n // 2, n // 2)]
+            sums = native.segment_sq_sums(p, spans).cpu()
+            ok.append(torch.allclose(sums, segment_sq_sums(p.cpu(), spans), rtol=1e-12))
+            record(f"{device.type} lamb + segment sums vs twin, n={n}", f"{sum(ok)}/4 close",
+                   all(ok))  # fmt: skip
 
         total, bad = native.sq_sum(g)
         want = g.double().square().sum().item()

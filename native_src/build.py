@@ -37,6 +37,8 @@ void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, f
             float momentum, float one_minus_dampening, int first, int nesterov, float neg_lr,
             void *out, int out_kind, int threads);
 void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threads);
+void fz_segment_sq_sums(const float *x, const int64_t *starts, const int64_t *stops,
+                        int64_t segments, double *out, int threads);
 void fz_stream_floor(float *p, const float *g, float *m, float *v, int64_t n, int threads);
 void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed, int threads);
 """

@@ -7,7 +7,8 @@
  *   LAMB: You et al. 2020, direction and per-tensor trust-ratio apply
  *     (fzero/optim/_lamb.py);
  *   SGD with momentum / Nesterov (fzero/optim/_sgd.py);
- *   sum of squares + non-finite flag of a gradient (fzero/optim/_clip.py).
+ *   sum of squares + non-finite flag of a gradient (fzero/optim/_clip.py);
+ *   per-segment sums of squares (fzero/optim/_lamb.py, segment_sq_sums).
  *
  * Every loop is plain C the compiler vectorises; `FZ_CLONES` builds it for AVX-512,
  * AVX2 and baseline x86-64 and picks one at load time (GCC/Clang target_clones), so one
@@ -287,6 +288,23 @@ void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threa
     }
     *sum = total;
     *nonfinite = bad;
+}
+
+/* Sum of squares (in double) of x[starts[s]:stops[s]] into out[s], for each segment s
+ * (LAMB's per-tensor norms of a shard). */
+FZ_CLONES
+void fz_segment_sq_sums(const float *x, const int64_t *starts, const int64_t *stops,
+                        int64_t segments, double *out, int threads) {
+    for (int64_t s = 0; s < segments; s++) {
+        double total = 0.0;
+        const int64_t stop = stops[s];
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+        for (int64_t i = starts[s]; i < stop; i++) {
+            const double v = (double)x[i];
+            total += v * v;
+        }
+        out[s] = total;
+    }
 }
 
 /* float -> bfloat16, stochastically: the 16 dropped bits plus 16 random bits carry into

@@ -212,6 +212,41 @@ extern "C" __global__ void fz_sq_sum_final(double *__restrict__ partials,
     }
 }
 
+/* Sums of squares (in double) of x over each segment s = [starts[s], stops[s]) (LAMB's
+ * per-tensor norms), first pass: blockIdx.y is the segment; one partial per block into
+ * partials[s * gridDim.x + blockIdx.x]. */
+extern "C" __global__ void fz_segment_sq_partial(const float *__restrict__ x,
+                                                 const fz_i64 *__restrict__ starts,
+                                                 const fz_i64 *__restrict__ stops,
+                                                 double *__restrict__ partials) {
+    __shared__ double sums[FZ_REDUCE_THREADS];
+    __shared__ int unused[FZ_REDUCE_THREADS];
+    const fz_i64 start = starts[blockIdx.y];
+    double total = 0.0;
+    FZ_GRID_STRIDE(j, stops[blockIdx.y] - start) {
+        const double v = (double)x[start + j];
+        total += v * v;
+    }
+    sums[threadIdx.x] = total;
+    unused[threadIdx.x] = 0;
+    fz_block_reduce(sums, unused);
+    if (threadIdx.x == 0) partials[(fz_i64)blockIdx.y * gridDim.x + blockIdx.x] = sums[0];
+}
+
+/* Second pass, one block per segment (blockIdx.y): its `count` partials into out[s]. */
+extern "C" __global__ void fz_segment_sq_final(const double *__restrict__ partials, int count,
+                                               double *__restrict__ out) {
+    __shared__ double sums[FZ_REDUCE_THREADS];
+    __shared__ int unused[FZ_REDUCE_THREADS];
+    double total = 0.0;
+    for (int i = threadIdx.x; i < count; i += FZ_REDUCE_THREADS)
+        total += partials[(fz_i64)blockIdx.y * count + i];
+    sums[threadIdx.x] = total;
+    unused[threadIdx.x] = 0;
+    fz_block_reduce(sums, unused);
+    if (threadIdx.x == 0) out[blockIdx.y] = sums[0];
+}
+
 /* float -> bfloat16 stochastically, as fz_bf16_stochastic: the random bits are the top
  * 16 of splitmix64(seed + (i + 1) * golden), so they depend on (seed, i) only. */
 __device__ __forceinline__ fz_u64 fz_mix64(fz_u64 z) {

@@ -155,6 +155,18 @@ def test_lamb_matches_pure(kernels, n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_segment_sq_sums_match_pure(n):
+    values = _data(n)[0] * 1e3
+    spans = [(0, n), (0, n // 3), (n // 3, n), (n // 2, n // 2)]
+    got = native.segment_sq_sums(values, spans)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, segment_sq_sums(values, spans), rtol=1e-12, atol=1e-12)
+    assert native.segment_sq_sums(values, []).numel() == 0
+    with pytest.raises(ValueError, match=r"segment \(0, \d+\) is outside"):
+        native.segment_sq_sums(values, [(0, n + 1)])
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_sq_sum_and_nonfinite_flag(n):
     _, g = _data(n)
     total, bad = native.sq_sum(g)

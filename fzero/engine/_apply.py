@@ -223,8 +223,9 @@ class OptimizerApplication:
         segments = self.lamb_segments(rt)
         spans = [(a, b) for a, b, _ in segments]
         index = self.tensor_index
+        squares = native.segment_sq_sums if self.native else segment_sq_sums
         for (_, _, fqn), p_sq, u_sq in zip(
-            segments, segment_sq_sums(rt.master, spans), segment_sq_sums(update, spans)
+            segments, squares(rt.master, spans), squares(update, spans)
         ):
             sums[0, index[fqn]] += p_sq
             sums[1, index[fqn]] += u_sq

@@ -33,6 +33,7 @@ __all__ = [
     "bf16_stochastic_",
     "lamb_apply_",
     "lamb_direction_",
+    "segment_sq_sums",
     "sgd_",
     "sq_sum",
     "stream_floor_",
@@ -339,6 +340,47 @@ def sq_sum(grad: Tensor) -> tuple[float, bool]:
     bad = _ffi.new("int *")
     _lib.fz_sq_sum(_ffi.cast("float *", grad.data_ptr()), n, total, bad, _threads())
     return float(total[0]), bool(bad[0])
+
+
+def segment_sq_sums(values: Tensor, segments: Sequence[tuple[int, int]]) -> Tensor:
+    """Sum of squares (float64, on `values`' device) of `values[a:b]` for each segment, as
+    `fzero.optim.segment_sq_sums` (LAMB's per-tensor norms); one pass, deterministic."""
+    device = _buffers(values.numel(), values=values)
+    _require(device)
+    for a, b in segments:
+        if not 0 <= a <= b <= values.numel():
+            raise ValueError(f"segment ({a}, {b}) is outside [0, {values.numel()}]")
+    out = torch.zeros(len(segments), dtype=torch.float64, device=device)
+    if not segments:
+        return out
+    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64, device=device)
+    stops = torch.tensor([b for _, b in segments], dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        if len(segments) > _cuda.MAX_BLOCKS_Y:
+            raise ValueError(
+                f"{len(segments)} segments; a CUDA launch takes at most {_cuda.MAX_BLOCKS_Y}"
+            )
+        longest = max(b - a for a, b in segments)
+        blocks = max(1, min(-(-longest // _cuda.THREADS), _cuda.SEGMENT_BLOCKS))
+        partials = torch.empty(len(segments) * blocks, dtype=torch.float64, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        index = device.index or 0
+        _cuda.launch(
+            "fz_segment_sq_partial", index, stream, (blocks, len(segments)),
+            [("float *", values.data_ptr()), ("int64_t *", starts.data_ptr()),
+             ("int64_t *", stops.data_ptr()), ("double *", partials.data_ptr())],
+        )  # fmt: skip
+        _cuda.launch(
+            "fz_segment_sq_final", index, stream, (1, len(segments)),
+            [("double *", partials.data_ptr()), ("int", blocks), ("double *", out.data_ptr())],
+        )  # fmt: skip
+        return out
+    _lib.fz_segment_sq_sums(
+        _ffi.cast("float *", values.data_ptr()), _ffi.cast("int64_t *", starts.data_ptr()),
+        _ffi.cast("int64_t *", stops.data_ptr()), len(segments),
+        _ffi.cast("double *", out.data_ptr()), _threads(),
+    )  # fmt: skip
+    return out
 
 
 def stream_floor_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:

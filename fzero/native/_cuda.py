@@ -57,6 +57,8 @@ KERNELS = (
     "fz_sgd",
     "fz_sq_sum_partial",
     "fz_sq_sum_final",
+    "fz_segment_sq_partial",
+    "fz_segment_sq_final",
     "fz_bf16_stochastic",
     "fz_stream_floor",
 )
@@ -64,6 +66,7 @@ KERNELS = (
 OPTIONS = ("--fmad=false", "--std=c++17")
 THREADS = 256  # per block; FZ_REDUCE_THREADS in the source
 REDUCE_BLOCKS = 1024  # blocks of the first reduction pass (partials the second one sums)
+SEGMENT_BLOCKS = 128  # at most, per segment, in the first pass of segment sums
 MAX_BLOCKS = 65_535  # of a grid-stride launch (x); any larger grid only adds blocks
 MAX_BLOCKS_Y = 65_535  # CUDA's limit on gridDim.y (LAMB's segments)
 
