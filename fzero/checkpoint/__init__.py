@@ -4,7 +4,9 @@
 like)` reads one back (any world size, stage or strategy on load);
 `Engine.save_checkpoint` / `Engine.load_checkpoint` are these with the engine's extras.
 `consolidated_state_dict` and `consolidate` turn one into the model's own `state_dict`
-or `model.safetensors`; `inspect` verifies one.
+or `model.safetensors`; `inspect` verifies one. A damaged checkpoint raises
+`CheckpointError` and changes nothing; `PartlyRestoredError` (a read failing after every
+checksum passed) leaves the state to be restored again.
 """
 
 from fzero.checkpoint._consolidate import (
@@ -15,12 +17,13 @@ from fzero.checkpoint._consolidate import (
     parse_size,
 )
 from fzero.checkpoint._files import CheckpointError
-from fzero.checkpoint._restore import Restored, restore
+from fzero.checkpoint._restore import PartlyRestoredError, Restored, restore
 from fzero.checkpoint._save import Extras, save, wait_for_save
 
 __all__ = [
     "CheckpointError",
     "Extras",
+    "PartlyRestoredError",
     "Restored",
     "consolidate",
     "consolidated_state_dict",
