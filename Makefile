@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 
 venv: $(VENV)/.stamp
 
-$(VENV)/.stamp: pyproject.toml setup.py native_src/build.py native_src/fzero_kernels.c native_src/fzero_aio.c
+$(VENV)/.stamp: pyproject.toml setup.py native_src/build.py native_src/fzero_kernels.c native_src/fzero_common.h native_src/fzero_aio.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
 	$(BIN)/python -m pip install -q -e '.[dev,examples]'

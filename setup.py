@@ -18,7 +18,8 @@ extension.optional = True
 
 
 class BuildPy(build_py):
-    """Also ship the CUDA source, which fzero.native._cuda compiles with NVRTC at run time."""
+    """Also ship the CUDA source (and the header it shares with the C kernels), which
+    fzero.native._cuda compiles with NVRTC at run time."""
 
     def run(self) -> None:
         super().run()
@@ -27,7 +28,8 @@ class BuildPy(build_py):
         here = os.path.dirname(os.path.abspath(__file__))
         target = os.path.join(self.build_lib, "fzero", "native")
         self.mkpath(target)
-        self.copy_file(os.path.join(here, "native_src", "fzero_kernels.cu"), target)
+        for name in ("fzero_kernels.cu", "fzero_common.h"):
+            self.copy_file(os.path.join(here, "native_src", name), target)
 
 
 setup(ext_modules=[extension], cmdclass={"build_py": BuildPy})

@@ -58,6 +58,7 @@ with open(os.path.join(HERE, "fzero_kernels.c")) as source:
         "fzero.native._kernels",
         source.read() + AIO_PROTOTYPES,
         sources=[os.path.relpath(os.path.join(HERE, "fzero_aio.c"))],
+        include_dirs=[HERE],  # fzero_common.h, shared with the CUDA kernels
         extra_compile_args=_compile_args(),
         extra_link_args=[] if sys.platform == "win32" else ["-fopenmp", "-pthread"],
     )

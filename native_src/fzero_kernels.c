@@ -72,35 +72,12 @@ static inline float fz_float(uint32_t u) {
     return f;
 }
 
-/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays
- * NaN. Branch-free so the loops that call it vectorise. */
-static inline uint16_t fz_bf16(float f) {
-    const uint32_t u = fz_bits(f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x0040u;
-    const uint32_t is_nan = 0u - (uint32_t)((u & 0x7fffffffu) > 0x7f800000u); /* all ones */
-    return (uint16_t)((quiet_nan & is_nan) | (rounded & ~is_nan));
-}
-
-/* float -> IEEE half, round to nearest even, overflow to inf (Maratyszcza's FP16). */
-static inline uint16_t fz_fp16(float f) {
-    const float scale_to_inf = 0x1.0p+112f;
-    const float scale_to_zero = 0x1.0p-110f;
-    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
-    const uint32_t w = fz_bits(f);
-    const uint32_t shl1_w = w + w;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t raw_bias = shl1_w & 0xff000000u;
-    const uint32_t small = 0u - (uint32_t)(raw_bias < 0x71000000u);
-    const uint32_t bias = (0x71000000u & small) | (raw_bias & ~small);
-    base = fz_float((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits = fz_bits(base);
-    const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
-    const uint32_t mantissa_bits = bits & 0x00000fffu;
-    const uint32_t nonsign = exp_bits + mantissa_bits;
-    const uint32_t is_nan = 0u - (uint32_t)(shl1_w > 0xff000000u);
-    return (uint16_t)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
-}
+typedef uint16_t fz_u16;
+typedef uint32_t fz_u32;
+typedef uint64_t fz_u64;
+typedef int64_t fz_i64;
+#define FZ_FN static inline
+#include "fzero_common.h" /* fz_bf16, fz_fp16, fz_bf16_stochastic_at: shared with CUDA */
 
 static inline void fz_copy_out(void *out, int out_kind, int64_t i, float value) {
     if (out_kind == FZ_OUT_BF16) ((uint16_t *)out)[i] = fz_bf16(value);
@@ -207,26 +184,16 @@ void fz_adam(float *p, const float *g, float *m, float *v, int64_t n, float grad
 /* In what follows fmaf(a, b, c) stands wherever torch calls add(c, b, alpha=a): ATen
  * computes that as one fused multiply-add. */
 
-/* LAMB, first pass: advance the moments and write the direction
- * u = (m / c1) / (sqrt(v / c2) + eps) + wd * p. */
+/* LAMB, first pass: advance the moments and write the direction (fz_lamb_direction_at). */
 FZ_CLONES
 void fz_lamb_direction(const float *p, const float *g, float *m, float *v, float *u, int64_t n,
                        float grad_scale, float beta1, float one_minus_beta1, float beta2,
                        float one_minus_beta2, float c1, float c2, float eps, float wd,
                        int threads) {
-    const int scaled = grad_scale != 1.0f;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float gi = scaled ? g[i] * grad_scale : g[i];
-        const float mi = fmaf(one_minus_beta1, gi, m[i] * beta1);
-        float vi = v[i] * beta2;
-        vi = vi + one_minus_beta2 * gi * gi;
-        float ui = (mi / c1) / (sqrtf(vi / c2) + eps);
-        if (wd != 0.0f) ui = fmaf(wd, p[i], ui);
-        m[i] = mi;
-        v[i] = vi;
-        u[i] = ui;
-    }
+    for (int64_t i = 0; i < n; i++)
+        fz_lamb_direction_at(p, g, m, v, u, i, grad_scale, beta1, one_minus_beta1, beta2,
+                             one_minus_beta2, c1, c2, eps, wd);
 }
 
 /* LAMB, second pass: p += scale[s] * u over each segment s = [starts[s], stops[s]),
@@ -247,30 +214,15 @@ void fz_lamb_apply(float *p, const float *u, const int64_t *starts, const int64_
     }
 }
 
-/* SGD: g += wd * p; buf = first ? g : buf * momentum + (1 - dampening) * g;
- * d = nesterov ? g + momentum * buf : buf (or g without momentum); p += neg_lr * d. */
+/* SGD (fz_sgd_at), with the 16-bit copy of the new parameters. */
 FZ_CLONES
 void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, float wd,
             float momentum, float one_minus_dampening, int first, int nesterov, float neg_lr,
             void *out, int out_kind, int threads) {
-    const int scaled = grad_scale != 1.0f;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        float gi = scaled ? g[i] * grad_scale : g[i];
-        if (wd != 0.0f) gi = fmaf(wd, p[i], gi);
-        float d = gi;
-        if (momentum != 0.0f) {
-            float bi;
-            if (first) {
-                bi = gi;
-            } else {
-                bi = fmaf(one_minus_dampening, gi, buf[i] * momentum);
-            }
-            buf[i] = bi;
-            d = nesterov ? fmaf(momentum, bi, gi) : bi;
-        }
-        const float pi = fmaf(neg_lr, d, p[i]);
-        p[i] = pi;
+        const float pi = fz_sgd_at(p, g, buf, i, grad_scale, wd, momentum, one_minus_dampening,
+                                   first, nesterov, neg_lr);
         if (out_kind) fz_copy_out(out, out_kind, i, pi);
     }
 }
@@ -307,26 +259,10 @@ void fz_segment_sq_sums(const float *x, const int64_t *starts, const int64_t *st
     }
 }
 
-/* float -> bfloat16, stochastically: the 16 dropped bits plus 16 random bits carry into
- * the kept ones with probability (dropped bits) / 2^16, so the rounding error averages to
- * zero. The random bits are the top 16 of splitmix64(seed + (i + 1) * golden): they
- * depend on (seed, i) only, as in fzero.optim.bf16_stochastic. Non-finite values round
- * to nearest. */
-static inline uint64_t fz_mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
+/* float -> bfloat16, stochastically (fz_bf16_stochastic_at, in fzero_common.h). */
 void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t u = fz_bits(x[i]);
-        const uint64_t z = fz_mix64(seed + (uint64_t)(i + 1) * 0x9e3779b97f4a7c15ull);
-        const uint32_t noise = (uint32_t)(z >> 48);
-        const int finite = (u & 0x7f800000u) != 0x7f800000u;
-        out[i] = finite ? (uint16_t)((u + noise) >> 16) : fz_bf16(x[i]);
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = fz_bf16_stochastic_at(x[i], seed, i);
 }
 
 /* The memory floor of an Adam step: read p, g, m, v and write p, m, v (28 bytes per

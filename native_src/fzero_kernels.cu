@@ -25,35 +25,8 @@ __device__ __forceinline__ fz_u32 fz_bits(float f) { return __float_as_uint(f); 
 
 __device__ __forceinline__ float fz_float(fz_u32 u) { return __uint_as_float(u); }
 
-/* float -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays
- * NaN. The C kernels' bit formula, so both devices give the same bits. */
-__device__ __forceinline__ fz_u16 fz_bf16(float f) {
-    const fz_u32 u = fz_bits(f);
-    const fz_u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const fz_u32 quiet_nan = (u >> 16) | 0x0040u;
-    const fz_u32 is_nan = 0u - (fz_u32)((u & 0x7fffffffu) > 0x7f800000u);
-    return (fz_u16)((quiet_nan & is_nan) | (rounded & ~is_nan));
-}
-
-/* float -> IEEE half, round to nearest even, overflow to inf (Maratyszcza's FP16). */
-__device__ __forceinline__ fz_u16 fz_fp16(float f) {
-    const float scale_to_inf = 0x1.0p+112f;
-    const float scale_to_zero = 0x1.0p-110f;
-    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
-    const fz_u32 w = fz_bits(f);
-    const fz_u32 shl1_w = w + w;
-    const fz_u32 sign = w & 0x80000000u;
-    const fz_u32 raw_bias = shl1_w & 0xff000000u;
-    const fz_u32 small = 0u - (fz_u32)(raw_bias < 0x71000000u);
-    const fz_u32 bias = (0x71000000u & small) | (raw_bias & ~small);
-    base = fz_float((bias >> 1) + 0x07800000u) + base;
-    const fz_u32 bits = fz_bits(base);
-    const fz_u32 exp_bits = (bits >> 13) & 0x00007c00u;
-    const fz_u32 mantissa_bits = bits & 0x00000fffu;
-    const fz_u32 nonsign = exp_bits + mantissa_bits;
-    const fz_u32 is_nan = 0u - (fz_u32)(shl1_w > 0xff000000u);
-    return (fz_u16)((sign >> 16) | (0x7e00u & is_nan) | (nonsign & ~is_nan));
-}
+#define FZ_FN __device__ __forceinline__
+#include "fzero_common.h" /* fz_bf16, fz_fp16, fz_bf16_stochastic_at: shared with the C kernels */
 
 __device__ __forceinline__ void fz_copy_out(void *out, int out_kind, fz_i64 i, float value) {
     if (out_kind == FZ_OUT_BF16) ((fz_u16 *)out)[i] = fz_bf16(value);
@@ -94,8 +67,7 @@ extern "C" __global__ void fz_adam(float *__restrict__ p, const float *__restric
     }
 }
 
-/* LAMB, first pass, as fz_lamb_direction: advance the moments and write the direction
- * u = (m / c1) / (sqrt(v / c2) + eps) + wd * p. */
+/* LAMB, first pass, as fz_lamb_direction (fz_lamb_direction_at). */
 extern "C" __global__ void fz_lamb_direction(const float *__restrict__ p,
                                              const float *__restrict__ g, float *__restrict__ m,
                                              float *__restrict__ v, float *__restrict__ u,
@@ -103,17 +75,9 @@ extern "C" __global__ void fz_lamb_direction(const float *__restrict__ p,
                                              float one_minus_beta1, float beta2,
                                              float one_minus_beta2, float c1, float c2,
                                              float eps, float wd) {
-    const int scaled = grad_scale != 1.0f;
     FZ_GRID_STRIDE(i, n) {
-        const float gi = scaled ? g[i] * grad_scale : g[i];
-        const float mi = fmaf(one_minus_beta1, gi, m[i] * beta1);
-        float vi = v[i] * beta2;
-        vi = vi + one_minus_beta2 * gi * gi;
-        float ui = (mi / c1) / (sqrtf(vi / c2) + eps);
-        if (wd != 0.0f) ui = fmaf(wd, p[i], ui);
-        m[i] = mi;
-        v[i] = vi;
-        u[i] = ui;
+        fz_lamb_direction_at(p, g, m, v, u, i, grad_scale, beta1, one_minus_beta1, beta2,
+                             one_minus_beta2, c1, c2, eps, wd);
     }
 }
 
@@ -134,24 +98,14 @@ extern "C" __global__ void fz_lamb_apply(float *__restrict__ p, const float *__r
     }
 }
 
-/* SGD, as fz_sgd: g += wd * p; buf = first ? g : buf * momentum + (1 - dampening) * g;
- * d = nesterov ? g + momentum * buf : buf (or g without momentum); p += neg_lr * d. */
+/* SGD, as fz_sgd (fz_sgd_at), with the 16-bit copy of the new parameters. */
 extern "C" __global__ void fz_sgd(float *__restrict__ p, const float *__restrict__ g,
                                   float *__restrict__ buf, fz_i64 n, float grad_scale, float wd,
                                   float momentum, float one_minus_dampening, int first,
                                   int nesterov, float neg_lr, void *out, int out_kind) {
-    const int scaled = grad_scale != 1.0f;
     FZ_GRID_STRIDE(i, n) {
-        float gi = scaled ? g[i] * grad_scale : g[i];
-        if (wd != 0.0f) gi = fmaf(wd, p[i], gi);
-        float d = gi;
-        if (momentum != 0.0f) {
-            const float bi = first ? gi : fmaf(one_minus_dampening, gi, buf[i] * momentum);
-            buf[i] = bi;
-            d = nesterov ? fmaf(momentum, bi, gi) : bi;
-        }
-        const float pi = fmaf(neg_lr, d, p[i]);
-        p[i] = pi;
+        const float pi = fz_sgd_at(p, g, buf, i, grad_scale, wd, momentum, one_minus_dampening,
+                                   first, nesterov, neg_lr);
         fz_copy_out(out, out_kind, i, pi);
     }
 }
@@ -247,24 +201,11 @@ extern "C" __global__ void fz_segment_sq_final(const double *__restrict__ partia
     if (threadIdx.x == 0) out[blockIdx.y] = sums[0];
 }
 
-/* float -> bfloat16 stochastically, as fz_bf16_stochastic: the random bits are the top
- * 16 of splitmix64(seed + (i + 1) * golden), so they depend on (seed, i) only. */
-__device__ __forceinline__ fz_u64 fz_mix64(fz_u64 z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
+/* float -> bfloat16 stochastically, as fz_bf16_stochastic (fz_bf16_stochastic_at). */
 extern "C" __global__ void fz_bf16_stochastic(const float *__restrict__ x,
                                               fz_u16 *__restrict__ out, fz_i64 n,
                                               fz_u64 seed) {
-    FZ_GRID_STRIDE(i, n) {
-        const fz_u32 u = fz_bits(x[i]);
-        const fz_u64 z = fz_mix64(seed + (fz_u64)(i + 1) * 0x9e3779b97f4a7c15ull);
-        const fz_u32 noise = (fz_u32)(z >> 48);
-        const int finite = (u & 0x7f800000u) != 0x7f800000u;
-        out[i] = finite ? (fz_u16)((u + noise) >> 16) : fz_bf16(x[i]);
-    }
+    FZ_GRID_STRIDE(i, n) { out[i] = fz_bf16_stochastic_at(x[i], seed, i); }
 }
 
 /* The memory floor of an Adam step, as fz_stream_floor: read p, g, m, v and write p, m, v

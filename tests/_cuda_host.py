@@ -114,7 +114,8 @@ def host_kernels() -> HostKernels:
     library = os.path.join(directory, "libfzero_cuda_host.so")
     subprocess.run(
         [compiler, "-std=c++17", "-O2", "-ffp-contract=off", "-fno-math-errno", "-fPIC",
-         "-shared", "-include", prelude, "-x", "c++", _cuda.SOURCE_PATH, "-o", library],
+         "-shared", "-include", prelude, "-I", os.path.dirname(_cuda.SOURCE_PATH), "-x", "c++",
+         _cuda.SOURCE_PATH, "-o", library],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return HostKernels(library)

@@ -116,9 +116,18 @@ class CudaError(RuntimeError):
     """NVRTC or the CUDA driver failed; the message names the call and its error."""
 
 
+HEADER = "fzero_common.h"  # beside the source: the bit formulas it shares with the C kernels
+
+
 def source() -> str:
     """The CUDA C source of the kernels."""
     with open(SOURCE_PATH) as f:
+        return f.read()
+
+
+def header() -> str:
+    """The header the source includes (NVRTC is given it by name)."""
+    with open(os.path.join(os.path.dirname(SOURCE_PATH), HEADER)) as f:
         return f.read()
 
 
@@ -176,10 +185,10 @@ class _Nvrtc(_Api):
         virtual = arch.replace("sm_", "compute_")
         target = virtual if output == "ptx" else arch
         program = ffi.new("nvrtcProgram *")
+        headers = [ffi.new("char[]", header().encode())]
+        names = [ffi.new("char[]", HEADER.encode())]
         self.check(
-            lib.nvrtcCreateProgram(
-                program, text.encode(), b"fzero_kernels.cu", 0, ffi.NULL, ffi.NULL
-            ),
+            lib.nvrtcCreateProgram(program, text.encode(), b"fzero_kernels.cu", 1, headers, names),
             "nvrtcCreateProgram",
         )
         try:
@@ -244,7 +253,8 @@ def compile_source(arch: str, output: str = "ptx", text: str | None = None) -> b
 
 def _cache_path(arch: str, text: str) -> str:
     version = "{}.{}".format(*nvrtc().version)
-    key = hashlib.sha256("\0".join([text, *OPTIONS, version, arch]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([text, header(), *OPTIONS, version, arch]).encode())
+    key = key.hexdigest()
     root = os.environ.get("FZERO_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "fzero"
     )
