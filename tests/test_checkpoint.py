@@ -560,6 +560,7 @@ CRASH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)

@@ -201,6 +201,7 @@ def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None
     return tmp_path / out
 
 
+@pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
 def test_transformers_trainer_zero2_offload_and_zero3_match_ddp_and_resume_exactly(tmp_path):
     """`--deepspeed` with an "auto" config, ZeRO-2 with CPU optimizer offload: Accelerate
     drives fzero's engine (a scheduler callable, caller-managed accumulation boundaries);

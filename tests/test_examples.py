@@ -28,6 +28,7 @@ def _fzero_run(script: Path, *args: str, timeout: int = 300, launcher: tuple = (
     return run.stdout
 
 
+@pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
 def test_bert_pretraining_zero3_loss_falls_and_resumes(tmp_path):
     pytest.importorskip("transformers")
     config = json.loads((BERT / "ds_config_zero3.json").read_text())
@@ -80,6 +81,7 @@ def test_bert_classification_learns_and_its_checkpoint_loads_into_the_model(tmp_
     transformers.BertForSequenceClassification(config).load_state_dict(state)  # strict
 
 
+@pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
 def test_t5_translation_zero2_offload_auto_config_and_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
