@@ -18,31 +18,33 @@ from tests.models import Net, global_batch
 from tests.test_offload import MICRO, _step
 
 
-def _config(nvme_path: str, commit: str, bf16_states: bool) -> dict:
+def _config(nvme_path: str, commit: str, bf16_states: bool, stage: int = 3) -> dict:
+    zero = {
+        "stage": stage,
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "commit": commit},
+    }
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.5,
         "bf16": {"enabled": True, "bf16_optimizer_states": bf16_states},
         "aio": {"block_size": 8192, "thread_count": 2},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "commit": commit},
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path},
-        },
+        "zero_optimization": zero,
     }
 
 
-def _engine(nvme_path: str, commit: str, bf16_states: bool):
+def _engine(nvme_path: str, commit: str, bf16_states: bool, stage: int = 3):
     torch.manual_seed(0)
-    config = _config(nvme_path, commit, bf16_states)
+    config = _config(nvme_path, commit, bf16_states, stage)
     return fzero.shard(Net(), optimizer=fzero.optim.adamw(lr=1e-2), config=config)
 
 
-def train(rank, world, nvme_path, commit, bf16_states, root):
+def train(rank, world, nvme_path, commit, bf16_states, root, stage=3):
     """8 steps with a checkpoint after step 4, then steps 5-7 again from it in a new
     engine; also the swap file's size and whether every moment is a bf16 value."""
-    engine = _engine(nvme_path, commit, bf16_states)
+    engine = _engine(nvme_path, commit, bf16_states, stage)
     losses = []
     for step in range(8):
         losses.append(_step(engine, rank, world, step))
@@ -55,22 +57,23 @@ def train(rank, world, nvme_path, commit, bf16_states, root):
                 moments_bf16 &= torch.equal(moment.to(torch.bfloat16).float(), moment)
     swap_bytes = engine.nvme.nbytes
     state = engine.state_dict(dtype=torch.float32)
-    again = _engine(nvme_path, commit, bf16_states)
+    again = _engine(nvme_path, commit, bf16_states, stage)
     again.load_checkpoint(root)
     resumed = [_step(again, rank, world, step) for step in range(5, 8)]
     return losses, state, resumed, swap_bytes, moments_bf16
 
 
-@pytest.mark.parametrize("bf16_states", [False, True])
-def test_in_place_commit_trains_like_two_slots_on_half_the_disk(bf16_states, tmp_path):
-    """Stage 3, parameters and optimizer on NVMe, 2 ranks: in place, the losses and
-    weights equal the two-slot run's bitwise, a checkpoint resumes bitwise, and the state
-    part of the swap file is half as large. bf16 moments: every moment at rest is a bf16
-    value, a run resumes bitwise, and the state takes 8 bytes per element, not 12."""
+@pytest.mark.parametrize(("stage", "bf16_states"), [(3, False), (3, True), (2, True)])
+def test_in_place_commit_trains_like_two_slots_on_half_the_disk(stage, bf16_states, tmp_path):
+    """Stage 3 (parameters and optimizer on NVMe) or stage 2 (optimizer), 2 ranks: in
+    place, the losses and weights equal the two-slot run's bitwise, a checkpoint resumes
+    bitwise, and the state part of the swap file is half as large. bf16 moments: every
+    moment at rest is a bf16 value, a run resumes bitwise, and the state takes 8 bytes per
+    element, not 12."""
     (tmp_path / "swap").mkdir()
     runs = {
         commit: run_world(
-            train, 2, str(tmp_path / "swap"), commit, bf16_states, str(tmp_path / commit)
+            train, 2, str(tmp_path / "swap"), commit, bf16_states, str(tmp_path / commit), stage
         )
         for commit in ("two_slots", "in_place")
     }
@@ -98,10 +101,10 @@ def test_bf16_optimizer_states_track_fp32_states(tmp_path):
     assert bf16[0] != fp32[0]  # the moments did round
 
 
-def failing_in_place(rank, world, nvme_path, root):
+def failing_in_place(rank, world, nvme_path, root, stage=3):
     """Rank 1's third state write of step 3 fails in place: the engine stops (step,
     forward, save, state_dict) until the step-2 checkpoint is loaded, then trains on."""
-    engine = _engine(nvme_path, "in_place", False)
+    engine = _engine(nvme_path, "in_place", False, stage)
     losses = [_step(engine, rank, world, step) for step in range(3)]
     engine.save_checkpoint(root)
     x, y = global_batch(3, MICRO * world)
@@ -125,18 +128,21 @@ def failing_in_place(rank, world, nvme_path, root):
     return message, refused, losses
 
 
-def test_a_failed_in_place_step_stops_the_engine_until_a_checkpoint_loads(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_failed_in_place_step_stops_the_engine_until_a_checkpoint_loads(stage, tmp_path):
     """No partial step is ever trained on or saved: every rank raises the step's error,
     refuses to go on, and after loading the last checkpoint trains as if nothing failed."""
     (tmp_path / "swap").mkdir()
     message, refused, losses = run_world(
-        failing_in_place, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt")
+        failing_in_place, 2, str(tmp_path / "swap"), str(tmp_path / "ckpt"), stage
     )
     assert "commit 'in_place': step 4 failed after" in message
     assert "rank 1: " in message and "No space left on device" in message
     assert "load the last checkpoint" in message
     assert refused == [message] * 4
-    reference = run_world(train, 2, str(tmp_path / "swap"), "in_place", False, str(tmp_path / "r"))
+    reference = run_world(
+        train, 2, str(tmp_path / "swap"), "in_place", False, str(tmp_path / "r"), stage
+    )
     assert losses == reference[0][:6]
 
 
