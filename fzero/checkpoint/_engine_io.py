@@ -211,12 +211,10 @@ def _install(engine: Engine, like: Any, state: Any) -> None:
             if swapped:
                 rt.slot = engine.residency.next_slot(rt)
                 continue
-            if unit.master is rt.master:  # read in place
-                pass
-            elif rt.master._base is not None:
-                rt.master.copy_(unit.master)  # a view of the parameters' buffer
-            else:
+            if rt.master._base is None:
                 rt.master = unit.master
+            elif unit.master is not rt.master:  # else read in place already
+                rt.master.copy_(unit.master)  # a view of the parameters' buffer
             rt.state = unit.optim
 
 

@@ -145,19 +145,43 @@ def _pointer(value: Tensor | None) -> int:
     return 0 if value is None else value.data_ptr()
 
 
+def _blocks(elements: int, cap: int) -> int:
+    """Blocks of `_cuda.THREADS` covering `elements` (at least one), at most `cap`."""
+    return max(1, min(-(-elements // _cuda.THREADS), cap))
+
+
+def _launch(name: str, device: torch.device, grid: tuple[int, int], args: Args) -> None:
+    """CUDA kernel `name` on `device`'s current stream; tensors in `args` as pointers."""
+    values = [(kind, _pointer(v) if kind.endswith("*") else v) for kind, v in args]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _cuda.launch(name, device.index or 0, stream, grid, values)
+
+
 def _run(name: str, device: torch.device, args: Args, elements: int = 0) -> None:
     """Kernel `name` with `args` on `device`: the C kernel (with the thread count
-    appended), or the CUDA kernel on the current stream over `elements`."""
+    appended), or the CUDA kernel over `elements` (grid-stride)."""
     if device.type == "cuda":
-        if elements == 0:
-            return
-        blocks = min(-(-elements // _cuda.THREADS), _cuda.MAX_BLOCKS)
-        values = [(kind, _pointer(v) if kind.endswith("*") else v) for kind, v in args]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _cuda.launch(name, device.index or 0, stream, (blocks, 1), values)
+        if elements:
+            _launch(name, device, (_blocks(elements, _cuda.MAX_BLOCKS), 1), args)
         return
     values = [_ffi.cast(kind, _pointer(v)) if kind.endswith("*") else v for kind, v in args]
     getattr(_lib, name)(*values, _threads())
+
+
+def _segments(
+    segments: Sequence[tuple[int, int]], numel: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Checked segment bounds as int64 tensors (starts, stops) on `device`."""
+    for a, b in segments:
+        if not 0 <= a <= b <= numel:
+            raise ValueError(f"segment ({a}, {b}) is outside [0, {numel}]")
+    if device.type == "cuda" and len(segments) > _cuda.MAX_BLOCKS_Y:  # blockIdx.y: segment
+        raise ValueError(
+            f"{len(segments)} segments; a CUDA launch takes at most {_cuda.MAX_BLOCKS_Y}"
+        )
+    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64, device=device)
+    stops = torch.tensor([b for _, b in segments], dtype=torch.int64, device=device)
+    return starts, stops
 
 
 def _f32(value: float) -> float:
@@ -252,37 +276,21 @@ def lamb_apply_(
     _no_alias(param=param, update=update, out=out)
     if len(segments) != len(scales):
         raise ValueError(f"segments has {len(segments)} entries, scales {len(scales)}")
-    for a, b in segments:
-        if not 0 <= a <= b <= n:
-            raise ValueError(f"segment ({a}, {b}) is outside [0, {n}]")
+    starts, stops = _segments(segments, n, device)
     if not segments:
         return
-    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64, device=device)
-    stops = torch.tensor([b for _, b in segments], dtype=torch.int64, device=device)
     values = torch.tensor(list(scales), dtype=torch.float32, device=device)
     pointers = [
         ("float *", param), ("float *", update), ("int64_t *", starts), ("int64_t *", stops),
         ("float *", values),
     ]  # fmt: skip
     if device.type == "cuda":  # one launch: blockIdx.y is the segment
-        if len(segments) > _cuda.MAX_BLOCKS_Y:
-            raise ValueError(
-                f"{len(segments)} segments; a CUDA launch takes at most {_cuda.MAX_BLOCKS_Y}"
-            )
-        longest = max(b - a for a, b in segments)
-        blocks = max(1, min(-(-longest // _cuda.THREADS), _cuda.MAX_BLOCKS))
-        args = [(k, _pointer(v)) for k, v in pointers] + [
-            ("void *", _pointer(out)),
-            ("int", out_kind),
-        ]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _cuda.launch("fz_lamb_apply", device.index or 0, stream, (blocks, len(segments)), args)
+        blocks = _blocks(max(b - a for a, b in segments), _cuda.MAX_BLOCKS)
+        grid = (blocks, len(segments))
+        _launch("fz_lamb_apply", device, grid, [*pointers, ("void *", out), ("int", out_kind)])
         return
-    _run(
-        "fz_lamb_apply",
-        device,
-        [*pointers[:5], ("int64_t", len(segments)), ("void *", out), ("int", out_kind)],
-    )
+    segment_count = ("int64_t", len(segments))
+    _run("fz_lamb_apply", device, [*pointers, segment_count, ("void *", out), ("int", out_kind)])
 
 
 def sgd_(
@@ -321,24 +329,22 @@ def sq_sum(grad: Tensor) -> tuple[float, bool]:
     _require(device)
     n = grad.numel()
     if device.type == "cuda":
-        blocks = max(1, min(-(-n // _cuda.THREADS), _cuda.REDUCE_BLOCKS))
+        blocks = _blocks(n, _cuda.REDUCE_BLOCKS)
         partials = torch.zeros(blocks, dtype=torch.float64, device=device)
         flags = torch.zeros(blocks, dtype=torch.int32, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        index = device.index or 0
-        _cuda.launch(
-            "fz_sq_sum_partial", index, stream, (blocks, 1),
-            [("float *", grad.data_ptr()), ("int64_t", n), ("double *", partials.data_ptr()),
-             ("int *", flags.data_ptr())],
-        )  # fmt: skip
-        _cuda.launch(
-            "fz_sq_sum_final", index, stream, (1, 1),
-            [("double *", partials.data_ptr()), ("int *", flags.data_ptr()), ("int", blocks)],
-        )  # fmt: skip
+        _launch(
+            "fz_sq_sum_partial",
+            device,
+            (blocks, 1),
+            [("float *", grad), ("int64_t", n), ("double *", partials), ("int *", flags)],
+        )
+        _launch("fz_sq_sum_final", device, (1, 1),
+                [("double *", partials), ("int *", flags), ("int", blocks)])  # fmt: skip
         return float(partials[0].item()), bool(flags[0].item())
-    total = _ffi.new("double *")
-    bad = _ffi.new("int *")
-    _lib.fz_sq_sum(_ffi.cast("float *", grad.data_ptr()), n, total, bad, _threads())
+    total = torch.zeros(1, dtype=torch.float64)
+    bad = torch.zeros(1, dtype=torch.int32)
+    _run("fz_sq_sum", device, [("float *", grad), ("int64_t", n), ("double *", total),
+                               ("int *", bad)])  # fmt: skip
     return float(total[0]), bool(bad[0])
 
 
@@ -347,39 +353,25 @@ def segment_sq_sums(values: Tensor, segments: Sequence[tuple[int, int]]) -> Tens
     `fzero.optim.segment_sq_sums` (LAMB's per-tensor norms); one pass, deterministic."""
     device = _buffers(values.numel(), values=values)
     _require(device)
-    for a, b in segments:
-        if not 0 <= a <= b <= values.numel():
-            raise ValueError(f"segment ({a}, {b}) is outside [0, {values.numel()}]")
+    starts, stops = _segments(segments, values.numel(), device)
     out = torch.zeros(len(segments), dtype=torch.float64, device=device)
     if not segments:
         return out
-    starts = torch.tensor([a for a, _ in segments], dtype=torch.int64, device=device)
-    stops = torch.tensor([b for _, b in segments], dtype=torch.int64, device=device)
+    bounds = [("float *", values), ("int64_t *", starts), ("int64_t *", stops)]
     if device.type == "cuda":
-        if len(segments) > _cuda.MAX_BLOCKS_Y:
-            raise ValueError(
-                f"{len(segments)} segments; a CUDA launch takes at most {_cuda.MAX_BLOCKS_Y}"
-            )
-        longest = max(b - a for a, b in segments)
-        blocks = max(1, min(-(-longest // _cuda.THREADS), _cuda.SEGMENT_BLOCKS))
+        blocks = _blocks(max(b - a for a, b in segments), _cuda.SEGMENT_BLOCKS)
         partials = torch.empty(len(segments) * blocks, dtype=torch.float64, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        index = device.index or 0
-        _cuda.launch(
-            "fz_segment_sq_partial", index, stream, (blocks, len(segments)),
-            [("float *", values.data_ptr()), ("int64_t *", starts.data_ptr()),
-             ("int64_t *", stops.data_ptr()), ("double *", partials.data_ptr())],
-        )  # fmt: skip
-        _cuda.launch(
-            "fz_segment_sq_final", index, stream, (1, len(segments)),
-            [("double *", partials.data_ptr()), ("int", blocks), ("double *", out.data_ptr())],
-        )  # fmt: skip
+        _launch(
+            "fz_segment_sq_partial",
+            device,
+            (blocks, len(segments)),
+            [*bounds, ("double *", partials)],
+        )
+        _launch("fz_segment_sq_final", device, (1, len(segments)),
+                [("double *", partials), ("int", blocks), ("double *", out)])  # fmt: skip
         return out
-    _lib.fz_segment_sq_sums(
-        _ffi.cast("float *", values.data_ptr()), _ffi.cast("int64_t *", starts.data_ptr()),
-        _ffi.cast("int64_t *", stops.data_ptr()), len(segments),
-        _ffi.cast("double *", out.data_ptr()), _threads(),
-    )  # fmt: skip
+    _run("fz_segment_sq_sums", device,
+         [*bounds, ("int64_t", len(segments)), ("double *", out)])  # fmt: skip
     return out
 
 
