@@ -121,25 +121,6 @@ def shard(
     )
 
 
-class _LRScheduler:
-    """What `initialize` returns as the lr scheduler: the engine steps it; this reads it."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def get_lr(self) -> list[float]:
-        return self._engine.get_lr()
-
-    def get_last_lr(self) -> list[float]:
-        return self._engine.get_lr()
-
-    def step(self, *_: Any, **__: Any) -> None:
-        """The engine steps the schedule at each optimizer step; this is a no-op."""
-
-    def state_dict(self) -> dict[str, int]:
-        return {"last_batch_iteration": self._engine.lr_steps - 1}
-
-
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -160,9 +141,13 @@ def initialize(
     Returns `(engine, optimizer, dataloader, lr_scheduler)`. The config comes
     from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
     A client `torch.optim` optimizer (Adam, AdamW, SGD) is run as fzero's
-    functional equivalent with its hyper-parameters and param groups; a client
-    lr scheduler is stepped after each optimizer step. The returned optimizer acts on
-    the engine (`step()` is `engine.step()`; `param_groups` are live; see
+    functional equivalent with its hyper-parameters and param groups.
+
+    The scheduler is DeepSpeed's: `lr_scheduler` (an object, or a callable given the
+    optimizer) wins over the config's `scheduler` block; with neither it is None, and a
+    client steps its own. The engine steps `engine.lr_scheduler` after each applied
+    optimizer step; assign it (None, or another scheduler) to change that. The
+    returned optimizer acts on the engine (`step()` is `engine.step()`; `param_groups` are live; see
     `fzero.engine_optimizer`). `param_init_fn` and `name` as in `shard`.
     """
     if model is None:
@@ -198,10 +183,12 @@ def initialize(
             f"optimizer must be a torch.optim.Optimizer or fzero.optim.Optimizer, "
             f"found {type(optimizer).__name__}"
         )
+    # DeepSpeed's `_configure_lr_scheduler`: the argument wins over the config's block
+    # (a scheduler object as it is, a callable called with the optimizer), the config's
+    # block builds one, else there is none; the engine steps `engine.lr_scheduler`
     schedule = None
     if lr_scheduler is None and cfg.scheduler is not None:
         schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
-    # DeepSpeed calls a scheduler factory with its optimizer (Accelerate passes one)
     factory = lr_scheduler if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else None
     if lr_scheduler is not None and client is None and factory is None:
         raise ValueError(
@@ -215,10 +202,12 @@ def initialize(
         param_groups=groups,
         schedule=schedule,
         client_optimizer=client,
-        client_scheduler=lr_scheduler if factory is None else None,
+        lr_scheduler=lr_scheduler if factory is None else None,
         param_init_fn=param_init_fn,
         name=name,
     )
+    if factory is not None and functional is not None:
+        engine.lr_scheduler = factory(engine.optimizer)
     loader = None
     if training_data is not None:
         if engine.batch is None:
@@ -233,11 +222,7 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
             collate_fn=collate_fn,
         )
-    if factory is not None:
-        lr_scheduler = engine.client_scheduler = factory(engine.optimizer)
-    scheduler = lr_scheduler if lr_scheduler is not None else _LRScheduler(engine)
-    engine.lr_scheduler = scheduler
-    return engine, engine.optimizer, loader, scheduler
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def gathered_parameters(

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from fzero import comm
-from fzero.checkpoint._files import write_safetensors
-from fzero.checkpoint._format import jsonable, process_rng, restore_process_rng
+from fzero.checkpoint._files import CheckpointError, write_safetensors
+from fzero.checkpoint._format import jsonable, process_rng, read_index, restore_process_rng
 from fzero.checkpoint._restore import PartlyRestoredError, find, restore
 from fzero.checkpoint._save import (
     Extras,
+    frozen_keys,
     module_tensors,
     same_on_every_rank,
     save,
@@ -44,11 +45,12 @@ def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Ext
     module = engine.module
     tensors = module_tensors(engine.plan, module)
     keys = list(module.state_dict(keep_vars=True))
+    frozen = frozen_keys(module, tensors)
     if exclude_frozen:  # DeepSpeed's exclude_frozen_parameters: buffers stay
-        frozen = _frozen_keys(module, tensors)
         tensors = {k: t for k, t in tensors.items() if k not in frozen}
         keys = [k for k in keys if k not in frozen]
-    extras = Extras(module=tensors, keys=keys, group_key=engine.serial)
+        frozen = frozenset()
+    extras = Extras(module=tensors, keys=keys, frozen=frozen, group_key=engine.serial)
     if not for_save:
         return extras
     batch = engine.batch
@@ -59,6 +61,7 @@ def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Ext
     return Extras(
         module=extras.module,
         keys=extras.keys,
+        frozen=extras.frozen,
         config=engine.config,
         precision=engine.precision,
         batch={
@@ -72,13 +75,6 @@ def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Ext
     )
 
 
-def _frozen_keys(module: torch.nn.Module, tensors: Mapping[str, Any]) -> set[str]:
-    """The state_dict keys among `tensors` that are parameters (frozen ones: the plan
-    holds the trainable), not buffers."""
-    entries = module.state_dict(keep_vars=True)
-    return {key for key in tensors if isinstance(entries[key], torch.nn.Parameter)}
-
-
 def _accumulation(engine: Engine) -> int | None:
     """The accumulation steps that micro-steps count, or None when the caller manages the
     windows (`set_gradient_accumulation_boundary`): then a save is mid-window when any
@@ -90,8 +86,9 @@ def _accumulation(engine: Engine) -> int | None:
 
 def _scheduler_state(engine: Engine) -> dict[str, Any]:
     state: dict[str, Any] = {"client": None, "client_groups": None}
-    if engine.client_scheduler is not None:
-        client = {k: v for k, v in engine.client_scheduler.state_dict().items() if not callable(v)}
+    scheduler = engine.lr_scheduler  # a config schedule's position is `lr_steps`
+    if scheduler is not None and scheduler is not engine.config_scheduler:
+        client = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
         state["client"] = jsonable(client)
     # The param groups' hyper-parameters as the next step would use them (a client
     # optimizer's, or the engine's own, which a client scheduler sets): a resumed step
@@ -144,10 +141,13 @@ def load_checkpoint(
     same_on_every_rank(
         comm.side_group(extras.group_key), "load_checkpoint", load_dir=load_dir, tag=tag
     )
-    if find(load_dir, tag) is None:
+    directory = find(load_dir, tag)
+    if directory is None:
         missing = os.path.join(load_dir, tag if tag is not None else "latest")
         warnings.warn(f"no checkpoint to load: {missing} does not exist", stacklevel=3)
         return None, None
+    if not load_module_only:
+        _check_scheduler_state(engine, directory, load_lr_scheduler_states)
     # NVMe offload: restore writes each unit to the other slot of its swap regions as it
     # is read (one unit in memory at a time); the slots flip once every rank has read.
     before = [(rt.state, rt.grad_on_disk) for rt in engine.units]
@@ -192,7 +192,7 @@ def load_checkpoint(
     engine.finish_publish()
     index = restored.index
     if not load_module_only:
-        _restore_counters(engine, restored, load_lr_scheduler_states)
+        _restore_counters(engine, restored, load_optimizer_states, load_lr_scheduler_states)
         if engine.rank < index["world_size"]:
             restore_process_rng(index["ranks"][engine.rank]["rng"])
     _log_world_change(engine, index)
@@ -218,7 +218,13 @@ def _install(engine: Engine, like: Any, state: Any) -> None:
             rt.state = unit.optim
 
 
-def _restore_counters(engine: Engine, restored: Any, with_scheduler: bool) -> None:
+def _restore_counters(
+    engine: Engine, restored: Any, with_optimizer: bool, with_scheduler: bool
+) -> None:
+    """The step counters; with the optimizer state, the param groups' hyper-parameters
+    (lr included: DeepSpeed restores them with the optimizer, whatever
+    `load_lr_scheduler_states` says); with the scheduler state, `lr_scheduler`'s
+    position (a config schedule's is `lr_steps`, which without one counts updates)."""
     counters = restored.state.counters
     engine.global_steps = counters.global_steps
     engine.global_samples = counters.global_samples
@@ -227,16 +233,30 @@ def _restore_counters(engine: Engine, restored: Any, with_scheduler: bool) -> No
     index = restored.index
     if index["loss_scale"] is not None and engine.loss_scaler is not None:
         engine.loss_scale_state = restored.state.loss_scale
-    if not with_scheduler:
-        return
     scheduler = index["scheduler"]
-    engine.lr_steps = scheduler["lr_steps"]
-    if scheduler["client_groups"] is not None:
+    if with_optimizer and scheduler["client_groups"] is not None:
         for group, saved in zip(engine.param_groups, scheduler["client_groups"]):
             for k, v in saved.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    if engine.client_scheduler is not None and scheduler["client"] is not None:
-        engine.client_scheduler.load_state_dict(scheduler["client"])
+    own = engine.config_scheduler
+    if own is None or (with_scheduler and engine.lr_scheduler is own):
+        engine.lr_steps = scheduler["lr_steps"]
+    client = engine.lr_scheduler
+    if with_scheduler and client is not None and client is not own:
+        client.load_state_dict(scheduler["client"])
+
+
+def _check_scheduler_state(engine: Engine, directory: str, with_scheduler: bool) -> None:
+    """Before anything is loaded: a client lr scheduler to restore needs a saved state."""
+    client = engine.lr_scheduler
+    if not with_scheduler or client is None or client is engine.config_scheduler:
+        return
+    if read_index(directory)["scheduler"]["client"] is None:
+        raise CheckpointError(
+            f"{directory} holds no state for the engine's lr_scheduler "
+            f"({type(client).__name__}): it was saved without one; load it with "
+            "load_lr_scheduler_states=False to keep the scheduler as it is"
+        )
 
 
 def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:

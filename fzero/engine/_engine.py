@@ -32,6 +32,7 @@ from fzero.engine._build import build_units, cast_module, install_hooks, plan_fo
 from fzero.engine._precision import DTYPES, Precision, loss_scaler, precision_of
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._residency import Residency
+from fzero.engine._scheduler import ConfigScheduler
 from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._step import GradStats, Hyperparams, grad_stats, take_step
 from fzero.engine._units import (
@@ -103,7 +104,7 @@ class Engine:
         strategy: Callable[..., Plan] | None = None,
         schedule: Callable[[int, float], float] | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
-        client_scheduler: Any = None,
+        lr_scheduler: Any = None,
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         name: str | None = None,
     ) -> None:
@@ -131,7 +132,7 @@ class Engine:
         self.batch = _batch_or_none(config, self.world_size)
         self.schedule = schedule
         self.client_optimizer = client_optimizer
-        self.client_scheduler = client_scheduler
+        self.client_lr_scheduler = lr_scheduler  # DeepSpeed's name for the argument
         self.overlap_comm = zero.overlap_comm if zero.overlap_comm is not None else self.stage == 3
         self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
         self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
@@ -146,7 +147,6 @@ class Engine:
         self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
         self._global_grad_norm: float | None = None
-        self.lr_scheduler: Any = None  # what `initialize` returns as the scheduler
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
 
         self._groups = (
@@ -179,6 +179,14 @@ class Engine:
         self._hooks += install_hooks(self)
         trainable = self.functional_optimizer is not _NO_OPTIMIZER
         self.hyperparams = Hyperparams(self, self._groups, trainable)
+        # what the engine steps after each applied step, a plain attribute as DeepSpeed's
+        # (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None
+        self.config_scheduler = (
+            ConfigScheduler(self, schedule) if schedule is not None and trainable else None
+        )
+        self.lr_scheduler: Any = lr_scheduler if trainable else None
+        if self.lr_scheduler is None:
+            self.lr_scheduler = self.config_scheduler
         self.telemetry = Telemetry(self)
         log.info(
             "fzero: stage %d, %s, world %d, %d units, %s params",
@@ -283,8 +291,9 @@ class Engine:
         self.boundary_override = bool(is_boundary)
 
     @_named("step")
-    def step(self) -> None:
-        """At the accumulation boundary: unscale, clip, update owned shards, regather."""
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At the accumulation boundary: unscale, clip, update owned shards, regather;
+        then step `lr_scheduler` (with `lr_kwargs`) unless fp16 overflow skipped it."""
         self.check_trainable()
         if self.reduction.no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
@@ -297,7 +306,7 @@ class Engine:
         loss_scale_state = self.loss_scale_state
         try:
             with self.timers("step"):
-                decision = take_step(self)
+                decision = take_step(self, lr_kwargs)
         except OSError:  # an NVMe step that was not applied: step() may be called again
             self.micro_steps -= 1
             self.loss_scale_state = loss_scale_state

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.engine._apply import hparam_fields
+from fzero.engine._scheduler import step_scheduler
 from fzero.optim import LossScaleState, clip_coefficient, with_overrides
 
 __all__ = [
@@ -103,9 +104,9 @@ def unit_grad_stats(engine: Engine) -> list[GradStats]:
     return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in engine.units]
 
 
-def take_step(engine: Engine) -> StepDecision:
+def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDecision:
     """The engine's step at an accumulation boundary: decide, then skip (fp16 overflow)
-    or update every unit; gradients zeroed either way."""
+    or update every unit and step the lr scheduler; gradients zeroed either way."""
     decision = decide_step(
         unit_grad_stats(engine),
         loss_scaler=engine.loss_scaler,
@@ -124,14 +125,7 @@ def take_step(engine: Engine) -> StepDecision:
         )
     else:
         engine.optimizer_application.apply(decision.factor, engine.hyperparams.current_lrs())
-        engine.lr_steps += 1
-        if engine.client_scheduler is not None:
-            # torch's schedulers warn unless the optimizer they wrap has stepped: the
-            # engine's update was that step (its `step()` is never called on its own)
-            wrapped = getattr(engine.client_scheduler, "optimizer", None)
-            if wrapped is not None:
-                wrapped._opt_called = True
-            engine.client_scheduler.step()
+        step_scheduler(engine, lr_kwargs)
     zero_grads(engine)
     return decision
 
@@ -144,8 +138,8 @@ def zero_grads(engine: Engine) -> None:
 
 class Hyperparams:
     """Each unit's hyper-parameters, and the param groups scripts read and edit: the
-    client optimizer's when there is one, else the engine's own; a schedule sets each
-    group's lr at each step, as DeepSpeed's does."""
+    client optimizer's when there is one, else the engine's own (an lr scheduler sets
+    their lr when stepped, as DeepSpeed's do)."""
 
     def __init__(self, engine: Engine, groups: list[dict[str, Any]], trainable: bool) -> None:
         self.engine = engine
@@ -161,7 +155,6 @@ class Hyperparams:
             )
             for group in groups
         ]
-        self.base_lrs = [hp.lr for hp in group_hparams]
         self.own_groups = [
             {"params": list(group["params"]), **hparam_fields(hp)}
             for group, hp in zip(groups, group_hparams)
@@ -175,11 +168,8 @@ class Hyperparams:
         return client.param_groups if client is not None else self.own_groups
 
     def current_lrs(self) -> list[float]:
-        """The lr of each param group for the step about to run."""
-        engine = self.engine
-        if engine.client_optimizer is None and engine.schedule is not None:
-            for group, base in zip(self.own_groups, self.base_lrs):
-                group["lr"] = engine.schedule(engine.lr_steps, base)
+        """The lr of each param group for the step about to run (a scheduler writes it
+        when stepped, as DeepSpeed's do)."""
         return [group["lr"] for group in self.param_groups]
 
     def momentum(self) -> list[Any]:
