@@ -20,10 +20,19 @@ from torch import Tensor
 # from it.
 Engine = Any
 
-__all__ = ["EngineOptimizer"]
+__all__ = ["DeepSpeedOptimizer", "EngineOptimizer", "ZeROOptimizer"]
 
 
-class EngineOptimizer(torch.optim.Optimizer):
+class DeepSpeedOptimizer:
+    """DeepSpeed's marker base of its optimizer wrappers (`runtime.base_optimizer`):
+    clients test `isinstance(x, DeepSpeedOptimizer)`."""
+
+
+class ZeROOptimizer(DeepSpeedOptimizer):
+    """DeepSpeed's marker base of its ZeRO optimizers."""
+
+
+class EngineOptimizer(torch.optim.Optimizer, ZeROOptimizer):
     """A `torch.optim.Optimizer` view of an engine's optimizer: an instance of the class
     (so torch's LR schedulers accept it, as DeepSpeed's basic optimizer is one), with
     every method acting on the engine. `torch.optim.Optimizer.__init__` is not run: the

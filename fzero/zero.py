@@ -21,8 +21,15 @@ from typing import Any
 import torch
 
 from fzero.api import gathered_parameters
+from fzero.engine._units import ZeroParamStatus
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 
 class Init(contextlib.ContextDecorator):
@@ -79,3 +86,39 @@ def GatheredParameters(  # DeepSpeed's name
     """DeepSpeed's `zero.GatheredParameters`: `fzero.gathered_parameters` under its name."""
     with gathered_parameters(params, modifier_rank=modifier_rank, enabled=enabled):
         yield
+
+
+def _check_external(module: torch.nn.Module, parameter: Any, verb: str) -> None:
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise RuntimeError(f"{verb}_external_parameter: Parameter is not a torch.nn.Parameter")
+    ref = getattr(parameter, "_fzero_engine", None)
+    engine = ref() if ref is not None else None
+    if engine is not None and engine.stage == 3:
+        raise RuntimeError(
+            f"{verb}_external_parameter({type(module).__name__}, parameter of shape "
+            f"{tuple(getattr(parameter, 'ds_shape', parameter.shape))}) after the ZeRO-3 engine "
+            "was built: fzero reads these registrations when it builds the engine; register "
+            "in the module's constructor (as Transformers does) or before fzero.initialize"
+        )
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's: `module`'s forward uses `parameter`, which another module holds; at
+    ZeRO-3 the engine gathers it whenever `module` runs. Register before the engine is
+    built (in the module's constructor, as Transformers does)."""
+    _check_external(module, parameter, "register")
+    if "_external_params" not in module.__dict__:
+        module._external_params = {}
+    module._external_params[id(parameter)] = parameter
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undo `register_external_parameter` (before the engine is built)."""
+    _check_external(module, parameter, "unregister")
+    registered = module.__dict__.get("_external_params", {})
+    if id(parameter) not in registered:
+        raise RuntimeError(
+            f"unregister_external_parameter: the parameter of shape {tuple(parameter.shape)} "
+            f"is not registered with {type(module).__name__}"
+        )
+    del registered[id(parameter)]

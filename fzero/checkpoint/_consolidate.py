@@ -64,11 +64,32 @@ def _out_dtype(entry: dict[str, Any], dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and saved.is_floating_point else saved
 
 
+def _entries(index: dict[str, Any], directory: str, exclude_frozen: bool) -> list[dict[str, Any]]:
+    """The index's state_dict entries, without the frozen parameters if asked."""
+    entries = index["tensors"]
+    if not exclude_frozen:
+        return entries
+    unknown = [e["key"] for e in entries if e["fqn"] is None and "frozen" not in e]
+    if unknown:
+        raise CheckpointError(
+            f"{directory} does not record which of its module tensors are frozen parameters "
+            f"(e.g. {unknown[0]!r}; written by an older fzero): exclude_frozen_parameters "
+            "needs a checkpoint saved by this version"
+        )
+    return [e for e in entries if not e.get("frozen", False)]
+
+
 def iter_consolidated(
-    save_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None
+    save_dir: str,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    exclude_frozen: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
-    """The model's `state_dict` entries, whole, one at a time, in the model's order."""
+    """The model's `state_dict` entries, whole, one at a time, in the model's order
+    (without frozen parameters when `exclude_frozen`; buffers stay)."""
     directory, index = _resolve(save_dir, tag)
+    entries = _entries(index, directory, exclude_frozen)
     cast = _dtype(dtype)
     pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for rank, info in enumerate(index["ranks"]):
@@ -85,7 +106,7 @@ def iter_consolidated(
         return files[rank]
 
     try:
-        for entry in index["tensors"]:
+        for entry in entries:
             shape = tuple(entry["shape"])
             if entry["fqn"] is None:
                 module_crcs = {r["key"]: r["crc"] for r in index["ranks"][0]["slices"]}
@@ -110,11 +131,15 @@ def iter_consolidated(
 
 
 def consolidated_state_dict(
-    save_dir: str, tag: str | None = None, dtype: str | torch.dtype | None = None
+    save_dir: str,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    exclude_frozen: bool = False,
 ) -> dict[str, Tensor]:
     """The whole model's `state_dict` from a checkpoint (in memory; `consolidate`
     streams to files instead). Trainable tensors are fp32 unless `dtype` says."""
-    return dict(iter_consolidated(save_dir, tag, dtype))
+    return dict(iter_consolidated(save_dir, tag, dtype, exclude_frozen=exclude_frozen))
 
 
 def parse_size(text: str | int) -> int:
@@ -135,14 +160,18 @@ def consolidate(
     tag: str | None = None,
     dtype: str = "fp32",
     max_shard_size: str | int = "5GB",
+    *,
+    exclude_frozen: bool = False,
 ) -> list[str]:
     """Write the model to `out_dir/model.safetensors`, or to HF-style shards with
     `model.safetensors.index.json` when it exceeds `max_shard_size`; keys are the
-    model's own `state_dict` keys (tied weights under each name). Returns the files."""
+    model's own `state_dict` keys (tied weights under each name), without frozen
+    parameters when `exclude_frozen`. Returns the files."""
     directory, index = _resolve(save_dir, tag)
     cast = _dtype(dtype)
     limit = parse_size(max_shard_size)
-    specs = [(e["key"], _out_dtype(e, cast), tuple(e["shape"])) for e in index["tensors"]]
+    entries = _entries(index, directory, exclude_frozen)
+    specs = [(e["key"], _out_dtype(e, cast), tuple(e["shape"])) for e in entries]
     groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
     filled = 0
     for spec in specs:
@@ -158,8 +187,10 @@ def consolidate(
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
+    tag = os.path.basename(directory)
     stream = (
-        tensor for _, tensor in iter_consolidated(save_dir, os.path.basename(directory), cast)
+        tensor
+        for _, tensor in iter_consolidated(save_dir, tag, cast, exclude_frozen=exclude_frozen)
     )
     written = []
     for name, group in zip(names, groups):

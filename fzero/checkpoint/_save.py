@@ -74,9 +74,11 @@ class Extras:
     `precision`, `batch`, `scheduler`: index records for whoever reads it back;
     `model_16bit`: a consolidated model written beside the shards; `rng`: this rank's
     random state (default: the state's generator); `group_key`: which side process group
-    carries the checkpoint's collectives (`comm.side_group`)."""
+    carries the checkpoint's collectives (`comm.side_group`); `frozen`: the keys of
+    `module` that are frozen parameters (the others are buffers)."""
 
     module: Mapping[str, Tensor] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()
     keys: Sequence[str] | None = None
     config: Any = None
     precision: str | None = None
@@ -99,13 +101,21 @@ def module_tensors(plan: Plan, module: torch.nn.Module) -> dict[str, Tensor]:
     }
 
 
+def frozen_keys(module: torch.nn.Module, tensors: Mapping[str, Any]) -> frozenset[str]:
+    """The state_dict keys among `tensors` that are parameters (frozen ones: the plan
+    holds the trainable), not buffers."""
+    entries = module.state_dict(keep_vars=True)
+    return frozenset(k for k in tensors if isinstance(entries[k], torch.nn.Parameter))
+
+
 def extras_of(plan: Plan, module: torch.nn.Module | None, extras: Extras | None) -> Extras:
     if extras is not None:
         return extras
     if module is None:
         return Extras()
     keys = list(module.state_dict(keep_vars=True))
-    return Extras(module=module_tensors(plan, module), keys=keys)
+    tensors = module_tensors(plan, module)
+    return Extras(module=tensors, keys=keys, frozen=frozen_keys(module, tensors))
 
 
 # ---- what a rank holds -------------------------------------------------------------------
@@ -203,7 +213,10 @@ def _tensor_table(plan: Plan, extras: Extras) -> list[dict[str, Any]]:
         else:
             t = extras.module[key]
             dtype = partition.dtype_name(t.dtype)
-            table.append({"key": key, "shape": list(t.shape), "dtype": dtype, "fqn": None})
+            frozen = key in extras.frozen  # else a buffer
+            table.append(
+                {"key": key, "shape": list(t.shape), "dtype": dtype, "fqn": None, "frozen": frozen}
+            )
     return table
 
 

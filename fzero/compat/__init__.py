@@ -19,6 +19,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import types
 from typing import Any
 
 __all__ = ["install", "installed", "uninstall"]
@@ -74,7 +75,16 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
             return None
         real = _TARGET + fullname[len(_PREFIX) :]
         if importlib.util.find_spec(real) is None:
-            return None
+            # a module the served package holds as an attribute (`deepspeed.zero` is
+            # `fzero.zero`): `import deepspeed.zero` works as `deepspeed.zero` does
+            parent, _, name = real.rpartition(".")
+            try:
+                attribute = getattr(importlib.import_module(parent), name, None)
+            except NotImplementedError:  # a name the served module refuses
+                return None
+            if not isinstance(attribute, types.ModuleType):
+                return None
+            real = attribute.__name__
         return importlib.util.spec_from_loader(fullname, _Alias(real), is_package=True)
 
 

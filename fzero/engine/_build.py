@@ -15,7 +15,7 @@ from fzero import _nvme, partition
 from fzero._meta_init import MetaInitializer
 from fzero.config import Config
 from fzero.engine._forward import ForwardHooks
-from fzero.engine._units import UnitRuntime, bind, scatter_pieces, unbind
+from fzero.engine._units import UnitRuntime, bind, describe_zero3_param, scatter_pieces, unbind
 from fzero.partition import Plan, Unit
 
 __all__ = ["build_unit", "build_units", "cast_module", "install_hooks", "plan_for"]
@@ -72,6 +72,10 @@ def build_units(
     units = [build_unit(engine, i, unit, named, meta) for i, unit in enumerate(engine.plan.units)]
     if meta is not None:
         meta.finish()
+    if engine.stage == 3:  # frozen parameters stay whole: DeepSpeed's attributes say so
+        for p in module.parameters():
+            if not hasattr(p, "ds_status"):
+                describe_zero3_param(p, tuple(p.shape), persistent=True, available=True)
     if engine.residency.nvme is not None:
         _nvme.return_free_memory()
     return units
@@ -139,6 +143,9 @@ def build_unit(
         full=full,
         param_shard=param_shard,
     )
+    if engine.stage == 3:
+        for p, _, shape in params:
+            describe_zero3_param(p, shape, persistent=unit.persistent, available=keeps_full)
     if keeps_full:
         bind(rt)
     else:

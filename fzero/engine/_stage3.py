@@ -250,12 +250,15 @@ class Stage3Gatherer:
         shape stand-ins for released parameters' gradients.
 
         A unit hangs on its module and on every module holding one of its parameters
-        directly: a tied weight (T5's `shared` in `encoder.embed_tokens` and `lm_head`)
-        is gathered whichever holder runs, also when a caller runs a submodule on its own
-        (`generate` runs the encoder alone)."""
+        directly (or by `register_external_parameter`): a tied weight (T5's `shared` in
+        `encoder.embed_tokens` and `lm_head`) is gathered whichever holder runs, also when
+        a caller runs a submodule on its own (`generate` runs the encoder alone)."""
         holders: dict[int, list[torch.nn.Module]] = {}
         for module in root.modules():
-            for p in module._parameters.values():
+            # DeepSpeed's `register_external_parameter`: a module that uses another's
+            # parameter in its forward holds it too
+            external = getattr(module, "_external_params", {})
+            for p in (*module._parameters.values(), *external.values()):
                 if p is not None:
                     holders.setdefault(id(p), []).append(module)
         by_module: dict[int, tuple[torch.nn.Module, list[UnitRuntime]]] = {}

@@ -17,6 +17,8 @@ helpers here copy values between a tensor and its pieces.
 
 from __future__ import annotations
 
+import enum
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +30,42 @@ from fzero.partition import Placement, Unit
 __all__ = [
     "Bucket",
     "UnitRuntime",
+    "ZeroParamStatus",
     "add_pieces",
     "bind",
+    "describe_zero3_param",
     "drop_flat",
     "gather_pieces",
     "scatter_pieces",
     "unbind",
 ]
+
+
+class ZeroParamStatus(enum.Enum):
+    """Whether a stage-3 parameter is whole here (DeepSpeed's enum, values included:
+    clients such as TRL compare `param.ds_status` with it)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_PARAM_IDS = itertools.count()  # DeepSpeed's `ds_id`: one counter for the process
+
+
+def describe_zero3_param(
+    p: torch.nn.Parameter, shape: tuple[int, ...], *, persistent: bool, available: bool
+) -> None:
+    """The attributes DeepSpeed's ZeRO-3 sets on every parameter, which clients read
+    (`ds_shape`/`ds_numel`: the whole tensor's; `ds_status`; `ds_id`; `ds_persist`;
+    `ds_active_sub_modules`): Transformers and Lightning count parameters with
+    `ds_numel`, PEFT sizes adapters with `ds_shape`, TRL gathers by `ds_status`."""
+    p.ds_shape = torch.Size(shape)
+    p.ds_numel = int(torch.Size(shape).numel())
+    p.ds_persist = persistent
+    p.ds_id = next(_PARAM_IDS)
+    p.ds_active_sub_modules = set()
+    p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
 
 
 @dataclass
@@ -109,9 +140,13 @@ def bind(rt: UnitRuntime) -> None:
     assert rt.full is not None
     for p, placement, shape in rt.params:
         p.data = gather_pieces(rt.full, placement, shape)
+        if hasattr(p, "ds_status"):
+            p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def unbind(rt: UnitRuntime, dtype: torch.dtype, device: torch.device) -> None:
     """Leave the unit's module parameters empty (stage 3, between uses)."""
     for p, _, _ in rt.params:
         p.data = torch.empty(0, dtype=dtype, device=device)
+        if hasattr(p, "ds_status"):
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE

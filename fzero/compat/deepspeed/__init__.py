@@ -1,25 +1,41 @@
 """What `import deepspeed` gives under `fzero.compat.install()` / `fzero run --as-deepspeed`.
 
-The names DeepSpeed training scripts use, served by fzero: `initialize`,
+The names DeepSpeed training scripts and the clients built on it (Transformers,
+Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
-`accelerator`, `checkpointing`, `utils.logger`, `ops.adam`, `runtime.engine`,
-`runtime.lr_schedules`. `deepspeed.moe` and
-`deepspeed.pipe` are not supported and say so when imported.
+`accelerator`, `checkpointing`, `utils` (logger, zero_to_fp32, safe_get_full_*), `ops.adam`,
+`runtime.engine`, `runtime.lr_schedules`, `runtime.base_optimizer`, `moe.utils`,
+`launcher.runner`. What fzero does not do is refused by name: `deepspeed.moe.layer`,
+`deepspeed.pipe` and `runtime.sequence_parallel` on import, `tp_model_init`, the Adagrad
+and Lion ops when called. `tests/test_client_names.py` scans the installed clients for
+every `deepspeed.*` name they reference and checks each is one or the other.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fzero import checkpointing, zero
 from fzero._arguments import add_config_arguments
 from fzero._version import __version__ as _fzero_version
 from fzero.api import initialize
-from fzero.compat.deepspeed import accelerator, comm, runtime, utils
+from fzero.compat.deepspeed import accelerator, comm, launcher, moe, ops, runtime, utils
 from fzero.compat.deepspeed.comm import init_distributed
 from fzero.engine import Engine as DeepSpeedEngine
 
 # The DeepSpeed API level fzero follows, and what it really is.
 __version__ = f"0.16.0+fzero.{_fzero_version}"
 __version_major__, __version_minor__, __version_patch__ = 0, 16, 0
+
+
+def tp_model_init(*_: Any, **__: Any) -> Any:
+    """Refused by name: DeepSpeed's AutoTP tensor parallelism."""
+    raise NotImplementedError(
+        "deepspeed.tp_model_init (AutoTP tensor parallelism) is not supported by fzero; "
+        "fzero shards data-parallel training only (ZeRO stages 0-3): leave "
+        "tensor_parallel.autotp_size at 1"
+    )
+
 
 __all__ = [
     "DeepSpeedEngine",
@@ -30,7 +46,11 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "launcher",
+    "moe",
+    "ops",
     "runtime",
+    "tp_model_init",
     "utils",
     "zero",
 ]

@@ -2,6 +2,12 @@
 and `partition_parameters`, whose construction hooks Transformers patches."""
 
 from fzero.compat.deepspeed.runtime.zero import partition_parameters
-from fzero.zero import GatheredParameters, Init
+from fzero.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
-__all__ = ["GatheredParameters", "Init", "partition_parameters"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "partition_parameters",
+    "register_external_parameter",
+]

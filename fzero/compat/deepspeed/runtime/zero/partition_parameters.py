@@ -1,4 +1,5 @@
-"""`deepspeed.runtime.zero.partition_parameters`, as far as Transformers reaches into it.
+"""`deepspeed.runtime.zero.partition_parameters`, as far as Transformers and TRL reach
+into it (`ZeroParamStatus`, which fzero's stage-3 parameters carry as `ds_status`).
 
 DeepSpeed's `zero.Init` replaces torch's tensor constructors with
 `zero_wrapper_for_fp_tensor_constructor(fn, dtype)` (casting new float tensors to the
@@ -15,9 +16,24 @@ from typing import Any
 
 import torch
 
-from fzero.zero import GatheredParameters, Init
+from fzero.accelerator import get_accelerator
+from fzero.zero import (
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 
-__all__ = ["GatheredParameters", "Init", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "get_accelerator",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
 
 _orig_torch_arange = torch.arange  # what Transformers compares the wrapped function with
 

@@ -1,4 +1,5 @@
-"""`deepspeed.utils`: the `logger` DeepSpeed scripts log through (fzero's), `log_dist`."""
+"""`deepspeed.utils.logging`: the `logger` DeepSpeed scripts and Lightning log through
+(fzero's, named "fzero"; Lightning sets its level), and `log_dist`."""
 
 from __future__ import annotations
 
