@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,6 +123,23 @@ def shard(
     )
 
 
+def _with_deepspeed_defaults(cfg: Config, source: Any) -> Config:
+    """DeepSpeed's defaults where they differ from fzero's: a config that does not name
+    `gradient_clipping` clips at 1.0 (DeepSpeed since 0.19, `GRADIENT_CLIPPING_DEFAULT`),
+    so a DeepSpeed script trains as under DeepSpeed. `fzero.shard` and `train_step` clip
+    only when asked, as torch does."""
+    if isinstance(source, Config):
+        return cfg
+    raw = source
+    if not isinstance(raw, Mapping):
+        raw = json.loads(Path(source).read_text())  # load_config read it already
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    if "gradient_clipping" in raw or "max_grad_norm" in params:
+        return cfg
+    log.info("fzero: gradient_clipping not in the config: 1.0, DeepSpeed's default (0: none)")
+    return dataclasses.replace(cfg, gradient_clipping=1.0)
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -162,7 +181,7 @@ def initialize(
             "no config: pass config=... or set args.deepspeed_config / args.fzero_config"
         )
     comm.init_distributed(required=dist_init_required)
-    cfg = _config(source)
+    cfg = _with_deepspeed_defaults(_config(source), source)
     if getattr(args, "metrics_file", None):
         cfg = dataclasses.replace(cfg, metrics_file=args.metrics_file)
     if getattr(args, "no_progress", False):

@@ -63,6 +63,7 @@ def test_cifar_classifier_matches_torch(tmp_path):
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 100,
+        "gradient_clipping": 0.0,  # against unclipped torch (DeepSpeed's default is 1.0)
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 1},
     }
@@ -152,6 +153,7 @@ def test_mlm_zero3_offload_checkpoint_resume_matches_torch(tmp_path, stage):
         "train_batch_size": 4,
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 0,
+        "gradient_clipping": 0.0,  # against unclipped torch (DeepSpeed's default is 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": stage,

@@ -30,6 +30,7 @@ def _config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 0,
+        "gradient_clipping": 0.0,  # against unclipped torch (DeepSpeed's default is 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }

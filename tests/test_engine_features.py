@@ -200,6 +200,7 @@ def client_optimizer_case(rank, world):
     config = {
         "train_batch_size": 2 * MICRO * world,
         "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,  # against unclipped torch (DeepSpeed's default is 1.0)
         "zero_optimization": {"stage": 2},
     }
     engine, returned, loader, scheduler = fzero.initialize(

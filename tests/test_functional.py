@@ -355,6 +355,7 @@ def schedule_case(rank: int, world: int) -> list[float]:
     config = {
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "gradient_clipping": 0.0,  # named: initialize's default is DeepSpeed's 1.0
     }
     torch.manual_seed(0)
     engine, *_ = fzero.initialize(model=Net(), config=config)

@@ -24,8 +24,8 @@ from fzero.compat.deepspeed.comm import init_distributed
 from fzero.engine import Engine as DeepSpeedEngine
 
 # The DeepSpeed API level fzero follows, and what it really is.
-__version__ = f"0.16.0+fzero.{_fzero_version}"
-__version_major__, __version_minor__, __version_patch__ = 0, 16, 0
+__version__ = f"0.19.8+fzero.{_fzero_version}"
+__version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 
 
 def tp_model_init(*_: Any, **__: Any) -> Any:

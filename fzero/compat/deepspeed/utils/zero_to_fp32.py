@@ -113,8 +113,8 @@ def _pickle_paths(name: str) -> Any:
         f"deepspeed.utils.zero_to_fp32.{name} returns the paths of DeepSpeed's pickled "
         "*_states.pt files, which callers torch.load; fzero checkpoints hold no pickle "
         "(safetensors and msgpack). For the fp32 weights use "
-        "get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir) (Lightning: "
-        "`torch.save({'state_dict': ...}, path)` of it), or `fzero checkpoint consolidate`; "
+        "get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir) (and write them in the "
+        "format you need), or `fzero checkpoint consolidate`; "
         "the client state saved with the checkpoint is what load_checkpoint returns"
     )
 
