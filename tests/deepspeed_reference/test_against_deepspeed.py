@@ -1,0 +1,104 @@
+"""fzero against DeepSpeed itself: the same scripts run under a real DeepSpeed and under
+fzero's `import deepspeed`, their per-step lrs, losses and weights compared.
+
+Run by `make test-deepspeed` (CI calls it), which builds `.venv-deepspeed` with
+DeepSpeed (CPU accelerator, gloo) and points `FZERO_DEEPSPEED_PYTHON` at it; skipped
+without it. Lrs, what `initialize` returns and the default clipping must be equal;
+losses and weights agree to 1e-5: DeepSpeed's Adam is its own C++ kernel (`cpu_adam`)
+and fzero's its own, each fp32 but with their own operation order, so a few steps drift
+apart by fp32 rounding, not more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+DEEPSPEED_PYTHON = os.environ.get("FZERO_DEEPSPEED_PYTHON")
+
+pytestmark = [
+    pytest.mark.deepspeed_reference,
+    pytest.mark.skipif(not DEEPSPEED_PYTHON, reason="FZERO_DEEPSPEED_PYTHON is not set"),
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_process_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    return env
+
+
+def _result(python: str, *args: str) -> dict:
+    done = subprocess.run(
+        [python, str(HERE / "contract.py"), *args],
+        cwd=ROOT, env=_one_process_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage):
+    theirs = _result(DEEPSPEED_PYTHON, "--stage", str(stage))
+    ours = _result(sys.executable, "--stage", str(stage), "--fzero")
+    for key in ("no_scheduler_returns", "argument_wins", "clipping"):
+        assert ours[key] == theirs[key], key
+    for key in [k for k in theirs if k.endswith("_lrs") or k.startswith("resume_lrs")]:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-6)
+    for key in ("config_weights", "client_weights"):
+        assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
+
+
+def _accelerate(python: str, tmp: Path, name: str, fzero: bool) -> tuple[dict, list[dict]]:
+    from safetensors.torch import load_file
+
+    script = str(ROOT / "tests" / "client_scripts" / "accelerate_nlp.py")
+    launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    if fzero:
+        launcher = [
+            python,
+            "-m",
+            "fzero.cli",
+            "run",
+            "--as-deepspeed",
+            "--no_local_rank",
+            "-n",
+            "1",
+        ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_DEEPSPEED": "true"}
+    env["MASTER_PORT"] = str(_port())
+    done = subprocess.run(
+        [*launcher, script, "--zero_stage", "2", "--out", str(tmp / name)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    record = json.loads((tmp / f"{name}.json").read_text())
+    return load_file(tmp / f"{name}.safetensors"), record
+
+
+def test_accelerate_deepspeed_plugin_trains_as_under_deepspeed(tmp_path):
+    theirs, their_record = _accelerate(DEEPSPEED_PYTHON, tmp_path, "deepspeed", fzero=False)
+    ours, record = _accelerate(sys.executable, tmp_path, "fzero", fzero=True)
+    assert [r["lr"] for r in record] == [r["lr"] for r in their_record]
+    assert [r["loss"] for r in record] == pytest.approx(
+        [r["loss"] for r in their_record], rel=1e-5, abs=1e-6
+    )
+    for name, value in theirs.items():
+        assert (ours[name] - value).abs().max().item() <= 1e-5, name
