@@ -8,7 +8,8 @@ one step taken so its state exists. Both saves are durable: DCP's writer fsyncs 
 file by default; fzero fsyncs its files and directories and verifies an XXH3-64
 checksum of every tensor on load. Loads read from the page cache the saves left, as a
 restart on the same node would. Saves and loads of the two libraries alternate, each
-after an `os.sync()` that writes back what came before, and the table shows medians.
+after an `os.sync()` that writes back what came before, and the table shows medians
+of `--repeats` with their min-max (ratios: the median of the per-repeat ratios).
 Also: consolidation to one model.safetensors and its peak RSS against the largest
 tensor (rank 0).
 """
@@ -17,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
 
 import fzero
 
@@ -38,11 +40,7 @@ def make_model(width: int, depth: int) -> nn.Module:
 
 
 def timed(fn, *args, **kwargs) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    dist.barrier()
-    return time.perf_counter() - start
+    return _harness.time_call(lambda: fn(*args, **kwargs), sync=dist.barrier)
 
 
 def dir_bytes(path: str) -> int:
@@ -100,9 +98,10 @@ def dcp_functions(args):
     return save, load
 
 
-def measure(args, root: str) -> list[tuple[str, float, float, int]]:
+def measure(args, root: str) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Each library's save and load, alternating, into fresh directories (the previous
-    ones removed untimed); medians of `--repeats`."""
+    ones removed untimed): seconds of each of `--repeats` by what was timed, and the
+    bytes of each library's checkpoint."""
     dcp_path, fzero_path = os.path.join(root, "dcp"), os.path.join(root, "fzero")
     dcp_save, dcp_load = dcp_functions(args)
     engine = fzero_engine(args)
@@ -127,16 +126,52 @@ def measure(args, root: str) -> list[tuple[str, float, float, int]]:
         record("written", returned + timed(engine.wait_for_checkpoint))
         record("load_dcp", timed(dcp_load, f"{dcp_path}{rep}"))
         record("load_fzero", timed(engine.load_checkpoint, fzero_path, tag=f"sync{rep}"))
-    med = {name: statistics.median(values) for name, values in times.items()}
-    fzero_size = dir_bytes(os.path.join(fzero_path, f"sync{args.repeats - 1}"))
-    dcp_size = dir_bytes(f"{dcp_path}{args.repeats - 1}")
-    nan = float("nan")
-    return [
-        ("torch DCP + FSDP2", med["dcp"], med["load_dcp"], dcp_size),
-        ("fzero stage 3 (fsynced)", med["fzero"], med["load_fzero"], fzero_size),
-        ("fzero stage 3 async: returns", med["returns"], nan, fzero_size),
-        ("fzero stage 3 async: written", med["written"], nan, fzero_size),
-    ]
+    sizes = {
+        "fzero": dir_bytes(os.path.join(fzero_path, f"sync{args.repeats - 1}")),
+        "dcp": dir_bytes(f"{dcp_path}{args.repeats - 1}"),
+    }
+    return times, sizes
+
+
+# (row, its save times, its load times or None, its library) of the table
+ROWS = (
+    ("torch DCP + FSDP2", "dcp", "load_dcp", "dcp"),
+    ("fzero stage 3 (fsynced)", "fzero", "load_fzero", "fzero"),
+    ("fzero stage 3 async: returns", "returns", None, "fzero"),
+    ("fzero stage 3 async: written", "written", None, "fzero"),
+)
+COLUMNS = (
+    ("save s", ".3f"), ("min", ".3f"), ("max", ".3f"), ("x DCP", ".2f"),
+    ("load s", ".3f"), ("min", ".3f"), ("max", ".3f"), ("x DCP", ".2f"),
+    ("GB", ".2f"), ("save GB/s", ".2f"),
+)  # fmt: skip
+
+
+def table(
+    args, times: dict[str, list[float]], sizes: dict[str, int], notes: tuple[str, ...]
+) -> _harness.Table:
+    rows = []
+    for name, save_key, load_key, library in ROWS:
+        save = _harness.spread(times[save_key])
+        cells: list[float | None] = [*save, _harness.paired_ratio(times[save_key], times["dcp"])]
+        if load_key:
+            load = _harness.spread(times[load_key])
+            cells += [*load, _harness.paired_ratio(times[load_key], times["load_dcp"])]
+        else:
+            cells += [None] * 4
+        size = sizes[library] / 1e9
+        rows.append((name, (*cells, size, size / save.median)))
+    params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
+    return _harness.Table(
+        title=(
+            f"checkpoint, {params / 1e6:.1f}M params + AdamW state, {dist.get_world_size()} "
+            f"ranks, medians of {args.repeats} alternating repeats"
+        ),
+        name_header="library",
+        columns=COLUMNS,
+        rows=tuple(rows),
+        notes=notes,
+    )
 
 
 def consolidation_row(args, root: str) -> str:
@@ -178,6 +213,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=24)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=5, help="median of this many")
+    parser.add_argument("--results", default=None, help="also append the table to this file")
     args = parser.parse_args()
     fzero.comm.init_distributed()
     rank = dist.get_rank()
@@ -186,24 +222,13 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
     dist.barrier()
-    rows = measure(args, root)
+    times, sizes = measure(args, root)
     if rank == 0:
-        params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
-        print(
-            f"checkpoint, {params / 1e6:.1f}M params + AdamW state, {dist.get_world_size()} ranks"
+        notes = (
+            consolidation_row(args, root),
+            f"peak RSS rank 0: {_harness.peak_rss_mb():.0f} MB",
         )
-        base_save, base_load = rows[0][1], rows[0][2]
-        header = ("save s", "x DCP", "load s", "x DCP", "GB", "save GB/s")
-        print(f"{'library':<30} " + " ".join(f"{h:>{max(6, len(h))}}" for h in header))
-        for name, save, load, size in rows:
-            print(
-                f"{name:<30} {save:>6.3f} {save / base_save:>6.2f} {load:>6.3f} "
-                f"{load / base_load:>6.2f} {size / 1e9:>6.2f} {size / 1e9 / save:>9.2f}"
-            )
-        print(consolidation_row(args, root))
-        print(
-            f"peak RSS rank 0: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
-        )
+        _harness.report("checkpoint", table(args, times, sizes, notes), args.results)
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()

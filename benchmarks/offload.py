@@ -8,21 +8,23 @@ bf16 compute, AdamW with `offload_optimizer: nvme`: 12 bytes per parameter (fp32
 master, m, v) live in the swap file; gradients and bf16 parameter shards stay in host
 memory (`swap_gradients: false`). The second configuration (ZeRO-Infinity) keeps the
 gradient accumulators and the parameter shards (`offload_param: nvme`) on disk too.
-Each runs in its own process (peak RSS is per process). The floor is the bytes one step
-must read and write (24 per parameter, 38 with everything on NVMe) over the sequential
-bandwidth of the same directory, read and written with O_DIRECT in 1 MiB blocks (as
-the swap file is). When DeepSpeed imports and its libaio op builds, a third row runs
-DeepSpeed's ZeRO-Infinity on the same model with the same ZeRO knobs (its floor is left
-blank: which bytes it moves is its own).
+Each runs in its own process (peak RSS is per process), the configurations interleaved
+over `--rounds` rounds, each round also measuring the disk in its own process; the table
+shows the median step with its min-max over rounds. The floor is the bytes one step must
+read and write (24 per parameter, 38 with everything on NVMe) over the best sequential
+bandwidth of the same directory over the rounds, read and written with O_DIRECT in 1 MiB
+blocks (as the swap file is); a step faster than that is marked "under floor" with the
+reason under the table. When DeepSpeed imports and its libaio op builds, a third row
+runs DeepSpeed's ZeRO-Infinity on the same model with the same ZeRO knobs (its floor is
+left blank: which bytes it moves is its own).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,20 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
+
 import fzero
 from fzero import _nvme
-
-
-def vm_hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM"))
-    return int(line.split()[1]) / 1024
-
-
-def vm_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS"))
-    return int(line.split()[1]) / 1024
 
 
 def disk_bandwidth(directory: str, nbytes: int = 512 * 2**20) -> float:
@@ -77,13 +70,12 @@ ZERO = {
 
 def median_step(engine: Any, x: torch.Tensor, steps: int) -> float:
     """Median seconds of `steps` training steps, after one warm-up step."""
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
+
+    def step() -> None:
         engine.backward(engine(x).float().square().mean())
         engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+
+    return statistics.median(_harness.time_steps(step, steps, warmup=1))
 
 
 def deepspeed_available() -> str:
@@ -129,7 +121,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
     import deepspeed
 
     config = deepspeed_infinity(args.width, args.dir)
-    baseline = vm_rss_mb()
+    baseline = _harness.rss_mb()
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
@@ -141,7 +133,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, float]:
     return {
         "params": params,
         "baseline": baseline,
-        "peak": vm_hwm_mb(),
+        "peak": _harness.peak_rss_mb(),
         "step": step,
         "moved": float("nan"),  # DeepSpeed's traffic is its own
     }
@@ -151,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     """One configuration in this process: its peak RSS is this process's."""
     if args.config == "deepspeed":
         return run_deepspeed(args)
-    baseline = vm_rss_mb()
+    baseline = _harness.rss_mb()
     torch.manual_seed(0)
     with fzero.init_context():  # never whole in memory
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
@@ -176,10 +168,60 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return {
         "params": params,
         "baseline": baseline,
-        "peak": vm_hwm_mb(),
+        "peak": _harness.peak_rss_mb(),
         "step": step,
         "moved": moved,
     }
+
+
+COLUMNS = (
+    ("peak RSS MB", ".0f"), ("% state", ".0f"), ("- interp.", ".0f"), ("% state", ".0f"),
+    ("step s", ".2f"), ("min", ".2f"), ("max", ".2f"), ("floor s", ".2f"), ("x floor", ".2f"),
+)  # fmt: skip
+
+
+def table(results: dict[str, list[dict[str, float]]], rounds: int) -> _harness.Table:
+    bandwidth = max(r["bandwidth"] for r in results.pop("bandwidth"))
+    params = results["optimizer"][0]["params"]
+    state_mb = 12 * params / 2**20
+    rows, notes = [], []
+    for name, measured in results.items():
+        peak = max(r["peak"] for r in measured)
+        model_side = peak - statistics.median([r["baseline"] for r in measured])
+        step = _harness.spread([r["step"] for r in measured])
+        floor: float | None = measured[0]["moved"] * params / bandwidth
+        if math.isnan(floor):  # DeepSpeed's: which bytes it moves is its own
+            floor = None
+        ratio = step.median / floor if floor else None
+        label = CONFIGS[name]
+        if ratio is not None and ratio < 1:
+            ratio, label = None, f"{label} (under floor)"
+            notes.append(
+                f"under floor: {CONFIGS[name]} stepped in {step.median:.2f} s, under the "
+                f"{floor:.2f} s its bytes take at the best disk bandwidth measured: the "
+                f"probe (512 MiB written, then read, once a round) did not reach the disk's "
+                f"peak, so that floor bounds nothing for it"
+            )
+        cells = (
+            peak, 100 * peak / state_mb, model_side, 100 * model_side / state_mb,
+            *step, floor, ratio,
+        )  # fmt: skip
+        rows.append((label, cells))
+    return _harness.Table(
+        title=(
+            f"NVMe offload, {params / 1e6:.1f}M params, stage 3, bf16, AdamW, 1 rank, "
+            f"{rounds} interleaved rounds; optimizer state on disk {state_mb:.0f} MB "
+            f"(12 B/param); disk {bandwidth / 1e9:.2f} GB/s (best O_DIRECT write + read)"
+        ),
+        name_header="configuration",
+        columns=COLUMNS,
+        rows=tuple(rows),
+        notes=(
+            "('- interp.': peak minus the RSS of the interpreter with torch imported; "
+            "'% state': of the state on disk)",
+            *notes,
+        ),
+    )
 
 
 def main() -> None:
@@ -188,40 +230,32 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--results", default=None, help="also append the table to this file")
+    parser.add_argument("--config", choices=[*CONFIGS, "bandwidth"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.config != "all":
-        print(json.dumps(run(args)))
+    if args.config == "bandwidth":
+        _harness.write_row(args.json, {"bandwidth": disk_bandwidth(args.dir)})
         return
-    rows = {}
+    if args.config:
+        _harness.write_row(args.json, run(args))
+        return
+    names = ["bandwidth", *CONFIGS]
     missing = deepspeed_available()
     if missing:
         print(f"(DeepSpeed row left out: {missing})")
-    for name in CONFIGS:
-        if name == "deepspeed" and missing:
-            continue
-        command = [sys.executable, __file__, *sys.argv[1:], "--config", name]
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
-    bandwidth = disk_bandwidth(args.dir)
-    params = rows["optimizer"]["params"]
-    state_mb = 12 * params / 2**20
-    print(f"NVMe offload, {params / 1e6:.1f}M params, stage 3, bf16, AdamW, 1 rank")
-    print(f"optimizer state on disk: {state_mb:.0f} MB (12 B/param)")
-    print(f"disk bandwidth (O_DIRECT write + read, same directory): {bandwidth / 1e9:.2f} GB/s")
-    print(
-        f"{'configuration':<42} {'peak RSS MB':>11} {'% state':>7} {'- interp.':>9} "
-        f"{'% state':>7} {'step s':>7} {'floor s':>7} {'x floor':>7}"
+        names.remove("deepspeed")
+    shape = [
+        "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps),
+        "--dir", args.dir,
+    ]  # fmt: skip
+    results = _harness.run_rows(
+        names,
+        lambda name, out: [sys.executable, __file__, *shape, "--config", name, "--json", out],
+        args.rounds,
     )
-    for name, r in rows.items():
-        model_side = r["peak"] - r["baseline"]
-        floor = r["moved"] * params / bandwidth
-        print(
-            f"{CONFIGS[name]:<42} {r['peak']:>11.0f} {r['peak'] / state_mb:>7.0%} "
-            f"{model_side:>9.0f} {model_side / state_mb:>7.0%} {r['step']:>7.2f} "
-            f"{floor:>7.2f} {r['step'] / floor:>7.2f}"
-        )
-    print("('- interp.': peak minus the RSS of the interpreter with torch imported)")
+    _harness.report("offload", table(results, args.rounds), args.results)
 
 
 if __name__ == "__main__":

@@ -38,14 +38,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offload import (
-    ZERO,
-    deepspeed_available,
-    deepspeed_infinity,
-    disk_bandwidth,
-    vm_hwm_mb,
-    vm_rss_mb,
-)
+from _harness import peak_rss_mb, rss_mb
+from offload import ZERO, deepspeed_available, deepspeed_infinity, disk_bandwidth
 
 import fzero
 
@@ -94,7 +88,7 @@ def run_fzero(args: argparse.Namespace) -> dict[str, Any]:
     """One size in this process: build, train, and (small enough) save, resume and
     consolidate; the peak RSS of each phase."""
     swap_dir = tempfile.mkdtemp(prefix="fzero-scale-", dir=args.dir)
-    row: dict[str, Any] = {"baseline": vm_rss_mb()}
+    row: dict[str, Any] = {"baseline": rss_mb()}
     try:
         torch.manual_seed(0)
         reset_peak()
@@ -104,7 +98,7 @@ def run_fzero(args: argparse.Namespace) -> dict[str, Any]:
         engine = fzero.shard(
             model, optimizer=fzero.optim.adamw(lr=1e-4), config=config(args, swap_dir)
         )
-        row["build_s"], row["build_peak"] = time.perf_counter() - start, vm_hwm_mb()
+        row["build_s"], row["build_peak"] = time.perf_counter() - start, peak_rss_mb()
         row["params"] = sum(rt.unit.numel for rt in engine.units)
         row["disk"] = swap_bytes(swap_dir)
         x = torch.randn(4, args.width)
@@ -115,7 +109,7 @@ def run_fzero(args: argparse.Namespace) -> dict[str, Any]:
             engine.backward(engine(x).float().square().mean())
             engine.step()
             times.append(time.perf_counter() - start)
-        row["step_s"], row["peak"] = min(times[1:]), vm_hwm_mb()
+        row["step_s"], row["peak"] = min(times[1:]), peak_rss_mb()
         row["loss_finite"] = bool(torch.isfinite(engine(x).float().square().mean()))
         if row["params"] <= args.checkpoint_up_to * 1e9:
             row.update(checkpoint_phases(engine, args, swap_dir))
@@ -145,7 +139,7 @@ def checkpoint_phases(engine: Any, args: argparse.Namespace, swap_dir: str) -> d
             reset_peak()
             start = time.perf_counter()
             action()
-            row[f"{phase}_s"], row[f"{phase}_peak"] = time.perf_counter() - start, vm_hwm_mb()
+            row[f"{phase}_s"], row[f"{phase}_peak"] = time.perf_counter() - start, peak_rss_mb()
             if phase == "save":
                 row["checkpoint_bytes"] = sum(
                     os.path.getsize(os.path.join(d, f))
@@ -162,7 +156,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     import deepspeed
 
     swap_dir = tempfile.mkdtemp(prefix="ds-scale-", dir=args.dir)
-    row: dict[str, Any] = {"baseline": vm_rss_mb()}
+    row: dict[str, Any] = {"baseline": rss_mb()}
     try:
         ds_config = deepspeed_infinity(args.width, swap_dir)
         torch.manual_seed(0)
@@ -173,7 +167,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
-        row["build_s"], row["build_peak"] = time.perf_counter() - start, vm_hwm_mb()
+        row["build_s"], row["build_peak"] = time.perf_counter() - start, peak_rss_mb()
         row["params"] = args.depth * (args.width * args.width + args.width)
         x = torch.randn(4, args.width).bfloat16()
         times = []
@@ -183,7 +177,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
             engine.backward(engine(x).float().square().mean())
             engine.step()
             times.append(time.perf_counter() - start)
-        row["step_s"], row["peak"] = min(times[1:]), vm_hwm_mb()
+        row["step_s"], row["peak"] = min(times[1:]), peak_rss_mb()
         row["disk"] = sum(
             os.stat(os.path.join(d, f)).st_blocks * 512
             for d, _, files in os.walk(swap_dir)
