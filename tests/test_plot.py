@@ -28,6 +28,18 @@ def test_table_rows_keep_names_ending_in_digits(tmp_path):
     assert values[1] == [0.107, 1.13, 1002.0]
 
 
+def test_most_row_names_may_end_in_digits():
+    # the header, not the commonest count of trailing numbers, says how many columns
+    table = "\n".join(
+        ["step time, 2 ranks", "engine                 s/step  min  x DDP", "DDP   0.1  0.1  1.00"]
+        + [f"fzero stage {stage}   0.2  0.1  2.00" for stage in range(4)]
+    )
+    header, names, values = plot.parse_table(table)
+    assert header == ["s/step", "min", "x DDP"]
+    assert names == ["DDP", *(f"fzero stage {stage}" for stage in range(4))]
+    assert values[4] == [0.2, 0.1, 2.0]
+
+
 def test_metrics_and_a_table_become_pngs(tmp_path):
     import subprocess
     import sys
@@ -43,3 +55,45 @@ def test_metrics_and_a_table_become_pngs(tmp_path):
         )
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+RESULTS = """# make bench
+
+## step_time
+
+```
+step time, 2 ranks, 3 interleaved rounds
+engine           s/step    min    max  x DDP  peak RSS MB
+DDP               0.094  0.090  0.101   1.00          496
+fzero stage 3     0.107  0.100  0.130   1.13          402
+```
+
+## cpu_adam
+
+```
+AdamW step
+kernel                          B/elem    ms   min   max  x floor  GB/s
+floor: C stream p,m,v += g          28   4.7   4.0   4.9     1.18  29.9
+fzero native AdamW (under floor)    28   3.8   3.6   4.6        -  36.8
+(floor: ...)
+```
+"""
+
+
+def test_a_results_file_becomes_one_png_of_medians_and_spreads(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "results.md").write_text(RESULTS)
+    tables = plot.read_results(str(tmp_path / "results.md"))
+    assert list(tables) == ["step_time", "cpu_adam"]
+    header, names, values = plot.parse_table(tables["cpu_adam"])
+    assert plot.spread_column(header) == (1, True)
+    assert names[1] == "fzero native AdamW (under floor)"
+    assert values[1][:3] == [28.0, 3.8, 3.6] and values[1][4] != values[1][4]  # "-": nan
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot.py"), "results", "results.md"],
+        cwd=tmp_path,
+        check=True,
+    )
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
