@@ -44,6 +44,16 @@ def _locate(param: torch.nn.Parameter) -> tuple[Any, Any, Any, tuple[int, ...]] 
     return None
 
 
+def _locate_for(param: torch.nn.Parameter, value: Tensor) -> Any:
+    """`_locate(param)`, checking that `value` is a whole tensor of its shape."""
+    found = _locate(param)
+    if found is not None and tuple(value.shape) != tuple(found[3]):
+        raise ValueError(
+            f"value has shape {tuple(value.shape)}; the parameter is {tuple(found[3])}"
+        )
+    return found
+
+
 @contextmanager
 def _resident(engine: Any, rt: Any, write_back: bool) -> Iterator[None]:
     with engine.residency.resident(rt, write_back=write_back):
@@ -90,12 +100,10 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Tensor | None:
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: Tensor) -> None:
     """Make `value` (the whole tensor) `param`'s fp32 master and its compute copy;
     collective. Nothing happens for a parameter no engine trains (as DeepSpeed)."""
-    found = _locate(param)
+    found = _locate_for(param, value)
     if found is None:
         return
-    engine, rt, placement, shape = found
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"value has shape {tuple(value.shape)}; the parameter is {shape}")
+    engine, rt, placement, _ = found
     with torch.no_grad(), _resident(engine, rt, write_back=True):
         _write(engine, rt, rt.master, placement, value)
         engine.publish_master(rt)
@@ -118,12 +126,10 @@ def safe_set_full_optimizer_state(
     param: torch.nn.Parameter, value: Tensor, optim_state_key: str
 ) -> None:
     """Set `param`'s whole optimizer state `optim_state_key` to `value`; collective."""
-    found = _locate(param)
+    found = _locate_for(param, value)
     if found is None:
         return
-    engine, rt, placement, shape = found
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"value has shape {tuple(value.shape)}; the parameter is {shape}")
+    engine, rt, placement, _ = found
     with torch.no_grad(), _resident(engine, rt, write_back=True):
         _write(engine, rt, _state_tensor(rt, optim_state_key), placement, value)
 
