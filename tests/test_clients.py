@@ -117,7 +117,7 @@ def test_initialize_returns_the_scheduler_deepspeed_returns():
     assert out["argument_wins"] and out["factory"]
 
 
-def lightning_case(rank, world, tmp):
+def lightning_case(rank, world, tmp, stage):
     """Lightning's DeepSpeedStrategy: `engine.lr_scheduler = None`, the client steps its
     torch scheduler itself; resume with `load_lr_scheduler_states=False` and the
     scheduler state restored from the client's own checkpoint dict."""
@@ -125,7 +125,9 @@ def lightning_case(rank, world, tmp):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = _halving(opt)
-    engine, *_ = fzero.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=_config(2))
+    engine, *_ = fzero.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=_config(stage)
+    )
     assert engine.lr_scheduler is sched
     engine.lr_scheduler = None  # Lightning: "disable deepspeed lr scheduling"
     lrs = []
@@ -140,7 +142,9 @@ def lightning_case(rank, world, tmp):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = _halving(opt)
-    engine, *_ = fzero.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=_config(2))
+    engine, *_ = fzero.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=_config(stage)
+    )
     engine.lr_scheduler = None
     _, client = engine.load_checkpoint(tmp, tag="s3", load_lr_scheduler_states=False)
     resumed_lr = opt.param_groups[0]["lr"]  # restored with the optimizer state
@@ -152,10 +156,13 @@ def lightning_case(rank, world, tmp):
     return lrs, final, resumed_lr, resumed, engine.state_dict()
 
 
-@pytest.mark.parametrize("world", [2])
-def test_a_client_that_takes_the_scheduler_steps_it_once_and_resumes_its_lr(tmp_path, world):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_client_that_takes_the_scheduler_steps_it_once_and_resumes_its_lr(tmp_path, stage):
+    world = 2
     state, lrs_ref = _reference(6, world, _halving)
-    lrs, final, resumed_lr, resumed, final_resumed = run_world(lightning_case, world, str(tmp_path))
+    lrs, final, resumed_lr, resumed, final_resumed = run_world(
+        lightning_case, world, str(tmp_path), stage
+    )
     assert lrs == lrs_ref  # one step of the schedule per step, not two
     assert resumed_lr == lrs_ref[3] and resumed == lrs_ref[3:]
     for name, value in state.items():
