@@ -243,3 +243,49 @@ def test_accelerate_deepspeed_plugin_steps_the_scripts_scheduler_and_resumes(tmp
     assert resumed == record[3:]
     for name, value in ours.items():
         assert torch.equal(again[name], value), name
+
+
+# ---- TRL -------------------------------------------------------------------------------
+
+
+def _sft(tmp: Path, name: str, deepspeed: dict | None) -> dict:
+    """`tests/client_scripts/trl_sft.py` on 2 ranks: `fzero run --as-deepspeed` with a
+    ZeRO config, else as plain Trainer DDP; returns the saved weights."""
+    pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    out = tmp / name
+    flags = [
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no",
+        "--logging_steps", "1", "--seed", "0", "--bf16", "false", "--max_length", "16",
+        "--dataloader_num_workers", "0", "--use_cpu", "true",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "fzero.cli", "run", "-n", "2"]
+    if deepspeed is not None:
+        config = tmp / f"{name}.json"
+        config.write_text(json.dumps(deepspeed))
+        command += ["--as-deepspeed", "--no_local_rank"]
+        flags += ["--deepspeed", str(config)]
+    command += [str(SCRIPTS / "trl_sft.py"), *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.slow  # two Trainer launches
+def test_trl_sft_trainer_at_zero3_trains_as_without_deepspeed(tmp_path):
+    """TRL's SFTTrainer at ZeRO-3 (it imports `ZeroParamStatus` and gathers the LM head
+    by `ds_status`) ends where its plain DDP run does."""
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+    }
+    ours = _sft(tmp_path, "zero3", config)
+    plain = _sft(tmp_path, "ddp", None)
+    assert ours.keys() == plain.keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-5, msg=name)

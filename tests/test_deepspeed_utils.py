@@ -134,6 +134,60 @@ def test_zero3_parameters_carry_deepspeeds_attributes_and_external_ones_are_gath
     assert set(state) == {"embed.weight", "embed.bias"}
 
 
+class _SavesWeight(torch.autograd.Function):
+    """`h @ w.T` saving the weight itself, reading `ds_status` in backward and gathering
+    by it, as TRL's chunked log-prob Function does."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w = ctx.saved_tensors
+        status = getattr(w, "ds_status", None)  # None below stage 3
+        with fzero.zero.GatheredParameters([w] if status is ZeroParamStatus.NOT_AVAILABLE else []):
+            _SavesWeight.seen.append((status, getattr(w, "ds_shape", None), tuple(w.shape)))
+            return grad @ w, grad.t() @ h
+
+
+class HeadByFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 7)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        with fzero.zero.GatheredParameters([self.head.weight]):
+            return _SavesWeight.apply(h, self.head.weight)
+
+
+def saved_weight_case(rank, world, stage):
+    torch.manual_seed(0)
+    _SavesWeight.seen = []
+    engine, *_ = fzero.initialize(model=HeadByFunction(), config=_config(stage))
+    x = global_batch(0, 2 * world)[0][rank * 2 : rank * 2 + 2, :5]
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    plain = torch.ones(3)
+    with pytest.raises(AttributeError, match="'Tensor' object has no attribute 'ds_status'"):
+        plain.ds_status  # noqa: B018 - a tensor that is no parameter's has none
+    return _SavesWeight.seen, engine.state_dict()
+
+
+def test_a_function_that_saved_a_zero3_weight_reads_its_attributes_in_backward():
+    """fzero's stage-3 saved-tensor hook gathers a saved weight again in backward, and
+    torch hands the Function a new tensor over it (DeepSpeed hands the parameter): it
+    answers `ds_status` and `ds_shape` as the parameter, and training matches stage 0."""
+    seen, state = run_world(saved_weight_case, 2, 3)
+    _, reference = run_world(saved_weight_case, 2, 0)
+    assert seen == [(ZeroParamStatus.AVAILABLE, torch.Size([3, 7]), (3, 7))]
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
+
+
 def checkpoint_case(rank, world, tmp):
     torch.manual_seed(0)
     engine, *_ = fzero.initialize(model=Awkward(), config=_config(2))
