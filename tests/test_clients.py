@@ -289,3 +289,44 @@ def test_trl_sft_trainer_at_zero3_trains_as_without_deepspeed(tmp_path):
     assert ours.keys() == plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+# ---- Lightning -------------------------------------------------------------------------
+
+
+def _lightning(tmp: Path, name: str, stage: int, *args: str) -> tuple[dict, list[dict]]:
+    """`tests/client_scripts/lightning_ds.py` as its users start it (`python script.py`,
+    Lightning starts the second process); returns rank 0's final weights and record."""
+    pytest.importorskip("lightning")
+    from safetensors.torch import load_file
+
+    command = [sys.executable, str(SCRIPTS / "lightning_ds.py"), "--stage", str(stage)]
+    command += ["--out", str(tmp / name), *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return load_file(tmp / f"{name}.safetensors"), json.loads((tmp / f"{name}.json").read_text())
+
+
+@pytest.mark.slow  # four Lightning runs a stage
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_strategy_trains_as_ddp_resumes_and_converts(tmp_path, stage):
+    """Lightning's DeepSpeedStrategy (a scheduler from `configure_optimizers`, which
+    Lightning steps itself after detaching the engine's) against Lightning's DDP, run
+    through and resumed from `save_checkpoint`: equal lrs, weights within 1e-5; the
+    checkpoint converts to the fp32 weights it holds. (Lightning's own DDP resume does
+    not repeat its uninterrupted run after the first resumed step, so the reference for
+    a resume is Lightning's DDP resume.)"""
+    from safetensors.torch import load_file
+
+    for name, args in (("", ()), ("resumed-", ("--save_at", "3"))):
+        plain, plain_record = _lightning(tmp_path, f"{name}ddp", 0, *args)
+        ours, record = _lightning(tmp_path, f"{name}zero", stage, *args)
+        assert [r["lr"] for r in record] == [r["lr"] for r in plain_record]
+        assert len({r["lr"] for r in record}) == len(record)  # the schedule moved every step
+        for key, value in plain.items():
+            torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-5, msg=key)
+    converted = load_file(tmp_path / "resumed-zero.fp32" / "model.safetensors")
+    at_save = load_file(tmp_path / "resumed-zero.at_save.safetensors")
+    assert converted.keys() == at_save.keys()
+    for key, value in at_save.items():
+        assert torch.equal(converted[key], value), key

@@ -102,3 +102,34 @@ def test_accelerate_deepspeed_plugin_trains_as_under_deepspeed(tmp_path):
     )
     for name, value in theirs.items():
         assert (ours[name] - value).abs().max().item() <= 1e-5, name
+
+
+def _lightning(python: str, tmp: Path, name: str, *args: str) -> tuple[dict, list[dict]]:
+    from safetensors.torch import load_file
+
+    script = str(ROOT / "tests" / "client_scripts" / "lightning_ds.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(_port())}
+    done = subprocess.run(
+        [python, script, "--out", str(tmp / name), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return load_file(tmp / f"{name}.safetensors"), json.loads((tmp / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize(("stage", "resume"), [(2, False), (3, False), (2, True)])
+def test_lightning_deepspeed_strategy_trains_as_under_deepspeed(tmp_path, stage, resume):
+    """Lightning's DeepSpeedStrategy (its CPU subclass in the script) on 2 processes
+    under DeepSpeed and under fzero, run through or resumed from `save_checkpoint`."""
+    pytest.importorskip("lightning")
+    args = ["--stage", str(stage), *(["--save_at", "3"] if resume else [])]
+    theirs, their_record = _lightning(
+        DEEPSPEED_PYTHON, tmp_path, "deepspeed", *args, "--deepspeed_itself"
+    )
+    ours, record = _lightning(sys.executable, tmp_path, "fzero", *args)
+    assert [r["lr"] for r in record] == [r["lr"] for r in their_record]
+    assert [r["loss"] for r in record] == pytest.approx(
+        [r["loss"] for r in their_record], rel=1e-5, abs=1e-6
+    )
+    for name, value in theirs.items():
+        assert (ours[name] - value).abs().max().item() <= 1e-5, name

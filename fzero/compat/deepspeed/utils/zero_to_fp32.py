@@ -115,7 +115,10 @@ def _pickle_paths(name: str) -> Any:
         "(safetensors and msgpack). For the fp32 weights use "
         "get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir) (and write them in the "
         "format you need), or `fzero checkpoint consolidate`; "
-        "the client state saved with the checkpoint is what load_checkpoint returns"
+        "the client state saved with the checkpoint is what load_checkpoint returns. "
+        "Lightning's convert_zero_checkpoint_to_fp32_state_dict calls this to torch.save "
+        "a pickle: call deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict"
+        "(checkpoint_dir, output_dir) instead, which writes output_dir/model.safetensors"
     )
 
 
