@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness
 
 import fzero
-from fzero import _nvme
+from fzero.core import nvme as _nvme
 
 
 def disk_bandwidth(directory: str, nbytes: int = 512 * 2**20) -> float:

@@ -5,18 +5,33 @@ level (`initialize`, `init_distributed`, `zero`, `comm`, `accelerator`, ...); fo
 left unchanged, `fzero run --as-deepspeed` serves `import deepspeed` (`fzero.compat`).
 """
 
-from fzero import accelerator, checkpoint, checkpointing, comm, optim, partition, zero
-from fzero._arguments import add_config_arguments
-from fzero._auto import resolve_auto
-from fzero._functional import init, state_dict
-from fzero._meta_init import init_context
-from fzero._train_state import Counters, TrainState, UnitState
-from fzero._train_step import eval_step, train_step
+import sys
+
+from fzero import checkpoint, comm, optim, partition
 from fzero._version import __version__
-from fzero.api import gathered_parameters, initialize, shard
+from fzero.compat import accelerator, checkpointing, zero
+from fzero.compat.arguments import add_config_arguments
 from fzero.compat.deepspeed.comm import init_distributed
+from fzero.compat.initialize import initialize
+from fzero.compat.zero import gathered_parameters
 from fzero.config import Config, load_config
+from fzero.config.auto import resolve_auto
+from fzero.core.init import init, state_dict
+from fzero.core.state import Counters, TrainState, UnitState
+from fzero.core.step import eval_step, train_step
 from fzero.engine import Engine
+from fzero.engine.entry import shard
+from fzero.engine.meta_init import init_context
+
+# DeepSpeed-named modules live in `fzero.compat`; `import fzero.checkpointing` (activation
+# recomputation, DeepSpeed's `deepspeed.checkpointing`), `fzero.zero` and
+# `fzero.accelerator` keep working as they did at the top level
+for _name, _module in (
+    ("accelerator", accelerator),
+    ("checkpointing", checkpointing),
+    ("zero", zero),
+):
+    sys.modules.setdefault(f"fzero.{_name}", _module)
 
 DeepSpeedEngine = Engine  # DeepSpeed's name, for isinstance checks
 

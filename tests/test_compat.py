@@ -346,7 +346,7 @@ def test_launcher_flags_map_to_the_entry_environment():
     line = done.stdout.strip()
     assert "FZERO_AS_DEEPSPEED=1" in line and "FZERO_LOCAL_RANK_ARG=1" in line
     assert "'FZERO_CORE_LISTS=0,1;2,3'" in line
-    assert line.endswith("-m fzero.launch_entry train.py --x")
+    assert line.endswith("-m fzero.cli.launch_entry train.py --x")
     done = subprocess.run(
         [sys.executable, "-m", "fzero.cli", "run", "--dry-run", "--bind_core_list", "0-3",
          "train.py"],

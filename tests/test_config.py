@@ -9,8 +9,8 @@ import warnings
 import pytest
 
 from fzero import add_config_arguments, resolve_auto
-from fzero._auto import check_resolved, unresolved_auto
 from fzero.config import AUTO, ConfigError, batch_sizes, load_config
+from fzero.config.auto import check_resolved, unresolved_auto
 
 REGRESSION = """
 {"train_batch_size": 32, "fp16": {"enabled": true},

@@ -19,7 +19,7 @@ from fzero.compat.deepspeed.utils import (
     safe_set_full_fp32_param,
     zero_to_fp32,
 )
-from fzero.zero import ZeroParamStatus, register_external_parameter
+from fzero.compat.zero import ZeroParamStatus, register_external_parameter
 from tests._dist import run_world
 from tests.models import Awkward, Net, global_batch
 

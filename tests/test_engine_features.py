@@ -312,7 +312,7 @@ def test_a_failing_rank_ends_the_job_and_is_named(tmp_path):
 
 
 def test_launcher_builds_torchrun_commands(tmp_path):
-    from fzero.launcher import parse_hostfile, torchrun_command
+    from fzero.cli.launcher import parse_hostfile, torchrun_command
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("worker-1 slots=4\n# comment\nworker-2 slots=4\n")

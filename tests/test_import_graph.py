@@ -1,8 +1,13 @@
-"""fzero's modules import one another in one direction only: no cycles, eager or lazy.
+"""fzero's modules import one another in one direction only: no cycles, eager or lazy,
+and the layers of DESIGN.md point down.
 
 Every `import fzero...` / `from fzero... import ...` in every module counts, including
 those inside functions and under `TYPE_CHECKING`: a cycle hidden in a function is still
-two modules that each need the other to be understood.
+two modules that each need the other to be understood. Importing `a.b.c` runs
+`a/b/__init__` too, so the graph has that edge as well (the package's `__init__` is what
+pulls the rest of a layer in). Two edges are left out: to a package the importing module
+sits in (Python has run its `__init__` already), and to the top-level `fzero`, the public
+facade that imports every layer.
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for path in (ROOT / "fzero").rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (root / "fzero").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
@@ -30,9 +35,20 @@ def _target(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the fzero modules it imports anywhere in its source."""
-    modules = _modules()
+def _packages_run(target: str, importer: str, modules: dict[str, Path]) -> list[str]:
+    """The package `__init__`s importing `target` runs, beyond those `importer` sits in
+    (and the top-level facade)."""
+    parts = target.split(".")
+    parents = [".".join(parts[:i]) for i in range(2, len(parts))]
+    return [
+        p for p in parents if p in modules and not (importer == p or importer.startswith(p + "."))
+    ]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the fzero modules it imports anywhere in its source, and the packages
+    whose `__init__` those imports run."""
+    modules = _modules(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -58,6 +74,7 @@ def import_graph() -> dict[str, set[str]]:
                     resolved = _target(target, modules)
                     if resolved and resolved != name:
                         graph[name].add(resolved)
+                        graph[name].update(_packages_run(resolved, name, modules))
     return graph
 
 
@@ -86,7 +103,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycles():
     graph = import_graph()
-    assert "fzero.engine" in graph and graph["fzero.api"]  # the walk found the package
+    assert "fzero.engine" in graph and graph["fzero.engine.entry"]  # the walk found the package
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -126,3 +143,64 @@ def test_checkpoints_reach_no_engine_and_touch_no_private_engine_attribute():
             name = getattr(getattr(node, "value", None), "id", None)
             if isinstance(node, ast.Attribute) and name == "engine":
                 assert not node.attr.startswith("_"), f"{path.name}: engine.{node.attr}"
+
+
+# The layer rule: a layer reaches only layers below it (DESIGN.md, "Layers"); the pure
+# layers (partition, optim) are held to their own test above.
+_NOT_BELOW = {
+    "fzero.core": ("fzero.engine", "fzero.compat", "fzero.checkpoint", "fzero.cli"),
+    "fzero.checkpoint": ("fzero.engine", "fzero.compat", "fzero.cli"),
+    "fzero.engine": ("fzero.compat", "fzero.cli"),
+    "fzero.config": ("fzero.core", "fzero.engine", "fzero.compat", "fzero.checkpoint", "fzero.cli"),
+}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each module that reaches, even through other modules and package `__init__`s, a
+    layer its own must not: `module -> reached module`."""
+    found = []
+    for name in sorted(graph):
+        for layer, banned in _NOT_BELOW.items():
+            if name != layer and not name.startswith(layer + "."):
+                continue
+            for reached in sorted(_reachable(graph, name)):
+                if reached.startswith(banned):
+                    found.append(f"{name} -> {reached}")
+    return found
+
+
+def test_each_layer_reaches_only_the_layers_below_it():
+    violations = layer_violations(import_graph())
+    assert not violations, "layer rule broken:\n" + "\n".join(violations)
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    for path in (ROOT / "fzero").rglob("*.py"):
+        target = tmp_path / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    return tmp_path
+
+
+def test_the_checks_catch_the_old_cycle_through_a_package_init(tmp_path):
+    """Mutation check: plant the cycle fzero had (the functional core importing the
+    engine's unit helpers, whose package `__init__` imports the engine, which imports the
+    core back) as a lazy import in a copy of the tree; both checks must fail on it."""
+    root = _copy_tree(tmp_path)
+    assert _cycle(import_graph(root)) is None and not layer_violations(import_graph(root))
+    init = root / "fzero" / "core" / "init.py"
+    init.write_text(
+        init.read_text() + "\n\ndef _planted():\n    from fzero.engine._build import build_units\n"
+    )
+    graph = import_graph(root)
+    assert "fzero.engine" in graph["fzero.core.init"]  # the package edge
+    cycle = _cycle(graph)
+    assert cycle is not None and "fzero.engine" in cycle and "fzero.core.init" in cycle
+    assert "fzero.core.init -> fzero.engine" in layer_violations(graph)
+
+
+def test_the_layer_rule_catches_a_core_module_reaching_checkpoints(tmp_path):
+    root = _copy_tree(tmp_path)
+    layout = root / "fzero" / "core" / "layout.py"
+    layout.write_text(layout.read_text() + "\n\nfrom fzero.checkpoint import CheckpointError\n")
+    assert "fzero.core.layout -> fzero.checkpoint" in layer_violations(import_graph(root))

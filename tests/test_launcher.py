@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fzero.launcher import Host, filter_hosts
+from fzero.cli.launcher import Host, filter_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [Host("worker-0", 4), Host("worker-1", 4), Host("worker-2", 4)]
@@ -81,7 +81,9 @@ def test_processes_per_node_default_to_one_per_visible_gpu(monkeypatch, gpus, ex
 
     commands = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setattr("fzero.launcher._call", lambda command, env, dry: commands.append(command))
+    monkeypatch.setattr(
+        "fzero.cli.launcher._call", lambda command, env, dry: commands.append(command)
+    )
     cli.main(["run", "--dry-run", "t.py"])
     assert f"--nproc-per-node={expected}" in commands[0]
 

@@ -134,7 +134,7 @@ def test_a_full_disk_names_the_swap_file_and_the_bytes(tmp_path, monkeypatch, ow
 def test_memory_too_small_for_the_swap_buffers_is_named_before_training(
     tmp_path, monkeypatch, own_group
 ):
-    monkeypatch.setattr("fzero._nvme.available_memory", lambda: 1000)
+    monkeypatch.setattr("fzero.core.nvme.available_memory", lambda: 1000)
     offload = {"device": "nvme", "nvme_path": str(tmp_path)}
     config = {"zero_optimization": {"stage": 2, "offload_optimizer": offload}}
     with pytest.raises(
@@ -402,7 +402,7 @@ def test_nvme_checkpoints_hold_one_unit_at_a_time(tmp_path):
 
 
 def test_buffer_pool_reuses_aligned_buffers_and_trims():
-    from fzero._nvme import ALIGN, BufferPool
+    from fzero.core.nvme import ALIGN, BufferPool
 
     pool = BufferPool(1000)
     first, second = pool.take(), pool.take()

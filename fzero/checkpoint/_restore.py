@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero._train_state import Counters, TrainState, UnitState, optimizer_partition, publish
 from fzero.checkpoint._files import CheckpointError, hugepage_hint
 from fzero.checkpoint._format import Reader, check_tag, read_index, read_latest, slice_key
 from fzero.checkpoint._save import (
@@ -38,6 +37,7 @@ from fzero.checkpoint._save import (
     state_kinds,
     wait_for_save,
 )
+from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition, publish
 from fzero.optim import LossScaleState, Optimizer
 from fzero.partition import Plan, PlanError
 

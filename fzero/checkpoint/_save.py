@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero._train_state import TrainState, UnitState
 from fzero._version import __version__
 from fzero.checkpoint._checksum import WRITE_ALGORITHM
 from fzero.checkpoint._files import fsync_dir, write_safetensors, write_safetensors_stream
@@ -47,6 +46,7 @@ from fzero.checkpoint._format import (
     write_durably,
 )
 from fzero.checkpoint._index import encode_client_state, pack
+from fzero.core.state import TrainState, UnitState
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 

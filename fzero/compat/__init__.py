@@ -76,7 +76,7 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
         real = _TARGET + fullname[len(_PREFIX) :]
         if importlib.util.find_spec(real) is None:
             # a module the served package holds as an attribute (`deepspeed.zero` is
-            # `fzero.zero`): `import deepspeed.zero` works as `deepspeed.zero` does
+            # `fzero.compat.zero`): `import deepspeed.zero` works as `deepspeed.zero` does
             parent, _, name = real.rpartition(".")
             try:
                 attribute = getattr(importlib.import_module(parent), name, None)

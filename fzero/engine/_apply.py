@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import _nvme, comm, native, partition
-from fzero.engine._units import UnitRuntime, bind
+from fzero import comm, native, partition
+from fzero.core import nvme as _nvme
+from fzero.core.layout import UnitRuntime, bind
+from fzero.core.update import hparam_fields, native_update_
 from fzero.optim import (
     lamb_apply_,
     lamb_direction_,
@@ -27,45 +29,9 @@ from fzero.optim import (
     with_overrides,
 )
 
-__all__ = ["OptimizerApplication", "hparam_fields", "native_update_"]
+__all__ = ["OptimizerApplication"]
 
 Engine = Any  # fzero.engine.Engine (this module sits below it)
-
-
-def native_update_(
-    name: str,
-    master: Tensor,
-    grad: Tensor,
-    state: Any,
-    hp: Any,
-    factor: float,
-    out: Tensor | None = None,
-) -> Any:
-    """Optimizer `name`'s in-place update of one fp32 partition through fzero's native
-    kernel, the gradient scaled by `factor` and (with `out`) the compute-dtype copy of the
-    new master written in the same pass; the new state, or None when no kernel applies
-    (LAMB, or an optimizer without one). The engine and `fzero.train_step` both use it."""
-    if name in ("adam", "adamw"):
-        native.adam_(
-            master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
-            lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-            decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
-            out=out,
-        )  # fmt: skip
-    elif name == "sgd":
-        native.sgd_(
-            master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
-            momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
-            nesterov=hp.nesterov, grad_scale=factor, out=out,
-        )  # fmt: skip
-    else:
-        return None
-    return state._replace(step=state.step + 1)
-
-
-def hparam_fields(hparams: Any) -> dict[str, Any]:
-    """A frozen hyper-parameter dataclass as a dict (`update_`'s keyword arguments)."""
-    return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
 
 
 class OptimizerApplication:

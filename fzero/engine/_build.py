@@ -1,6 +1,6 @@
 """Building an engine: its plan, the module's floating tensors cast to the compute dtype,
 each unit's buffers filled from the module's parameters (rank 0's, broadcast) and placed
-where the plan, precision and offload say (`fzero.engine._units`), and its hooks."""
+where the plan, precision and offload say (`fzero.core.layout`), and its hooks."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero import _nvme, partition
-from fzero._meta_init import MetaInitializer
+from fzero import partition
 from fzero.config import Config
+from fzero.core import nvme as _nvme
+from fzero.core.layout import UnitRuntime, bind, scatter_pieces, unbind
 from fzero.engine._forward import ForwardHooks
-from fzero.engine._units import UnitRuntime, bind, describe_zero3_param, scatter_pieces, unbind
+from fzero.engine.meta_init import MetaInitializer
+from fzero.engine.zero3_attributes import describe_zero3_param
 from fzero.partition import Plan, Unit
 
 __all__ = ["build_unit", "build_units", "cast_module", "install_hooks", "plan_for"]

@@ -23,25 +23,26 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero._auto import check_resolved
-from fzero._train_state import TrainState, optimizer_partition
 from fzero.config import Config, batch_sizes
+from fzero.config.auto import check_resolved
+from fzero.core.layout import (
+    UnitRuntime,
+)
+from fzero.core.precision import DTYPES, Precision, loss_scaler, precision_of
+from fzero.core.state import TrainState, optimizer_partition
+from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._apply import OptimizerApplication
 from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
-from fzero.engine._precision import DTYPES, Precision, loss_scaler, precision_of
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._residency import Residency
 from fzero.engine._scheduler import ConfigScheduler
 from fzero.engine._stage3 import Stage3Gatherer
-from fzero.engine._step import GradStats, Hyperparams, grad_stats, take_step
-from fzero.engine._units import (
-    UnitRuntime,
-)
-from fzero.engine_optimizer import EngineOptimizer
+from fzero.engine._step import Hyperparams, take_step
+from fzero.engine.optimizer import EngineOptimizer
+from fzero.engine.telemetry import Telemetry, Timers
 from fzero.optim import Optimizer
 from fzero.partition import MemoryEstimate, Plan, Unit
-from fzero.telemetry import Telemetry, Timers
 
 __all__ = ["Engine", "Precision"]
 
@@ -491,7 +492,7 @@ class Engine:
         With `async_save` the state is copied to host memory and written by a background
         thread; the next save, load or the process exit waits for it and raises its
         error."""
-        from fzero.checkpoint import _engine_io
+        from fzero.engine import checkpoint_io as _engine_io
 
         return _engine_io.save_checkpoint(
             self, save_dir, tag, client_state, save_latest, async_save=async_save,
@@ -513,7 +514,7 @@ class Engine:
         `(None, None)` with a warning when there is no checkpoint (as DeepSpeed). DeepSpeed's
         arguments in its order; without `load_module_strict`, frozen parameters and
         buffers that the checkpoint or the module lacks are skipped."""
-        from fzero.checkpoint import _engine_io
+        from fzero.engine import checkpoint_io as _engine_io
 
         return _engine_io.load_checkpoint(
             self,
@@ -546,13 +547,13 @@ class Engine:
         """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
         the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
         method, without its pickle file."""
-        from fzero.checkpoint import _engine_io
+        from fzero.engine import checkpoint_io as _engine_io
 
         return _engine_io.save_16bit_model(self, save_dir, save_filename)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written and committed."""
-        from fzero.checkpoint import _engine_io
+        from fzero.engine import checkpoint_io as _engine_io
 
         _engine_io.wait_for_save(self)
 

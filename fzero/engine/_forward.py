@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fzero.engine._precision import cast_floats
+from fzero.core.precision import cast_floats
 
 __all__ = ["ForwardHooks"]
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero.engine._units import Bucket, UnitRuntime, add_pieces, drop_flat
+from fzero.core.layout import Bucket, UnitRuntime, add_pieces, drop_flat
 
 __all__ = ["GradientReduction"]
 

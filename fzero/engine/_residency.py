@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import _nvme, comm, native
-from fzero._train_state import UnitState
+from fzero import comm, native
 from fzero.config import Config
-from fzero.engine._units import UnitRuntime
+from fzero.core import nvme as _nvme
+from fzero.core.layout import UnitRuntime
+from fzero.core.state import UnitState
 from fzero.optim import bf16_stochastic
 from fzero.partition import Plan, Unit
 

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import _nvme, comm
+from fzero import comm
 from fzero.config import Config
-from fzero.engine._units import UnitRuntime, bind, unbind
+from fzero.core import nvme as _nvme
+from fzero.core.layout import UnitRuntime, bind, unbind
+from fzero.engine.telemetry import Timers
 from fzero.partition import Plan
-from fzero.telemetry import Timers
 
 __all__ = ["Stage3Gatherer"]
 

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import _functional as functional
 from fzero import partition
-from fzero._train_state import Counters, TrainState, UnitState
+from fzero.core import init as functional
+from fzero.core.layout import UnitRuntime, bind, scatter_pieces
+from fzero.core.state import Counters, TrainState, UnitState
 from fzero.engine._residency import UnitResidence
-from fzero.engine._units import UnitRuntime, bind, scatter_pieces
 from fzero.partition import MemoryEstimate
 
 __all__ = [

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fzero import checkpointing, zero
-from fzero._arguments import add_config_arguments
 from fzero._version import __version__ as _fzero_version
-from fzero.api import initialize
+from fzero.compat import checkpointing, zero
+from fzero.compat.arguments import add_config_arguments
 from fzero.compat.deepspeed import accelerator, comm, launcher, moe, ops, runtime, utils
 from fzero.compat.deepspeed.comm import init_distributed
+from fzero.compat.initialize import initialize
 from fzero.engine import Engine as DeepSpeedEngine
 
 # The DeepSpeed API level fzero follows, and what it really is.

@@ -1,5 +1,5 @@
-"""`deepspeed.checkpointing`: activation checkpointing (`fzero.checkpointing`)."""
+"""`deepspeed.checkpointing`: activation checkpointing (`fzero.compat.checkpointing`)."""
 
-from fzero.checkpointing import checkpoint, configure, is_configured, reset
+from fzero.compat.checkpointing import checkpoint, configure, is_configured, reset
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.engine._units import gather_pieces, scatter_pieces
+from fzero.core.layout import gather_pieces, scatter_pieces
 
 __all__ = [
     "safe_get_full_fp32_param",

@@ -2,7 +2,7 @@
 and `partition_parameters`, whose construction hooks Transformers patches."""
 
 from fzero.compat.deepspeed.runtime.zero import partition_parameters
-from fzero.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
+from fzero.compat.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 __all__ = [
     "GatheredParameters",

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fzero.accelerator import get_accelerator
-from fzero.zero import (
+from fzero.compat.accelerator import get_accelerator
+from fzero.compat.zero import (
     GatheredParameters,
     Init,
     ZeroParamStatus,

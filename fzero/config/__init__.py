@@ -6,7 +6,7 @@ key DeepSpeed has but fzero does not implement is a "not supported yet" error
 (unless it is switched off), and a wrong type or value names the key, the value
 and what is allowed. `"auto"` values (the Hugging Face Transformers convention)
 stay as the string `"auto"` until `fzero.resolve_auto` fills them in; the engine
-refuses a config with any left (`fzero._auto.check_resolved`).
+refuses a config with any left (`fzero.config.auto.check_resolved`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training as functions, part one: `init` builds this rank's `TrainState` from a model
 and a plan, `state_dict` consolidates the trained weights from one. The step is
-`fzero.train_step` (`fzero._train_step`); checkpoints are `fzero.checkpoint.save` and
+`fzero.train_step` (`fzero.core.step`); checkpoints are `fzero.checkpoint.save` and
 `restore`.
 """
 
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero._train_state import Counters, TrainState, UnitState, optimizer_partition
 from fzero.config import Config, load_config
-from fzero.engine._precision import DTYPES, loss_scaler
-from fzero.engine._units import gather_pieces, scatter_pieces
+from fzero.core.layout import gather_pieces, scatter_pieces
+from fzero.core.precision import DTYPES, loss_scaler
+from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 

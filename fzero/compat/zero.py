@@ -19,14 +19,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fzero.api import gathered_parameters
-from fzero.engine._units import ZeroParamStatus
+from fzero import comm
+from fzero.engine.zero3_attributes import ZeroParamStatus
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "gathered_parameters",
     "register_external_parameter",
     "unregister_external_parameter",
 ]
@@ -122,3 +124,50 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
             f"is not registered with {type(module).__name__}"
         )
     del registered[id(parameter)]
+
+
+def gathered_parameters(
+    params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
+    modifier_rank: int | None = None,
+    enabled: bool = True,
+) -> contextlib.AbstractContextManager[None]:
+    """DeepSpeed's `zero.GatheredParameters`: inside the block the `params` of an fzero
+    engine are whole on every rank; with `modifier_rank`, that rank's edits are
+    broadcast on exit and kept. Collective. Parameters no engine holds yet (a model
+    built for `fzero.initialize`, as Transformers initialises and loads one under
+    ZeRO-3) are whole already; with `modifier_rank` that rank's values are broadcast to
+    every rank on exit, as DeepSpeed's re-partitioning would leave them.
+    """
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    refs = {id(ref()): ref() for p in params if (ref := getattr(p, "_fzero_engine", None))}
+    engines = [engine for engine in refs.values() if engine is not None]
+    if not enabled:
+        return contextlib.nullcontext()
+    if not engines:
+        return _broadcast_on_exit(params, modifier_rank)
+    if len(engines) > 1:
+        raise ValueError("gathered_parameters got parameters of more than one fzero engine")
+    return engines[0].gathered_parameters(params, modifier_rank)
+
+
+@contextlib.contextmanager
+def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
+    """Rank `modifier_rank`'s values of `params` on every rank after the block (nothing
+    without a modifier, a process group or a second rank)."""
+    meta = [i for i, p in enumerate(params) if p.is_meta]
+    if modifier_rank is not None and meta:
+        raise ValueError(
+            f"GatheredParameters(modifier_rank={modifier_rank}) got parameter {meta[0]} "
+            f"(shape {tuple(params[meta[0]].shape)}) on the meta device: built inside "
+            "fzero.init_context(), it has no values until the engine builds it; build the "
+            "model without it (deepspeed.zero.Init builds it whole) to edit it before"
+        )
+    yield
+    if modifier_rank is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    with torch.no_grad():
+        for p in params:
+            value = p.data.to(comm.backend_device()).contiguous()
+            dist.broadcast(value, src=modifier_rank)
+            if value.data_ptr() != p.data.data_ptr():
+                p.data.copy_(value)

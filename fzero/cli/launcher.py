@@ -115,7 +115,7 @@ def core_lists(cores: Sequence[int], ranks: int) -> list[list[int]]:
 
 
 def script_environment(args, nproc_per_node: int) -> dict[str, str]:
-    """What `fzero.launch_entry` reads: the DeepSpeed stand-in, `--local_rank`, cores."""
+    """What `fzero.cli.launch_entry` reads: the DeepSpeed stand-in, `--local_rank`, cores."""
     env: dict[str, str] = {}
     if getattr(args, "as_deepspeed", False):
         env["FZERO_AS_DEEPSPEED"] = "1"
@@ -168,7 +168,7 @@ def torchrun_command(
     entry: bool = False,
 ) -> list[str]:
     """The `python -m torch.distributed.run ...` argv for these launcher settings; with
-    `entry`, each process starts in `fzero.launch_entry`, which then runs the script."""
+    `entry`, each process starts in `fzero.cli.launch_entry`, which then runs the script."""
     if hosts:
         slots = {h.slots for h in hosts}
         if len(slots) != 1:
@@ -191,7 +191,7 @@ def torchrun_command(
             "--rdzv-id=fzero",
         ]
     if entry:
-        return [*command, "-m", "fzero.launch_entry", script, *script_args]
+        return [*command, "-m", "fzero.cli.launch_entry", script, *script_args]
     return [*command, script, *script_args]
 
 

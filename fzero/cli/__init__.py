@@ -24,7 +24,7 @@ def _load_factory(spec: str):
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
-    from fzero.estimate import estimate, format_estimate, manifest_of_size
+    from fzero.cli.estimate import estimate, format_estimate, manifest_of_size
     from fzero.partition import describe
 
     if (args.model is None) == (args.params is None):
@@ -138,7 +138,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fzero.launcher import run
+    from fzero.cli.launcher import run
 
     try:
         return run(args, args.script_args)
@@ -151,7 +151,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `fzero` console script."""
     args = _parser().parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

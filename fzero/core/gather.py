@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fzero import comm
-from fzero.engine._units import gather_pieces
+from fzero.core.layout import gather_pieces
 from fzero.partition import Placement, Plan
 
 __all__ = ["UnitGatherer", "placeholder"]

@@ -7,7 +7,7 @@ script's arguments, as DeepSpeed's launcher does; `FZERO_CORE_LISTS="0,1;2,3"` p
 rank i to the i-th list of cores and sets OMP_NUM_THREADS to its length (DeepSpeed's
 `--bind_cores_to_rank`). Then the script runs as `python script.py args` would run it.
 
-    python -m fzero.launch_entry script.py [args...]
+    python -m fzero.cli.launch_entry script.py [args...]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _bind_cores(local_rank: int) -> None:
 def main(argv: list[str]) -> None:
     """Prepare this process as the environment says, then run `argv[0]` as __main__."""
     if not argv:
-        raise SystemExit("usage: python -m fzero.launch_entry script.py [args...]")
+        raise SystemExit("usage: python -m fzero.cli.launch_entry script.py [args...]")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     _bind_cores(local_rank)
     if os.environ.get("FZERO_AS_DEEPSPEED") == "1":

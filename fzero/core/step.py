@@ -15,10 +15,9 @@ state, metrics = step(state, batch)
 ```
 
 The step runs what the engine runs: the plan's layout and reductions (`fzero.partition`,
-`fzero.engine._units`), the step's rules (`fzero.engine._step`: fp16 overflow, global
-norm, clipping), the optimizer's in-place update with fzero's native kernels
-(`fzero.engine._apply.native_update_`), and stage 3's per-unit gathering
-(`fzero._unit_gather`). Gradients come from autograd over `loss_fn` or from a `grad_fn`
+`fzero.core.layout`), the update's rules and native kernels (`fzero.core.update`: fp16
+overflow, global norm, clipping, the in-place update), and stage 3's per-unit gathering
+(`fzero.core.gather`). Gradients come from autograd over `loss_fn` or from a `grad_fn`
 built with any torch.func transform. The step *donates* its input state (as
 `jax.jit(..., donate_argnums=0)`): the returned state reuses its buffers, and passing the
 old state again is an error — ZeRO's memory promise does not survive a second copy of the
@@ -37,20 +36,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
-from fzero._functional import check_optimizer, load
-from fzero._train_state import (
+from fzero.config import Config, batch_sizes
+from fzero.core.gather import UnitGatherer, placeholder
+from fzero.core.init import check_optimizer, load
+from fzero.core.layout import add_pieces, gather_pieces
+from fzero.core.precision import loss_scaler
+from fzero.core.state import (
     Counters,
     TrainState,
     UnitState,
     optimizer_partition,
     publish,
 )
-from fzero._unit_gather import UnitGatherer, placeholder
-from fzero.config import Config, batch_sizes
-from fzero.engine._apply import hparam_fields, native_update_
-from fzero.engine._precision import loss_scaler
-from fzero.engine._step import decide_step, grad_stats
-from fzero.engine._units import add_pieces, gather_pieces
+from fzero.core.update import decide_step, grad_stats, hparam_fields, native_update_
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name, with_overrides
 from fzero.partition import Placement, Plan
 

@@ -1,12 +1,11 @@
-"""The two front doors: functional `shard` and DeepSpeed-compatible `initialize`."""
+"""DeepSpeed's `deepspeed.initialize`, over fzero's engine."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,33 +13,15 @@ import torch
 import torch.distributed as dist
 
 from fzero import comm
-from fzero.config import Config, ConfigError, load_config
+from fzero.config import Config, ConfigError
 from fzero.engine import Engine
-from fzero.engine_optimizer import EngineOptimizer
+from fzero.engine.entry import config_of, param_groups_of
+from fzero.engine.optimizer import EngineOptimizer
 from fzero.optim import Optimizer, adam, adamw, optimizer_from_name, schedule_from_name, sgd
-from fzero.partition import Plan
 
-__all__ = ["gathered_parameters", "initialize", "shard"]
+__all__ = ["initialize"]
 
 log = logging.getLogger("fzero")
-
-
-def _config(config: Config | Mapping[str, Any] | str | None) -> Config:
-    return load_config(config if config is not None else {})
-
-
-def _param_groups(model_parameters: Iterable[Any] | None) -> list[dict[str, Any]] | None:
-    """`model_parameters` as torch param-group dicts (DeepSpeed accepts tensors or dicts)."""
-    if model_parameters is None:
-        return None
-    items = list(model_parameters)
-    if not items:
-        raise ValueError("model_parameters is empty; pass the parameters to train")
-    if all(isinstance(item, Mapping) for item in items):
-        return [dict(item) for item in items]
-    if all(isinstance(item, torch.Tensor) for item in items):
-        return [{"params": items}]
-    raise TypeError("model_parameters must be an iterable of tensors or of param-group dicts")
 
 
 def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[str, Any]]]:
@@ -67,60 +48,6 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[st
         for g in client.param_groups
     ]
     return base, groups
-
-
-def shard(
-    model: torch.nn.Module,
-    stage: int | None = None,
-    optimizer: Optimizer | None = None,
-    *,
-    precision: str | None = None,
-    config: Config | Mapping[str, Any] | str | None = None,
-    strategy: Callable[..., Plan] | None = None,
-    param_groups: Iterable[Any] | None = None,
-    schedule: Callable[[int, float], float] | None = None,
-    param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-    name: str | None = None,
-) -> Engine:
-    """Shard `model` with ZeRO `stage` and train it with a functional `optimizer`.
-
-    `stage` overrides the config's `zero_optimization.stage`; `precision`
-    ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
-    partitioning function (default `fzero.partition.flat_even`). A model built on
-    the meta device (`fzero.init_context()`) is initialised module by module with
-    `param_init_fn(module)`, or each module's `reset_parameters()`. `name` labels the
-    engine's log lines (default: the model's class).
-    """
-    if stage is not None and stage not in (0, 1, 2, 3):
-        raise ConfigError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
-    if stage is not None and isinstance(config, Mapping | None):
-        # validated with the stage it runs at (offload needs stage >= 1)
-        config = dict(config or {})
-        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": stage}
-    cfg = _config(config)
-    if stage is not None:
-        cfg = dataclasses.replace(
-            cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, stage=stage)
-        )
-    if optimizer is None:
-        optimizer = (
-            optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
-            if cfg.optimizer
-            else adamw()
-        )
-    if schedule is None and cfg.scheduler is not None:
-        schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
-    return Engine(
-        model,
-        optimizer=optimizer,
-        config=cfg,
-        param_groups=_param_groups(param_groups),
-        precision=precision,
-        strategy=strategy,
-        schedule=schedule,
-        param_init_fn=param_init_fn,
-        name=name,
-    )
 
 
 def _with_deepspeed_defaults(cfg: Config, source: Any) -> Config:
@@ -167,7 +94,7 @@ def initialize(
     client steps its own. The engine steps `engine.lr_scheduler` after each applied
     optimizer step; assign it (None, or another scheduler) to change that. The
     returned optimizer acts on the engine (`step()` is `engine.step()`; `param_groups` are live; see
-    `fzero.engine_optimizer`). `param_init_fn` and `name` as in `shard`.
+    `fzero.engine.optimizer`). `param_init_fn` and `name` as in `shard`.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -181,12 +108,12 @@ def initialize(
             "no config: pass config=... or set args.deepspeed_config / args.fzero_config"
         )
     comm.init_distributed(required=dist_init_required)
-    cfg = _with_deepspeed_defaults(_config(source), source)
+    cfg = _with_deepspeed_defaults(config_of(source), source)
     if getattr(args, "metrics_file", None):
         cfg = dataclasses.replace(cfg, metrics_file=args.metrics_file)
     if getattr(args, "no_progress", False):
         cfg = dataclasses.replace(cfg, progress=False)
-    groups = _param_groups(model_parameters)
+    groups = param_groups_of(model_parameters)
     client = None
     if isinstance(optimizer, torch.optim.Optimizer):
         client = optimizer
@@ -242,50 +169,3 @@ def initialize(
             collate_fn=collate_fn,
         )
     return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def gathered_parameters(
-    params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
-    modifier_rank: int | None = None,
-    enabled: bool = True,
-) -> contextlib.AbstractContextManager[None]:
-    """DeepSpeed's `zero.GatheredParameters`: inside the block the `params` of an fzero
-    engine are whole on every rank; with `modifier_rank`, that rank's edits are
-    broadcast on exit and kept. Collective. Parameters no engine holds yet (a model
-    built for `fzero.initialize`, as Transformers initialises and loads one under
-    ZeRO-3) are whole already; with `modifier_rank` that rank's values are broadcast to
-    every rank on exit, as DeepSpeed's re-partitioning would leave them.
-    """
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    refs = {id(ref()): ref() for p in params if (ref := getattr(p, "_fzero_engine", None))}
-    engines = [engine for engine in refs.values() if engine is not None]
-    if not enabled:
-        return contextlib.nullcontext()
-    if not engines:
-        return _broadcast_on_exit(params, modifier_rank)
-    if len(engines) > 1:
-        raise ValueError("gathered_parameters got parameters of more than one fzero engine")
-    return engines[0].gathered_parameters(params, modifier_rank)
-
-
-@contextlib.contextmanager
-def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
-    """Rank `modifier_rank`'s values of `params` on every rank after the block (nothing
-    without a modifier, a process group or a second rank)."""
-    meta = [i for i, p in enumerate(params) if p.is_meta]
-    if modifier_rank is not None and meta:
-        raise ValueError(
-            f"GatheredParameters(modifier_rank={modifier_rank}) got parameter {meta[0]} "
-            f"(shape {tuple(params[meta[0]].shape)}) on the meta device: built inside "
-            "fzero.init_context(), it has no values until the engine builds it; build the "
-            "model without it (deepspeed.zero.Init builds it whole) to edit it before"
-        )
-    yield
-    if modifier_rank is None or not dist.is_initialized() or dist.get_world_size() < 2:
-        return
-    with torch.no_grad():
-        for p in params:
-            value = p.data.to(comm.backend_device()).contiguous()
-            dist.broadcast(value, src=modifier_rank)
-            if value.data_ptr() != p.data.data_ptr():
-                p.data.copy_(value)

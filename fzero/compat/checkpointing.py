@@ -1,7 +1,7 @@
 """Activation checkpointing with DeepSpeed's API (`deepspeed.checkpointing`).
 
-    fzero.checkpointing.configure(None, deepspeed_config="ds_config.json")
-    h = fzero.checkpointing.checkpoint(block, h)
+    fzero.compat.checkpointing.configure(None, deepspeed_config="ds_config.json")
+    h = fzero.compat.checkpointing.checkpoint(block, h)
 
 Built on PyTorch's non-reentrant `torch.utils.checkpoint`: the block's
 activations are dropped after forward and recomputed in backward. Under ZeRO

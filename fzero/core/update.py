@@ -1,0 +1,118 @@
+"""The update's rules, one implementation for both doors (the engine and
+`fzero.train_step`): what each unit's gradient says (its squares, whether it is finite);
+from all units together whether the step runs (fp16 overflow), the global norm and the
+factor every gradient is scaled by (loss-scale inverse x clip coefficient, as
+DeepSpeed's `unscale_and_clip_grads`); and each unit's in-place update through the
+native kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fzero import comm, native
+from fzero.optim import LossScaleState, clip_coefficient
+
+__all__ = [
+    "GradStats",
+    "StepDecision",
+    "decide_step",
+    "grad_stats",
+    "hparam_fields",
+    "native_update_",
+]
+
+GradStats = tuple[Tensor, bool]
+
+
+def grad_stats(grad: Tensor, *, clipping: float, dynamic: bool) -> GradStats:
+    """One unit's owned gradient: its sum of squares (float64 with clipping; else one
+    float32 pass, for the reported norm) and whether it is finite (checked only with
+    dynamic loss scaling)."""
+    if clipping > 0:
+        sq = grad.double().square().sum()
+    else:
+        sq = torch.linalg.vector_norm(grad).double().square()
+    return sq, bool(torch.isfinite(grad).all()) if dynamic else True
+
+
+class StepDecision(NamedTuple):
+    """What the step does: skip it (an fp16 overflow), and otherwise scale every
+    gradient by `factor`; the global norm before clipping; the next loss-scale state."""
+
+    skip: bool
+    factor: float
+    norm: float
+    loss_scale: LossScaleState | None
+
+
+def decide_step(
+    stats: list[GradStats],
+    *,
+    loss_scaler: Any,
+    loss_scale: LossScaleState | None,
+    clipping: float,
+    device: torch.device,
+    world_size: int,
+) -> StepDecision:
+    """Every rank's unit statistics agreed by all-reduces (collective): an overflow
+    anywhere skips the step everywhere; the norm is over all ranks' shards."""
+    scale = loss_scale.scale if loss_scale is not None else 1.0
+    if loss_scaler is not None and loss_scaler.dynamic:
+        flag = torch.tensor([float(not all(finite for _, finite in stats))], device=device)
+        if world_size > 1:
+            comm.all_reduce(flag, op="max")
+        found_inf = bool(flag.item())
+        loss_scale = loss_scaler.update(loss_scale, found_inf)
+        if found_inf:
+            return StepDecision(True, 0.0, math.inf, loss_scale)
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for unit_sq, _ in stats:
+        sq += unit_sq
+    if world_size > 1:
+        comm.all_reduce(sq, op="sum")
+    factor = 1.0 / scale
+    norm = math.sqrt(sq.item()) * factor
+    if clipping > 0:
+        factor *= clip_coefficient(norm, clipping)
+    return StepDecision(False, factor, norm, loss_scale)
+
+
+def native_update_(
+    name: str,
+    master: Tensor,
+    grad: Tensor,
+    state: Any,
+    hp: Any,
+    factor: float,
+    out: Tensor | None = None,
+) -> Any:
+    """Optimizer `name`'s in-place update of one fp32 partition through fzero's native
+    kernel, the gradient scaled by `factor` and (with `out`) the compute-dtype copy of the
+    new master written in the same pass; the new state, or None when no kernel applies
+    (LAMB, or an optimizer without one). The engine and `fzero.train_step` both use it."""
+    if name in ("adam", "adamw"):
+        native.adam_(
+            master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
+            lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+            decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
+            out=out,
+        )  # fmt: skip
+    elif name == "sgd":
+        native.sgd_(
+            master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
+            momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
+            nesterov=hp.nesterov, grad_scale=factor, out=out,
+        )  # fmt: skip
+    else:
+        return None
+    return state._replace(step=state.step + 1)
+
+
+def hparam_fields(hparams: Any) -> dict[str, Any]:
+    """A frozen hyper-parameter dataclass as a dict (`update_`'s keyword arguments)."""
+    return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}

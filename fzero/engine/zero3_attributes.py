@@ -1,0 +1,62 @@
+"""The attributes DeepSpeed's ZeRO-3 sets on every parameter (`ds_shape`, `ds_numel`,
+`ds_status`, `ds_id`, `ds_persist`, `ds_active_sub_modules`), which clients read: the
+engine sets them when it builds stage-3 units."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero.core.layout import ZeroParamStatus
+
+__all__ = ["ZeroParamStatus", "describe_zero3_param"]
+
+
+_PARAM_IDS = itertools.count()  # DeepSpeed's `ds_id`: one counter for the process
+
+
+def describe_zero3_param(
+    p: torch.nn.Parameter, shape: tuple[int, ...], *, persistent: bool, available: bool
+) -> None:
+    """The attributes DeepSpeed's ZeRO-3 sets on every parameter, which clients read
+    (`ds_shape`/`ds_numel`: the whole tensor's; `ds_status`; `ds_id`; `ds_persist`;
+    `ds_active_sub_modules`): Transformers and Lightning count parameters with
+    `ds_numel`, PEFT sizes adapters with `ds_shape`, TRL gathers by `ds_status`."""
+    p.ds_shape = torch.Size(shape)
+    p.ds_numel = int(torch.Size(shape).numel())
+    p.ds_persist = persistent
+    p.ds_id = next(_PARAM_IDS)
+    p.ds_active_sub_modules = set()
+    p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
+    _DESCRIBED.add(p)
+    if "__getattr__" not in torch.Tensor.__dict__:
+        torch.Tensor.__getattr__ = _zero3_attribute_of_alias  # type: ignore[attr-defined]
+
+
+_DESCRIBED: weakref.WeakSet[torch.nn.Parameter] = weakref.WeakSet()
+
+
+def _zero3_attribute_of_alias(tensor: Tensor, name: str) -> Any:
+    """A `ds_*` attribute of the stage-3 parameter a plain tensor aliases, for names a
+    tensor lacks (Python calls this only when normal lookup fails).
+
+    With DeepSpeed, a custom `autograd.Function` that saved a parameter gets the
+    parameter object back from `ctx.saved_tensors`. fzero's stage-3 saved-tensor hook
+    gathers the parameter again in backward, and torch then hands the Function a new
+    tensor over the parameter's data: TRL's chunked log-prob backward reads
+    `weight.ds_status` on it. Such a tensor answers as the parameter whose whole data it
+    shares (same address and shape); any other tensor raises AttributeError as before."""
+    if name.startswith("ds_") and tensor.numel() > 0:
+        for p in list(_DESCRIBED):
+            if (
+                p is not tensor
+                and name in p.__dict__
+                and p.data.data_ptr() == tensor.data_ptr()
+                and p.data.shape == tensor.shape
+            ):
+                return p.__dict__[name]
+    raise AttributeError(f"'{type(tensor).__name__}' object has no attribute '{name}'")
