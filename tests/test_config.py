@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
+import re
+import typing
 import warnings
+from pathlib import Path
 
 import pytest
 
+import fzero
 from fzero import add_config_arguments, resolve_auto
-from fzero.config import AUTO, ConfigError, batch_sizes, load_config
+from fzero.config import AUTO, Config, ConfigError, batch_sizes, load_config
 from fzero.config.auto import check_resolved, unresolved_auto
 
 REGRESSION = """
@@ -252,3 +258,102 @@ def test_steps_per_print_inf_means_never_as_transformers_writes_it():
     assert load_config({"steps_per_print": float("inf")}).steps_per_print == 0
     with pytest.raises(ConfigError, match=r"'steps_per_print' must be a whole number, found nan"):
         load_config({"steps_per_print": float("nan")})
+
+
+def _sections(cls: type) -> list[type]:
+    """`cls` and every config section nested in it."""
+    found = [cls]
+    for spec in dataclasses.fields(cls):
+        for hint in typing.get_args(typing.get_type_hints(cls)[spec.name]) or (
+            typing.get_type_hints(cls)[spec.name],
+        ):
+            if dataclasses.is_dataclass(hint) and hint not in found:
+                found += [s for s in _sections(hint) if s not in found]
+    return found
+
+
+def _names_read_outside_the_config() -> set[str]:
+    """Every attribute name and string constant in fzero's code outside `fzero.config`."""
+    root = Path(fzero.__file__).parent
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "config"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)
+    return names
+
+
+def test_every_config_key_is_read_or_says_why_it_changes_nothing():
+    """No silent leftovers: each key of each section is read by fzero outside the config
+    package, or is marked as changing nothing (with why) or as accepted only at its
+    default (with why another value is refused)."""
+    read = _names_read_outside_the_config()
+    silent = [
+        f"{section.__name__}.{spec.name}"
+        for section in _sections(Config)
+        for spec in dataclasses.fields(section)
+        if spec.name not in read and not spec.metadata
+    ]
+    assert not silent, f"config keys parsed and never read: {silent}"
+    marked = [s for c in _sections(Config) for s in dataclasses.fields(c) if s.metadata]
+    assert len(marked) >= 18 and all(len(next(iter(s.metadata.values()))) > 30 for s in marked)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "allowed"),
+    [
+        ({"prescale_gradients": True}, "'prescale_gradients' is True", "only False"),
+        ({"gradient_predivide_factor": 8}, "'gradient_predivide_factor' is 8.0", "only 1.0"),
+        (
+            {"zero_optimization": {"load_from_fp32_weights": False}},
+            "'zero_optimization.load_from_fp32_weights' is False",
+            "only True",
+        ),
+        (
+            {"zero_optimization": {"ignore_unused_parameters": False}},
+            "'zero_optimization.ignore_unused_parameters' is False",
+            "only True",
+        ),
+    ],
+)
+def test_keys_fzero_takes_only_at_their_default_refuse_other_values(raw, key, allowed):
+    with pytest.raises(ConfigError, match=f"{re.escape(key)}; fzero allows {allowed}: "):
+        load_config(raw)
+    load_config(  # each at its default
+        {
+            "prescale_gradients": False,
+            "gradient_predivide_factor": 1,
+            "zero_optimization": {"load_from_fp32_weights": True, "ignore_unused_parameters": True},
+        }
+    )
+
+
+def test_keys_that_change_nothing_take_any_value_of_their_type():
+    config = load_config(
+        {
+            "memory_breakdown": True,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"contiguous_gradients": False, "reduce_scatter": False},
+        }
+    )
+    assert config.memory_breakdown is True
+    assert config.zero_optimization.contiguous_gradients is False
+    with pytest.raises(ConfigError, match="'memory_breakdown' must be true or false, found 3"):
+        load_config({"memory_breakdown": 3})
+
+
+def test_the_config_and_the_optimizer_registry_share_one_list_of_params():
+    """`fused` (a torch/DeepSpeed implementation switch) is accepted by both; an unknown
+    param is refused by the config with the registry's list."""
+    config = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "fused": True}}})
+    optimizer = fzero.optim.optimizer_from_name(config.optimizer.type, config.optimizer.params)
+    assert optimizer.hparams.lr == 0.1
+    assert fzero.optim.OPTIMIZER_PARAMS["sgd"] == {
+        "lr", "momentum", "dampening", "weight_decay", "nesterov"
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=r"optimizer.params.\(sgd\).fused"):
+        load_config({"optimizer": {"type": "SGD", "params": {"fused": True}}})

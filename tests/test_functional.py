@@ -426,6 +426,53 @@ def test_stage3_placeholders_compose_with_vmap_and_double_backward():
         torch.testing.assert_close(results[3][name], expected, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def inner_transform_case(rank: int, world: int) -> dict:
+    """A loss that is itself a gradient (the penalty of a weight-gradient norm): with
+    torch.func.grad inside loss_fn at stages 0-2, and at stage 3 through grad_fn= (the
+    route the stage-3 error names); the same weights either way."""
+    results: dict = {}
+    for stage, route in ((2, "loss_fn"), (3, "loss_fn"), (3, "grad_fn")):
+        torch.manual_seed(0)
+        model = _chain()
+        plan = _plan(model, world, stage)
+        optimizer = fzero.optim.adamw(lr=1e-2)
+        state = fzero.init(model, plan, optimizer)
+
+        def penalty(params, x, model=model):
+            def inner(p):
+                return torch.func.functional_call(model, (p, {}), (x,)).square().mean()
+
+            grads = torch.func.grad(inner)(params)
+            return sum(g.square().sum() for g in grads.values())
+
+        if route == "loss_fn":
+            step = fzero.train_step(penalty, plan, optimizer)
+        else:
+            outer = torch.func.grad_and_value(penalty)
+            step = fzero.train_step(
+                grad_fn=lambda params, x, outer=outer: outer(params, x)[::-1],
+                plan=plan,
+                optimizer=optimizer,
+            )
+        try:
+            for i in range(2):
+                x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank))
+                state, _ = step(state, x)
+            results[(stage, route)] = fzero.state_dict(state)
+        except RuntimeError as error:
+            results[(stage, route)] = str(error)
+    return results
+
+
+def test_torch_func_grad_inside_loss_fn_at_stage3_names_the_grad_fn_route():
+    results = run_world(inner_transform_case, 1)
+    error = results[(3, "loss_fn")]
+    assert isinstance(error, str) and error.startswith("train_step at ZeRO stage 3: loss_fn ")
+    assert "train_step(grad_fn=...)" in error
+    for name, expected in results[(2, "loss_fn")].items():
+        torch.testing.assert_close(results[(3, "grad_fn")][name], expected, msg=name)
+
+
 def eval_case(rank: int, world: int) -> dict:
     """eval_step at stage 3 (one unit gathered at a time) gives the outputs of the
     consolidated model, reads the state without donating it, and changes nothing."""
@@ -465,3 +512,43 @@ def test_eval_step_at_stage3_matches_the_consolidated_model():
     torch.testing.assert_close(result["out"], expected, rtol=1e-6, atol=1e-6)
     for name, value in result["before"].items():
         assert torch.equal(result["after"][name], value), name
+
+
+def defaults_case(rank: int, world: int) -> dict:
+    """What each door runs when neither the call nor the config names an optimizer, and
+    the accumulation steps of a config that gives no batch size: one rule for both."""
+    config = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.0}
+    torch.manual_seed(0)
+    engine = fzero.shard(Net(), stage=2, config=config)
+    ds_engine, *_ = fzero.initialize(model=Net(), config={"gradient_clipping": 0.0})
+    torch.manual_seed(0)
+    model = Net()
+    plan = _plan(model, world, 2)
+    state = fzero.init(model, plan, fzero.optim.adamw())
+
+    def loss_fn(params, batch):
+        return F.mse_loss(torch.func.functional_call(model, params, (batch[0],)), batch[1])
+
+    step = fzero.train_step(loss_fn, plan, config=config)
+    stepped = []
+    for i in range(4):
+        x, y = global_batch(i, 4)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        state, metrics = step(state, (x, y))
+        stepped.append(metrics["stepped"])
+    a, b = engine.state_dict(torch.float32), fzero.state_dict(state)
+    return {
+        "shard": engine.functional_optimizer.hparams,
+        "accumulation": (engine.gradient_accumulation_steps(), stepped, engine.global_steps),
+        "equal": all(torch.equal(a[k], b[k]) for k in a),
+        "initialize": ds_engine.functional_optimizer.name,
+    }
+
+
+def test_both_doors_take_the_same_default_optimizer_and_accumulation_steps():
+    result = run_world(defaults_case, 1)
+    assert result["shard"] == fzero.optim.adamw().hparams
+    assert result["accumulation"] == (2, [False, True, False, True], 2)
+    assert result["equal"]  # train_step without an optimizer ran AdamW's defaults too
+    assert result["initialize"] == "none"  # DeepSpeed's: no optimizer, forward only

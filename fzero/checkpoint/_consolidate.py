@@ -109,9 +109,9 @@ def iter_consolidated(
         for entry in entries:
             shape = tuple(entry["shape"])
             if entry["fqn"] is None:
-                module_crcs = {r["key"]: r["crc"] for r in index["ranks"][0]["slices"]}
+                module_digests = {r["key"]: r["crc"] for r in index["ranks"][0]["slices"]}
                 key = f"module/{entry['key']}"
-                tensor = file(0).read(key, module_crcs[key])
+                tensor = file(0).read(key, module_digests[key])
             else:
                 tensor = torch.empty(math.prod(shape), dtype=torch.float32)
                 covered = 0

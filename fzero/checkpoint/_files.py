@@ -76,7 +76,7 @@ class WrittenFile:
     name: str
     size: int
     checksum: int  # the hash of the header and of the tensors' digests, in order
-    crcs: dict[str, int]  # each tensor's digest (the index's "crc" field, any algorithm)
+    tensor_digests: dict[str, int]  # each tensor's digest (the index's "crc" field, any algorithm)
     algorithm: str = WRITE_ALGORITHM
 
 
@@ -153,7 +153,7 @@ def write_safetensors_stream(
     """Write a safetensors file whose header is known up front (`specs`) and whose
     tensors arrive one at a time, so only one need be in memory; fsync it."""
     header = _header(specs, metadata or {})
-    crcs: dict[str, int] = {}
+    tensor_digests: dict[str, int] = {}
     checksum = new_hasher(WRITE_ALGORITHM, header)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
@@ -166,13 +166,13 @@ def write_safetensors_stream(
                 )
             tensor = tensor.contiguous()  # kept alive while its bytes are written
             data = tensor_bytes(tensor)
-            crcs[key] = digest(data, WRITE_ALGORITHM)
-            checksum.update(digest_bytes(crcs[key], WRITE_ALGORITHM))
+            tensor_digests[key] = digest(data, WRITE_ALGORITHM)
+            checksum.update(digest_bytes(tensor_digests[key], WRITE_ALGORITHM))
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    return WrittenFile(os.path.basename(path), size, checksum.intdigest(), crcs)
+    return WrittenFile(os.path.basename(path), size, checksum.intdigest(), tensor_digests)
 
 
 def fsync_dir(path: str) -> None:
@@ -253,7 +253,7 @@ class SafetensorsFile:
         except KeyError:
             raise CheckpointError(f"tensor {key!r} is missing from {self.path}") from None
 
-    def read_into(self, key: str, out: Tensor, crc: int | None) -> None:
+    def read_into(self, key: str, out: Tensor, tensor_digest: int | None) -> None:
         """All of tensor `key` into `out` (contiguous CPU, same number of bytes)."""
         entry = self.entry(key)
         view = tensor_bytes(out)
@@ -263,7 +263,7 @@ class SafetensorsFile:
                 f"expected {len(view)}"
             )
         self._file.seek(entry.begin)
-        hasher = new_hasher(self.algorithm) if crc is not None else None
+        hasher = new_hasher(self.algorithm) if tensor_digest is not None else None
         hashing: Future | None = None
         try:
             for at in range(0, len(view), _CHUNK):
@@ -278,9 +278,9 @@ class SafetensorsFile:
             if hashing is not None:
                 hashing.result()
         if hasher is not None:
-            self._check(key, hasher, crc)
+            self._check(key, hasher, tensor_digest)
 
-    def verify(self, key: str, crc: int, scratch: memoryview) -> None:
+    def verify(self, key: str, tensor_digest: int, scratch: memoryview) -> None:
         """Check tensor `key` against its checksum by reading it through `scratch` (a
         small reused buffer: no page of the destination is touched, and the bytes stay in
         the page cache for the read that follows)."""
@@ -294,20 +294,20 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
             hasher.update(chunk)
             left -= len(chunk)
-        self._check(key, hasher, crc)
+        self._check(key, hasher, tensor_digest)
 
-    def _check(self, key: str, hasher: Hasher, crc: int) -> None:
-        if hasher.intdigest() != crc:
+    def _check(self, key: str, hasher: Hasher, tensor_digest: int) -> None:
+        if hasher.intdigest() != tensor_digest:
             raise CheckpointError(
                 f"tensor {key!r} in {self.path} fails its {self.algorithm} check: the file "
                 "is damaged"
             )
 
-    def read(self, key: str, crc: int | None) -> Tensor:
+    def read(self, key: str, tensor_digest: int | None) -> Tensor:
         entry = self.entry(key)
         out = torch.empty(entry.shape, dtype=entry.dtype)
         hugepage_hint(out)
-        self.read_into(key, out, crc)
+        self.read_into(key, out, tensor_digest)
         return out
 
     def close(self) -> None:

@@ -198,20 +198,22 @@ class Reader:
         self.index = index
         self.old_plan = old_plan
         self._files: dict[int, SafetensorsFile] = {}
-        self._crcs = [{r["key"]: r["crc"] for r in rank["slices"]} for rank in index["ranks"]]
+        self._tensor_digests = [
+            {r["key"]: r["crc"] for r in rank["slices"]} for rank in index["ranks"]
+        ]
         self.algorithm = checksum_algorithm(index)
         self._slices: dict[tuple[int, int], list[LocalSlice]] = {}
         self._cached: tuple[int, str, Tensor] | None = None
         self._verified: set[tuple[int, str]] = set()  # read later without hashing again
         self._scratch: Tensor | None = None
 
-    def _crc(self, rank: int, key: str) -> int:
-        crc = self._crcs[rank].get(key)
-        if crc is None:
+    def _tensor_digest(self, rank: int, key: str) -> int:
+        tensor_digest = self._tensor_digests[rank].get(key)
+        if tensor_digest is None:
             raise CheckpointError(
                 f"tensor {key!r} is not listed for rank {rank} in {self.directory}"
             )
-        return crc
+        return tensor_digest
 
     def verify(self, rank: int, key: str) -> None:
         """Check saved tensor `key` of `rank` against its checksum without keeping it;
@@ -220,7 +222,7 @@ class Reader:
             return
         if self._scratch is None:
             self._scratch = torch.empty(_SCRATCH, dtype=torch.uint8)
-        self.file(rank).verify(key, self._crc(rank, key), tensor_bytes(self._scratch))
+        self.file(rank).verify(key, self._tensor_digest(rank, key), tensor_bytes(self._scratch))
         self._verified.add((rank, key))
 
     def file(self, rank: int) -> SafetensorsFile:
@@ -244,16 +246,16 @@ class Reader:
 
     def read_range(self, rank: int, key: str, begin: int, out: Tensor) -> None:
         """Elements `[begin, begin + out.numel())` of saved tensor `key` into `out`."""
-        crc: int | None = self._crc(rank, key)
+        tensor_digest: int | None = self._tensor_digest(rank, key)
         if (rank, key) in self._verified:
-            crc = None
+            tensor_digest = None
         entry = self.file(rank).entry(key)
         whole = begin == 0 and out.numel() == _numel(entry.shape)
         if whole and out.is_contiguous() and out.device.type == "cpu":
-            self.file(rank).read_into(key, out, crc)
+            self.file(rank).read_into(key, out, tensor_digest)
             return
         if self._cached is None or self._cached[:2] != (rank, key):
-            self._cached = (rank, key, self.file(rank).read(key, crc))
+            self._cached = (rank, key, self.file(rank).read(key, tensor_digest))
         out.copy_(self._cached[2][begin : begin + out.numel()])
 
     def read_whole(self, rank: int, key: str, out: Tensor) -> None:
@@ -265,7 +267,9 @@ class Reader:
         if info is not None:
             path = os.path.join(self.directory, CLIENT_FILE)
             with SafetensorsFile(path, info["size"], self.algorithm) as f:
-                tensors = {key: f.read(key, crc) for key, crc in info["crcs"].items()}
+                tensors = {
+                    key: f.read(key, tensor_digest) for key, tensor_digest in info["crcs"].items()
+                }
         return decode_client_state(index["client_state"], tensors)
 
     def __enter__(self) -> Reader:

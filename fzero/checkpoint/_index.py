@@ -2,7 +2,8 @@
 `client_state`, encoded as msgpack (never pickled).
 
 Index schema (`index.msgpack`, a msgpack map `{"fzero_checkpoint": 1, "body":
-bytes, "crc32": int}` whose body is the map below):
+bytes, "crc32": int}` whose body is the map below; the index itself is checked with
+CRC-32):
 
 - `tag`, `fzero_version`, `world_size`, `stage`, `precision`, `plan` (the
   plan's own msgpack bytes, `fzero.partition.to_bytes`);
@@ -14,7 +15,9 @@ bytes, "crc32": int}` whose body is the map below):
 - `tensors`: the model's `state_dict` keys in order, each with shape, dtype and
   where it comes from (a trainable tensor by fqn, or a module tensor);
 - `ranks`: per rank its file, byte size, checksum, saved slices (key, kind,
-  fqn, element range, CRC-32) and RNG states (torch, Python `random`, NumPy);
+  fqn, element range, and the tensor's digest in the field `crc`: XXH3-64, or CRC-32 in
+  indexes written before `checksum_algorithm` was recorded, as that key says) and RNG
+  states (torch, Python `random`, NumPy);
 - `files`: other files (client tensors) with size and checksum;
 - `client_state`.
 """

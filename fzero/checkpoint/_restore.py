@@ -11,7 +11,7 @@ made reading into fresh buffers cost twice DCP's in-place load. Should that seco
 fail (the file vanished in between), every rank raises `PartlyRestoredError`: the state
 is partly overwritten and must be restored again. Units that do not live in memory (the
 engine's NVMe offload) are read in one verified pass and go to their next slot through
-the state's `Residence` as they are read.
+the state's `SwappedUnits` as they are read.
 """
 
 from __future__ import annotations

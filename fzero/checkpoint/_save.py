@@ -8,7 +8,7 @@ the module's frozen parameters and buffers (`module=`). Everything goes to
 has reported its checksums, renames the directory to `save_dir/{tag}` and only then
 replaces `save_dir/latest` (write, fsync, rename). A crash at any point leaves the
 previous `latest` loadable. Units that do not live in memory (the engine's NVMe offload)
-are read one at a time through the state's `Residence`.
+are read one at a time through the state's `SwappedUnits`.
 """
 
 from __future__ import annotations
@@ -411,7 +411,7 @@ def _write(
     if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{rank}":
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with a half-written save
     for record in records:
-        record["crc"] = written.crcs[record["key"]]
+        record["crc"] = written.tensor_digests[record["key"]]
     mine = {
         "file": written.name,
         "size": written.size,
@@ -425,7 +425,11 @@ def _write(
         for name, contents in extra_files.items():
             if contents:
                 extra = write_safetensors(os.path.join(partial, name), contents.items())
-                files[name] = {"size": extra.size, "checksum": extra.checksum, "crcs": extra.crcs}
+                files[name] = {
+                    "size": extra.size,
+                    "checksum": extra.checksum,
+                    "crcs": extra.tensor_digests,
+                }
         body = {**body, "ranks": [msgpack.unpackb(r, raw=False) for r in reports], "files": files}
         write_durably(os.path.join(partial, INDEX), pack(body))
         fsync_dir(partial)

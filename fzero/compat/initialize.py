@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from fzero import comm
 from fzero.config import Config, ConfigError
+from fzero.core.init import optimizer_of, schedule_of
 from fzero.engine import Engine
 from fzero.engine.entry import config_of, param_groups_of
 from fzero.engine.optimizer import EngineOptimizer
-from fzero.optim import Optimizer, adam, adamw, optimizer_from_name, schedule_from_name, sgd
+from fzero.optim import Optimizer, adam, adamw, sgd
 
 __all__ = ["initialize"]
 
@@ -121,9 +122,7 @@ def initialize(
     elif isinstance(optimizer, Optimizer):
         functional = optimizer
     elif optimizer is None:  # none at all: an engine that runs forward only (as DeepSpeed)
-        functional = (
-            optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params) if cfg.optimizer else None
-        )
+        functional = optimizer_of(cfg, None, default=None)
     else:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or fzero.optim.Optimizer, "
@@ -132,9 +131,7 @@ def initialize(
     # DeepSpeed's `_configure_lr_scheduler`: the argument wins over the config's block
     # (a scheduler object as it is, a callable called with the optimizer), the config's
     # block builds one, else there is none; the engine steps `engine.lr_scheduler`
-    schedule = None
-    if lr_scheduler is None and cfg.scheduler is not None:
-        schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
+    schedule = schedule_of(cfg) if lr_scheduler is None else None
     factory = lr_scheduler if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else None
     if lr_scheduler is not None and client is None and factory is None:
         raise ValueError(

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS
+
 __all__ = [
     "AUTO",
     "ActivationCheckpointingConfig",
@@ -38,7 +40,9 @@ __all__ = [
     "SchedulerConfig",
     "TorchAutocastConfig",
     "ZeroConfig",
+    "accumulation_steps",
     "batch_sizes",
+    "batch_sizes_or_none",
     "load_config",
 ]
 
@@ -59,6 +63,18 @@ class ConfigError(ValueError):
     """A config key has a wrong name, type or value; the message names it."""
 
 
+def _no_effect(default: Any, why: str) -> Any:
+    """A DeepSpeed key accepted with any value of its type, which changes nothing in
+    fzero: `why` says what DeepSpeed does with it and why fzero computes the same."""
+    return field(default=default, metadata={"no_effect": why})
+
+
+def _only_default(default: Any, why: str) -> Any:
+    """A DeepSpeed key accepted only at its default: another value would change what is
+    computed in a way fzero does not do, so it is refused with `why`."""
+    return field(default=default, metadata={"only_default": why})
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
@@ -76,8 +92,11 @@ class OffloadOptimizerConfig(_Section):
     """fzero: with `device` nvme in stages 2-3, the gradient accumulators live in the swap
     file too, so host memory holds no whole-model buffer (a step moves 8 more bytes per
     parameter). False keeps them in host memory: faster where they fit."""
-    fast_init: bool = False
-    """Skip writing initial state files eagerly (NVMe)."""
+    fast_init: bool = _no_effect(
+        False,
+        "DeepSpeed skips writing the initial swap files eagerly; fzero writes each unit's "
+        "state to its file once, as it builds the unit",
+    )
     commit: Literal["two_slots", "in_place"] = "two_slots"
     """fzero, NVMe: how a step's new master and optimizer state reach the swap file.
     "two_slots" writes them beside the current ones and switches only when every rank
@@ -85,6 +104,11 @@ class OffloadOptimizerConfig(_Section):
     run again (the state takes twice its size on disk). "in_place" overwrites the one
     copy (DeepSpeed's way, half the disk): an I/O error mid-step stops the engine with
     an error naming the step, and training goes on from the last checkpoint."""
+
+    @property
+    def on(self) -> bool:
+        """Whether masters and optimizer state live off the device (cpu or nvme)."""
+        return self.device in ("cpu", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,35 +118,79 @@ class OffloadParamConfig(_Section):
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
+    buffer_size: int = _no_effect(
+        100_000_000,
+        "DeepSpeed's elements per parameter swap buffer; fzero sizes each buffer to one "
+        "unit's shard",
+    )
+    max_in_cpu: int = _no_effect(
+        1_000_000_000,
+        "DeepSpeed keeps up to this many parameter elements in host memory before the "
+        "disk; fzero keeps every stage-3 shard where `device` says",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig(_Section):
     stage: int = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
-    allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
-    reduce_scatter: bool = True
+    allgather_partitions: bool = _no_effect(
+        True,
+        "false makes DeepSpeed broadcast each partition instead of one all-gather: the "
+        "same values; fzero always all-gathers",
+    )
+    allgather_bucket_size: int = _no_effect(
+        500_000_000,
+        "DeepSpeed's elements per parameter all-gather; fzero gathers one plan unit at a "
+        "time (the unit is the bucket)",
+    )
+    reduce_scatter: bool = _no_effect(
+        True,
+        "false makes DeepSpeed all-reduce gradients instead of reduce-scattering them: the "
+        "same average; fzero reduces as the plan says (all-reduce where gloo lacks "
+        "reduce-scatter)",
+    )
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient-reduction bucket."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; DeepSpeed's default is on for stage 3 only."""
-    contiguous_gradients: bool = True
+    contiguous_gradients: bool = _no_effect(
+        True,
+        "DeepSpeed copies gradients into one buffer as they come; fzero's gradients "
+        "always live in one flat buffer per unit",
+    )
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = _no_effect(
+        1_000_000_000,
+        "DeepSpeed's elements per optimizer sub-group step; fzero steps the optimizer "
+        "one plan unit at a time",
+    )
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3 keeps tensors with fewer elements than this whole on every rank."""
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
-    round_robin_gradients: bool = False
-    ignore_unused_parameters: bool = True
-    load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
+    round_robin_gradients: bool = _no_effect(
+        False,
+        "the order DeepSpeed copies offloaded gradients in; the values are the same",
+    )
+    ignore_unused_parameters: bool = _only_default(
+        True,
+        "false makes DeepSpeed stop when a parameter gets no gradient; fzero counts such a "
+        "gradient as zero, as DeepSpeed's default does",
+    )
+    load_from_fp32_weights: bool = _only_default(
+        True,
+        "false makes DeepSpeed rebuild fp32 masters from the 16-bit weights on load; "
+        "fzero restores the saved masters exactly",
+    )
+    elastic_checkpoint: bool = _no_effect(
+        False,
+        "DeepSpeed's checkpoints reload on another world size only with it; fzero's "
+        "always do (any N ranks to any M)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,9 +226,11 @@ class TorchAutocastConfig(_Section):
         "bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half", "torch.float16"
     ] = "bfloat16"
     """bfloat16 is supported; float16 would need a gradient scaler (not supported yet)."""
-    lower_precision_safe_modules: list[str] | None = None
-    """DeepSpeed reduces these modules' gradients in the low dtype; fzero reduces all
-    gradients in fp32 (the same or better accuracy), so the list changes nothing here."""
+    lower_precision_safe_modules: list[str] | None = _no_effect(  # noqa: RUF009 (a field)
+        None,
+        "DeepSpeed reduces these modules' gradients in the low dtype; fzero reduces all "
+        "gradients in fp32 (the same or better accuracy)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,15 +247,17 @@ class ActivationCheckpointingConfig(_Section):
 class AioConfig(_Section):
     block_size: int = 1_048_576
     """Bytes per pread/pwrite of a swap transfer."""
-    queue_depth: int = 8
-    """libaio's queue depth; fzero's I/O is a pool of `thread_count` threads, each with one
-    request at a time, so it has no effect (accepted for DeepSpeed configs)."""
+    queue_depth: int = _no_effect(
+        8,
+        "libaio's queue depth; fzero's I/O is a pool of `thread_count` threads, each with "
+        "one request at a time",
+    )
     thread_count: int = 1
     """Threads of the native I/O pool (the requests in flight at once)."""
-    single_submit: bool = False
-    """libaio-specific; no effect (see `queue_depth`)."""
-    overlap_events: bool = True
-    """libaio-specific; no effect: submission and completion always overlap."""
+    single_submit: bool = _no_effect(False, "libaio-specific (see `queue_depth`)")
+    overlap_events: bool = _no_effect(
+        True, "libaio-specific: fzero's submission and completion always overlap"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,12 +291,29 @@ class Config(_Section):
     """Report every this many optimizer steps; 0 never (so does `inf`, which the
     Transformers integration writes, as DeepSpeed reads it)."""
     wall_clock_breakdown: bool = False
-    memory_breakdown: bool = False
+    memory_breakdown: bool = _no_effect(
+        False,
+        "DeepSpeed logs memory use when true; fzero's step report (every "
+        "`steps_per_print`) always has memory held, planned and peak",
+    )
     dataloader_drop_last: bool = False
     """The loader `initialize(training_data=...)` builds drops the last incomplete batch."""
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    zero_allow_untested_optimizer: bool = False
+    prescale_gradients: bool = _only_default(
+        False,
+        "true makes DeepSpeed divide gradients by the world size before summing them; "
+        "fzero sums fp32 gradients and then divides (the average, rounded once)",
+    )
+    gradient_predivide_factor: float = _only_default(
+        1.0,
+        "DeepSpeed divides gradients by this before the sum and by world size / factor "
+        "after (fp16 range); fzero sums fp32 gradients and then divides",
+    )
+    zero_allow_untested_optimizer: bool = _no_effect(
+        False,
+        "DeepSpeed lets ZeRO run a client optimizer it has not tested; fzero runs only "
+        "its own optimizers (a torch Adam, AdamW or SGD as its functional twin, others "
+        "refused by name), so there is nothing untested to allow",
+    )
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
@@ -297,58 +386,6 @@ _ALIASES = {
     },
 }
 
-_OPTIMIZER_PARAMS = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"},
-    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
-    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
-}
-
-_SCHEDULER_PARAMS = {
-    "warmuplr": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-    "warmupdecaylr": {
-        "warmup_min_lr",
-        "warmup_max_lr",
-        "warmup_num_steps",
-        "warmup_type",
-        "total_num_steps",
-    },
-    "warmupcosinelr": {
-        "total_num_steps",
-        "warmup_min_ratio",
-        "warmup_num_steps",
-        "cos_min_ratio",
-        "warmup_type",
-    },
-    "onecycle": {
-        "cycle_min_lr",
-        "cycle_max_lr",
-        "decay_lr_rate",
-        "cycle_first_step_size",
-        "cycle_second_step_size",
-        "cycle_first_stair_count",
-        "cycle_second_stair_count",
-        "decay_step_size",
-        "cycle_momentum",
-        "cycle_min_mom",
-        "cycle_max_mom",
-        "decay_mom_rate",
-    },
-    "lrrangetest": {
-        "lr_range_test_min_lr",
-        "lr_range_test_step_size",
-        "lr_range_test_step_rate",
-        "lr_range_test_staircase",
-    },
-    "warmupexpdecayexp": {
-        "total_steps",
-        "warmup_proportion",
-        "decay_rate",
-        "decay_steps",
-        "degree",
-    },
-}
-
 
 def _is_off(value: Any) -> bool:
     """A block that is present but disabled (`{"enabled": false}`, `false`, `null`)."""
@@ -357,7 +394,7 @@ def _is_off(value: Any) -> bool:
     return isinstance(value, Mapping) and value.get("enabled", True) is False
 
 
-def _unknown_key(key: str, known: set[str], where: str) -> ConfigError:
+def _unknown_key(key: str, known: set[str] | frozenset[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     if close:
         return ConfigError(f"unknown config key {where + key!r}; did you mean {close[0]!r}?")
@@ -424,7 +461,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
 def _parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     section = where.rstrip(".")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    known = set(fields)
     aliases = _ALIASES.get(section, {})
     unsupported = _NOT_SUPPORTED.get(section, set())
     values: dict[str, Any] = {}
@@ -434,6 +472,7 @@ def _parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
             if name in values:
                 raise ConfigError(f"config key {where + name!r} is given twice (once as {key!r})")
             values[name] = _convert(value, hints[name], where + key)
+            _check_default(fields[name], values[name], where + key)
         elif name in unsupported:
             if not _is_off(value):
                 raise ConfigError(
@@ -445,7 +484,18 @@ def _parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     return cls(**values)
 
 
-def _check_params(block: str, kind: str, params: Mapping[str, Any], allowed: set[str]) -> None:
+def _check_default(spec: dataclasses.Field[Any], value: Any, key: str) -> None:
+    """A key accepted only at its default (`_only_default`) with another value: refused."""
+    why = spec.metadata.get("only_default")
+    if why is not None and value != AUTO and value != spec.default:
+        raise ConfigError(
+            f"config key {key!r} is {value!r}; fzero allows only {spec.default!r}: {why}"
+        )
+
+
+def _check_params(
+    block: str, kind: str, params: Mapping[str, Any], allowed: frozenset[str]
+) -> None:
     for key in params:
         if key not in allowed:
             raise _unknown_key(key, allowed, f"{block}.params.({kind}).")
@@ -544,19 +594,19 @@ def _check(config: Config) -> None:
         )
     if config.optimizer is not None:
         kind = config.optimizer.type.lower()
-        if kind not in _OPTIMIZER_PARAMS:
+        if kind not in OPTIMIZER_PARAMS:
             raise ConfigError(
                 f"'optimizer.type' is {config.optimizer.type!r}; allowed: Adam, AdamW, Lamb, SGD"
             )
-        _check_params("optimizer", kind, config.optimizer.params, _OPTIMIZER_PARAMS[kind])
+        _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
     if config.scheduler is not None:
         kind = config.scheduler.type.lower().replace("_", "")
-        if kind not in _SCHEDULER_PARAMS:
+        if kind not in SCHEDULE_PARAMS:
             raise ConfigError(
                 f"'scheduler.type' is {config.scheduler.type!r}; allowed: WarmupLR, "
                 "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
             )
-        _check_params("scheduler", kind, config.scheduler.params, _SCHEDULER_PARAMS[kind])
+        _check_params("scheduler", kind, config.scheduler.params, SCHEDULE_PARAMS[kind])
 
 
 @dataclass(frozen=True)
@@ -564,6 +614,28 @@ class BatchSizes:
     train_batch_size: int
     micro_batch_size: int
     gradient_accumulation_steps: int
+
+
+def batch_sizes_or_none(config: Config, world_size: int) -> BatchSizes | None:
+    """`batch_sizes` where the config gives a batch size, else None."""
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        return None
+    return batch_sizes(config, world_size)
+
+
+def accumulation_steps(config: Config, world_size: int) -> int:
+    """Micro-batches per optimizer step, one rule for both doors: from the batch
+    arithmetic where the config gives a batch size, else `gradient_accumulation_steps`
+    (1 when absent)."""
+    batch = batch_sizes_or_none(config, world_size)
+    if batch is not None:
+        return batch.gradient_accumulation_steps
+    steps = config.gradient_accumulation_steps
+    if steps == AUTO:
+        raise ConfigError(
+            'config key "gradient_accumulation_steps" is still "auto"; call resolve_auto first'
+        )
+    return steps or 1
 
 
 def batch_sizes(config: Config, world_size: int) -> BatchSizes:

@@ -27,7 +27,7 @@ from fzero import comm
 from fzero.core.layout import gather_pieces
 from fzero.partition import Placement, Plan
 
-__all__ = ["UnitGatherer", "placeholder"]
+__all__ = ["PlaceholderGatherer", "placeholder"]
 
 
 def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -56,7 +56,7 @@ class _Bind(torch.autograd.Function):
         return grad, None
 
 
-class UnitGatherer:
+class PlaceholderGatherer:
     """Gathered stage-3 units of one step, by unit index, least recently used first.
 
     `shard(i)` gives unit i's compute-dtype shard on this rank; `placeholders` maps
@@ -144,7 +144,7 @@ class UnitGatherer:
 
 
 class _Swap(TorchFunctionMode):
-    def __init__(self, gatherer: UnitGatherer) -> None:
+    def __init__(self, gatherer: PlaceholderGatherer) -> None:
         super().__init__()
         self.gatherer = gatherer
 
@@ -154,11 +154,11 @@ class _Swap(TorchFunctionMode):
 
 
 class _Active:
-    def __init__(self, gatherer: UnitGatherer) -> None:
+    def __init__(self, gatherer: PlaceholderGatherer) -> None:
         self.gatherer = gatherer
         self._contexts: list[Any] = []
 
-    def __enter__(self) -> UnitGatherer:
+    def __enter__(self) -> PlaceholderGatherer:
         g = self.gatherer
         self._contexts = [_Swap(g), torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack)]
         for context in self._contexts:

@@ -18,10 +18,19 @@ from fzero.config import Config, load_config
 from fzero.core.layout import gather_pieces, scatter_pieces
 from fzero.core.precision import DTYPES, loss_scaler
 from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
-from fzero.optim import Optimizer
+from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
+from fzero.optim._schedules import Schedule
 from fzero.partition import Plan
 
-__all__ = ["check_optimizer", "full_master", "init", "load", "state_dict"]
+__all__ = [
+    "check_optimizer",
+    "config_for_plan",
+    "full_master",
+    "init",
+    "optimizer_of",
+    "schedule_of",
+    "state_dict",
+]
 
 # ---- init ----------------------------------------------------------------------------------
 
@@ -43,7 +52,7 @@ def init(
     if precision not in DTYPES:
         raise ValueError(f"precision is {precision!r}; allowed: {sorted(DTYPES)}")
     check_optimizer(optimizer)
-    cfg = load(config, plan)
+    cfg = config_for_plan(config, plan)
     comm.init_distributed()
     _check_world(plan)
     rank, device, dtype = dist.get_rank(), comm.backend_device(), DTYPES[precision]
@@ -82,7 +91,28 @@ def init(
     return TrainState(plan, rank, tuple(units), Counters(), scale, rng)
 
 
-def load(config: Config | Mapping[str, Any] | str | None, plan: Plan) -> Config:
+def optimizer_of(
+    config: Config, given: Optimizer | None, *, default: Optimizer | None
+) -> Optimizer | None:
+    """The optimizer a door runs: `given`, else the config's `optimizer` block, else
+    `default` — AdamW's defaults for fzero's own doors (`shard`, `train_step`), none
+    for DeepSpeed's `initialize` (an engine that runs forward only, as DeepSpeed's)."""
+    if given is not None:
+        return given
+    if config.optimizer is not None:
+        return optimizer_from_name(config.optimizer.type, config.optimizer.params)
+    return default
+
+
+def schedule_of(config: Config, given: Schedule | None = None) -> Schedule | None:
+    """The lr schedule a door runs: `given`, else the config's `scheduler` block, else
+    None (the optimizer's lr throughout)."""
+    if given is not None or config.scheduler is None:
+        return given
+    return schedule_from_name(config.scheduler.type, config.scheduler.params)
+
+
+def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan) -> Config:
     """The config, which may leave the stage out (the plan has one) but not contradict it."""
     cfg = load_config(config if config is not None else {})
     stage = cfg.zero_optimization.stage

@@ -33,7 +33,7 @@ from fzero import comm
 from fzero.optim import LossScaleState
 from fzero.partition import Plan, Unit
 
-__all__ = ["Counters", "Residence", "TrainState", "UnitState", "optimizer_partition", "publish"]
+__all__ = ["Counters", "SwappedUnits", "TrainState", "UnitState", "optimizer_partition", "publish"]
 
 
 class UnitState(NamedTuple):
@@ -56,7 +56,7 @@ class Counters(NamedTuple):
     lr_steps: int = 0
 
 
-class Residence(Protocol):
+class SwappedUnits(Protocol):
     """Where units live when not all of them are in memory (the engine's NVMe swap file):
     `resident(i)` makes unit i's tensors readable inside the block; `store_next(i, unit)`
     writes a loaded unit where the next `commit()` makes it current."""
@@ -71,7 +71,7 @@ class TrainState:
     """One rank's training state: `units` (one `UnitState` per unit of `plan`, this
     `rank`'s partitions), `counters`, `loss_scale` (fp16) and `rng` (the torch generator
     state the next step draws dropout from; None: the process's own generator).
-    `residence` is None when every unit is in memory (see `Residence`)."""
+    `residence` is None when every unit is in memory (see `SwappedUnits`)."""
 
     plan: Plan
     rank: int
@@ -79,7 +79,7 @@ class TrainState:
     counters: Counters = field(default_factory=Counters)
     loss_scale: LossScaleState | None = None
     rng: Tensor | None = None
-    residence: Residence | None = field(default=None, compare=False)
+    residence: SwappedUnits | None = field(default=None, compare=False)
 
     @property
     def step(self) -> int:

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
-from fzero.config import Config, batch_sizes
-from fzero.core.gather import UnitGatherer, placeholder
-from fzero.core.init import check_optimizer, load
+from fzero.config import Config, accumulation_steps
+from fzero.core.gather import PlaceholderGatherer, placeholder
+from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import add_pieces, gather_pieces
 from fzero.core.precision import loss_scaler
 from fzero.core.state import (
@@ -48,8 +48,14 @@ from fzero.core.state import (
     optimizer_partition,
     publish,
 )
-from fzero.core.update import decide_step, grad_stats, hparam_fields, native_update_
-from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name, with_overrides
+from fzero.core.update import (
+    decide_step,
+    grad_stats,
+    hparam_fields,
+    native_update_,
+    scheduled_overrides,
+)
+from fzero.optim import Optimizer, adamw, with_overrides
 from fzero.partition import Placement, Plan
 
 __all__ = ["eval_step", "train_step"]
@@ -92,34 +98,21 @@ def train_step(
     boundary, 2-3 per micro-batch into shards); every `gradient_accumulation_steps`-th
     call is a boundary, where fp16 overflow skips, `gradient_clipping` clips and the
     optimizer updates. `config` is a DeepSpeed config (dict, JSON path or `Config`);
-    `optimizer` defaults to its `optimizer` block, `schedule(step, base_lr)` to its
-    `scheduler` block. `metrics`: `loss`, `stepped`, `skipped`, `grad_norm` (None off a
-    boundary), `lr`, `loss_scale`, `gathered_peak_numel` (stage 3), `aux`.
+    `optimizer` defaults to its `optimizer` block, else AdamW's defaults (as `fzero.shard`);
+    `schedule(step, base_lr)` to its `scheduler` block. `metrics`: `loss`, `stepped`,
+    `skipped`, `grad_norm` (None off a boundary), `lr`, `loss_scale`,
+    `gathered_peak_numel` (stage 3), `aux`.
     """
     if (loss_fn is None) == (grad_fn is None):
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
-    cfg = load(config, plan)
-    optimizer = _optimizer_of(optimizer, cfg)
+    cfg = config_for_plan(config, plan)
+    optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)
-    schedule = schedule or _schedule_of(cfg)
+    schedule = schedule_of(cfg, schedule)
     runner = _Step(loss_fn, grad_fn, plan, optimizer, cfg, schedule, has_aux)
     return runner
-
-
-def _optimizer_of(optimizer: Optimizer | None, config: Config) -> Optimizer:
-    if optimizer is not None:
-        return optimizer
-    if config.optimizer is None:
-        raise ValueError("train_step has no optimizer: pass one or give the config one")
-    return optimizer_from_name(config.optimizer.type, config.optimizer.params)
-
-
-def _schedule_of(config: Config) -> Callable[[int, float], float] | None:
-    if config.scheduler is None:
-        return None
-    return schedule_from_name(config.scheduler.type, config.scheduler.params)
 
 
 class _Step:
@@ -142,7 +135,7 @@ class _Step:
             schedule,
             has_aux,
         )
-        self.accumulation = _accumulation(config, plan.world_size)
+        self.accumulation = accumulation_steps(config, plan.world_size)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
@@ -204,12 +197,6 @@ def _donate(state: TrainState) -> None:
     _DONATED[key] = weakref.ref(state, lambda _: _DONATED.pop(key, None))
 
 
-def _accumulation(config: Config, world_size: int) -> int:
-    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
-        return config.gradient_accumulation_steps or 1
-    return batch_sizes(config, world_size).gradient_accumulation_steps
-
-
 @contextlib.contextmanager
 def _rng(state: Tensor | None) -> Iterator[Callable[[], Tensor | None]]:
     """Draw from `state` inside the block (the process generator is left as it was);
@@ -232,10 +219,10 @@ class _Micro:
         self.dtype = next(
             (u.params.dtype for u in state.units if u.params is not None), torch.float32
         )
-        self.gatherer: UnitGatherer | None = None
+        self.gatherer: PlaceholderGatherer | None = None
         if self.plan.stage == 3:
             max_live = int(step.config.zero_optimization.stage3_max_live_parameters)
-            self.gatherer = UnitGatherer(
+            self.gatherer = PlaceholderGatherer(
                 self.plan, self._shard, dtype=self.dtype, device=self.device, max_live=max_live
             )
         self.flats: dict[int, Tensor] = {}
@@ -250,7 +237,7 @@ class _Micro:
         scale = self.state.loss_scale.scale if self.state.loss_scale else 1.0
         leaves = self._leaves()
         context = self.gatherer.active() if self.gatherer is not None else contextlib.nullcontext()
-        with context:
+        with context, _transforms_named():
             out = self.step.loss_fn(dict(leaves), batch)
         loss, aux = out if self.step.has_aux else (out, None)
         _check_loss(loss)
@@ -422,10 +409,8 @@ class _Micro:
     def _update(self, factor: float, lr: float, lr_steps: int) -> tuple[UnitState, ...]:
         """Every unit's optimizer update (in place) and new parameters; the new units."""
         optimizer = self.step.optimizer
-        hp = with_overrides(optimizer.hparams, {"lr": lr})
-        momentum = getattr(self.step.schedule, "momentum", None)
-        if momentum is not None and momentum(lr_steps) is not None and hasattr(hp, "betas"):
-            hp = with_overrides(hp, {"betas": (momentum(lr_steps), hp.betas[1])})
+        overrides = scheduled_overrides(optimizer.hparams, self.step.schedule, lr_steps, lr)
+        hp = with_overrides(optimizer.hparams, overrides)
         units = list(self.state.units)
         for index, u in enumerate(units):
             part = optimizer_partition(self.plan, self.plan.units[index], self.rank)
@@ -441,6 +426,24 @@ class _Micro:
             units[index] = u._replace(optim=state)
             publish(self.plan, self.rank, index, units[index])
         return tuple(units)
+
+
+@contextlib.contextmanager
+def _transforms_named() -> Iterator[None]:
+    """torch.func's refusal of saved-tensor hooks, said as what to do at stage 3 (only
+    stage 3 runs `loss_fn` under hooks: they gather each unit again in backward)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "don't yet support saved tensor hooks" not in str(error):
+            raise
+        raise RuntimeError(
+            "train_step at ZeRO stage 3: loss_fn ran a torch.func transform (grad, vjp, "
+            "jacrev, hessian), which cannot run under the saved-tensor hooks stage 3 uses to "
+            "gather each unit again in backward. Give the transform as train_step(grad_fn=...) "
+            "instead: grad_fn(params, batch) -> (loss, grads) runs with every unit gathered "
+            "and any torch.func transform composes there (or train at stage 0-2)"
+        ) from error
 
 
 def _numel(plan: Plan) -> int:
@@ -485,7 +488,7 @@ def eval_step(
     `params` as `train_step` gives them (stage 3: units gathered while used, at most
     `stage3_max_live_parameters` elements at once). The state is read, not changed or
     donated. Collective at stage 3 (every rank evaluates)."""
-    cfg = load(config, plan)
+    cfg = config_for_plan(config, plan)
     max_live = int(cfg.zero_optimization.stage3_max_live_parameters)
 
     def evaluate(state: TrainState, batch: Any) -> Any:
@@ -499,7 +502,9 @@ def eval_step(
                 unit = state.units[index]
                 return unit.params if unit.params is not None else unit.master
 
-            gatherer = UnitGatherer(plan, shard, dtype=dtype, device=device, max_live=max_live)
+            gatherer = PlaceholderGatherer(
+                plan, shard, dtype=dtype, device=device, max_live=max_live
+            )
         params: dict[str, Tensor] = {}
         for index, unit in enumerate(plan.units):
             for pl in unit.placements:

@@ -24,6 +24,8 @@ __all__ = [
     "grad_stats",
     "hparam_fields",
     "native_update_",
+    "scheduled_beta1",
+    "scheduled_overrides",
 ]
 
 GradStats = tuple[Tensor, bool]
@@ -116,3 +118,19 @@ def native_update_(
 def hparam_fields(hparams: Any) -> dict[str, Any]:
     """A frozen hyper-parameter dataclass as a dict (`update_`'s keyword arguments)."""
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
+
+
+def scheduled_beta1(schedule: Any, lr_steps: int) -> float | None:
+    """A schedule's cycled beta1 at `lr_steps` (OneCycle's `momentum`), or None."""
+    momentum = getattr(schedule, "momentum", None)
+    return momentum(lr_steps) if momentum is not None else None
+
+
+def scheduled_overrides(hparams: Any, schedule: Any, lr_steps: int, lr: float) -> dict[str, Any]:
+    """What a step overrides in a unit's hyper-parameters: `lr`, and where the optimizer
+    has `betas`, a schedule's cycled beta1 (both doors, every unit)."""
+    overrides: dict[str, Any] = {"lr": lr}
+    beta1 = scheduled_beta1(schedule, lr_steps)
+    if beta1 is not None and hasattr(hparams, "betas"):
+        overrides["betas"] = (beta1, hparams.betas[1])
+    return overrides

@@ -4,26 +4,32 @@ One module per concern, each with its one job in its docstring:
 
 - `_engine`: the `Engine` class — DeepSpeed's surface (forward/backward/step, accessors,
   checkpoint wrappers) wiring the parts below together;
+- `entry`: `fzero.shard`, the functional entry (DeepSpeed's `initialize` is in
+  `fzero.compat`);
 - `_build`: the plan, each unit's buffers filled and placed, the hooks installed;
 - `_forward`: the root module's own forward hooks (input casting, autocast, stage 3's
   phase);
-- `_step`: the step's rules — fp16 overflow, global norm, clipping — shared with
-  `fzero.train_step`, the engine's step and its learning rates;
-- `_units`: each unit's buffers on this rank and how the module's parameters view them;
+- `_step`: the engine's step (the core's rules in `fzero.core.update` over its units) and
+  its learning rates;
 - `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
   and where parameter shards live between uses;
 - `_residency`: where optimizer partitions live between steps (device, host, NVMe swap
-  slots), gradient accumulators on disk, the host buffer pool;
+  slots), gradient accumulators on disk;
 - `_reduction`: gradient buckets and reductions, and whose backward pass a gradient
   arrives in (the engine's own, another engine's, a plain backward's);
-- `_apply`: applying the optimizer — each unit's update (native kernels, LAMB), the
-  transactional NVMe step, writing new parameters back;
-- `_precision`: compute dtypes, input casting, the fp16 loss scale's setup;
+- `_apply`: applying the optimizer — each unit's update (the core's native update, LAMB),
+  the transactional NVMe step, writing new parameters back;
+- `_scheduler`: stepping a DeepSpeed-style lr scheduler object;
 - `_views`: whole-model views: consolidated state dicts, memory held against the plan,
-  `gathered_parameters`, the engine's `TrainState`.
+  `gathered_parameters`, the engine's `TrainState`;
+- `optimizer`: the optimizer object `initialize` returns (acts on the engine);
+- `checkpoint_io`: `save_checkpoint` / `load_checkpoint` / `save_16bit_model` over
+  `fzero.checkpoint`;
+- `telemetry`: timers and the step report; `meta_init`: `fzero.init_context`;
+- `zero3_attributes`: the `ds_*` attributes DeepSpeed's ZeRO-3 sets on parameters.
 
-`fzero.train_step` runs `_step`, `_apply`'s native update and `_units`' layout helpers
-too: one implementation, two front doors.
+The layout, precision, update rules and NVMe file are the core's (`fzero.core`), shared
+with `fzero.train_step`.
 """
 
 from fzero.engine._engine import Engine, Precision

@@ -20,7 +20,7 @@ from torch import Tensor
 from fzero import comm, native, partition
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime, bind
-from fzero.core.update import hparam_fields, native_update_
+from fzero.core.update import hparam_fields, native_update_, scheduled_overrides
 from fzero.optim import (
     lamb_apply_,
     lamb_direction_,
@@ -61,7 +61,7 @@ class OptimizerApplication:
 
     def update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
         """Update the unit's master and state; returns the compute-dtype copy of the new
-        master when the native kernel wrote one (for `_publish`)."""
+        master when the native kernel wrote one (for `publish`)."""
         grad = self.step_grad(rt)
         hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
         written = self.copy_target(rt)
@@ -109,7 +109,7 @@ class OptimizerApplication:
             return None
         if rt.full is None and self.engine.param_offload == "nvme":  # written as it is
             return _nvme.aligned_empty(rt.master.numel(), self.engine.compute_dtype)
-        if self.engine.offload:  # a host buffer; _publish moves it to the device
+        if self.engine.offload:  # a host buffer; `publish` moves it to the device
             return torch.empty(
                 rt.master.numel(), dtype=self.engine.compute_dtype, pin_memory=self.residency.pin
             )
@@ -122,13 +122,8 @@ class OptimizerApplication:
         )
 
     def step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
-        overrides: dict[str, Any] = {"lr": lrs[rt.unit.group]}
-        momentum = getattr(self.engine.schedule, "momentum", None)
-        if momentum is not None:
-            beta1 = momentum(self.engine.lr_steps)
-            if beta1 is not None and hasattr(rt.hparams, "betas"):
-                overrides["betas"] = (beta1, rt.hparams.betas[1])
-        return overrides
+        engine = self.engine
+        return scheduled_overrides(rt.hparams, engine.schedule, engine.lr_steps, lrs[rt.unit.group])
 
     def lamb_step(self, factor: float, lrs: list[float]) -> None:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
@@ -227,7 +222,7 @@ class OptimizerApplication:
         """Start writing the unit's updated fp32 master back to the compute-dtype
         parameters everyone uses; the all-gather overlaps the next units' updates.
         `written`: the compute-dtype copy a native update already made. Without
-        `exchange` only this rank's part is written (`_exchange` sends it later)."""
+        `exchange` only this rank's part is written (`exchange` sends it later)."""
         if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
@@ -250,7 +245,7 @@ class OptimizerApplication:
         self.publishing.append((work, rt, shard))
 
     def exchange(self, rt: UnitRuntime) -> None:
-        """All-gather the parts `_publish(..., exchange=False)` wrote on every rank."""
+        """All-gather the parts `publish(..., exchange=False)` wrote on every rank."""
         if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
             return
         if self.engine.world_size == 1:
@@ -273,7 +268,7 @@ class OptimizerApplication:
         self.publishing.clear()
 
     def nvme_updates(self, factor: float, lrs: list[float]) -> None:
-        """The step over NVMe-resident units, pipelined (`_nvme_pass`).
+        """The step over NVMe-resident units, pipelined (`Residency.step_pass`).
 
         Transactional: each unit's new state goes to its other slot and the new
         parameters are written only locally; then every rank says whether all its I/O

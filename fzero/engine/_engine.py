@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero.config import Config, batch_sizes
+from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.layout import (
     UnitRuntime,
@@ -126,11 +126,12 @@ class Engine:
         self.stage = zero.stage
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
         # on the host; the device keeps compute-dtype parameters and gradients.
-        self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
+        self.offload = zero.offload_optimizer.on
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
         # fzero's native kernels run the update where the state lives on the CPU
-        self.batch = _batch_or_none(config, self.world_size)
+        self.batch = batch_sizes_or_none(config, self.world_size)
+        self.accumulation = accumulation_steps(config, self.world_size)
         self.schedule = schedule
         self.client_optimizer = client_optimizer
         self.client_lr_scheduler = lr_scheduler  # DeepSpeed's name for the argument
@@ -335,11 +336,16 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every `param.grad` of the module (DeepSpeed's `engine.zero_grad`): what
-        other passes left there. This engine's own gradients live in its buffers until
-        the step, which clears them."""
+        other passes left there, set to None or, with `set_to_none=False`, zeroed in place
+        (torch's `Optimizer.zero_grad` semantics). This engine's own gradients live in its
+        buffers until the step, which clears them."""
         for p in self.module.parameters():
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            if set_to_none:
                 p.grad = None
+            else:
+                p.grad.detach_().zero_()
 
     def grad_stats(self, grad: Tensor) -> GradStats:
         """What the step needs of one unit's owned gradient (`_step.grad_stats`)."""
@@ -388,7 +394,7 @@ class Engine:
         return self.batch.micro_batch_size if self.batch else None
 
     def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps if self.batch else 1
+        return self.accumulation
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters()
@@ -574,11 +580,3 @@ def _tensors_requiring_grad(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, Mapping):
         for item in value.values():
             yield from _tensors_requiring_grad(item)
-
-
-def _batch_or_none(config: Config, world_size: int):
-    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
-        if config.gradient_accumulation_steps not in (None, 1):
-            return batch_sizes(config, world_size)  # raises: accumulation without a batch size
-        return None
-    return batch_sizes(config, world_size)

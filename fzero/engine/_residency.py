@@ -33,7 +33,7 @@ from fzero.core.state import UnitState
 from fzero.optim import bf16_stochastic
 from fzero.partition import Plan, Unit
 
-__all__ = ["Residency", "UnitResidence"]
+__all__ = ["Residency", "SwapFileUnits"]
 
 
 class Residency:
@@ -52,7 +52,7 @@ class Residency:
         self.plan, self.partition_numel = plan, partition_numel
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
         # device keeps compute-dtype parameters and gradients.
-        self.offload = zero.offload_optimizer.device in ("cpu", "nvme")
+        self.offload = zero.offload_optimizer.on
         self.pin = self.offload and zero.offload_optimizer.pin_memory and torch.cuda.is_available()
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
         self.kinds: list[str] = []
@@ -384,7 +384,7 @@ class Residency:
         compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
         extra: int = 0,
     ) -> str:
-        """One pass over the units through `_pipeline_depth` sets of swap buffers: while
+        """One pass over the units through `pipeline_depth` sets of swap buffers: while
         `compute` runs on unit i (returning its writes), the next units are being read
         (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
         every transfer has finished either way and no unit stays resident."""
@@ -437,8 +437,8 @@ class Residency:
         return copy.copy_(tensor)
 
 
-class UnitResidence:
-    """The NVMe residency as a `TrainState`'s `Residence`: units by index (checkpoints
+class SwapFileUnits:
+    """The NVMe residency as a `TrainState`'s `SwappedUnits`: units by index (checkpoints
     read and write them through it, one unit in memory at a time)."""
 
     def __init__(self, residency: Residency, units: list[UnitRuntime]) -> None:

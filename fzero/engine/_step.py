@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields
+from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
 from fzero.engine._scheduler import step_scheduler
 from fzero.optim import with_overrides
 
@@ -109,8 +109,7 @@ class Hyperparams:
         """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed's
         `get_mom`), with a schedule's cycled beta1 in place."""
         engine = self.engine
-        schedule = getattr(engine.schedule, "momentum", None)
-        beta1 = schedule(engine.lr_steps) if schedule is not None else None
+        beta1 = scheduled_beta1(engine.schedule, engine.lr_steps)
         result = []
         for group in self.param_groups:
             if "betas" in group:

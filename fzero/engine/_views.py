@@ -16,7 +16,7 @@ from fzero import partition
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
 from fzero.core.state import Counters, TrainState, UnitState
-from fzero.engine._residency import UnitResidence
+from fzero.engine._residency import SwapFileUnits
 from fzero.partition import MemoryEstimate
 
 __all__ = [
@@ -141,7 +141,7 @@ def memory_planned(engine: Engine) -> MemoryEstimate:
 
 def train_state(engine: Engine) -> TrainState:
     """The engine's `TrainState` over its own buffers (no copy); NVMe-resident units are
-    reached through its `Residence`."""
+    reached through its `SwappedUnits`."""
     units = tuple(
         UnitState(
             rt.master,
@@ -158,7 +158,7 @@ def train_state(engine: Engine) -> TrainState:
         engine.skipped_steps,
         engine.lr_steps,
     )
-    residence = UnitResidence(engine.residency, engine.units) if engine.nvme is not None else None
+    residence = SwapFileUnits(engine.residency, engine.units) if engine.nvme is not None else None
     return TrainState(
         engine.plan, engine.rank, units, counters, engine.loss_scale_state, residence=residence
     )

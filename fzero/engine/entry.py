@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from fzero.config import Config, ConfigError, load_config
+from fzero.core.init import optimizer_of, schedule_of
 from fzero.engine._engine import Engine
-from fzero.optim import Optimizer, adamw, optimizer_from_name, schedule_from_name
+from fzero.optim import Optimizer, adamw
 from fzero.partition import Plan
 
 __all__ = ["config_of", "param_groups_of", "shard"]
@@ -69,22 +70,14 @@ def shard(
         cfg = dataclasses.replace(
             cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, stage=stage)
         )
-    if optimizer is None:
-        optimizer = (
-            optimizer_from_name(cfg.optimizer.type, cfg.optimizer.params)
-            if cfg.optimizer
-            else adamw()
-        )
-    if schedule is None and cfg.scheduler is not None:
-        schedule = schedule_from_name(cfg.scheduler.type, cfg.scheduler.params)
     return Engine(
         model,
-        optimizer=optimizer,
+        optimizer=optimizer_of(cfg, optimizer, default=adamw()),
         config=cfg,
         param_groups=param_groups_of(param_groups),
         precision=precision,
         strategy=strategy,
-        schedule=schedule,
+        schedule=schedule_of(cfg, schedule),
         param_init_fn=param_init_fn,
         name=name,
     )

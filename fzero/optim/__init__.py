@@ -29,7 +29,14 @@ from fzero.optim._lamb import (
     trust_ratio,
 )
 from fzero.optim._loss_scale import DynamicLossScale, LossScaleState, StaticLossScale
-from fzero.optim._registry import OPTIMIZERS, SCHEDULES, optimizer_from_name, schedule_from_name
+from fzero.optim._registry import (
+    OPTIMIZER_PARAMS,
+    OPTIMIZERS,
+    SCHEDULE_PARAMS,
+    SCHEDULES,
+    optimizer_from_name,
+    schedule_from_name,
+)
 from fzero.optim._rounding import bf16_stochastic
 from fzero.optim._schedules import (
     LRRangeTest,
@@ -45,7 +52,9 @@ from fzero.optim._sgd import SgdHParams, SgdState, sgd, sgd_init, sgd_update, sg
 
 __all__ = [
     "OPTIMIZERS",
+    "OPTIMIZER_PARAMS",
     "SCHEDULES",
+    "SCHEDULE_PARAMS",
     "AdamHParams",
     "AdamState",
     "DynamicLossScale",

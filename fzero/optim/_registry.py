@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,9 +21,32 @@ from fzero.optim._schedules import (
 )
 from fzero.optim._sgd import sgd
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "optimizer_from_name", "schedule_from_name"]
+__all__ = [
+    "OPTIMIZERS",
+    "OPTIMIZER_PARAMS",
+    "SCHEDULES",
+    "SCHEDULE_PARAMS",
+    "optimizer_from_name",
+    "schedule_from_name",
+]
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "sgd")
+# DeepSpeed's switches that pick an implementation of Adam there and change nothing here
+_IMPLEMENTATION_ONLY = ("torch_adam", "fused")
+
+
+def _arguments(fn: Any) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+# What an `optimizer` block's `params` may hold, per type (the one list: the config
+# validates against it, `optimizer_from_name` builds from it)
+OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
+    "adam": frozenset(_arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY}),
+    "adamw": frozenset(_arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY}),
+    "lamb": frozenset(_arguments(lamb)),
+    "sgd": frozenset(_arguments(sgd)),
+}
 SCHEDULES = {
     "warmuplr": WarmupLR,
     "warmupdecaylr": WarmupDecayLR,
@@ -29,6 +54,9 @@ SCHEDULES = {
     "onecycle": OneCycle,
     "lrrangetest": LRRangeTest,
     "warmupexpdecayexp": WarmupExpDecayExp,
+}
+SCHEDULE_PARAMS: dict[str, frozenset[str]] = {
+    name: frozenset(f.name for f in dataclasses.fields(cls)) for name, cls in SCHEDULES.items()
 }
 
 
@@ -40,7 +68,7 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
     `fused` only pick an implementation there and change nothing here.
     """
     key = name.lower()
-    p = {k: v for k, v in params.items() if k not in ("torch_adam", "fused")}
+    p = {k: v for k, v in params.items() if k not in _IMPLEMENTATION_ONLY}
     if key in ("adam", "adamw"):
         decoupled = key == "adamw" or bool(p.pop("adam_w_mode", True))
         if key == "adamw":

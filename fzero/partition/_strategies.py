@@ -50,13 +50,18 @@ def module_key(fqn: str) -> str:
     child (one block of a ModuleList or Sequential), else its top-level child.
 
     `blocks.3.attn.weight` -> `blocks.3`; `bert.encoder.layer.0.x.bias` ->
-    `bert.encoder.layer.0`; `embed.weight` -> `embed`; `bias` -> `""` (root).
+    `bert.encoder.layer.0`; `embed.weight` -> `embed`; `bias` -> `""` (root). A model
+    wrapped by `torch.compile` (its tensors under `_orig_mod.`) gets the units of the
+    model it wraps: `_orig_mod.embed.weight` -> `_orig_mod.embed`.
     """
     path = fqn.split(".")[:-1]
-    for index, part in enumerate(path):
-        if part.isdigit():
+    start = 0
+    while start < len(path) and path[start] == "_orig_mod":  # torch.compile's wrapper
+        start += 1
+    for index in range(start, len(path)):
+        if path[index].isdigit():
             return ".".join(path[: index + 1])
-    return path[0] if path else ""
+    return ".".join(path[: start + 1])
 
 
 def _common_module(keys: list[str]) -> str:

@@ -1,0 +1,18 @@
+"""The functional core: one rank's training state and the functions over it, which both
+front doors run (`fzero.train_step` from `functional_call`, the engine from its hooks).
+
+- `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG) and
+  writing masters back to parameters;
+- `init`: building a `TrainState` from a model and a plan; what a door runs when the
+  call and the config name no optimizer or schedule; consolidated weights;
+- `step`: `train_step` and `eval_step`;
+- `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
+- `gather`: stage 3's per-unit gathering of placeholders inside a function;
+- `update`: the update's rules (fp16 overflow, global norm, clipping, scheduled
+  hyper-parameters) and the in-place update through the native kernels;
+- `precision`: compute dtypes and the fp16 loss scale's setup;
+- `nvme`: the swap file and its host buffer pool (the native async I/O).
+
+The core imports nothing from the engine, the DeepSpeed surface or the checkpoint
+package (`tests/test_import_graph.py` holds it to that, package `__init__`s included).
+"""
