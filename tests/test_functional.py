@@ -169,6 +169,45 @@ def test_stage3_train_step_gathers_one_unit_at_a_time_with_the_same_results():
     assert one["held"] == DEPTH * one["unit"] // 2  # between steps: this rank's shards only
 
 
+def reuse_case(rank: int, world: int) -> dict:
+    """All-gathers per call at stage 3: the first call records the order units are used
+    in; later ones keep every unit from forward into backward under DeepSpeed's default
+    reuse distance, and at distance 0 gather again all that backward needs but the one
+    it needs first."""
+    results = {}
+    for reuse in (None, 0):
+        torch.manual_seed(0)
+        model = _chain()
+        plan = _plan(model, world, 3)
+        zero = {"stage3_max_reuse_distance": reuse} if reuse is not None else {}
+        optimizer = fzero.optim.adamw(lr=1e-2)
+        state = fzero.init(model, plan, optimizer)
+
+        def loss_fn(params, x, model=model):
+            return torch.func.functional_call(model, params, (x,)).square().mean()
+
+        step = fzero.train_step(loss_fn, plan, optimizer, config={"zero_optimization": zero})
+        gathers = []
+        for i in range(3):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * i + rank))
+            state, metrics = step(state, x)
+            gathers.append(metrics["gathers"])
+        results[reuse] = (gathers, len(plan.units), fzero.state_dict(state))
+    return results
+
+
+def test_stage3_train_step_keeps_units_for_backward_within_the_reuse_distance():
+    results = run_world(reuse_case, 2)
+    (kept, units, a), (strict, _, b) = results[None], results[0]
+    assert units == DEPTH
+    # the first call gathers in forward and again in backward (all but the first
+    # layer's weight, which backward does not need: the input takes no gradient)
+    assert kept[0] == strict[0] == 2 * units - 1
+    assert kept[1:] == [units, units]  # then each unit once: kept for backward
+    assert strict[1:] == [2 * units - 2] * 2  # backward's first unit is within distance 0
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def per_sample_case(rank: int, world: int) -> dict:
     """Per-example clipping through grad_fn at stages 2 and 3: the consolidated weights."""
     from examples.per_sample_clipping import clipped_mean_grads, make_batch, make_model

@@ -7,15 +7,21 @@ the unit's gathered parameter (an all-gather of every rank's shard, done once wh
 unit stays gathered), linked to the placeholder by `_Bind` so its gradient arrives at the
 placeholder. A saved-tensor hook keeps references instead of gathered values, so backward
 gathers a unit again when it needs it. At most `max_live` elements stay gathered (least
-recently used first out, never the unit in use), and none once the forward has returned:
-the same promise the engine's module hooks keep (`fzero.engine._stage3`), without hooks on
-the module, which `train_step` never sees.
+recently used first out, never the unit in use).
+
+The engine's rules, without hooks on the module (which `train_step` never sees): the
+first step records the order units are first used in, forward and backward (`UseTrace`,
+kept by the step function); later steps prefetch along it (all-gathers in flight for the
+next `prefetch_numel` elements, within `max_live`), and when forward returns a unit stays
+gathered only if backward uses it again within `max_reuse` elements of other units
+(DeepSpeed's `stage3_max_reuse_distance`); the rest are released and gathered again.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +33,16 @@ from fzero import comm
 from fzero.core.layout import gather_pieces
 from fzero.partition import Placement, Plan
 
-__all__ = ["PlaceholderGatherer", "placeholder"]
+__all__ = ["PlaceholderGatherer", "UseTrace", "placeholder"]
+
+
+@dataclass
+class UseTrace:
+    """The order stage-3 units are first used in, per phase, as recorded by the first
+    step; `complete` once that step's backward has ended."""
+
+    order: dict[str, list[int]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    complete: bool = False
 
 
 def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -70,11 +85,17 @@ class PlaceholderGatherer:
         dtype: torch.dtype,
         device: torch.device,
         max_live: int,
+        trace: UseTrace | None = None,
+        prefetch_numel: int = 0,
+        max_reuse: int = 0,
     ) -> None:
         self.plan, self.shard, self.dtype, self.device = plan, shard, dtype, device
-        self.max_live = max_live
+        self.max_live, self.prefetch_numel, self.max_reuse = max_live, prefetch_numel, max_reuse
+        self.trace = trace if trace is not None else UseTrace()
+        self.phase = "forward"
         self.placeholders: dict[int, tuple[int, Placement, tuple[int, ...]]] = {}
         self.live: collections.OrderedDict[int, Tensor] = collections.OrderedDict()
+        self.inflight: dict[int, tuple[Tensor, Any]] = {}  # prefetched: (buffer, all-gather)
         self._by_storage: dict[int, int] = {}
         self.live_numel = 0
         self.peak_numel = 0
@@ -84,22 +105,95 @@ class PlaceholderGatherer:
         """Unit `index`'s whole compute-dtype buffer (collective when not gathered)."""
         if index in self.live:
             self.live.move_to_end(index)
-            return self.live[index]
-        numel = self.plan.units[index].numel
+            full = self.live[index]
+        elif index in self.inflight:
+            full, work = self.inflight.pop(index)
+            work.wait()
+            self._add_live(index, full)
+        else:
+            numel = self.plan.units[index].numel
+            self._make_room(numel)
+            full = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._start_gather(index, full).wait()
+            self.live_numel += numel
+            self._add_live(index, full)
+        self._record(index)
+        self._prefetch_after(index)
+        return full
+
+    def _make_room(self, numel: int) -> None:
         while self.live and self.live_numel + numel > self.max_live:
             self.release(next(iter(self.live)))
+
+    def _start_gather(self, index: int, full: Tensor) -> Any:
         shard = self.shard(index).to(self.device, self.dtype)
-        full = torch.empty(numel, dtype=self.dtype, device=self.device)
+        self.gathers += 1
         if self.plan.world_size > 1:
-            comm.all_gather_into(full, shard.contiguous())
-        else:
-            full.copy_(shard)
+            return comm.all_gather_into(full, shard.contiguous(), async_op=True)
+        full.copy_(shard)
+        return _Done()
+
+    def _add_live(self, index: int, full: Tensor) -> None:
         self.live[index] = full
         self._by_storage[full.untyped_storage().data_ptr()] = index
-        self.live_numel += numel
         self.peak_numel = max(self.peak_numel, self.live_numel)
-        self.gathers += 1
-        return full
+
+    def _record(self, index: int) -> None:
+        order = self.trace.order[self.phase]
+        if not self.trace.complete and index not in order:
+            order.append(index)
+
+    def _prefetch_after(self, index: int) -> None:
+        """Start gathering the units the trace uses next, up to `prefetch_numel` elements
+        ahead, while the live total stays within `max_live` (the same on every rank)."""
+        if not self.trace.complete or self.prefetch_numel <= 0:
+            return
+        order = self.trace.order[self.phase]
+        if index not in order:
+            return
+        ahead = 0
+        for nxt in order[order.index(index) + 1 :]:
+            numel = self.plan.units[nxt].numel
+            ahead += numel
+            if ahead > self.prefetch_numel:
+                break
+            if nxt in self.live or nxt in self.inflight:
+                continue
+            if self.live_numel + numel > self.max_live:
+                break
+            full = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self.inflight[nxt] = (full, self._start_gather(nxt, full))
+            self.live_numel += numel
+            self.peak_numel = max(self.peak_numel, self.live_numel)
+
+    def end_forward(self) -> None:
+        """Forward has returned: keep a unit gathered only if backward uses it again
+        within `max_reuse` elements of other units (known once a step is recorded)."""
+        self._drop_inflight()
+        self.phase = "backward"
+        if not self.trace.complete:
+            self.release_all()
+            return
+        backward = self.trace.order["backward"]
+        for index in list(self.live):
+            if index not in backward:
+                self.release(index)
+                continue
+            before = backward[: backward.index(index)]
+            if sum(self.plan.units[i].numel for i in before) > self.max_reuse:
+                self.release(index)
+
+    def end_step(self) -> None:
+        """Backward has ended: release everything; the first step's trace is complete."""
+        self._drop_inflight()
+        self.release_all()
+        self.trace.complete = True
+
+    def _drop_inflight(self) -> None:
+        for index, (full, work) in list(self.inflight.items()):
+            work.wait()  # issued on every rank: it completes, unused
+            self.live_numel -= full.numel()
+            del self.inflight[index]
 
     def release(self, index: int) -> None:
         full = self.live.pop(index)
@@ -141,6 +235,13 @@ class PlaceholderGatherer:
     def active(self) -> _Active:
         """The context inside which placeholders are swapped and saved views released."""
         return _Active(self)
+
+
+class _Done:
+    """A collective that already completed (one rank: a copy)."""
+
+    def wait(self) -> None:
+        return None
 
 
 class _Swap(TorchFunctionMode):

@@ -136,18 +136,20 @@ def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
     return slice(start, stop)
 
 
-def publish(plan: Plan, rank: int, index: int, unit: UnitState) -> None:
+def publish(plan: Plan, rank: int, index: int, unit: UnitState, *, async_op: bool = False) -> Any:
     """Write unit `index`'s fp32 master into its compute-dtype parameters: the shard at
     stage 3, else this rank's part of the whole buffer, all-gathered from every rank's
-    part at stages 1-3 (collective there)."""
+    part at stages 1-3 (collective there). With `async_op`, the all-gather in flight
+    (wait for it before the parameters are read), else None."""
     plan_unit = plan.units[index]
     if plan.stage == 3 and not plan_unit.persistent:
         if unit.params is not None:
             unit.params.copy_(unit.master)
-        return
+        return None
     assert unit.params is not None
     target = unit.params[optimizer_partition(plan, plan_unit, rank)]
     if target.data_ptr() != unit.master.data_ptr():
         target.copy_(unit.master)
     if plan.stage > 0 and plan.world_size > 1:
-        comm.all_gather_into(unit.params, target.clone())
+        return comm.all_gather_into(unit.params, target.clone(), async_op=async_op)
+    return None

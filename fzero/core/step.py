@@ -32,15 +32,15 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
 from fzero.config import Config, accumulation_steps
-from fzero.core.gather import PlaceholderGatherer, placeholder
+from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import add_pieces, gather_pieces
 from fzero.core.precision import loss_scaler
+from fzero.core.reduce import Pending, finish, reduce_bucket
 from fzero.core.state import (
     Counters,
     TrainState,
@@ -85,8 +85,11 @@ def train_step(
       `torch.func.functional_call(model, params, args)`. Floating inputs are not cast:
       with bf16/fp16 cast them to the parameters' dtype. At stage 3 the tensors are
       placeholders whose unit is gathered when an operation uses them, and at most
-      `stage3_max_live_parameters` elements stay gathered (none between forward and
-      backward: backward gathers again what it needs).
+      `stage3_max_live_parameters` elements stay gathered. As in the engine, the first
+      call records the order units are used in; later calls prefetch along it
+      (`stage3_prefetch_bucket_size`) and keep a unit gathered from forward into
+      backward when backward uses it again within `stage3_max_reuse_distance` elements
+      (else backward gathers it again).
     - `grad_fn(params, batch) -> (loss, grads)` instead: gradients of the full parameters
       by any torch.func transform (`vmap(grad(...))` for per-sample gradients); `grads`
       maps names to gradients of `loss` (missing names count as zero). At stage 3 every
@@ -101,7 +104,7 @@ def train_step(
     `optimizer` defaults to its `optimizer` block, else AdamW's defaults (as `fzero.shard`);
     `schedule(step, base_lr)` to its `scheduler` block. `metrics`: `loss`, `stepped`,
     `skipped`, `grad_norm` (None off a boundary), `lr`, `loss_scale`,
-    `gathered_peak_numel` (stage 3), `aux`.
+    `gathered_peak_numel` and `gathers` (stage 3: unit all-gathers this call), `aux`.
     """
     if (loss_fn is None) == (grad_fn is None):
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
@@ -136,6 +139,9 @@ class _Step:
             has_aux,
         )
         self.accumulation = accumulation_steps(config, plan.world_size)
+        self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
+        bucket_numel = int(config.zero_optimization.reduce_bucket_size)
+        self.buckets = partition.reduction_buckets(plan, bucket_numel)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
@@ -154,6 +160,7 @@ class _Step:
         }
         if run.gatherer is not None:
             metrics["gathered_peak_numel"] = run.gatherer.peak_numel
+            metrics["gathers"] = run.gatherer.gathers
         if self.has_aux:
             metrics["aux"] = aux
         loss_scale, units = state.loss_scale, state.units
@@ -221,13 +228,30 @@ class _Micro:
         )
         self.gatherer: PlaceholderGatherer | None = None
         if self.plan.stage == 3:
-            max_live = int(step.config.zero_optimization.stage3_max_live_parameters)
+            zero = step.config.zero_optimization
             self.gatherer = PlaceholderGatherer(
-                self.plan, self._shard, dtype=self.dtype, device=self.device, max_live=max_live
+                self.plan,
+                self._shard,
+                dtype=self.dtype,
+                device=self.device,
+                max_live=int(zero.stage3_max_live_parameters),
+                trace=step.trace,
+                prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                max_reuse=int(zero.stage3_max_reuse_distance),
             )
-        self.flats: dict[int, Tensor] = {}
         self.waiting: dict[int, set[str]] = {}
-        self.next_reduce = len(self.plan.units) - 1  # stages 2-3 reduce in this order
+        # reductions: bucket by bucket in launch order (`fzero.core.reduce`), stages 0-1
+        # only in the micro-step that ends an accumulation window
+        self.at_boundary = (state.counters.micro_steps + 1) % step.accumulation == 0
+        self.buffers: dict[int, Tensor] = {}  # stages 2-3: bucket -> its gradients
+        self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
+        for b, indices in enumerate(step.buckets):
+            offset = 0
+            for index in indices:
+                self.place[index] = (b, offset)
+                offset += self.plan.units[index].numel
+        self.next_bucket = 0
+        self.pending: Pending = []
 
     # ---- gradients of the micro-batch ----
 
@@ -242,7 +266,7 @@ class _Micro:
         loss, aux = out if self.step.has_aux else (out, None)
         _check_loss(loss)
         if self.gatherer is not None:
-            self.gatherer.release_all()  # backward gathers again what it needs
+            self.gatherer.end_forward()  # backward gathers again what it released
         hooks = [
             leaf.register_post_accumulate_grad_hook(self._on_grad(fqn))
             for fqn, leaf in leaves.items()
@@ -253,7 +277,7 @@ class _Micro:
             for hook in hooks:
                 hook.remove()
             if self.gatherer is not None:
-                self.gatherer.release_all()
+                self.gatherer.end_step()
         self._reduce_rest()
         return loss, aux
 
@@ -312,7 +336,7 @@ class _Micro:
         params = {k: v.detach() for k, v in params.items()}
         out = self.step.grad_fn(params, batch)
         if self.gatherer is not None:
-            self.gatherer.release_all()
+            self.gatherer.end_step()
         loss, grads = _check_grads(out, self.plan)
         for fqn, grad in grads.items():
             index, pl = self.where[fqn]
@@ -322,55 +346,61 @@ class _Micro:
 
     def _add(self, index: int, placement: Placement, grad: Tensor) -> None:
         """Add a gradient into the unit's flat fp32 gradient of this micro-batch."""
-        if self.plan.stage < 2:  # summed locally into the accumulator until the boundary
-            flat = self.state.units[index].grad
-        else:
-            flat = self.flats.get(index)
-            if flat is None:
-                numel = self.plan.units[index].numel
-                flat = self.flats[index] = torch.zeros(numel, device=self.device)
+        # stages 0-1 sum locally into the accumulator until the boundary
+        flat = self.state.units[index].grad if self.plan.stage < 2 else self._flat(index)
         add_pieces(flat, grad.reshape(-1).float(), placement)
 
+    def _flat(self, index: int) -> Tensor:
+        """Stages 2-3: unit `index`'s full-size gradient, a view of its bucket's buffer."""
+        b, offset = self.place[index]
+        buffer = self.buffers.get(b)
+        if buffer is None:
+            numel = sum(self.plan.units[i].numel for i in self.step.buckets[b])
+            buffer = self.buffers[b] = torch.zeros(numel, device=self.device)
+        return buffer[offset : offset + self.plan.units[index].numel]
+
     def _reduce_ready(self) -> None:
-        """Stages 2-3: reduce units in descending order as their gradients complete (the
-        same sequence of collectives on every rank)."""
-        while self.next_reduce >= 0 and not self.waiting.get(self.next_reduce, ()):
-            self._reduce(self.next_reduce)
-            self.next_reduce -= 1
+        """Launch bucket reductions in bucket order (the same on every rank), as far as
+        their units' gradients are complete: they overlap the rest of backward."""
+        buckets = self.step.buckets
+        while self.next_bucket < len(buckets) and not any(
+            self.waiting.get(i) for i in buckets[self.next_bucket]
+        ):
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
 
     def _reduce_rest(self) -> None:
-        while self.next_reduce >= 0:
-            self._reduce(self.next_reduce)
-            self.next_reduce -= 1
+        """Launch what is left (units this pass did not use reduce zeros) and wait."""
+        while self.next_bucket < len(self.step.buckets):
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+        finish(self.pending)
 
-    def _reduce(self, index: int) -> None:
+    def _launch(self, b: int) -> None:
+        indices = self.step.buckets[b]
+        units = self.state.units
         if self.plan.stage < 2:
+            if self.at_boundary and self.world > 1:
+                for index in indices:
+                    work = comm.all_reduce(units[index].grad, op="avg", async_op=True)
+                    self.pending.append((work, _nothing))
             return
-        unit = self.plan.units[index]
-        flat = self.flats.pop(index, None)
-        if flat is None:
-            flat = torch.zeros(unit.numel, device=self.device)
-        start, stop = unit.shard_range(self.rank)
-        if self.world > 1 and dist.get_backend() == "gloo":
-            # gloo's all-reduce measured faster than its reduce-scatter (fzero.engine._reduction)
-            comm.all_reduce(flat, op="avg")
-            shard = flat[start:stop]
-        elif self.world > 1:
-            shard = torch.empty(unit.shard_numel, device=self.device)
-            comm.reduce_scatter_into(shard, flat)
-        else:
-            shard = flat[start:stop]
-        self.state.units[index].grad.add_(shard)
+        flats = [self._flat(index) for index in indices]
+        owned = [slice(*self.plan.units[index].shard_range(self.rank)) for index in indices]
+
+        def keep(i: int, part: Tensor) -> None:
+            units[indices[i]].grad.add_(part)
+
+        self.pending += reduce_bucket(
+            self.buffers.pop(b), flats, owned, keep, world_size=self.world
+        )
 
     # ---- the update at an accumulation boundary ----
 
     def boundary(
         self, counters: Counters, metrics: dict[str, Any]
     ) -> tuple[Counters, Any, tuple[UnitState, ...]]:
-        config, plan = self.step.config, self.plan
-        if plan.stage < 2 and self.world > 1:
-            for u in self.state.units:
-                comm.all_reduce(u.grad, op="avg")
+        config, plan = self.step.config, self.plan  # gradients reduced in backward
         scaler = loss_scaler(config) if self.state.loss_scale is not None else None
         dynamic = scaler is not None and scaler.dynamic
         stats = [
@@ -424,8 +454,16 @@ class _Micro:
                     grad = grad * factor
                 state = optimizer.update_(grad, u.optim, u.master, **hparam_fields(hp))
             units[index] = u._replace(optim=state)
-            publish(self.plan, self.rank, index, units[index])
+            # the all-gather of new parameters overlaps the next units' updates
+            work = publish(self.plan, self.rank, index, units[index], async_op=True)
+            if work is not None:
+                self.pending.append((work, _nothing))
+        finish(self.pending)
         return tuple(units)
+
+
+def _nothing() -> None:
+    """What follows a collective whose result is already where it belongs."""
 
 
 @contextlib.contextmanager

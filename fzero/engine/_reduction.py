@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, partition
 from fzero.core.layout import Bucket, UnitRuntime, add_pieces, drop_flat
+from fzero.core.reduce import Pending, finish, reduce_bucket
 
 __all__ = ["GradientReduction"]
 
@@ -50,12 +50,9 @@ class GradientReduction:
         self.engine = engine
         self.buckets: list[Bucket] = []
         self._param_unit: dict[int, tuple[UnitRuntime, Any]] = {}
-        self._pending: list[tuple[Any, Any]] = []
+        self._pending: Pending = []
         self._spare_flat: Tensor | None = None  # a reduced bucket's buffer, for the next
         self._launch_next = 0
-        # Gloo's reduce-scatter measured slower than its all-reduce at every size from
-        # 1 MB to 32 MB (2 ranks): there, stages 2-3 all-reduce and keep their part.
-        self._scatter_by_all_reduce = dist.get_backend() == "gloo"
         self.boundary_now = False
         self.explicit = False  # inside this engine's backward(loss)
         self._pass_task: int | None = None  # the autograd pass touching the params now
@@ -264,27 +261,19 @@ class GradientReduction:
                 self._pending.append((work, lambda: None))
             return
         flats = [self._flat_grad(rt) for rt in bucket.units]
-
-        def keep_owned() -> None:
-            for rt, flat in zip(bucket.units, flats):
-                self._accumulate_grad(rt, flat[self.engine.owned(rt.unit)])
-            self._drop_flat(bucket)
-
+        assert bucket.buffer is not None
+        pending = reduce_bucket(
+            bucket.buffer,
+            flats,
+            [self.engine.owned(rt.unit) for rt in bucket.units],
+            lambda i, part: self._accumulate_grad(bucket.units[i], part),
+            world_size=self.engine.world_size,
+        )
+        pending.append((None, lambda: self._drop_flat(bucket)))
         if self.engine.world_size == 1:
-            keep_owned()
-        elif self._scatter_by_all_reduce:
-            assert bucket.buffer is not None
-            self._pending.append(
-                (comm.all_reduce(bucket.buffer, op="avg", async_op=True), keep_owned)
-            )
+            finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
         else:
-            for rt, flat in zip(bucket.units, flats):
-                shard = torch.empty(
-                    rt.unit.shard_numel, dtype=torch.float32, device=self.engine.device
-                )
-                work = comm.reduce_scatter_into(shard, flat, async_op=True)
-                self._pending.append((work, functools.partial(self._accumulate_grad, rt, shard)))
-            self._pending.append((None, lambda: self._drop_flat(bucket)))
+            self._pending += pending
 
     def _drop_flat(self, bucket: Bucket) -> None:
         """The bucket's gradients are reduced and kept: its buffer is the next bucket's
@@ -298,11 +287,7 @@ class GradientReduction:
             rt.ready = True  # parameters unused in this backward contribute zeros
         with self.engine.timers("comm"):
             self._launch_ready()
-            for work, finish in self._pending:
-                if work is not None:
-                    work.wait()
-                finish()
-            self._pending.clear()
+            finish(self._pending)
         self._spare_flat = None
         for rt in self.engine.units:
             rt.reported, rt.ready = 0, False
