@@ -86,12 +86,17 @@ def engine(stage: int, **extra: int) -> Callable[[argparse.Namespace, torch.Tens
     return build
 
 
-def train_step(stage: int) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
-    """The functional front door on the same model: fzero.train_step over a TrainState."""
+def train_step(
+    stage: int, compiled: bool = False
+) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
+    """The functional front door on the same model and plan as the engine's row:
+    fzero.train_step over a TrainState (`compiled`: over `torch.compile(loss_fn)`)."""
 
     def build(args: argparse.Namespace, x: torch.Tensor) -> Step:
         model = make_model(args.width, args.depth)
-        options = {"persistence_threshold": 0} if stage == 3 else {}
+        zero = fzero.load_config({}).zero_optimization  # the engine's defaults, as its rows
+        options = {"persistence_threshold": zero.stage3_param_persistence_threshold}
+        options = options if stage == 3 else {}
         manifest = fzero.partition.describe(model)
         plan = fzero.partition.plan(
             manifest, world_size=dist.get_world_size(), stage=stage, **options
@@ -102,7 +107,10 @@ def train_step(stage: int) -> Callable[[argparse.Namespace, torch.Tensor], Step]
         def loss_fn(params, batch):
             return torch.func.functional_call(model, params, (batch,)).square().mean()
 
-        train = fzero.train_step(loss_fn, plan, optimizer)
+        config = {"zero_optimization": {"reduce_bucket_size": args.bucket}}
+        train = fzero.train_step(
+            torch.compile(loss_fn) if compiled else loss_fn, plan, optimizer, config=config
+        )
 
         def step() -> None:
             state["now"], _ = train(state["now"], x)
@@ -121,8 +129,8 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     "FSDP2 reshard_after_forward=True": fsdp2(True),
     **{f"fzero stage {stage}": engine(stage) for stage in range(4)},
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
-    "fzero.train_step stage 1": train_step(1),
-    "fzero.train_step stage 3": train_step(3),
+    **{f"fzero.train_step stage {stage}": train_step(stage) for stage in (1, 2, 3)},
+    "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }
 BASELINE = "DDP"
 COLUMNS = (

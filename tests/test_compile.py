@@ -58,3 +58,36 @@ def test_an_engine_over_a_compiled_model_trains_as_over_the_eager_one(stages):
         assert weights[True].keys() == weights[False].keys()
         for name, expected in weights[False].items():
             torch.testing.assert_close(weights[True][name], expected, rtol=1e-6, atol=1e-6)
+
+
+def compiled_loss_case(rank: int, world: int) -> dict:
+    """train_step at stage 3 with `loss_fn` and with `torch.compile(loss_fn)`."""
+    results = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        manifest = fzero.partition.describe(model)
+        plan = fzero.partition.plan(manifest, world_size=world, stage=3, persistence_threshold=0)
+        optimizer = fzero.optim.adamw(lr=1e-2)
+        state = fzero.init(model, plan, optimizer)
+
+        def loss_fn(params, batch, model=model):
+            x, y = batch
+            return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+        step = fzero.train_step(torch.compile(loss_fn) if compiled else loss_fn, plan, optimizer)
+        peaks = []
+        for i in range(3):
+            state, metrics = step(state, global_batch(i, 4))
+            peaks.append(metrics["gathered_peak_numel"])
+        results[compiled] = (fzero.state_dict(state), peaks, sum(u.numel for u in plan.units))
+    return results
+
+
+@pytest.mark.slow
+def test_a_compiled_loss_fn_at_stage3_gets_whole_parameters_and_trains_as_eager():
+    results = run_world(compiled_loss_case, 2)
+    (eager, _, total), (compiled, peaks, _) = results[False], results[True]
+    assert peaks == [total] * 3  # every unit gathered for the call, as grad_fn does
+    for name, expected in eager.items():
+        torch.testing.assert_close(compiled[name], expected, rtol=1e-6, atol=1e-6)

@@ -132,12 +132,7 @@ def check_optimizer(optimizer: Optimizer) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer is a {type(optimizer).__name__}; expected an fzero.optim optimizer "
-            "(fzero.optim.adam, adamw, sgd)"
-        )
-    if optimizer.name == "lamb":
-        raise ValueError(
-            "optimizer lamb: train_step supports adam, adamw and sgd; LAMB's per-tensor trust "
-            "ratio across ranks runs in the engine (fzero.shard / fzero.initialize)"
+            "(fzero.optim.adam, adamw, lamb, sgd)"
         )
 
 

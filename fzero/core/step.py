@@ -49,9 +49,14 @@ from fzero.core.state import (
     publish,
 )
 from fzero.core.update import (
+    add_lamb_squares,
     decide_step,
     grad_stats,
     hparam_fields,
+    lamb_apply,
+    lamb_direction,
+    lamb_norms,
+    lamb_segments,
     native_update_,
     scheduled_overrides,
 )
@@ -89,7 +94,9 @@ def train_step(
       call records the order units are used in; later calls prefetch along it
       (`stage3_prefetch_bucket_size`) and keep a unit gathered from forward into
       backward when backward uses it again within `stage3_max_reuse_distance` elements
-      (else backward gathers it again).
+      (else backward gathers it again). A `torch.compile`d `loss_fn` gets whole
+      parameters instead: every unit is gathered for the call (as with `grad_fn`), since
+      the per-operation swap would break its graph at every operation.
     - `grad_fn(params, batch) -> (loss, grads)` instead: gradients of the full parameters
       by any torch.func transform (`vmap(grad(...))` for per-sample gradients); `grads`
       maps names to gradients of `loss` (missing names count as zero). At stage 3 every
@@ -259,13 +266,17 @@ class _Micro:
         if self.step.grad_fn is not None:
             return self._by_grad_fn(batch)
         scale = self.state.loss_scale.scale if self.state.loss_scale else 1.0
-        leaves = self._leaves()
-        context = self.gatherer.active() if self.gatherer is not None else contextlib.nullcontext()
+        # a compiled loss_fn gets whole parameters: the per-operation swap of placeholders
+        # and the saved-tensor hooks would break its graph at every operation
+        whole = self.gatherer is not None and _compiled(self.step.loss_fn)
+        leaves = self._leaves(whole)
+        swap = self.gatherer is not None and not whole
+        context = self.gatherer.active() if swap else contextlib.nullcontext()
         with context, _transforms_named():
             out = self.step.loss_fn(dict(leaves), batch)
         loss, aux = out if self.step.has_aux else (out, None)
         _check_loss(loss)
-        if self.gatherer is not None:
+        if swap:
             self.gatherer.end_forward()  # backward gathers again what it released
         hooks = [
             leaf.register_post_accumulate_grad_hook(self._on_grad(fqn))
@@ -281,17 +292,23 @@ class _Micro:
         self._reduce_rest()
         return loss, aux
 
-    def _leaves(self) -> dict[str, Tensor]:
-        """What `loss_fn` gets: leaf views of whole units, or stage 3's placeholders."""
+    def _leaves(self, whole: bool) -> dict[str, Tensor]:
+        """What `loss_fn` gets: leaf views of whole units, or stage 3's placeholders
+        (with `whole`, every unit gathered instead, for the whole call)."""
         leaves: dict[str, Tensor] = {}
         self.where: dict[str, tuple[int, Placement]] = {}
+        if whole:
+            assert self.gatherer is not None
+            self.gatherer.max_live = max(self.gatherer.max_live, _numel(self.plan))
         for index, unit in enumerate(self.plan.units):
             params = self.state.units[index].params
+            if whole and not self._whole(unit):
+                params = self.gatherer.full(index)
             self.waiting[index] = {pl.fqn for pl in unit.placements}
             for pl in unit.placements:
                 shape = self.plan.manifest[pl.fqn].shape
                 self.where[pl.fqn] = (index, pl)
-                if self._whole(unit):
+                if whole or self._whole(unit):
                     leaf = gather_pieces(params, pl, shape).detach().requires_grad_()
                 else:
                     assert self.gatherer is not None
@@ -441,11 +458,11 @@ class _Micro:
         optimizer = self.step.optimizer
         overrides = scheduled_overrides(optimizer.hparams, self.step.schedule, lr_steps, lr)
         hp = with_overrides(optimizer.hparams, overrides)
+        if optimizer.name == "lamb":
+            return self._lamb_update(factor, hp)
         units = list(self.state.units)
         for index, u in enumerate(units):
-            part = optimizer_partition(self.plan, self.plan.units[index], self.rank)
-            grad = u.grad[part] if self.plan.stage < 2 else u.grad
-            grad = grad.to(u.master.device)
+            grad = self._step_grad(index)
             state = None
             if native.available(u.master.device):
                 state = native_update_(optimizer.name, u.master, grad, u.optim, hp, factor)
@@ -454,12 +471,54 @@ class _Micro:
                     grad = grad * factor
                 state = optimizer.update_(grad, u.optim, u.master, **hparam_fields(hp))
             units[index] = u._replace(optim=state)
-            # the all-gather of new parameters overlaps the next units' updates
-            work = publish(self.plan, self.rank, index, units[index], async_op=True)
-            if work is not None:
-                self.pending.append((work, _nothing))
+            self._publish(index, units[index])
         finish(self.pending)
         return tuple(units)
+
+    def _step_grad(self, index: int) -> Tensor:
+        """The gradient of this rank's optimizer partition, where its master lives."""
+        u = self.state.units[index]
+        part = optimizer_partition(self.plan, self.plan.units[index], self.rank)
+        grad = u.grad[part] if self.plan.stage < 2 else u.grad
+        return grad.to(u.master.device)
+
+    def _publish(self, index: int, unit: UnitState) -> None:
+        """New parameters from the unit's master; the all-gather overlaps the next
+        units' updates."""
+        work = publish(self.plan, self.rank, index, unit, async_op=True)
+        if work is not None:
+            self.pending.append((work, _nothing))
+
+    def _lamb_update(self, factor: float, hp: Any) -> tuple[UnitState, ...]:
+        """LAMB (`fzero.core.update`): every unit's first half, one all-reduce of the
+        tensors' norms, then every unit's second half."""
+        plan, units = self.plan, list(self.state.units)
+        tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
+        sums = torch.zeros(2, len(tensor_index), dtype=torch.float64, device=self.device)
+        halves = []
+        for index, u in enumerate(units):
+            use_native = native.available(u.master.device)
+            state, update = lamb_direction(
+                u.master, self._step_grad(index), u.optim, hp, factor, use_native=use_native
+            )
+            segments = lamb_segments(plan, self.rank, index)
+            add_lamb_squares(sums, tensor_index, segments, u.master, update, use_native=use_native)
+            units[index] = u._replace(optim=state)
+            halves.append((update, segments, use_native))
+        norms = lamb_norms(sums.to(self.device), plan.stage)
+        for index, (update, segments, use_native) in enumerate(halves):
+            master = units[index].master
+            lamb_apply(master, hp, update, segments, norms, tensor_index, use_native=use_native)
+            self._publish(index, units[index])
+        finish(self.pending)
+        return tuple(units)
+
+
+def _compiled(fn: Any) -> bool:
+    """Whether `fn` is `torch.compile`'s (a compiled function or module)."""
+    return hasattr(fn, "_torchdynamo_orig_callable") or isinstance(
+        fn, torch._dynamo.eval_frame.OptimizedModule
+    )
 
 
 def _nothing() -> None:

@@ -3,7 +3,8 @@
 from all units together whether the step runs (fp16 overflow), the global norm and the
 factor every gradient is scaled by (loss-scale inverse x clip coefficient, as
 DeepSpeed's `unscale_and_clip_grads`); and each unit's in-place update through the
-native kernels.
+native kernels. LAMB's trust ratio is per tensor and a tensor may span ranks, so its
+update takes two halves with one all-reduce of each tensor's squares between them.
 """
 
 from __future__ import annotations
@@ -14,15 +15,28 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero import comm, native
-from fzero.optim import LossScaleState, clip_coefficient
+from fzero import comm, native, partition
+from fzero.optim import (
+    LossScaleState,
+    clip_coefficient,
+    lamb_apply_,
+    lamb_direction_,
+    segment_sq_sums,
+    trust_ratio,
+)
+from fzero.partition import Plan
 
 __all__ = [
     "GradStats",
     "StepDecision",
+    "add_lamb_squares",
     "decide_step",
     "grad_stats",
     "hparam_fields",
+    "lamb_apply",
+    "lamb_direction",
+    "lamb_norms",
+    "lamb_segments",
     "native_update_",
     "scheduled_beta1",
     "scheduled_overrides",
@@ -134,3 +148,97 @@ def scheduled_overrides(hparams: Any, schedule: Any, lr_steps: int, lr: float) -
     if beta1 is not None and hasattr(hparams, "betas"):
         overrides["betas"] = (beta1, hparams.betas[1])
     return overrides
+
+
+# ---- LAMB: two halves per unit, one all-reduce of norms between them ------------------------
+
+Segments = list[tuple[int, int, str]]
+
+
+def lamb_segments(plan: Plan, rank: int, index: int) -> Segments:
+    """(start, stop, fqn) of each tensor's piece in unit `index`'s optimizer partition on
+    `rank` (the whole unit at stage 0)."""
+    unit = plan.units[index]
+    if plan.stage == 0:
+        return [
+            (pc.offset, pc.offset + pc.numel, pl.fqn) for pl in unit.placements for pc in pl.pieces
+        ]
+    return [
+        (s.shard_offset, s.shard_offset + s.numel, s.fqn)
+        for s in partition.local_slices(plan, rank)
+        if s.unit == index
+    ]
+
+
+def lamb_direction(
+    master: Tensor,
+    grad: Tensor,
+    state: Any,
+    hp: Any,
+    factor: float,
+    *,
+    use_native: bool,
+    out: Tensor | None = None,
+) -> tuple[Any, Tensor]:
+    """LAMB's first half for one partition: the moments advance in place; returns the
+    new state and the update direction (into `out` when given). `grad` is scaled by
+    `factor` (in place on the pure path)."""
+    if use_native:
+        update = torch.empty_like(master) if out is None else out
+        native.lamb_direction_(
+            master, grad, state.exp_avg, state.exp_avg_sq, update,
+            step=state.step + 1, betas=hp.betas, eps=hp.eps,
+            weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
+            grad_scale=factor,
+        )  # fmt: skip
+    else:
+        if factor != 1.0:
+            grad.mul_(factor)
+        direction = lamb_direction_(grad, state, master, hp)
+        update = direction if out is None else out.copy_(direction)
+    return state._replace(step=state.step + 1), update
+
+
+def add_lamb_squares(
+    sums: Tensor,
+    tensor_index: dict[str, int],
+    segments: Segments,
+    master: Tensor,
+    update: Tensor,
+    *,
+    use_native: bool,
+) -> None:
+    """Add each tensor piece's squares (parameter, update) into `sums[0 | 1, tensor]`."""
+    spans = [(a, b) for a, b, _ in segments]
+    squares = native.segment_sq_sums if use_native else segment_sq_sums
+    for (_, _, fqn), p_sq, u_sq in zip(segments, squares(master, spans), squares(update, spans)):
+        sums[0, tensor_index[fqn]] += p_sq
+        sums[1, tensor_index[fqn]] += u_sq
+
+
+def lamb_norms(sums: Tensor, stage: int) -> list[list[float]]:
+    """Every tensor's parameter and update norms over all ranks (collective from stage 1)."""
+    if stage > 0:
+        comm.all_reduce(sums, op="sum")
+    return sums.sqrt().tolist()
+
+
+def lamb_apply(
+    master: Tensor,
+    hp: Any,
+    update: Tensor,
+    segments: Segments,
+    norms: list[list[float]],
+    tensor_index: dict[str, int],
+    *,
+    use_native: bool,
+) -> None:
+    """LAMB's second half: each tensor's piece moves by its trust ratio."""
+    spans = [(a, b) for a, b, _ in segments]
+    p_norms = [norms[0][tensor_index[fqn]] for _, _, fqn in segments]
+    u_norms = [norms[1][tensor_index[fqn]] for _, _, fqn in segments]
+    if use_native:
+        scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
+        native.lamb_apply_(master, update, spans, scales)
+    else:
+        lamb_apply_(master, update, spans, p_norms, u_norms, hp)

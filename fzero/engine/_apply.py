@@ -17,15 +17,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import comm, native, partition
+from fzero import comm, native
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime, bind
-from fzero.core.update import hparam_fields, native_update_, scheduled_overrides
+from fzero.core.update import (
+    Segments,
+    add_lamb_squares,
+    hparam_fields,
+    lamb_apply,
+    lamb_direction,
+    lamb_norms,
+    lamb_segments,
+    native_update_,
+    scheduled_overrides,
+)
 from fzero.optim import (
-    lamb_apply_,
-    lamb_direction_,
-    segment_sq_sums,
-    trust_ratio,
     with_overrides,
 )
 
@@ -140,19 +146,9 @@ class OptimizerApplication:
         count = len(self.engine.plan.manifest.tensors)
         return torch.zeros(2, count, dtype=torch.float64, device=self.engine.device)
 
-    def lamb_segments(self, rt: UnitRuntime) -> list[tuple[int, int, str]]:
+    def lamb_segments(self, rt: UnitRuntime) -> Segments:
         """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
-        if self.engine.stage == 0:
-            return [
-                (pc.offset, pc.offset + pc.numel, pl.fqn)
-                for pl in rt.unit.placements
-                for pc in pl.pieces
-            ]
-        return [
-            (s.shard_offset, s.shard_offset + s.numel, s.fqn)
-            for s in partition.local_slices(self.engine.plan, self.engine.rank)
-            if s.unit == rt.index
-        ]
+        return lamb_segments(self.engine.plan, self.engine.rank, rt.index)
 
     def lamb_direction(
         self,
@@ -161,60 +157,37 @@ class OptimizerApplication:
         lrs: list[float],
         sums: Tensor,
         update: Tensor | None = None,
-    ) -> tuple[UnitRuntime, Any, Tensor, list[tuple[int, int, str]]]:
-        """LAMB's first half for one unit: new moments, the update direction (into
-        `update` when given) and its tensors' squares added to `sums`."""
+    ) -> tuple[UnitRuntime, Any, Tensor, Segments]:
+        """LAMB's first half for one unit (`fzero.core.update.lamb_direction`): new
+        moments, the update direction (into `update` when given) and its tensors' squares
+        added to `sums`."""
         grad = self.step_grad(rt)
         hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
-        if self.native:
-            update = torch.empty_like(rt.master) if update is None else update
-            native.lamb_direction_(
-                rt.master, grad, rt.state.exp_avg, rt.state.exp_avg_sq, update,
-                step=rt.state.step + 1, betas=hp.betas, eps=hp.eps,
-                weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
-                grad_scale=factor,
-            )  # fmt: skip
-        else:
-            if factor != 1.0:
-                grad.mul_(factor)
-            direction = lamb_direction_(grad, rt.state, rt.master, hp)
-            update = direction if update is None else update.copy_(direction)
-        rt.state = rt.state._replace(step=rt.state.step + 1)
+        rt.state, update = lamb_direction(
+            rt.master, grad, rt.state, hp, factor, use_native=self.native, out=update
+        )
         self.residency.give_back(self.residency.lent)
         segments = self.lamb_segments(rt)
-        spans = [(a, b) for a, b, _ in segments]
-        index = self.tensor_index
-        squares = native.segment_sq_sums if self.native else segment_sq_sums
-        for (_, _, fqn), p_sq, u_sq in zip(
-            segments, squares(rt.master, spans), squares(update, spans)
-        ):
-            sums[0, index[fqn]] += p_sq
-            sums[1, index[fqn]] += u_sq
+        add_lamb_squares(
+            sums, self.tensor_index, segments, rt.master, update, use_native=self.native
+        )
         return rt, hp, update, segments
 
     def lamb_norms(self, sums: Tensor) -> list[list[float]]:
-        if self.engine.stage > 0:
-            comm.all_reduce(sums, op="sum")
-        return sums.sqrt().tolist()
+        return lamb_norms(sums, self.engine.stage)
 
     def lamb_apply(
         self,
         rt: UnitRuntime,
         hp: Any,
         update: Tensor,
-        segments: list[tuple[int, int, str]],
+        segments: Segments,
         norms: list[list[float]],
     ) -> None:
         """LAMB's second half: each tensor's piece moves by its trust ratio."""
-        index = self.tensor_index
-        spans = [(a, b) for a, b, _ in segments]
-        p_norms = [norms[0][index[fqn]] for _, _, fqn in segments]
-        u_norms = [norms[1][index[fqn]] for _, _, fqn in segments]
-        if self.native:
-            scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
-            native.lamb_apply_(rt.master, update, spans, scales)
-        else:
-            lamb_apply_(rt.master, update, spans, p_norms, u_norms, hp)
+        lamb_apply(
+            rt.master, hp, update, segments, norms, self.tensor_index, use_native=self.native
+        )
 
     def publish(
         self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
