@@ -372,3 +372,21 @@ def test_metrics_file_has_tokens_flops_and_memory(tmp_path):
         assert record["memory_mb"] == pytest.approx(record["memory_plan_mb"])
         assert record["peak_memory_mb"] > 0
     assert "tokens/s" in text and "TFLOP/s" in text
+
+
+def zero_grad_case(rank: int, world: int) -> dict:
+    """`engine.zero_grad` on what another pass left in `param.grad`: set to None, or with
+    `set_to_none=False` zeroed in place (the same tensor), as torch's optimizers do."""
+    engine = fzero.shard(Net(), stage=2, optimizer=fzero.optim.adamw(), config={})
+    params = list(engine.module.parameters())
+    for p in params:
+        p.grad = torch.ones(p.shape)
+    kept = [p.grad for p in params]
+    engine.zero_grad(set_to_none=False)
+    zeroed = all(p.grad is g and not g.any() for p, g in zip(params, kept))
+    engine.zero_grad()
+    return {"zeroed_in_place": zeroed, "none": all(p.grad is None for p in params)}
+
+
+def test_zero_grad_honours_set_to_none():
+    assert run_world(zero_grad_case, 1) == {"zeroed_in_place": True, "none": True}

@@ -136,6 +136,67 @@ def test_train_step_runs_lamb_as_the_engine_does_bitwise():
     _assert_same(run_world(engine_and_step_case, 2, cases))
 
 
+class _Recomputed(nn.Module):
+    """Residual blocks run through `fzero.checkpointing.checkpoint` (recomputed in
+    backward), or directly."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = h + (fzero.checkpointing.checkpoint(block, h) if self.checkpointed else block(h))
+        return h
+
+
+def recompute_case(rank: int, world: int) -> dict:
+    """Activation checkpointing in both doors at every stage, and the same model
+    without it: a recomputation under functional_call must use the step's parameters."""
+    results = {}
+    for stage in range(4):
+        for checkpointed in (True, False):
+            config = {
+                "steps_per_print": 0,
+                "zero_optimization": {"stage3_param_persistence_threshold": 0},
+            }
+            optimizer = fzero.optim.adamw(lr=1e-2)
+            torch.manual_seed(0)
+            engine = fzero.shard(
+                _Recomputed(checkpointed), stage=stage, optimizer=optimizer, config=config
+            )
+            torch.manual_seed(0)
+            model = _Recomputed(checkpointed)
+            plan = _plan(model, world, stage)
+            state = fzero.init(model, plan, optimizer)
+
+            def loss_fn(params, x, model=model):
+                return torch.func.functional_call(model, params, (x,)).square().mean()
+
+            step = fzero.train_step(loss_fn, plan, optimizer)
+            for i in range(3):
+                x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * i + rank))
+                engine.backward(engine(x).square().mean())
+                engine.step()
+                state, _ = step(state, x)
+            results[(stage, checkpointed)] = (
+                engine.state_dict(torch.float32),
+                fzero.state_dict(state),
+            )
+            engine.destroy()
+    return results
+
+
+def test_activation_checkpointing_under_train_step_equals_the_engine_at_every_stage():
+    results = run_world(recompute_case, 2)
+    for stage in range(4):
+        (engine, step), (plain, _) = results[(stage, True)], results[(stage, False)]
+        for name, expected in engine.items():
+            assert torch.equal(step[name], expected), (stage, name)
+            torch.testing.assert_close(expected, plain[name], rtol=1e-6, atol=1e-7)
+
+
 WIDTH, DEPTH = 16, 6
 
 

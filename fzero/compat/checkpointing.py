@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.utils.checkpoint
 
 from fzero.config import ActivationCheckpointingConfig, Config, ConfigError, load_config
+from fzero.core.gather import resolve_placeholder
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "settings", "timings"]
 
@@ -105,8 +107,19 @@ def timings() -> dict[str, float]:
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)` without keeping its activations: they are
-    recomputed when backward needs them (non-reentrant `torch.utils.checkpoint`)."""
+    recomputed when backward needs them (non-reentrant `torch.utils.checkpoint`).
+
+    Under `torch.func.functional_call` (as in a `fzero.train_step` loss_fn), a module's
+    tensors are swapped in only while the call runs, so a recomputation in backward
+    would read the module's own, stale ones: when `function` is a module (or its
+    `__call__`/`forward`), the tensors it held at forward are put back for the
+    recomputation (stage 3's placeholders as their gathered parameters)."""
     chosen = settings()
+    module = _swapped_module(function)
+    held = None
+    if module is not None:
+        held = dict(module.named_parameters(remove_duplicate=False))
+        held.update(module.named_buffers(remove_duplicate=False))
     saving = (
         torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         if chosen.cpu_checkpointing
@@ -115,14 +128,36 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     timed = _timed if chosen.profile or chosen.synchronize_checkpoint_boundary else None
 
     def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        phase = "recompute" if torch.is_grad_enabled() and _recomputing() else "forward"
+        recomputing = torch.is_grad_enabled() and _recomputing()
+        call = function
+        if recomputing and held is not None:
+            call = functools.partial(_call_with, module, held)
         if timed is None:
-            return function(*inner_args, **inner_kwargs)
-        with timed(phase, chosen):
-            return function(*inner_args, **inner_kwargs)
+            return call(*inner_args, **inner_kwargs)
+        with timed("recompute" if recomputing else "forward", chosen):
+            return call(*inner_args, **inner_kwargs)
 
     with saving:
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def _swapped_module(function: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module `function` runs (the module itself, or its `__call__`/`forward`) when
+    `torch.func.functional_call` has swapped tensors into it now; else None."""
+    module = function if isinstance(function, torch.nn.Module) else None
+    if module is None and getattr(function, "__name__", "") in ("__call__", "forward"):
+        owner = getattr(function, "__self__", None)
+        module = owner if isinstance(owner, torch.nn.Module) else None
+    if module is None:
+        return None
+    swapped = any(not isinstance(p, torch.nn.Parameter) for p in module.parameters())
+    return module if swapped else None
+
+
+def _call_with(module: torch.nn.Module, held: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """`module(*args, **kwargs)` over the tensors it held at forward."""
+    tensors = {name: resolve_placeholder(value) for name, value in held.items()}
+    return torch.func.functional_call(module, tensors, args, kwargs)
 
 
 def _recomputing() -> bool:

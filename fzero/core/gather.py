@@ -20,7 +20,8 @@ gathered only if backward uses it again within `max_reuse` elements of other uni
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,19 @@ from fzero import comm
 from fzero.core.layout import gather_pieces
 from fzero.partition import Placement, Plan
 
-__all__ = ["PlaceholderGatherer", "UseTrace", "placeholder"]
+__all__ = ["PlaceholderGatherer", "UseTrace", "placeholder", "resolve_placeholder"]
+
+_RUNNING: list[PlaceholderGatherer] = []  # the gatherers of the steps running now
+
+
+def resolve_placeholder(value: Any) -> Any:
+    """A stage-3 placeholder of a step running now as its gathered parameter (for code
+    that runs outside the step's operations, such as an activation-checkpoint
+    recomputation); anything else as it is."""
+    for gatherer in reversed(_RUNNING):
+        if isinstance(value, Tensor) and id(value) in gatherer.placeholders:
+            return gatherer.swap(value)
+    return value
 
 
 @dataclass
@@ -231,6 +244,15 @@ class PlaceholderGatherer:
             return packed
         index, size, stride, offset = packed
         return self.full(index).as_strided(size, stride, offset)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The block is this gatherer's step, forward and backward (`resolve_placeholder`)."""
+        _RUNNING.append(self)
+        try:
+            yield
+        finally:
+            _RUNNING.remove(self)
 
     def active(self) -> _Active:
         """The context inside which placeholders are swapped and saved views released."""

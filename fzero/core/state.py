@@ -151,5 +151,6 @@ def publish(plan: Plan, rank: int, index: int, unit: UnitState, *, async_op: boo
     if target.data_ptr() != unit.master.data_ptr():
         target.copy_(unit.master)
     if plan.stage > 0 and plan.world_size > 1:
-        return comm.all_gather_into(unit.params, target.clone(), async_op=async_op)
+        # in place: the input is this rank's own chunk of the output (as the engine's)
+        return comm.all_gather_into(unit.params, target, async_op=async_op)
     return None

@@ -265,6 +265,12 @@ class _Micro:
     def gradients(self, batch: Any) -> tuple[Tensor, Any]:
         if self.step.grad_fn is not None:
             return self._by_grad_fn(batch)
+        if self.gatherer is None:
+            return self._by_loss_fn(batch)
+        with self.gatherer.running():
+            return self._by_loss_fn(batch)
+
+    def _by_loss_fn(self, batch: Any) -> tuple[Tensor, Any]:
         scale = self.state.loss_scale.scale if self.state.loss_scale else 1.0
         # a compiled loss_fn gets whole parameters: the per-operation swap of placeholders
         # and the saved-tensor hooks would break its graph at every operation
