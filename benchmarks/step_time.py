@@ -67,11 +67,16 @@ def fsdp2(reshard: bool) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
     return build
 
 
-def engine(stage: int, **extra: int) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
+def engine(
+    stage: int, compiled: bool = False, **extra: int
+) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
+    """The engine (`compiled`: over `torch.compile(model)`)."""
+
     def build(args: argparse.Namespace, x: torch.Tensor) -> Step:
         zero = {"overlap_comm": True, "reduce_bucket_size": args.bucket, **extra}
+        model = make_model(args.width, args.depth)
         sharded = fzero.shard(
-            make_model(args.width, args.depth),
+            torch.compile(model) if compiled else model,
             stage=stage,
             optimizer=fzero.optim.adamw(lr=1e-3),
             config={"steps_per_print": 0, "zero_optimization": zero},
@@ -129,6 +134,7 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     "FSDP2 reshard_after_forward=True": fsdp2(True),
     **{f"fzero stage {stage}": engine(stage) for stage in range(4)},
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
+    "fzero stage 3 compiled model": engine(3, compiled=True),
     **{f"fzero.train_step stage {stage}": train_step(stage) for stage in (1, 2, 3)},
     "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }
