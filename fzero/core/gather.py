@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,14 @@ from fzero import comm
 from fzero.core.layout import gather_pieces
 from fzero.partition import Placement, Plan
 
-__all__ = ["PlaceholderGatherer", "UseTrace", "placeholder", "resolve_placeholder"]
+__all__ = [
+    "PlaceholderGatherer",
+    "UseTrace",
+    "placeholder",
+    "resolve_placeholder",
+    "reuse_distance",
+    "units_to_prefetch",
+]
 
 _RUNNING: list[PlaceholderGatherer] = []  # the gatherers of the steps running now
 
@@ -47,6 +54,30 @@ def resolve_placeholder(value: Any) -> Any:
         if isinstance(value, Tensor) and id(value) in gatherer.placeholders:
             return gatherer.swap(value)
     return value
+
+
+def units_to_prefetch(
+    order: Sequence[int], start: int, numel: Callable[[int], int], budget: int
+) -> list[int]:
+    """The units of `order[start:]` within `budget` elements ahead, in order (DeepSpeed's
+    `stage3_prefetch_bucket_size`: the unit that crosses the budget still counts). Both
+    doors prefetch by it; each skips units already gathered and stops at its live bound."""
+    chosen = []
+    for index in order[start:]:
+        if budget <= 0:
+            break
+        budget -= numel(index)
+        chosen.append(index)
+    return chosen
+
+
+def reuse_distance(upcoming: Sequence[int], index: int, numel: Callable[[int], int]) -> int | None:
+    """Elements of the other units used before unit `index` is used next in `upcoming`
+    (DeepSpeed's `stage3_max_reuse_distance` compares it), or None if it is not used
+    again. Both doors keep a unit gathered after forward by it."""
+    if index not in upcoming:
+        return None
+    return sum(numel(i) for i in upcoming[: upcoming.index(index)])
 
 
 @dataclass
@@ -164,20 +195,19 @@ class PlaceholderGatherer:
         order = self.trace.order[self.phase]
         if index not in order:
             return
-        ahead = 0
-        for nxt in order[order.index(index) + 1 :]:
-            numel = self.plan.units[nxt].numel
-            ahead += numel
-            if ahead > self.prefetch_numel:
-                break
+        numel = self._numel
+        for nxt in units_to_prefetch(order, order.index(index) + 1, numel, self.prefetch_numel):
             if nxt in self.live or nxt in self.inflight:
                 continue
-            if self.live_numel + numel > self.max_live:
+            if self.live_numel + numel(nxt) > self.max_live:
                 break
-            full = torch.empty(numel, dtype=self.dtype, device=self.device)
+            full = torch.empty(numel(nxt), dtype=self.dtype, device=self.device)
             self.inflight[nxt] = (full, self._start_gather(nxt, full))
-            self.live_numel += numel
+            self.live_numel += numel(nxt)
             self.peak_numel = max(self.peak_numel, self.live_numel)
+
+    def _numel(self, index: int) -> int:
+        return self.plan.units[index].numel
 
     def end_forward(self) -> None:
         """Forward has returned: keep a unit gathered only if backward uses it again
@@ -189,11 +219,8 @@ class PlaceholderGatherer:
             return
         backward = self.trace.order["backward"]
         for index in list(self.live):
-            if index not in backward:
-                self.release(index)
-                continue
-            before = backward[: backward.index(index)]
-            if sum(self.plan.units[i].numel for i in before) > self.max_reuse:
+            distance = reuse_distance(backward, index, self._numel)
+            if distance is None or distance > self.max_reuse:
                 self.release(index)
 
     def end_step(self) -> None:

@@ -21,6 +21,7 @@ from torch import Tensor
 from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
+from fzero.core.gather import reuse_distance, units_to_prefetch
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.engine.telemetry import Timers
 from fzero.partition import Plan
@@ -199,12 +200,8 @@ class Stage3Gatherer:
             self._cursor = len(trace) + 1  # the program took another path: stop prefetching
             return
         self._cursor += 1
-        budget = self._prefetch_numel
-        for index in trace[self._cursor :]:
+        for index in units_to_prefetch(trace, self._cursor, self._numel, self._prefetch_numel):
             ahead = self.units[index]
-            if budget <= 0:
-                break
-            budget -= ahead.unit.numel
             if ahead.full is None:
                 if self.live_numel() + ahead.unit.numel > self._max_live:
                     break
@@ -240,10 +237,13 @@ class Stage3Gatherer:
         if "forward" not in self._traced or "backward" not in self._traced:
             return False
         upcoming = self._trace["forward"][self._cursor :] + self._trace["backward"]
-        if rt.index not in upcoming:
+        distance = reuse_distance(upcoming, rt.index, self._numel)
+        if distance is None:
             return False
-        distance = sum(self.units[i].unit.numel for i in upcoming[: upcoming.index(rt.index)])
         return distance <= self._max_reuse and self.live_numel() <= self._max_live
+
+    def _numel(self, index: int) -> int:
+        return self.units[index].unit.numel
 
     def install_hooks(self, root: torch.nn.Module) -> None:
         """Gather each module's units before its forward, release them after (unless
