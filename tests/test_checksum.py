@@ -34,14 +34,14 @@ def test_a_tensor_read_in_chunks_verifies_and_a_flipped_byte_is_named(tmp_path, 
     path = str(tmp_path / "t.safetensors")
     written = write_safetensors(path, [("w", tensor)])
     assert written.algorithm == "xxh3_64"
-    assert written.crcs["w"] == xxhash.xxh3_64_intdigest(tensor_bytes(tensor))
+    assert written.tensor_digests["w"] == xxhash.xxh3_64_intdigest(tensor_bytes(tensor))
     out = torch.empty_like(tensor)
     with SafetensorsFile(path, written.size) as f:
-        f.read_into("w", out, written.crcs["w"])
+        f.read_into("w", out, written.tensor_digests["w"])
     assert torch.equal(out, tensor)
     data = bytearray((tmp_path / "t.safetensors").read_bytes())
     data[-5000] ^= 1  # in a middle chunk
     (tmp_path / "t.safetensors").write_bytes(bytes(data))
     damaged = r"tensor 'w' in .*t.safetensors fails its xxh3_64 check"
     with SafetensorsFile(path, written.size) as f, pytest.raises(CheckpointError, match=damaged):
-        f.read_into("w", out, written.crcs["w"])
+        f.read_into("w", out, written.tensor_digests["w"])
