@@ -273,13 +273,20 @@ def _sections(cls: type) -> list[type]:
 
 
 def _names_read_outside_the_config() -> set[str]:
-    """Every attribute name and string constant in fzero's code outside `fzero.config`."""
+    """Every attribute name and string constant in fzero's code outside `fzero.config`'s
+    definitions and checks (its public functions, such as the batch arithmetic, count)."""
     root = Path(fzero.__file__).parent
     names: set[str] = set()
     for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        nodes: list[ast.AST] = [tree]
         if path.is_relative_to(root / "config"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
+            nodes = [
+                node
+                for node in tree.body
+                if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+            ]
+        for node in (n for top in nodes for n in ast.walk(top)):
             if isinstance(node, ast.Attribute):
                 names.add(node.attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
