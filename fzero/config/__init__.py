@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from fzero.config._base import AUTO, ConfigError
+from fzero.config.batch import BatchSizes, accumulation_steps, batch_sizes, batch_sizes_or_none
 from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS
 
 __all__ = [
@@ -46,8 +48,6 @@ __all__ = [
     "load_config",
 ]
 
-AUTO = "auto"
-
 
 class _Section:
     """Dict-style reads of a config section, for code written against DeepSpeed's
@@ -57,10 +57,6 @@ class _Section:
     def get(self, key: str, default: Any = None) -> Any:
         names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
         return getattr(self, key) if key in names else default
-
-
-class ConfigError(ValueError):
-    """A config key has a wrong name, type or value; the message names it."""
 
 
 def _no_effect(default: Any, why: str) -> Any:
@@ -607,79 +603,3 @@ def _check(config: Config) -> None:
                 "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
             )
         _check_params("scheduler", kind, config.scheduler.params, SCHEDULE_PARAMS[kind])
-
-
-@dataclass(frozen=True)
-class BatchSizes:
-    train_batch_size: int
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-
-
-def batch_sizes_or_none(config: Config, world_size: int) -> BatchSizes | None:
-    """`batch_sizes` where the config gives a batch size, else None."""
-    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
-        return None
-    return batch_sizes(config, world_size)
-
-
-def accumulation_steps(config: Config, world_size: int) -> int:
-    """Micro-batches per optimizer step, one rule for both doors: from the batch
-    arithmetic where the config gives a batch size, else `gradient_accumulation_steps`
-    (1 when absent)."""
-    batch = batch_sizes_or_none(config, world_size)
-    if batch is not None:
-        return batch.gradient_accumulation_steps
-    steps = config.gradient_accumulation_steps
-    if steps == AUTO:
-        raise ConfigError(
-            'config key "gradient_accumulation_steps" is still "auto"; call resolve_auto first'
-        )
-    return steps or 1
-
-
-def batch_sizes(config: Config, world_size: int) -> BatchSizes:
-    """DeepSpeed's batch arithmetic: train = micro x accumulation x world.
-
-    Any two given derive the third; only `train_batch_size` gives accumulation
-    1; only the micro batch gives accumulation 1; all three must agree.
-    """
-    train = config.train_batch_size
-    micro = config.train_micro_batch_size_per_gpu
-    accum = config.gradient_accumulation_steps
-    for name, value in (
-        ("train_batch_size", train),
-        ("train_micro_batch_size_per_gpu", micro),
-        ("gradient_accumulation_steps", accum),
-    ):
-        if value == AUTO:
-            raise ConfigError(f'config key {name!r} is still "auto"; call resolve_auto first')
-    if train is not None and micro is not None and accum is not None:
-        if train != micro * accum * world_size:
-            raise ConfigError(
-                "train_batch_size != train_micro_batch_size_per_gpu x "
-                f"gradient_accumulation_steps x world_size: {train} != "
-                f"{micro} x {accum} x {world_size} = {micro * accum * world_size}"
-            )
-        return BatchSizes(train, micro, accum)
-    if train is not None and micro is not None:
-        accum, left = divmod(train, micro * world_size)
-    elif train is not None and accum is not None:
-        micro, left = divmod(train, accum * world_size)
-    elif micro is not None:
-        accum = accum or 1
-        train, left = micro * accum * world_size, 0
-    elif train is not None:
-        accum = 1
-        micro, left = divmod(train, world_size)
-    else:
-        raise ConfigError(
-            "give train_batch_size or train_micro_batch_size_per_gpu "
-            f"(found gradient_accumulation_steps={accum!r} only)"
-        )
-    if left or micro < 1 or accum < 1:
-        raise ConfigError(
-            f"train_batch_size {train} cannot be split as micro batch x accumulation steps "
-            f"x world_size {world_size} (micro={micro}, accumulation={accum}, remainder {left})"
-        )
-    return BatchSizes(train, micro, accum)
