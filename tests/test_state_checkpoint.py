@@ -5,6 +5,7 @@ state and the other way round)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -26,19 +27,24 @@ def _plan(model, world, stage):
     )
 
 
-def _setup(world: int, stage: int, accum: int, seed: int):
+def _setup(world: int, stage: int, accum: int, seed: int, swap: str = "", commit: str = ""):
+    """A model, plan, optimizer, state and step; with `swap` (a directory) the optimizer
+    state is offloaded to NVMe there (`commit`: two_slots or in_place)."""
     torch.manual_seed(seed)
     model = Net()
     plan = _plan(model, world, stage)
     optimizer = fzero.optim.adamw(lr=1e-2, weight_decay=0.01)
-    state = fzero.init(model, plan, optimizer, seed=seed)
+    config: dict = {"gradient_accumulation_steps": accum}
+    if swap:
+        offload = {"device": "nvme", "nvme_path": swap, "commit": commit or "two_slots"}
+        config["zero_optimization"] = {"offload_optimizer": offload}
+    state = fzero.init(model, plan, optimizer, seed=seed, config=config)
 
     def loss_fn(params, batch):
         x, y = batch
         out = torch.func.functional_call(model, params, (x,))
         return F.mse_loss(F.dropout(out, 0.3), y)
 
-    config = {"gradient_accumulation_steps": accum}
     return model, plan, optimizer, state, fzero.train_step(loss_fn, plan, optimizer, config=config)
 
 
@@ -68,6 +74,43 @@ def resume_case(rank: int, world: int, root: str, stage: int, at: int) -> dict:
     resumed = fzero.state_dict(state)
     same = all(torch.equal(straight[k], resumed[k]) for k in straight)
     return {"rest": rest, "again": again, "same": same}
+
+
+def nvme_resume_case(rank: int, world: int, root: str, stage: int, before: str, after: str):
+    """`resume_case` with the optimizer state in a swap file before the save and/or
+    after the restore (`before`/`after`: "", "two_slots" or "in_place")."""
+    swap = os.path.join(root, "swap")
+    os.makedirs(swap, exist_ok=True)
+    _, _, optimizer, state, step = _setup(world, stage, 2, 0, swap if before else "", before)
+    assert (state.residence is not None) == bool(before)
+    state, _ = _micro_steps(step, state, rank, world, 0, 3)
+    fzero.checkpoint.save(root, state, optimizer=optimizer, tag="t")
+    state, rest = _micro_steps(step, state, rank, world, 3, 3)
+    straight = fzero.state_dict(state)
+    _, _, _, fresh, step = _setup(world, stage, 2, 7, swap if after else "", after)
+    restored = fzero.checkpoint.restore(root, fresh, optimizer=optimizer)
+    state, again = _micro_steps(step, restored.state, rank, world, 3, 3)
+    resumed = fzero.state_dict(state)
+    same = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    return {"rest": rest, "again": again, "same": same}
+
+
+@pytest.mark.parametrize(
+    "stage,before,after",
+    [
+        (2, "two_slots", "two_slots"),
+        (3, "in_place", "in_place"),
+        (1, "two_slots", ""),
+        (3, "", "in_place"),
+    ],
+)
+def test_an_nvme_offloaded_state_saves_and_restores_exactly(tmp_path, stage, before, after):
+    """train_step with NVMe offload: the checkpoint reads units back from the swap file,
+    restore writes them to the file's next slots and commits; either side may hold its
+    state in memory instead."""
+    result = run_world(nvme_resume_case, 2, str(tmp_path), stage, before, after)
+    assert result["rest"] == result["again"]
+    assert result["same"]
 
 
 @pytest.mark.parametrize("stage,at", [(3, 2), (3, 3), (1, 3), (0, 2)])

@@ -129,7 +129,10 @@ def restore(
     if like.rng is not None and like.rank < index["world_size"]:
         saved = index["ranks"][like.rank]["rng"].get("torch")
         rng = torch.tensor(list(saved), dtype=torch.uint8) if saved is not None else rng
-    if install:
+    if install and like.residence is not None:  # NVMe: the stored slots become current
+        like.residence.commit()
+        units = tuple(_install_swapped(like, i, unit) for i, unit in enumerate(units))
+    elif install:
         units = tuple(_install(like, i, unit) for i, unit in enumerate(units))
     state = like.replace(units=units, counters=counters, loss_scale=loss_scale, rng=rng)
     return Restored(state, read.client_state, read.module, found, index)
@@ -150,6 +153,20 @@ def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
         unit = unit._replace(
             master=unit.params[optimizer_partition(like.plan, like.plan.units[i], like.rank)]
         )
+    return unit._replace(grad=old.grad)
+
+
+def _install_swapped(like: TrainState, i: int, unit: UnitState) -> UnitState:
+    """Unit i of a restored state whose master and optimizer state are in its swap file
+    (committed): the gradient as `_install`'s, the master read back and written to the
+    parameters. Collective."""
+    old = like.units[i]
+    if unit.grad is old.grad:
+        old.grad.zero_()
+    else:
+        old.grad.copy_(unit.grad)
+    with like.residence.resident(i) as held:  # type: ignore[union-attr]
+        publish(like.plan, like.rank, i, held._replace(params=old.params))
     return unit._replace(grad=old.grad)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "batch_sizes",
     "batch_sizes_or_none",
     "load_config",
+    "read_config",
 ]
 
 
@@ -524,6 +525,16 @@ def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
     """Parse a DeepSpeed JSON config (a path or a dict) into a validated `Config`."""
     if isinstance(source, Config):
         return source
+    raw = _take_max_grad_norm(dict(read_config(source)))
+    if raw.get("steps_per_print") == math.inf:  # DeepSpeed's "never", from Transformers
+        raw["steps_per_print"] = 0
+    config = _parse_section(Config, raw, "")
+    _check(config)
+    return config
+
+
+def read_config(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A DeepSpeed JSON config's raw object (from a path, or the dict itself), unparsed."""
     if isinstance(source, str | Path):
         path = Path(source)
         try:
@@ -540,12 +551,7 @@ def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
         )
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a JSON object, found {type(raw).__name__}")
-    raw = _take_max_grad_norm(dict(raw))
-    if raw.get("steps_per_print") == math.inf:  # DeepSpeed's "never", from Transformers
-        raw["steps_per_print"] = 0
-    config = _parse_section(Config, raw, "")
-    _check(config)
-    return config
+    return raw
 
 
 def _check(config: Config) -> None:

@@ -10,6 +10,11 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `gather`: stage 3's per-unit gathering of placeholders inside a function;
 - `update`: the update's rules (fp16 overflow, global norm, clipping, scheduled
   hyper-parameters) and the in-place update through the native kernels;
+- `apply`: applying the update to every unit (native kernels, LAMB's two halves, the
+  transactional and in-place NVMe steps) and publishing new parameters — the one update
+  loop both doors run, over `layout.UnitRuntime` records;
+- `residency`: where optimizer partitions live between steps (device, host, NVMe swap
+  slots), host buffer pools, gradient accumulators on disk;
 - `precision`: compute dtypes and the fp16 loss scale's setup;
 - `nvme`: the swap file and its host buffer pool (the native async I/O).
 

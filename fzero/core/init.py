@@ -6,6 +6,7 @@ and a plan, `state_dict` consolidates the trained weights from one. The step is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,10 +15,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero.config import Config, load_config
-from fzero.core.layout import gather_pieces, scatter_pieces
+from fzero.config import Config, load_config, read_config
+from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import DTYPES, loss_scaler
-from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
+from fzero.core.residency import Residency, SwapFileUnits
+from fzero.core.state import (
+    Counters,
+    TrainState,
+    UnitState,
+    optimizer_partition,
+    partition_numel,
+)
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
 from fzero.optim._schedules import Schedule
 from fzero.partition import Plan
@@ -47,8 +55,10 @@ def init(
     """This rank's `TrainState` for `model` under `plan` (collective: every rank starts
     from rank 0's weights). `precision` is the compute dtype (`fp32`, `bf16`, `fp16`;
     masters are fp32). `config`'s `offload_optimizer.device: cpu` keeps masters and
-    optimizer state in host memory. `seed` seeds the generator the steps draw from (default:
-    the process generator's state now)."""
+    optimizer state in host memory; `nvme` keeps them in a swap file under
+    `offload_optimizer.nvme_path` (`TrainState.residence`; gradients stay in memory).
+    `seed` seeds the generator the steps draw from (default: the process generator's
+    state now)."""
     if precision not in DTYPES:
         raise ValueError(f"precision is {precision!r}; allowed: {sorted(DTYPES)}")
     check_optimizer(optimizer)
@@ -57,6 +67,7 @@ def init(
     _check_world(plan)
     rank, device, dtype = dist.get_rank(), comm.backend_device(), DTYPES[precision]
     host = _optimizer_device(cfg, device, plan.stage)
+    swapped = cfg.zero_optimization.offload_optimizer.device == "nvme"
     named = dict(model.named_parameters())
     _check_model(plan, named)
     meta = [fqn for fqn, p in named.items() if p.is_meta]
@@ -82,13 +93,40 @@ def init(
             master = params[part] if shares else flat[part].to(host, copy=True)
         else:
             master = flat[part].to(host, copy=True)
-            params = None if dtype == torch.float32 and host == device else flat[part].to(dtype)
+            serves = dtype == torch.float32 and host == device and not swapped
+            params = None if serves else flat[part].to(dtype, copy=True)
         numel = unit.numel if plan.stage < 2 else unit.shard_numel
         grad = torch.zeros(numel, dtype=torch.float32, device=device)
         units.append(UnitState(master, optimizer.init(master), params, grad))
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if precision == "fp16" else None
-    return TrainState(plan, rank, tuple(units), Counters(), scale, rng)
+    residence = _swap_out(cfg, plan, rank, optimizer, units) if swapped else None
+    return TrainState(plan, rank, tuple(units), Counters(), scale, rng, residence)
+
+
+def _swap_out(
+    config: Config, plan: Plan, rank: int, optimizer: Optimizer, units: list[UnitState]
+) -> SwapFileUnits:
+    """NVMe offload: each unit's master and optimizer state written to the current slot of
+    a new swap file and dropped from memory (`units` are replaced by their evicted form)."""
+
+    residency = Residency(
+        config,
+        plan,
+        rank=rank,
+        optimizer=optimizer,
+        partition_numel=functools.partial(partition_numel, plan, rank=rank),
+        swap_gradients=False,
+    )
+    runtimes = []
+    for i, u in enumerate(units):
+        rt = UnitRuntime(i, plan.units[i], [], u.master, u.optim, u.grad)
+        residency.swap_out(rt, rt.slot, wait=True)
+        residency.evict(rt)
+        units[i] = u._replace(master=rt.master, optim=rt.state)
+        runtimes.append(rt)
+    residency.units = runtimes
+    return SwapFileUnits(residency, runtimes)
 
 
 def optimizer_of(
@@ -113,8 +151,15 @@ def schedule_of(config: Config, given: Schedule | None = None) -> Schedule | Non
 
 
 def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan) -> Config:
-    """The config, which may leave the stage out (the plan has one) but not contradict it."""
-    cfg = load_config(config if config is not None else {})
+    """The config, which may leave the stage out (the plan's is taken) but not contradict
+    it."""
+    if not isinstance(config, Config):
+        raw = dict(read_config(config if config is not None else {}))
+        zero = raw.get("zero_optimization")
+        if isinstance(zero, Mapping) and "stage" not in zero:
+            raw["zero_optimization"] = {**zero, "stage": plan.stage}
+        config = raw
+    cfg = load_config(config)
     stage = cfg.zero_optimization.stage
     if stage not in (0, plan.stage):
         raise ValueError(
@@ -166,12 +211,7 @@ def _optimizer_device(config: Config, device: torch.device, stage: int) -> torch
             f"zero_optimization.offload_optimizer.device is {where!r} but the plan is stage 0; "
             "offload needs stage 1, 2 or 3"
         )
-    if where == "nvme":
-        raise ValueError(
-            "zero_optimization.offload_optimizer.device is 'nvme'; train_step keeps the state "
-            "in memory: allowed 'none' or 'cpu' (NVMe offload runs in the engine)"
-        )
-    return torch.device("cpu") if where == "cpu" else device
+    return torch.device("cpu") if where in ("cpu", "nvme") else device
 
 
 # ---- views of a state ------------------------------------------------------------------------

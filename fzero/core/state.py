@@ -33,7 +33,15 @@ from fzero import comm
 from fzero.optim import LossScaleState
 from fzero.partition import Plan, Unit
 
-__all__ = ["Counters", "SwappedUnits", "TrainState", "UnitState", "optimizer_partition", "publish"]
+__all__ = [
+    "Counters",
+    "SwappedUnits",
+    "TrainState",
+    "UnitState",
+    "optimizer_partition",
+    "partition_numel",
+    "publish",
+]
 
 
 class UnitState(NamedTuple):
@@ -57,13 +65,18 @@ class Counters(NamedTuple):
 
 
 class SwappedUnits(Protocol):
-    """Where units live when not all of them are in memory (the engine's NVMe swap file):
-    `resident(i)` makes unit i's tensors readable inside the block; `store_next(i, unit)`
-    writes a loaded unit where the next `commit()` makes it current."""
+    """Where units' masters and optimizer states live when not in memory (the NVMe swap
+    file, `fzero.core.residency`): `resident(i)` makes unit i's tensors readable inside
+    the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
+    it current; `check_usable()` raises when the file holds no single step."""
 
     def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
 
     def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def check_usable(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,10 @@ class TrainState:
     """One rank's training state: `units` (one `UnitState` per unit of `plan`, this
     `rank`'s partitions), `counters`, `loss_scale` (fp16) and `rng` (the torch generator
     state the next step draws dropout from; None: the process's own generator).
-    `residence` is None when every unit is in memory (see `SwappedUnits`)."""
+    `residence` is None when every unit is in memory; with NVMe offload it is the swap
+    file (see `SwappedUnits`), the units' `master` and `optim` tensors here are empty and
+    `resident(i)` reads them. A step updates the file in place: like the buffers, it
+    belongs to the state the step returns."""
 
     plan: Plan
     rank: int
@@ -134,6 +150,12 @@ def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
         return slice(0, unit.numel)
     start, stop = unit.shard_range(rank)
     return slice(start, stop)
+
+
+def partition_numel(plan: Plan, unit: Unit, rank: int) -> int:
+    """Elements of `rank`'s optimizer partition of `unit` (`optimizer_partition`)."""
+    part = optimizer_partition(plan, unit, rank)
+    return part.stop - part.start
 
 
 def publish(plan: Plan, rank: int, index: int, unit: UnitState, *, async_op: bool = False) -> Any:

@@ -27,6 +27,7 @@ model state. Copy first (`tree_map_only(torch.Tensor, torch.clone, state)`) to k
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -34,33 +35,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import comm, native, partition
+from fzero import comm, partition
 from fzero.config import Config, accumulation_steps
+from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
-from fzero.core.layout import add_pieces, gather_pieces
+from fzero.core.layout import UnitRuntime, add_pieces, gather_pieces
 from fzero.core.precision import loss_scaler
 from fzero.core.reduce import Pending, finish, reduce_bucket
-from fzero.core.state import (
-    Counters,
-    TrainState,
-    UnitState,
-    optimizer_partition,
-    publish,
-)
-from fzero.core.update import (
-    add_lamb_squares,
-    decide_step,
-    grad_stats,
-    hparam_fields,
-    lamb_apply,
-    lamb_direction,
-    lamb_norms,
-    lamb_segments,
-    native_update_,
-    scheduled_overrides,
-)
-from fzero.optim import Optimizer, adamw, with_overrides
+from fzero.core.residency import Residency, SwapFileUnits
+from fzero.core.state import Counters, TrainState, UnitState, partition_numel
+from fzero.core.update import decide_step, grad_stats
+from fzero.optim import Optimizer, adamw
 from fzero.partition import Placement, Plan
 
 __all__ = ["eval_step", "train_step"]
@@ -149,6 +135,42 @@ class _Step:
         self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
         self.buckets = partition.reduction_buckets(plan, bucket_numel)
+        self._applications: dict[Any, OptimizerApplication] = {}
+
+    def application(
+        self, state: TrainState, dtype: torch.dtype, device: torch.device
+    ) -> OptimizerApplication:
+        """The core's update over `state`'s units (the engine's too): through its swap file
+        with NVMe offload, else through host buffers of this step's own."""
+        swap = state.residence.residency if isinstance(state.residence, SwapFileUnits) else None
+        where = self.config.zero_optimization.offload_optimizer.device
+        if (where == "nvme") != (swap is not None):
+            held = "in a swap file" if swap is not None else "in memory"
+            raise ValueError(
+                f"train_step: the config's zero_optimization.offload_optimizer.device is "
+                f"{where!r} but the state's optimizer partitions are {held}: build the state "
+                "(fzero.init) and the step with the same config"
+            )
+        key = (id(swap), dtype, device)
+        if key not in self._applications:
+            self._applications.clear()  # one at a time: a pool of host buffers each
+            residency = swap or Residency(
+                self.config,
+                self.plan,
+                rank=state.rank,
+                optimizer=self.optimizer,
+                partition_numel=functools.partial(partition_numel, self.plan, rank=state.rank),
+            )
+            self._applications[key] = OptimizerApplication(
+                self.plan,
+                state.rank,
+                optimizer=self.optimizer,
+                schedule=self.schedule,
+                residency=residency,
+                compute_dtype=dtype,
+                device=device,
+            )
+        return self._applications[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
@@ -189,13 +211,14 @@ class _Step:
 
 
 def check_state(state: TrainState, plan: Plan, where: str) -> None:
-    """`state` is a TrainState of `plan`, all in memory, not given to a step before."""
+    """`state` is a TrainState of `plan`, not given to a step before (NVMe: its file
+    holds a whole step)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{where}: state is a {type(state).__name__}; expected fzero.TrainState")
     if state.plan is not plan and state.plan != plan:
         raise ValueError(f"{where}: state.plan is not the plan this step was made for")
     if state.residence is not None:
-        raise ValueError(f"{where}: state has units outside memory (NVMe); it needs them all")
+        state.residence.check_usable()
     seen = _DONATED.get(id(state))
     if seen is not None and seen() is state:
         raise ValueError(
@@ -446,7 +469,8 @@ class _Micro:
         if decision.skip:
             counters = counters._replace(skipped_steps=counters.skipped_steps + 1)
         else:
-            units = self._update(decision.factor, metrics["lr"][0], counters.lr_steps)
+            clock = StepClock(counters.lr_steps, counters.global_steps)
+            units = self._update(decision.factor, metrics["lr"][0], clock)
             counters = counters._replace(lr_steps=counters.lr_steps + 1)
         for u in units:
             u.grad.zero_()
@@ -459,65 +483,45 @@ class _Micro:
             return grad[start:stop]
         return grad
 
-    def _update(self, factor: float, lr: float, lr_steps: int) -> tuple[UnitState, ...]:
-        """Every unit's optimizer update (in place) and new parameters; the new units."""
-        optimizer = self.step.optimizer
-        overrides = scheduled_overrides(optimizer.hparams, self.step.schedule, lr_steps, lr)
-        hp = with_overrides(optimizer.hparams, overrides)
-        if optimizer.name == "lamb":
-            return self._lamb_update(factor, hp)
-        units = list(self.state.units)
-        for index, u in enumerate(units):
-            grad = self._step_grad(index)
-            state = None
-            if native.available(u.master.device):
-                state = native_update_(optimizer.name, u.master, grad, u.optim, hp, factor)
-            if state is None:
-                if factor != 1.0:
-                    grad = grad * factor
-                state = optimizer.update_(grad, u.optim, u.master, **hparam_fields(hp))
-            units[index] = u._replace(optim=state)
-            self._publish(index, units[index])
-        finish(self.pending)
-        return tuple(units)
+    def _update(self, factor: float, lr: float, clock: StepClock) -> tuple[UnitState, ...]:
+        """Every unit's optimizer update (in place, through the core's
+        `OptimizerApplication` as the engine's) and new parameters; the new units."""
+        state, plan = self.state, self.plan
+        runtimes = _runtimes(state, self.step.optimizer)
+        groups = 1 + max((u.group for u in plan.units), default=0)
+        self.step.application(state, self.dtype, self.device).apply(
+            runtimes, factor, [lr] * groups, clock
+        )
+        return tuple(
+            u._replace(master=rt.master, optim=rt.state) for u, rt in zip(state.units, runtimes)
+        )
 
-    def _step_grad(self, index: int) -> Tensor:
-        """The gradient of this rank's optimizer partition, where its master lives."""
-        u = self.state.units[index]
-        part = optimizer_partition(self.plan, self.plan.units[index], self.rank)
-        grad = u.grad[part] if self.plan.stage < 2 else u.grad
-        return grad.to(u.master.device)
 
-    def _publish(self, index: int, unit: UnitState) -> None:
-        """New parameters from the unit's master; the all-gather overlaps the next
-        units' updates."""
-        work = publish(self.plan, self.rank, index, unit, async_op=True)
-        if work is not None:
-            self.pending.append((work, _nothing))
+def _runtimes(state: TrainState, optimizer: Optimizer) -> list[UnitRuntime]:
+    """The units' runtime records the update runs over: the swap file's own (NVMe: they
+    hold each unit's current slot), else records viewing the state's buffers."""
+    plan = state.plan
+    if isinstance(state.residence, SwapFileUnits):
+        runtimes = state.residence.units
+        for rt, u in zip(runtimes, state.units):
+            rt.grad, rt.hparams = u.grad, optimizer.hparams
+            _attach_params(plan, rt, u)
+        return runtimes
+    runtimes = []
+    for i, u in enumerate(state.units):
+        rt = UnitRuntime(i, plan.units[i], [], u.master, u.optim, u.grad, hparams=optimizer.hparams)
+        _attach_params(plan, rt, u)
+        runtimes.append(rt)
+    return runtimes
 
-    def _lamb_update(self, factor: float, hp: Any) -> tuple[UnitState, ...]:
-        """LAMB (`fzero.core.update`): every unit's first half, one all-reduce of the
-        tensors' norms, then every unit's second half."""
-        plan, units = self.plan, list(self.state.units)
-        tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
-        sums = torch.zeros(2, len(tensor_index), dtype=torch.float64, device=self.device)
-        halves = []
-        for index, u in enumerate(units):
-            use_native = native.available(u.master.device)
-            state, update = lamb_direction(
-                u.master, self._step_grad(index), u.optim, hp, factor, use_native=use_native
-            )
-            segments = lamb_segments(plan, self.rank, index)
-            add_lamb_squares(sums, tensor_index, segments, u.master, update, use_native=use_native)
-            units[index] = u._replace(optim=state)
-            halves.append((update, segments, use_native))
-        norms = lamb_norms(sums.to(self.device), plan.stage)
-        for index, (update, segments, use_native) in enumerate(halves):
-            master = units[index].master
-            lamb_apply(master, hp, update, segments, norms, tensor_index, use_native=use_native)
-            self._publish(index, units[index])
-        finish(self.pending)
-        return tuple(units)
+
+def _attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:
+    """The unit's compute-dtype parameters as the update publishes into them: the whole
+    buffer (`full`), or stage 3's shard (`param_shard`; None where the master serves)."""
+    if plan.stage == 3 and not rt.unit.persistent:
+        rt.full, rt.param_shard = None, unit.params
+    else:
+        rt.full, rt.param_shard = unit.params, None
 
 
 def _compiled(fn: Any) -> bool:

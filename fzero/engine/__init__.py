@@ -13,12 +13,8 @@ One module per concern, each with its one job in its docstring:
   its learning rates;
 - `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
   and where parameter shards live between uses;
-- `_residency`: where optimizer partitions live between steps (device, host, NVMe swap
-  slots), gradient accumulators on disk;
 - `_reduction`: gradient buckets and reductions, and whose backward pass a gradient
   arrives in (the engine's own, another engine's, a plain backward's);
-- `_apply`: applying the optimizer — each unit's update (the core's native update, LAMB),
-  the transactional NVMe step, writing new parameters back;
 - `_scheduler`: stepping a DeepSpeed-style lr scheduler object;
 - `_views`: whole-model views: consolidated state dicts, memory held against the plan,
   `gathered_parameters`, the engine's `TrainState`;
@@ -28,8 +24,9 @@ One module per concern, each with its one job in its docstring:
 - `telemetry`: timers and the step report; `meta_init`: `fzero.init_context`;
 - `zero3_attributes`: the `ds_*` attributes DeepSpeed's ZeRO-3 sets on parameters.
 
-The layout, precision, update rules and NVMe file are the core's (`fzero.core`), shared
-with `fzero.train_step`.
+The layout, precision, update rules and their application (native kernels, LAMB, the
+transactional NVMe step, publishing), residency and the NVMe file are the core's
+(`fzero.core`), shared with `fzero.train_step`.
 """
 
 from fzero.engine._engine import Engine, Precision

@@ -25,17 +25,17 @@ from torch import Tensor
 from fzero import comm
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
+from fzero.core.apply import OptimizerApplication
 from fzero.core.layout import (
     UnitRuntime,
 )
 from fzero.core.precision import DTYPES, Precision, loss_scaler, precision_of
-from fzero.core.state import TrainState, optimizer_partition
+from fzero.core.residency import Residency
+from fzero.core.state import TrainState, optimizer_partition, partition_numel
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
-from fzero.engine._apply import OptimizerApplication
 from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
 from fzero.engine._reduction import GradientReduction
-from fzero.engine._residency import Residency
 from fzero.engine._scheduler import ConfigScheduler
 from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._step import Hyperparams, take_step
@@ -162,7 +162,6 @@ class Engine:
             optimizer=self.functional_optimizer,
             partition_numel=self.partition_numel,
         )
-        self.optimizer_application = OptimizerApplication(self)
         cast_module(self)
         self.stage3 = Stage3Gatherer(
             config,
@@ -172,6 +171,18 @@ class Engine:
             device=self.device,
             pin_memory=self.residency.pin,
             timers=self.timers,
+        )
+        self.optimizer_application = OptimizerApplication(
+            self.plan,
+            self.rank,
+            optimizer=self.functional_optimizer,
+            schedule=schedule,
+            residency=self.residency,
+            compute_dtype=self.compute_dtype,
+            device=self.device,
+            param_shards=self.stage3,
+            param_offload=self.param_offload,
+            timer=self.timers,
         )
         self.reduction = GradientReduction(self)
         self.stage3.on_backward_use = self.reduction.note_backward_use
@@ -221,8 +232,7 @@ class Engine:
 
     def partition_numel(self, unit: Unit) -> int:
         """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
-        part = self.partition(unit)
-        return part.stop - part.start
+        return partition_numel(self.plan, unit, self.rank)
 
     # ---- forward / backward / step ------------------------------------------------------
 

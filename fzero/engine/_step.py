@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fzero.core.apply import StepClock
 from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
 from fzero.engine._scheduler import step_scheduler
 from fzero.optim import with_overrides
@@ -57,7 +58,12 @@ def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDe
             decision.loss_scale.scale if decision.loss_scale else None,
         )
     else:
-        engine.optimizer_application.apply(decision.factor, engine.hyperparams.current_lrs())
+        engine.optimizer_application.apply(
+            engine.units,
+            decision.factor,
+            engine.hyperparams.current_lrs(),
+            StepClock(engine.lr_steps, engine.global_steps + 1),
+        )
         step_scheduler(engine, lr_kwargs)
     zero_grads(engine)
     return decision

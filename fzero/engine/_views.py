@@ -15,8 +15,8 @@ from torch import Tensor
 from fzero import partition
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
+from fzero.core.residency import SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState
-from fzero.engine._residency import SwapFileUnits
 from fzero.partition import MemoryEstimate
 
 __all__ = [

@@ -203,13 +203,13 @@ def _install(engine: Engine, like: Any, state: Any) -> None:
     """Make the restored units the engine's: masters copied into buffers the parameters
     view, else taken; optimizer states taken; loaded gradients copied (NVMe: the next
     slots, already written, become current)."""
-    swapped = engine.nvme is not None
+    if like.residence is not None:
+        like.residence.commit()
     with torch.no_grad():
         for rt, old, unit in zip(engine.units, like.units, state.units):
             if unit.grad is not old.grad and rt.grad.numel():
                 rt.grad.copy_(unit.grad)
-            if swapped:
-                rt.slot = engine.residency.next_slot(rt)
+            if like.residence is not None:
                 continue
             if rt.master._base is None:
                 rt.master = unit.master

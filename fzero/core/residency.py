@@ -47,8 +47,13 @@ class Residency:
         rank: int,
         optimizer: Any,
         partition_numel: Callable[[Unit], int],
+        swap_gradients: bool = True,
     ) -> None:
+        """`swap_gradients=False` keeps stage 2-3 gradient accumulators in memory even
+        with `offload_optimizer.swap_gradients` (`fzero.train_step` reduces into its
+        state's buffers)."""
         zero = config.zero_optimization
+        self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
         self.plan, self.partition_numel = plan, partition_numel
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
         # device keeps compute-dtype parameters and gradients.
@@ -102,7 +107,7 @@ class Residency:
         ]
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
-        self.grads_on_disk = zero.stage >= 2 and zero.offload_optimizer.swap_gradients
+        self.grads_on_disk = zero.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
             sizes += [4 * u.shard_numel for u in self.plan.units]
         # (bf16 moments: their staging buffers are half-size)
@@ -439,7 +444,8 @@ class Residency:
 
 class SwapFileUnits:
     """The NVMe residency as a `TrainState`'s `SwappedUnits`: units by index (checkpoints
-    read and write them through it, one unit in memory at a time)."""
+    read and write them through it, one unit in memory at a time), and the runtime
+    records (`units`: each unit's current slot) a step updates them through."""
 
     def __init__(self, residency: Residency, units: list[UnitRuntime]) -> None:
         self.residency, self.units = residency, units
@@ -451,10 +457,26 @@ class SwapFileUnits:
             yield UnitState(rt.master, rt.state, None, rt.grad)
 
     def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
-        """Write `unit` to the other slot of unit `index`'s regions (current once the
-        engine flips `rt.slot`); memory keeps none of it."""
+        """Write `unit` to the other slot of unit `index`'s regions (current after
+        `commit`); memory keeps none of it."""
         rt = self.units[index]
+        if self.residency.slots == 1 and not self.residency.broken:  # until `commit`
+            self.residency.broken = (
+                f"a checkpoint load overwrote units in place in {self.residency.nvme.path} "
+                "(commit 'in_place') and did not finish; load a checkpoint again to go on"
+            )
         rt.master, rt.state = unit.master, unit.optim
         if with_grad and self.residency.grads_on_disk:
             rt.grad = unit.grad
         self.residency.write_next_slot(rt, with_grad=with_grad)
+
+    def commit(self) -> None:
+        """Make what `store_next` wrote current, every unit at once (after every rank
+        has written its part): the file holds the stored step from now on."""
+        for rt in self.units:
+            rt.slot = self.residency.next_slot(rt)
+        self.residency.broken = ""
+
+    def check_usable(self) -> None:
+        """Raise if the file holds no single step (a failed in-place step or load)."""
+        self.residency.check_usable()

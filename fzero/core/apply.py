@@ -8,11 +8,16 @@ between them. With NVMe residency the step is transactional: new state goes to t
 other slot, every rank agrees on success, then all commit or all roll back. New masters
 are written back to the compute-dtype parameters by all-gathers that overlap the next
 units' updates (`publish` ... `finish_publish`).
+
+Both doors run it over their units' runtime records (`UnitRuntime`): the engine over its
+own, `fzero.train_step` over records of its `TrainState`'s units.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -20,6 +25,8 @@ from torch import Tensor
 from fzero import comm, native
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime, bind
+from fzero.core.residency import Residency
+from fzero.core.state import optimizer_partition, partition_numel
 from fzero.core.update import (
     Segments,
     add_lamb_squares,
@@ -31,37 +38,95 @@ from fzero.core.update import (
     native_update_,
     scheduled_overrides,
 )
-from fzero.optim import (
-    with_overrides,
-)
+from fzero.optim import Optimizer, Schedule, with_overrides
+from fzero.partition import Plan, Unit
 
-__all__ = ["OptimizerApplication"]
+__all__ = ["OptimizerApplication", "ParamShards", "StepClock"]
 
-Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+class ParamShards(Protocol):
+    """Where stage 3's compute-dtype parameter shards live between uses (the engine's
+    `Stage3Gatherer`: the device, the host or a swap file; `InMemoryShards` otherwise)."""
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None: ...
+
+    def finish_param_writes(self) -> str: ...
+
+
+class InMemoryShards:
+    """Stage-3 parameter shards held in memory: a store is a copy into the shard."""
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None:
+        if rt.param_shard is not None and value is not rt.param_shard:
+            rt.param_shard.copy_(value)
+
+    def finish_param_writes(self) -> str:
+        return ""
+
+
+class StepClock(NamedTuple):
+    """Where a step stands: the schedule's position (`lr_steps`, which the scheduled
+    hyper-parameters follow) and the number of the step being applied (messages)."""
+
+    lr_steps: int
+    step: int
+
+
+@contextlib.contextmanager
+def _untimed(_name: str) -> Iterator[None]:
+    yield
 
 
 class OptimizerApplication:
     """The update of every unit at a step, and writing new parameters back."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.residency = engine.residency
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        *,
+        optimizer: Optimizer,
+        schedule: Schedule | None,
+        residency: Residency,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        param_shards: ParamShards | None = None,
+        param_offload: str = "none",
+        timer: Callable[[str], contextlib.AbstractContextManager[None]] = _untimed,
+    ) -> None:
+        self.plan, self.rank, self.stage = plan, rank, plan.stage
+        self.world_size = plan.world_size
+        self.optimizer, self.schedule, self.residency = optimizer, schedule, residency
+        self.compute_dtype, self.device = compute_dtype, device
+        self.param_shards = param_shards or InMemoryShards()
+        self.param_offload, self.timer = param_offload, timer
+        self.offload = residency.offload
         # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
-        # state lives: on the host with optimizer offload, else on the engine's device
-        self.native = native.available("cpu" if engine.offload else engine.device)
-        self.tensor_index = {fqn: i for i, fqn in enumerate(engine.plan.manifest.fqns)}
+        # state lives: on the host with optimizer offload, else on the compute device
+        self.native = native.available("cpu" if self.offload else device)
+        self.tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
         self.publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
+        self.units: list[UnitRuntime] = []
+        self.clock = StepClock(0, 0)
 
-    def apply(self, factor: float, lrs: list[float]) -> None:
-        """Update every unit with gradients scaled by `factor` at the groups' `lrs`, and
-        publish the new parameters."""
-        engine = self.engine
+    def partition(self, unit: Unit) -> slice:
+        return optimizer_partition(self.plan, unit, self.rank)
+
+    def partition_numel(self, unit: Unit) -> int:
+        return partition_numel(self.plan, unit, self.rank)
+
+    def apply(
+        self, units: list[UnitRuntime], factor: float, lrs: list[float], clock: StepClock
+    ) -> None:
+        """Update every unit of `units` with gradients scaled by `factor` at the groups'
+        `lrs`, and publish the new parameters."""
+        self.units, self.clock = units, clock
         if self.residency.nvme is not None:
             self.nvme_updates(factor, lrs)
-        elif engine.functional_optimizer.name == "lamb":
+        elif self.optimizer.name == "lamb":
             self.lamb_step(factor, lrs)
         else:
-            for rt in engine.units:
+            for rt in units:
                 self.publish(rt, self.update_unit(rt, factor, lrs))
         self.finish_publish()
 
@@ -75,19 +140,15 @@ class OptimizerApplication:
             written = None
             if factor != 1.0:
                 grad.mul_(factor)
-            rt.state = self.engine.functional_optimizer.update_(
-                grad, rt.state, rt.master, **hparam_fields(hp)
-            )
+            rt.state = self.optimizer.update_(grad, rt.state, rt.master, **hparam_fields(hp))
         self.residency.give_back(self.residency.lent)
         return written
 
     def step_grad(self, rt: UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
-        grad = rt.grad[self.engine.partition(rt.unit)] if self.engine.stage < 2 else rt.grad
-        if (
-            not self.engine.offload or self.residency.grads_on_disk
-        ):  # NVMe: read into a host swap buffer
+        grad = rt.grad[self.partition(rt.unit)] if self.stage < 2 else rt.grad
+        if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
             return grad
         if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
             return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
@@ -101,9 +162,7 @@ class OptimizerApplication:
         does not apply."""
         if not self.native:
             return False
-        state = native_update_(
-            self.engine.functional_optimizer.name, rt.master, grad, rt.state, hp, factor, out
-        )
+        state = native_update_(self.optimizer.name, rt.master, grad, rt.state, hp, factor, out)
         if state is None:
             return False
         rt.state = state
@@ -111,31 +170,30 @@ class OptimizerApplication:
 
     def copy_target(self, rt: UnitRuntime) -> Tensor | None:
         """Where a native update writes the compute-dtype copy of the new master."""
-        if not self.native or self.engine.compute_dtype == torch.float32:
+        if not self.native or self.compute_dtype == torch.float32:
             return None
-        if rt.full is None and self.engine.param_offload == "nvme":  # written as it is
-            return _nvme.aligned_empty(rt.master.numel(), self.engine.compute_dtype)
-        if self.engine.offload:  # a host buffer; `publish` moves it to the device
+        if rt.full is None and self.param_offload == "nvme":  # written as it is
+            return _nvme.aligned_empty(rt.master.numel(), self.compute_dtype)
+        if self.offload:  # a host buffer; `publish` moves it to the device
             return torch.empty(
-                rt.master.numel(), dtype=self.engine.compute_dtype, pin_memory=self.residency.pin
+                rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
             )
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
-        if self.engine.stage == 0 or self.engine.world_size == 1:
-            return rt.full[self.engine.partition(rt.unit)]
-        return torch.empty(
-            rt.master.numel(), dtype=self.engine.compute_dtype, device=self.engine.device
-        )
+        if self.stage == 0 or self.world_size == 1:
+            return rt.full[self.partition(rt.unit)]
+        return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
     def step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
-        engine = self.engine
-        return scheduled_overrides(rt.hparams, engine.schedule, engine.lr_steps, lrs[rt.unit.group])
+        return scheduled_overrides(
+            rt.hparams, self.schedule, self.clock.lr_steps, lrs[rt.unit.group]
+        )
 
     def lamb_step(self, factor: float, lrs: list[float]) -> None:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
         squares locally, one all-reduce, then apply."""
         sums = self.lamb_sums()
-        work = [self.lamb_direction(rt, factor, lrs, sums) for rt in self.engine.units]
+        work = [self.lamb_direction(rt, factor, lrs, sums) for rt in self.units]
         norms = self.lamb_norms(sums)
         for rt, hp, update, segments in work:
             self.lamb_apply(rt, hp, update, segments, norms)
@@ -143,12 +201,12 @@ class OptimizerApplication:
 
     def lamb_sums(self) -> Tensor:
         """Zeroed sums of squares: (parameter, update) x every tensor of the manifest."""
-        count = len(self.engine.plan.manifest.tensors)
-        return torch.zeros(2, count, dtype=torch.float64, device=self.engine.device)
+        count = len(self.plan.manifest.tensors)
+        return torch.zeros(2, count, dtype=torch.float64, device=self.device)
 
     def lamb_segments(self, rt: UnitRuntime) -> Segments:
         """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
-        return lamb_segments(self.engine.plan, self.engine.rank, rt.index)
+        return lamb_segments(self.plan, self.rank, rt.index)
 
     def lamb_direction(
         self,
@@ -174,7 +232,7 @@ class OptimizerApplication:
         return rt, hp, update, segments
 
     def lamb_norms(self, sums: Tensor) -> list[list[float]]:
-        return lamb_norms(sums, self.engine.stage)
+        return lamb_norms(sums, self.stage)
 
     def lamb_apply(
         self,
@@ -196,43 +254,41 @@ class OptimizerApplication:
         parameters everyone uses; the all-gather overlaps the next units' updates.
         `written`: the compute-dtype copy a native update already made. Without
         `exchange` only this rank's part is written (`exchange` sends it later)."""
-        if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
-                value = value.to(self.engine.compute_dtype)
-                self.engine.stage3.store_param_shard(rt, value, wait=False)
+                value = value.to(self.compute_dtype)
+                self.param_shards.store_param_shard(rt, value, wait=False)
             return
-        if self.engine.stage == 0 or self.engine.world_size == 1 or not exchange:
-            target = rt.full[self.engine.partition(rt.unit)]
+        if self.stage == 0 or self.world_size == 1 or not exchange:
+            target = rt.full[self.partition(rt.unit)]
             if target.data_ptr() != rt.master.data_ptr() and written is not target:
                 target.copy_(written if written is not None else rt.master)
             if exchange:
                 self.publishing.append((None, rt, None))
             return
-        shard = written if written is not None else rt.master.to(self.engine.compute_dtype)
+        shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
-        shard = shard.to(
-            self.engine.device, copy=self.residency.nvme is not None and written is None
-        )
+        shard = shard.to(self.device, copy=self.residency.nvme is not None and written is None)
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self.publishing.append((work, rt, shard))
 
     def exchange(self, rt: UnitRuntime) -> None:
         """All-gather the parts `publish(..., exchange=False)` wrote on every rank."""
-        if rt.full is None or (self.engine.stage == 3 and not rt.unit.persistent):
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
             return
-        if self.engine.world_size == 1:
+        if self.world_size == 1:
             self.publishing.append((None, rt, None))
             return
-        shard = rt.full[self.engine.partition(rt.unit)].clone()
+        shard = rt.full[self.partition(rt.unit)].clone()
         work = comm.all_gather_into(rt.full, shard, async_op=True)
         self.publishing.append((work, rt, shard))
 
     def finish_publish(self) -> None:
-        failure = self.engine.stage3.finish_param_writes()
+        failure = self.param_shards.finish_param_writes()
         if failure:
             raise OSError(f"NVMe offload: writing the new parameters failed ({failure})")
-        with self.engine.timers("comm"):
+        with self.timer("comm"):
             for work, rt, _shard in self.publishing:
                 if work is not None:
                     work.wait()
@@ -248,7 +304,7 @@ class OptimizerApplication:
         succeeded. Either all flip their slots and exchange parameters, or all put back
         the parameters from the untouched slots and raise: no rank keeps half a step.
         """
-        steps = [rt.state.step for rt in self.engine.units]
+        steps = [rt.state.step for rt in self.units]
         updated: list[UnitRuntime] = []
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
@@ -261,12 +317,12 @@ class OptimizerApplication:
             self.publish(rt, written, exchange=False)
             return tickets
 
-        if self.engine.functional_optimizer.name == "lamb":
+        if self.optimizer.name == "lamb":
             self.nvme_lamb(factor, lrs, updated, steps)
         else:
             failure = self.residency.step_pass(self.residency.swap_in, update)
             self.agree(self.settle(failure), updated, steps)
-        for rt in self.engine.units:
+        for rt in self.units:
             rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
         if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
@@ -294,7 +350,7 @@ class OptimizerApplication:
             ]
 
         def read_direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self.engine.partition_numel(rt.unit)
+            numel = self.partition_numel(rt.unit)
             master, update = buffers[0][:numel], buffers[-1][:numel]
             return [
                 (
@@ -312,7 +368,7 @@ class OptimizerApplication:
             ]
 
         def apply(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
-            numel = self.engine.partition_numel(rt.unit)
+            numel = self.partition_numel(rt.unit)
             rt.master = buffers[0][:numel]
             hp, segments = kept[rt.index]
             self.lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
@@ -331,20 +387,21 @@ class OptimizerApplication:
 
     def settle(self, failure: str) -> str:
         """A pass's I/O failure, or else its parameter writes' (all waited for)."""
-        param_failure = self.engine.stage3.finish_param_writes()
+        param_failure = self.param_shards.finish_param_writes()
         return failure or param_failure
 
     def agree(self, failure: str, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Every rank learns whether any rank's pass failed; if one did, all roll back
         (two slots) or stop (in place: nothing to roll back to)."""
-        messages = self.residency.failures(failure, self.engine.world_size)
+        messages = self.residency.failures(failure, self.world_size)
         if messages and self.residency.slots == 1:
             self.residency.broken = (
-                f"NVMe offload with commit 'in_place': step {self.engine.global_steps + 1} "
-                f"failed after {len(updated)} of {len(self.engine.units)} units on this rank "
+                f"NVMe offload with commit 'in_place': step {self.clock.step} "
+                f"failed after {len(updated)} of {len(self.units)} units on this rank "
                 f"were overwritten in {self.residency.nvme.path}, so it holds no single step "
-                "and this engine will not go on; load the last checkpoint "
-                "(engine.load_checkpoint) to continue, or use commit 'two_slots' for steps "
+                "and training will not go on from it; load the last checkpoint "
+                "(engine.load_checkpoint or fzero.load) to continue, or use commit "
+                "'two_slots' for steps "
                 f"that roll back ({'; '.join(messages)})"
             )
             raise OSError(self.residency.broken)
@@ -358,13 +415,13 @@ class OptimizerApplication:
     def roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Undo a failed NVMe step: parameters from the masters in the current slots
         (never written by the step), step counts restored."""
-        for rt, step in zip(self.engine.units, steps):
+        for rt, step in zip(self.units, steps):
             rt.state = rt.state._replace(step=step)
         try:
             for rt in updated:
                 with self.residency.resident(rt, write_back=False):
                     self.publish(rt, None, exchange=False)
-            failure = self.engine.stage3.finish_param_writes()
+            failure = self.param_shards.finish_param_writes()
             if failure:
                 raise OSError(failure)
         except OSError as error:
