@@ -12,9 +12,16 @@ def tiny_model() -> torch.nn.Module:
 
 
 def test_estimate_from_param_count(capsys):
-    assert main(["estimate", "--params", "7.5e9", "--world-sizes", "64"]) == 0
+    """The ZeRO paper's figure 1 (gradients in fp16), and what fzero keeps by default
+    (fp32 gradient accumulators: 2 more bytes per parameter where they are whole)."""
+    args = ["estimate", "--params", "7.5e9", "--world-sizes", "64"]
+    assert main([*args, "--grad-dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     for expected in ("120.00 GB", "31.41 GB", "16.64 GB", "1.88 GB"):
+        assert expected in out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for expected in ("135.00 GB", "46.41 GB", "16.88 GB", "2.11 GB"):
         assert expected in out
 
 

@@ -145,6 +145,28 @@ def test_user_strategy_is_accepted_and_validated():
         plan(manifest, world_size=3, stage=1, strategy=broken)
 
 
+def test_a_strategy_given_an_option_it_does_not_take_is_named():
+    """The engine gives stage 3 strategies `persistence_threshold`; one that neither
+    names it nor takes **options is an error naming the strategy and the option, not a
+    TypeError from inside the call."""
+    manifest = Manifest((TensorSpec("w", (6,)),))
+
+    def whole(manifest, *, world_size, stage):
+        return flat_even(manifest, world_size=world_size, stage=stage)
+
+    with pytest.raises(PlanError, match=r"'whole' does not take option persistence_threshold=7"):
+        plan(manifest, world_size=2, stage=3, strategy=whole, persistence_threshold=7)
+
+    def named(manifest, *, world_size, stage, persistence_threshold=0):
+        return flat_even(manifest, world_size=world_size, stage=stage)
+
+    def any_options(manifest, *, world_size, stage, **options):
+        return flat_even(manifest, world_size=world_size, stage=stage)
+
+    for strategy in (named, any_options):
+        assert plan(manifest, world_size=2, stage=3, strategy=strategy, persistence_threshold=7)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -185,7 +207,7 @@ def test_memory_matches_zero_paper_figures():
     expected_gb = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     for stage, gb in expected_gb.items():
         p = plan(manifest, world_size=64, stage=stage)
-        mem = memory_per_rank(p, 0, param_dtype="float16", optimizer="adam")
+        mem = memory_per_rank(p, 0, param_dtype="float16", grad_dtype=None, optimizer="adam")
         assert round(mem.total / 1e9, 1) == gb
 
 
@@ -193,7 +215,7 @@ def test_memory_offload_moves_master_and_state_to_host():
     p = plan(Manifest((TensorSpec("w", (1024,)),)), world_size=4, stage=2)
     mem = memory_per_rank(p, 0, param_dtype="bfloat16", optimizer="adamw", offload_optimizer=True)
     assert mem.host == 256 * 4 + 256 * 8
-    assert mem.device == 1024 * 2 + 256 * 2
+    assert mem.device == 1024 * 2 + 256 * 4  # bf16 params, fp32 gradient shard
 
 
 def test_format_plan_mentions_every_rank():

@@ -21,6 +21,9 @@ def _load_factory(spec: str):
         raise SystemExit(f"--model {spec!r}: {error}") from None
 
 
+_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
@@ -38,7 +41,8 @@ def _estimate(args: argparse.Namespace) -> int:
     rows = estimate(
         manifest,
         args.world_sizes,
-        param_dtype={"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[args.precision],
+        param_dtype=_DTYPE_NAMES[args.precision],
+        grad_dtype=_DTYPE_NAMES[args.grad_dtype or args.precision],
         optimizer=args.optimizer,
         persistence_threshold=args.persistence_threshold,
     )
@@ -60,7 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")
-    est.add_argument("--persistence-threshold", type=int, default=0)
+    est.add_argument(
+        "--grad-dtype",
+        choices=["fp16", "bf16", "fp32"],
+        default="fp32",
+        help="gradient accumulators' dtype (default fp32, what fzero keeps; the ZeRO paper's "
+        "figures have them in --precision)",
+    )
+    est.add_argument(
+        "--persistence-threshold",
+        type=int,
+        default=100_000,
+        help="stage 3 keeps tensors under this many elements whole (default 100000, the "
+        "engine's stage3_param_persistence_threshold)",
+    )
     est.set_defaults(func=_estimate)
 
     ckpt = sub.add_parser("checkpoint", help="consolidate or inspect a sharded checkpoint")

@@ -30,10 +30,13 @@ def estimate(
     world_sizes: Sequence[int],
     *,
     param_dtype: str = "float16",
+    grad_dtype: str = "float32",
     optimizer: str = "adam",
-    persistence_threshold: int = 0,
+    persistence_threshold: int = 100_000,
 ) -> list[EstimateRow]:
-    """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload."""
+    """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload.
+    The defaults are the engine's: fp32 gradient accumulators, and stage 3 keeps tensors
+    under `stage3_param_persistence_threshold` (DeepSpeed's 100,000) whole."""
     rows = []
     for world_size in world_sizes:
         for stage in (0, 1, 2, 3):
@@ -45,7 +48,12 @@ def estimate(
             )
             for offload in (False, True) if stage else (False,):
                 mem = memory_per_rank(
-                    p, 0, param_dtype=param_dtype, optimizer=optimizer, offload_optimizer=offload
+                    p,
+                    0,
+                    param_dtype=param_dtype,
+                    grad_dtype=grad_dtype,
+                    optimizer=optimizer,
+                    offload_optimizer=offload,
                 )
                 rows.append(EstimateRow(stage, world_size, offload, mem.device, mem.host))
     return rows

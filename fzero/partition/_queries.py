@@ -166,7 +166,7 @@ def memory_per_rank(
     rank: int,
     *,
     param_dtype: str = "float32",
-    grad_dtype: str | None = None,
+    grad_dtype: str | None = "float32",
     optimizer: str | int | object = "adam",
     offload_optimizer: bool = False,
 ) -> MemoryEstimate:
@@ -176,6 +176,8 @@ def memory_per_rank(
     not fp32) + 4 * optimizer slots: stage 0 holds params + grads + K·Ψ;
     stage 1 shards the K part; stage 2 also the grads; stage 3 also the params
     (except persistent units). Buffers are counted padded, as allocated.
+    The defaults are what fzero keeps: fp32 gradient accumulators at every precision
+    (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures).
     """
     _check_rank(plan, rank)
     param_size = dtype_of(param_dtype).itemsize

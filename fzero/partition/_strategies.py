@@ -13,6 +13,7 @@ Two are built in:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -223,11 +224,17 @@ def plan(
     strategy: Strategy | Callable[..., Plan] = flat_even,
     **options: object,
 ) -> Plan:
-    """Run `strategy` (a built-in or your own function) and validate what it returns."""
+    """Run `strategy` (a built-in or your own function) with `options` and validate what
+    it returns. A strategy whose signature takes neither an option it is given nor
+    `**options` is an error naming both (it would otherwise fail inside, or the option
+    would be lost). The engine passes `persistence_threshold` at stage 3 (the config's
+    `stage3_param_persistence_threshold`, DeepSpeed's default 100,000): to see the plan
+    an engine runs, pass the same (or read `engine.plan`)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
     if stage not in (0, 1, 2, 3):
         raise PlanError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
+    _check_accepts(strategy, options)
     result = strategy(manifest, world_size=world_size, stage=stage, **options)
     if not isinstance(result, Plan):
         raise PlanError(
@@ -241,3 +248,22 @@ def plan(
             f"asked for world_size={world_size}, stage={stage}"
         )
     return validate(result)
+
+
+def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) -> None:
+    """Raise if `strategy`'s signature cannot take every option in `options`."""
+    try:
+        parameters = inspect.signature(strategy).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    for option, value in options.items():
+        if option not in names:
+            raise PlanError(
+                f"strategy {getattr(strategy, '__name__', strategy)!r} does not take option "
+                f"{option}={value!r}, which it is given (the engine gives "
+                "persistence_threshold at stage 3, from zero_optimization."
+                "stage3_param_persistence_threshold): add the parameter, or **options"
+            )
