@@ -83,7 +83,8 @@ def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     lines = text.splitlines()
     assert [line.split()[3] for line in lines] == ["2", "4"]
     pattern = (
-        r"\[fzero Net\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ samples/s [\d.]+ "
+        r"\[fzero Net\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ skipped \d+ "
+        r"samples/s [\d.]+ "
         r"mem [\d.]+/[\d.]+ MB peak \d+ MB \| "
         r"backward [\d.]+ms comm [\d.]+ms forward [\d.]+ms step [\d.]+ms"
     )
@@ -124,6 +125,57 @@ def overflow_case(rank, world, stage):
         finite = all(torch.isfinite(rt.master).all() for rt in engine.units)
         record.append((engine.was_step_skipped(), unchanged, state_same, finite, engine.loss_scale))
     return record, engine.skipped_steps, engine.global_steps
+
+
+def collapse_case(rank, world):
+    """fp16 with gradients that overflow at every step (rank 1's loss is inf): the scale
+    falls 4 -> 2 -> 1 (min) over two skipped steps, and the third overflow stops both
+    doors on every rank with the same error; the state is as before that step."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "fp16": {"enabled": True, "initial_scale_power": 2, "hysteresis": 1, "min_loss_scale": 1},
+    }
+    torch.manual_seed(0)
+    engine = fzero.shard(Net(), stage=2, config=config)
+    model = Net()
+    plan = fzero.partition.plan(fzero.partition.describe(model), world_size=world, stage=2)
+    optimizer = fzero.optim.adamw()
+    state = fzero.init(model, plan, optimizer, precision="fp16", config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, params, (x.half(),)).float()
+        return nn.functional.mse_loss(out, y) * (float("inf") if rank == 1 else 1.0)
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    errors = {}
+    for i in range(3):
+        x, y = global_batch(i, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+        engine.backward(loss * (float("inf") if rank == 1 else 1.0))
+        try:
+            engine.step()
+        except fzero.optim.LossScaleError as error:
+            errors["engine"] = str(error)
+        try:
+            state, _ = step(state, (x[rows], y[rows]))
+        except fzero.optim.LossScaleError as error:
+            errors["train_step"] = str(error)
+    after = (engine.global_steps, engine.skipped_steps, engine.loss_scale)
+    return errors, after, (state.counters.global_steps, state.counters.skipped_steps)
+
+
+def test_fp16_loss_scale_collapse_stops_both_doors_with_a_named_error():
+    errors, engine_after, state_after = run_world(collapse_case, 2)
+    message = (
+        r"fp16: the gradients of step 3 overflowed with the loss scale already at its "
+        r"minimum 1 \(fp16\.min_loss_scale\), after 2 skipped step\(s\) of 2: "
+    )
+    assert re.match(message, errors["engine"]), errors["engine"]
+    assert errors["train_step"] == errors["engine"]
+    assert engine_after == (2, 2, 1.0)  # the third step neither counted nor applied
+    assert state_after == (2, 2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

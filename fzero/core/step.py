@@ -460,6 +460,8 @@ class _Micro:
             clipping=config.gradient_clipping,
             device=self.device,
             world_size=self.world,
+            step=counters.global_steps + 1,
+            skipped=counters.skipped_steps,
         )
         metrics.update(grad_norm=decision.norm, skipped=decision.skip, stepped=not decision.skip)
         if decision.loss_scale is not None:

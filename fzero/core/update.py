@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fzero import comm, native, partition
 from fzero.optim import (
+    LossScaleError,
     LossScaleState,
     clip_coefficient,
     lamb_apply_,
@@ -74,15 +75,27 @@ def decide_step(
     clipping: float,
     device: torch.device,
     world_size: int,
+    step: int = 0,
+    skipped: int = 0,
 ) -> StepDecision:
     """Every rank's unit statistics agreed by all-reduces (collective): an overflow
-    anywhere skips the step everywhere; the norm is over all ranks' shards."""
+    anywhere skips the step everywhere; the norm is over all ranks' shards. An overflow
+    the loss scale cannot absorb (at its minimum) raises `LossScaleError` on every rank,
+    naming `step` (the one being decided) and the `skipped` steps before it."""
     scale = loss_scale.scale if loss_scale is not None else 1.0
     if loss_scaler is not None and loss_scaler.dynamic:
         flag = torch.tensor([float(not all(finite for _, finite in stats))], device=device)
         if world_size > 1:
             comm.all_reduce(flag, op="max")
         found_inf = bool(flag.item())
+        if loss_scaler.stuck(loss_scale, found_inf):
+            raise LossScaleError(
+                f"fp16: the gradients of step {step} overflowed with the loss scale already at "
+                f"its minimum {scale:g} (fp16.min_loss_scale), after {skipped} skipped "
+                f"step(s) of {step - 1}: every step from here would be skipped, so training "
+                "stops (as DeepSpeed's). The training state is as before this step. Lower the "
+                "learning rate, clip gradients, check the data for inf/NaN, or train in bf16"
+            )
         loss_scale = loss_scaler.update(loss_scale, found_inf)
         if found_inf:
             return StepDecision(True, 0.0, math.inf, loss_scale)

@@ -41,7 +41,7 @@ from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._step import Hyperparams, take_step
 from fzero.engine.optimizer import EngineOptimizer
 from fzero.engine.telemetry import Telemetry, Timers
-from fzero.optim import Optimizer
+from fzero.optim import LossScaleError, Optimizer
 from fzero.partition import MemoryEstimate, Plan, Unit
 
 __all__ = ["Engine", "Precision"]
@@ -319,7 +319,7 @@ class Engine:
         try:
             with self.timers("step"):
                 decision = take_step(self, lr_kwargs)
-        except OSError:  # an NVMe step that was not applied: step() may be called again
+        except (OSError, LossScaleError):  # not applied (NVMe I/O, fp16 stuck at the minimum)
             self.micro_steps -= 1
             self.loss_scale_state = loss_scale_state
             raise

@@ -48,6 +48,8 @@ def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDe
         clipping=engine.config.gradient_clipping,
         device=engine.device,
         world_size=engine.world_size,
+        step=engine.global_steps + 1,
+        skipped=engine.skipped_steps,
     )
     engine.loss_scale_state = decision.loss_scale
     if decision.skip:

@@ -140,6 +140,7 @@ class Telemetry:
         }
         if engine.loss_scaler is not None:
             record["loss_scale"] = engine.loss_scale
+            record["skipped_steps"] = engine.skipped_steps
         if engine.batch is not None:
             record["samples_per_s"] = engine.batch.train_batch_size * every / elapsed
         if tokens.item():
@@ -162,7 +163,7 @@ class Telemetry:
             text += f" loss {record['loss']:.4f}"
         text += f" lr [{lrs}]"
         if "loss_scale" in record:
-            text += f" loss_scale {record['loss_scale']:g}"
+            text += f" loss_scale {record['loss_scale']:g} skipped {record['skipped_steps']}"
         if "samples_per_s" in record:
             text += f" samples/s {record['samples_per_s']:.1f}"
         if "tokens_per_s" in record:

@@ -28,7 +28,12 @@ from fzero.optim._lamb import (
     segment_sq_sums,
     trust_ratio,
 )
-from fzero.optim._loss_scale import DynamicLossScale, LossScaleState, StaticLossScale
+from fzero.optim._loss_scale import (
+    DynamicLossScale,
+    LossScaleError,
+    LossScaleState,
+    StaticLossScale,
+)
 from fzero.optim._registry import (
     OPTIMIZER_PARAMS,
     OPTIMIZERS,
@@ -61,6 +66,7 @@ __all__ = [
     "LRRangeTest",
     "LambHParams",
     "LambState",
+    "LossScaleError",
     "LossScaleState",
     "OneCycle",
     "Optimizer",

@@ -5,7 +5,10 @@ overflow the step is skipped and, once `hysteresis` overflows have been
 absorbed, the scale is divided by `factor` (not below `min_scale`); after
 `window` iterations without overflow it is multiplied by `factor`. The
 hysteresis budget is restored at each growth (or after every good step with
-`consecutive_hysteresis`). A static scale never changes and never skips.
+`consecutive_hysteresis`). A static scale never changes and never skips. An overflow
+with the scale already at `min_scale` and the hysteresis spent cannot lower it: the run
+is stuck skipping every step, and (as DeepSpeed's `raise_error_at_min_scale`) the
+step's caller stops with `LossScaleError` (`DynamicLossScale.stuck`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["DynamicLossScale", "LossScaleState", "StaticLossScale"]
+__all__ = ["DynamicLossScale", "LossScaleError", "LossScaleState", "StaticLossScale"]
+
+
+class LossScaleError(FloatingPointError):
+    """fp16 gradients overflowed with the loss scale already at its minimum: no step can
+    be taken (the training state is as before the step that raised)."""
 
 
 class LossScaleState(NamedTuple):
@@ -36,6 +44,12 @@ class DynamicLossScale:
 
     def init(self) -> LossScaleState:
         return LossScaleState(float(2**self.initial_scale_power), self.hysteresis, 0, -1)
+
+    def stuck(self, state: LossScaleState, found_inf: bool) -> bool:
+        """Whether this overflow would leave the scale where it is: at `min_scale`, with
+        no hysteresis left to absorb it (DeepSpeed raises here)."""
+        spent = self.hysteresis == 1 or state.hysteresis == 1
+        return found_inf and spent and state.scale <= self.min_scale
 
     def update(self, state: LossScaleState, found_inf: bool) -> LossScaleState:
         scale, hysteresis, iteration, last_overflow = state
@@ -63,6 +77,10 @@ class StaticLossScale:
 
     def init(self) -> LossScaleState:
         return LossScaleState(float(self.scale), 0, 0, -1)
+
+    def stuck(self, state: LossScaleState, found_inf: bool) -> bool:
+        """Never: a static scale does not skip steps."""
+        return False
 
     def update(self, state: LossScaleState, found_inf: bool) -> LossScaleState:
         return state._replace(iteration=state.iteration + 1)
