@@ -37,7 +37,8 @@ from fzero.checkpoint._save import (
     state_kinds,
     wait_for_save,
 )
-from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition, publish
+from fzero.core.publish import Publisher, runtime_of
+from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
 from fzero.optim import LossScaleState, Optimizer
 from fzero.partition import Plan, PlanError
 
@@ -147,7 +148,7 @@ def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
         old.grad.zero_()
     else:
         old.grad.copy_(unit.grad)
-    publish(like.plan, like.rank, i, unit)
+    _publish(like, i, unit)
     if _viewed(like, i):
         assert unit.params is not None
         unit = unit._replace(
@@ -166,8 +167,19 @@ def _install_swapped(like: TrainState, i: int, unit: UnitState) -> UnitState:
     else:
         old.grad.copy_(unit.grad)
     with like.residence.resident(i) as held:  # type: ignore[union-attr]
-        publish(like.plan, like.rank, i, held._replace(params=old.params))
+        _publish(like, i, held._replace(params=old.params))
     return unit._replace(grad=old.grad)
+
+
+def _publish(like: TrainState, i: int, unit: UnitState) -> None:
+    """Unit i's master written to its compute-dtype parameters (collective where whole)."""
+    if unit.params is None:
+        return  # stage 3, fp32: the master is the shard
+    publisher = Publisher(
+        like.plan, like.rank, compute_dtype=unit.params.dtype, device=unit.params.device
+    )
+    publisher.publish(runtime_of(like.plan, i, unit))
+    publisher.finish_publish()
 
 
 def restored_counters(index: Mapping[str, Any], accumulation: int | None) -> Counters:

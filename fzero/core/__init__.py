@@ -1,18 +1,22 @@
 """The functional core: one rank's training state and the functions over it, which both
 front doors run (`fzero.train_step` from `functional_call`, the engine from its hooks).
 
-- `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG) and
-  writing masters back to parameters;
+- `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG);
 - `init`: building a `TrainState` from a model and a plan; what a door runs when the
   call and the config name no optimizer or schedule; consolidated weights;
 - `step`: `train_step` and `eval_step`;
 - `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
-- `gather`: stage 3's per-unit gathering of placeholders inside a function;
+- `gather`: stage 3's per-unit gathering of placeholders inside a function, and the
+  prefetch and reuse rules;
+- `stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
+  and where parameter shards live between uses (the engine's hooks drive it);
 - `update`: the update's rules (fp16 overflow, global norm, clipping, scheduled
   hyper-parameters) and the in-place update through the native kernels;
 - `apply`: applying the update to every unit (native kernels, LAMB's two halves, the
   transactional and in-place NVMe steps) and publishing new parameters — the one update
   loop both doors run, over `layout.UnitRuntime` records;
+- `publish`: writing updated masters back to the compute-dtype parameters (the step's
+  overlapped all-gathers, restores);
 - `residency`: where optimizer partitions live between steps (device, host, NVMe swap
   slots), host buffer pools, gradient accumulators on disk;
 - `precision`: compute dtypes and the fp16 loss scale's setup;

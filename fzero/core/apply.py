@@ -15,16 +15,15 @@ own, `fzero.train_step` over records of its `TrainState`'s units.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fzero import comm, native
+from fzero import native
 from fzero.core import nvme as _nvme
-from fzero.core.layout import UnitRuntime, bind
+from fzero.core.layout import UnitRuntime
+from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Residency
 from fzero.core.state import optimizer_partition, partition_numel
 from fzero.core.update import (
@@ -41,27 +40,7 @@ from fzero.core.update import (
 from fzero.optim import Optimizer, Schedule, with_overrides
 from fzero.partition import Plan, Unit
 
-__all__ = ["OptimizerApplication", "ParamShards", "StepClock"]
-
-
-class ParamShards(Protocol):
-    """Where stage 3's compute-dtype parameter shards live between uses (the engine's
-    `Stage3Gatherer`: the device, the host or a swap file; `InMemoryShards` otherwise)."""
-
-    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None: ...
-
-    def finish_param_writes(self) -> str: ...
-
-
-class InMemoryShards:
-    """Stage-3 parameter shards held in memory: a store is a copy into the shard."""
-
-    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None:
-        if rt.param_shard is not None and value is not rt.param_shard:
-            rt.param_shard.copy_(value)
-
-    def finish_param_writes(self) -> str:
-        return ""
+__all__ = ["OptimizerApplication", "StepClock"]
 
 
 class StepClock(NamedTuple):
@@ -70,11 +49,6 @@ class StepClock(NamedTuple):
 
     lr_steps: int
     step: int
-
-
-@contextlib.contextmanager
-def _untimed(_name: str) -> Iterator[None]:
-    yield
 
 
 class OptimizerApplication:
@@ -92,7 +66,7 @@ class OptimizerApplication:
         device: torch.device,
         param_shards: ParamShards | None = None,
         param_offload: str = "none",
-        timer: Callable[[str], contextlib.AbstractContextManager[None]] = _untimed,
+        timer: Timer = untimed,
     ) -> None:
         self.plan, self.rank, self.stage = plan, rank, plan.stage
         self.world_size = plan.world_size
@@ -105,7 +79,15 @@ class OptimizerApplication:
         # state lives: on the host with optimizer offload, else on the compute device
         self.native = native.available("cpu" if self.offload else device)
         self.tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
-        self.publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
+        self.publisher = Publisher(
+            plan,
+            rank,
+            compute_dtype=compute_dtype,
+            device=device,
+            param_shards=self.param_shards,
+            swapped=residency.nvme is not None,
+            timer=timer,
+        )
         self.units: list[UnitRuntime] = []
         self.clock = StepClock(0, 0)
 
@@ -250,51 +232,14 @@ class OptimizerApplication:
     def publish(
         self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
     ) -> None:
-        """Start writing the unit's updated fp32 master back to the compute-dtype
-        parameters everyone uses; the all-gather overlaps the next units' updates.
-        `written`: the compute-dtype copy a native update already made. Without
-        `exchange` only this rank's part is written (`exchange` sends it later)."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            if rt.param_shard is not None and written is not rt.param_shard:
-                value = written if written is not None else rt.master
-                value = value.to(self.compute_dtype)
-                self.param_shards.store_param_shard(rt, value, wait=False)
-            return
-        if self.stage == 0 or self.world_size == 1 or not exchange:
-            target = rt.full[self.partition(rt.unit)]
-            if target.data_ptr() != rt.master.data_ptr() and written is not target:
-                target.copy_(written if written is not None else rt.master)
-            if exchange:
-                self.publishing.append((None, rt, None))
-            return
-        shard = written if written is not None else rt.master.to(self.compute_dtype)
-        # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
-        shard = shard.to(self.device, copy=self.residency.nvme is not None and written is None)
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
-        self.publishing.append((work, rt, shard))
+        """`Publisher.publish` (the new master to the parameters, overlapping)."""
+        self.publisher.publish(rt, written, exchange)
 
     def exchange(self, rt: UnitRuntime) -> None:
-        """All-gather the parts `publish(..., exchange=False)` wrote on every rank."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
-            return
-        if self.world_size == 1:
-            self.publishing.append((None, rt, None))
-            return
-        shard = rt.full[self.partition(rt.unit)].clone()
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
-        self.publishing.append((work, rt, shard))
+        self.publisher.exchange(rt)
 
     def finish_publish(self) -> None:
-        failure = self.param_shards.finish_param_writes()
-        if failure:
-            raise OSError(f"NVMe offload: writing the new parameters failed ({failure})")
-        with self.timer("comm"):
-            for work, rt, _shard in self.publishing:
-                if work is not None:
-                    work.wait()
-                if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
-                    bind(rt)  # copies, not views: refresh them
-        self.publishing.clear()
+        self.publisher.finish_publish()
 
     def nvme_updates(self, factor: float, lrs: list[float]) -> None:
         """The step over NVMe-resident units, pipelined (`Residency.step_pass`).

@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, Protocol
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from fzero import comm
 from fzero.optim import LossScaleState
 from fzero.partition import Plan, Unit
 
@@ -40,7 +39,6 @@ __all__ = [
     "UnitState",
     "optimizer_partition",
     "partition_numel",
-    "publish",
 ]
 
 
@@ -156,23 +154,3 @@ def partition_numel(plan: Plan, unit: Unit, rank: int) -> int:
     """Elements of `rank`'s optimizer partition of `unit` (`optimizer_partition`)."""
     part = optimizer_partition(plan, unit, rank)
     return part.stop - part.start
-
-
-def publish(plan: Plan, rank: int, index: int, unit: UnitState, *, async_op: bool = False) -> Any:
-    """Write unit `index`'s fp32 master into its compute-dtype parameters: the shard at
-    stage 3, else this rank's part of the whole buffer, all-gathered from every rank's
-    part at stages 1-3 (collective there). With `async_op`, the all-gather in flight
-    (wait for it before the parameters are read), else None."""
-    plan_unit = plan.units[index]
-    if plan.stage == 3 and not plan_unit.persistent:
-        if unit.params is not None:
-            unit.params.copy_(unit.master)
-        return None
-    assert unit.params is not None
-    target = unit.params[optimizer_partition(plan, plan_unit, rank)]
-    if target.data_ptr() != unit.master.data_ptr():
-        target.copy_(unit.master)
-    if plan.stage > 0 and plan.world_size > 1:
-        # in place: the input is this rank's own chunk of the output (as the engine's)
-        return comm.all_gather_into(unit.params, target, async_op=async_op)
-    return None

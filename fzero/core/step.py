@@ -42,6 +42,7 @@ from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, add_pieces, gather_pieces
 from fzero.core.precision import loss_scaler
+from fzero.core.publish import attach_params, runtime_of
 from fzero.core.reduce import Pending, finish, reduce_bucket
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState, partition_numel
@@ -502,28 +503,14 @@ class _Micro:
 def _runtimes(state: TrainState, optimizer: Optimizer) -> list[UnitRuntime]:
     """The units' runtime records the update runs over: the swap file's own (NVMe: they
     hold each unit's current slot), else records viewing the state's buffers."""
-    plan = state.plan
+    plan, hparams = state.plan, optimizer.hparams
     if isinstance(state.residence, SwapFileUnits):
         runtimes = state.residence.units
         for rt, u in zip(runtimes, state.units):
-            rt.grad, rt.hparams = u.grad, optimizer.hparams
-            _attach_params(plan, rt, u)
+            rt.grad, rt.hparams = u.grad, hparams
+            attach_params(plan, rt, u)
         return runtimes
-    runtimes = []
-    for i, u in enumerate(state.units):
-        rt = UnitRuntime(i, plan.units[i], [], u.master, u.optim, u.grad, hparams=optimizer.hparams)
-        _attach_params(plan, rt, u)
-        runtimes.append(rt)
-    return runtimes
-
-
-def _attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:
-    """The unit's compute-dtype parameters as the update publishes into them: the whole
-    buffer (`full`), or stage 3's shard (`param_shard`; None where the master serves)."""
-    if plan.stage == 3 and not rt.unit.persistent:
-        rt.full, rt.param_shard = None, unit.params
-    else:
-        rt.full, rt.param_shard = unit.params, None
+    return [runtime_of(plan, i, u, hparams) for i, u in enumerate(state.units)]
 
 
 def _compiled(fn: Any) -> bool:

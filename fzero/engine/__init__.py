@@ -11,8 +11,6 @@ One module per concern, each with its one job in its docstring:
   phase);
 - `_step`: the engine's step (the core's rules in `fzero.core.update` over its units) and
   its learning rates;
-- `_stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
-  and where parameter shards live between uses;
 - `_reduction`: gradient buckets and reductions, and whose backward pass a gradient
   arrives in (the engine's own, another engine's, a plain backward's);
 - `_scheduler`: stepping a DeepSpeed-style lr scheduler object;
@@ -24,7 +22,8 @@ One module per concern, each with its one job in its docstring:
 - `telemetry`: timers and the step report; `meta_init`: `fzero.init_context`;
 - `zero3_attributes`: the `ds_*` attributes DeepSpeed's ZeRO-3 sets on parameters.
 
-The layout, precision, update rules and their application (native kernels, LAMB, the
+The layout, stage 3's gathering (`fzero.core.stage3`, driven by the engine's hooks),
+precision, update rules and their application (native kernels, LAMB, the
 transactional NVMe step, publishing), residency and the NVMe file are the core's
 (`fzero.core`), shared with `fzero.train_step`.
 """

@@ -31,13 +31,13 @@ from fzero.core.layout import (
 )
 from fzero.core.precision import DTYPES, Precision, loss_scaler, precision_of
 from fzero.core.residency import Residency
+from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.state import TrainState, optimizer_partition, partition_numel
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._scheduler import ConfigScheduler
-from fzero.engine._stage3 import Stage3Gatherer
 from fzero.engine._step import Hyperparams, take_step
 from fzero.engine.optimizer import EngineOptimizer
 from fzero.engine.telemetry import Telemetry, Timers

@@ -1,7 +1,7 @@
 """The module's own hooks around its forward (first of all its hooks, so calling the
 module directly trains as calling the engine does): floating inputs cast to the compute
 dtype, DeepSpeed's `torch_autocast`, and in stage 3 the forward phase with its
-saved-tensor hooks (`fzero.engine._stage3`)."""
+saved-tensor hooks (`fzero.core.stage3`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ of their full values, so backward gathers them again. The first pass of each pha
 records the order units are used in, later passes prefetch along it
 (`stage3_prefetch_bucket_size`, bounded by `stage3_max_live_parameters`). Between uses
 a unit's compute-dtype shard lives where `offload_param` says: the device, the host or
-a swap file.
+a swap file. The engine drives it from module hooks; `fzero.train_step`'s placeholders
+(`fzero.core.gather`) follow the same prefetch and reuse rules.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.gather import reuse_distance, units_to_prefetch
 from fzero.core.layout import UnitRuntime, bind, unbind
-from fzero.engine.telemetry import Timers
+from fzero.core.publish import Timer
 from fzero.partition import Plan
 
 __all__ = ["Stage3Gatherer"]
@@ -41,7 +42,7 @@ class Stage3Gatherer:
         compute_dtype: torch.dtype,
         device: torch.device,
         pin_memory: bool,
-        timers: Timers,
+        timers: Timer,
     ) -> None:
         zero = config.zero_optimization
         self.compute_dtype, self.device, self._pin = compute_dtype, device, pin_memory

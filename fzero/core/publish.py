@@ -1,0 +1,145 @@
+"""Publishing: writing updated fp32 masters back to the compute-dtype parameters every
+rank computes with — this rank's part, then an all-gather of the whole unit buffer at
+stages 1-3 (overlapping whatever runs before `finish_publish`), or the stage-3 shard to
+where shards live between uses. The one implementation the engine's step, `train_step`
+and checkpoint restores (`fzero.checkpoint.restore`) all use, over `UnitRuntime` records
+(`runtime_of` makes one for a `TrainState`'s unit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from fzero import comm
+from fzero.core.layout import UnitRuntime, bind
+from fzero.core.state import UnitState, optimizer_partition
+from fzero.partition import Plan, Unit
+
+__all__ = ["InMemoryShards", "ParamShards", "Publisher", "attach_params", "runtime_of"]
+
+Timer = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+class ParamShards(Protocol):
+    """Where stage 3's compute-dtype parameter shards live between uses (the engine's
+    `Stage3Gatherer`: the device, the host or a swap file; `InMemoryShards` otherwise)."""
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None: ...
+
+    def finish_param_writes(self) -> str: ...
+
+
+class InMemoryShards:
+    """Stage-3 parameter shards held in memory: a store is a copy into the shard."""
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None:
+        if rt.param_shard is not None and value is not rt.param_shard:
+            rt.param_shard.copy_(value)
+
+    def finish_param_writes(self) -> str:
+        return ""
+
+
+@contextlib.contextmanager
+def untimed(_name: str) -> Iterator[None]:
+    """A `Timer` that times nothing."""
+    yield
+
+
+class Publisher:
+    """New masters into the parameters, unit by unit (`publish`), completed by
+    `finish_publish`."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        param_shards: ParamShards | None = None,
+        swapped: bool = False,
+        timer: Timer = untimed,
+    ) -> None:
+        """`swapped`: masters sit in reused NVMe swap buffers (the all-gather's input is
+        copied out of them)."""
+        self.plan, self.rank, self.stage, self.world_size = plan, rank, plan.stage, plan.world_size
+        self.compute_dtype, self.device, self.swapped = compute_dtype, device, swapped
+        self.param_shards = param_shards or InMemoryShards()
+        self.timer = timer
+        self.publishing: list[tuple[Any, UnitRuntime, Tensor | None]] = []
+
+    def partition(self, unit: Unit) -> slice:
+        return optimizer_partition(self.plan, unit, self.rank)
+
+    def publish(
+        self, rt: UnitRuntime, written: Tensor | None = None, exchange: bool = True
+    ) -> None:
+        """Start writing the unit's updated fp32 master back to the compute-dtype
+        parameters everyone uses; the all-gather overlaps the next units' updates.
+        `written`: the compute-dtype copy a native update already made. Without
+        `exchange` only this rank's part is written (`exchange` sends it later)."""
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+            if rt.param_shard is not None and written is not rt.param_shard:
+                value = written if written is not None else rt.master
+                value = value.to(self.compute_dtype)
+                self.param_shards.store_param_shard(rt, value, wait=False)
+            return
+        if self.stage == 0 or self.world_size == 1 or not exchange:
+            target = rt.full[self.partition(rt.unit)]
+            if target.data_ptr() != rt.master.data_ptr() and written is not target:
+                target.copy_(written if written is not None else rt.master)
+            if exchange:
+                self.publishing.append((None, rt, None))
+            return
+        shard = written if written is not None else rt.master.to(self.compute_dtype)
+        # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
+        shard = shard.to(self.device, copy=self.swapped and written is None)
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self.publishing.append((work, rt, shard))
+
+    def exchange(self, rt: UnitRuntime) -> None:
+        """All-gather the parts `publish(..., exchange=False)` wrote on every rank."""
+        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+            return
+        if self.world_size == 1:
+            self.publishing.append((None, rt, None))
+            return
+        shard = rt.full[self.partition(rt.unit)].clone()
+        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        self.publishing.append((work, rt, shard))
+
+    def finish_publish(self) -> None:
+        failure = self.param_shards.finish_param_writes()
+        if failure:
+            raise OSError(f"NVMe offload: writing the new parameters failed ({failure})")
+        with self.timer("comm"):
+            for work, rt, _shard in self.publishing:
+                if work is not None:
+                    work.wait()
+                if any(len(pl.pieces) > 1 for _, pl, _ in rt.params):
+                    bind(rt)  # copies, not views: refresh them
+        self.publishing.clear()
+
+
+def runtime_of(plan: Plan, index: int, unit: UnitState, hparams: Any = None) -> UnitRuntime:
+    """A runtime record over a `TrainState` unit's buffers (what the update and
+    `Publisher` run over)."""
+    rt = UnitRuntime(index, plan.units[index], [], unit.master, unit.optim, unit.grad)
+    rt.hparams = hparams
+    attach_params(plan, rt, unit)
+    return rt
+
+
+def attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:
+    """The unit's compute-dtype parameters as publishing writes them: the whole buffer
+    (`full`), or stage 3's shard (`param_shard`; None where the master serves)."""
+    if plan.stage == 3 and not rt.unit.persistent:
+        rt.full, rt.param_shard = None, unit.params
+    else:
+        rt.full, rt.param_shard = unit.params, None
