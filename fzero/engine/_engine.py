@@ -13,7 +13,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,6 +34,7 @@ from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.state import TrainState, optimizer_partition, partition_numel
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
+from fzero.engine._accessors import DeepSpeedAccessors
 from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._scheduler import ConfigScheduler
@@ -91,7 +91,7 @@ def _named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return wrap
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`."""
 
     def __init__(
@@ -372,69 +372,6 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return self.hyperparams.current_lrs()
-
-    # ---- DeepSpeed-compatible accessors -------------------------------------------------
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def global_rank(self) -> int:
-        return self.rank
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scale_state.scale if self.loss_scale_state else 1.0
-
-    def was_step_skipped(self) -> bool:
-        return self._skipped_last
-
-    def train_batch_size(self) -> int | None:
-        return self.batch.train_batch_size if self.batch else None
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self.batch.micro_batch_size if self.batch else None
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.accumulation
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters()
-
-    def fp16_enabled(self) -> bool:
-        return self.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision == "bf16"
-
-    def zero_optimization(self) -> bool:
-        return self.stage > 0
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
-
-    def get_global_grad_norm(self) -> float | None:
-        """The global L2 norm of the last step's gradients, before clipping (None before
-        the first step; inf when an fp16 overflow skipped the step)."""
-        return self._global_grad_norm
-
-    def get_mom(self) -> list[Any]:
-        """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed)."""
-        return self.hyperparams.momentum()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
