@@ -442,3 +442,42 @@ def zero_grad_case(rank: int, world: int) -> dict:
 
 def test_zero_grad_honours_set_to_none():
     assert run_world(zero_grad_case, 1) == {"zeroed_in_place": True, "none": True}
+
+
+def whole_tensors(manifest, *, world_size, stage, **options):
+    """A user strategy a config names by `module:function` (FSDP2-like rows)."""
+    return fzero.partition.per_tensor_dim0(manifest, world_size=world_size, stage=stage, **options)
+
+
+def strategy_case(rank, world):
+    base = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3}}
+    plans = {}
+    for label, config, given in [
+        ("default", base, None),
+        ("named", {**base, "strategy": "per_tensor_dim0"}, None),
+        ("imported", {**base, "strategy": "tests.test_engine_features:whole_tensors"}, None),
+        ("argument", {**base, "strategy": "flat_even"}, whole_tensors),
+    ]:
+        torch.manual_seed(0)
+        engine, *_ = fzero.initialize(model=Net(), config=config, strategy=given)
+        plans[label] = engine.plan
+        engine.destroy()
+    errors = {}
+    for bad in ("nope", "tests.test_engine_features:missing"):
+        try:
+            fzero.initialize(model=Net(), config={**base, "strategy": bad})
+        except fzero.partition.PlanError as error:
+            errors[bad] = str(error)
+    return plans, errors
+
+
+def test_initialize_and_the_config_name_a_partitioning_strategy():
+    plans, errors = run_world(strategy_case, 2)
+    assert plans["default"].strategy == "flat_even"
+    assert plans["named"].strategy == "per_tensor_dim0"
+    assert plans["imported"] == plans["named"]  # the user function ran
+    assert plans["argument"] == plans["named"]  # the argument wins over the config key
+    assert errors["nope"].startswith(
+        "config key 'strategy' is 'nope'; allowed: flat_even, per_tensor_dim0 or 'module:function'"
+    )
+    assert "cannot be loaded" in errors["tests.test_engine_features:missing"]

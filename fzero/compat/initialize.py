@@ -19,6 +19,7 @@ from fzero.engine import Engine
 from fzero.engine.entry import config_of, param_groups_of
 from fzero.engine.optimizer import EngineOptimizer
 from fzero.optim import Optimizer, adam, adamw, sgd
+from fzero.partition import Plan
 
 __all__ = ["initialize"]
 
@@ -82,6 +83,7 @@ def initialize(
     config_params: Mapping[str, Any] | None = None,
     param_init_fn: Callable[[torch.nn.Module], None] | None = None,
     name: str | None = None,
+    strategy: Callable[..., Plan] | None = None,
 ) -> tuple[Engine, EngineOptimizer, torch.utils.data.DataLoader | None, Any]:
     """DeepSpeed's `deepspeed.initialize`, same arguments and returns.
 
@@ -95,7 +97,8 @@ def initialize(
     client steps its own. The engine steps `engine.lr_scheduler` after each applied
     optimizer step; assign it (None, or another scheduler) to change that. The
     returned optimizer acts on the engine (`step()` is `engine.step()`; `param_groups` are live; see
-    `fzero.engine.optimizer`). `param_init_fn` and `name` as in `shard`.
+    `fzero.engine.optimizer`). `param_init_fn`, `name` and `strategy` (the partitioning
+    function; else the config's `strategy` key, else `flat_even`) as in `shard`.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -148,6 +151,7 @@ def initialize(
         lr_scheduler=lr_scheduler if factory is None else None,
         param_init_fn=param_init_fn,
         name=name,
+        strategy=strategy,
     )
     if factory is not None and functional is not None:
         engine.lr_scheduler = factory(engine.optimizer)

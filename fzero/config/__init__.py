@@ -320,6 +320,10 @@ class Config(_Section):
     """fzero: append one JSON line per `steps_per_print` (the logged figures) to this file."""
     progress: bool = True
     """fzero: a progress bar on rank 0 when stdout is a terminal."""
+    strategy: str | None = None
+    """fzero: the engine's partitioning strategy: a built-in's name (`flat_even`, the
+    default, or `per_tensor_dim0`) or `module:function` naming your own; a `strategy=`
+    given to `shard`/`initialize` wins over it."""
 
 
 # Keys DeepSpeed knows that fzero does not implement: accepted only while off.

@@ -33,8 +33,11 @@ def plan_for(
     strategy: Callable[..., Plan] | None,
 ) -> Plan:
     """The engine's plan: the module's trainable tensors by group, split as the config's
-    stage (and stage 3's persistence threshold) and `strategy` (default `flat_even`) say."""
+    stage (and stage 3's persistence threshold) and `strategy` say (else the config's
+    `strategy` key, else `flat_even`)."""
     zero = config.zero_optimization
+    if strategy is None and config.strategy is not None:
+        strategy = partition.strategy_from_name(config.strategy)
     options: dict[str, Any] = {}
     if zero.stage == 3:
         options["persistence_threshold"] = zero.stage3_param_persistence_threshold

@@ -54,7 +54,8 @@ def shard(
 
     `stage` overrides the config's `zero_optimization.stage`; `precision`
     ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
-    partitioning function (default `fzero.partition.flat_even`). A model built on
+    partitioning function (else the config's `strategy` key, else
+    `fzero.partition.flat_even`). A model built on
     the meta device (`fzero.init_context()`) is initialised module by module with
     `param_init_fn(module)`, or each module's `reset_parameters()`. `name` labels the
     engine's log lines (default: the model's class).

@@ -30,6 +30,7 @@ from fzero.partition._queries import (
     reshard_reads,
 )
 from fzero.partition._strategies import (
+    BUILT_IN,
     DEFAULT_ALIGNMENT,
     Strategy,
     UnitGroup,
@@ -38,9 +39,11 @@ from fzero.partition._strategies import (
     module_key,
     per_tensor_dim0,
     plan,
+    strategy_from_name,
 )
 
 __all__ = [
+    "BUILT_IN",
     "DEFAULT_ALIGNMENT",
     "LocalSlice",
     "Manifest",
@@ -71,6 +74,7 @@ __all__ = [
     "plan",
     "reduction_buckets",
     "reshard_reads",
+    "strategy_from_name",
     "to_bytes",
     "validate",
 ]

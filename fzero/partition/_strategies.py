@@ -13,6 +13,7 @@ Two are built in:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,16 @@ from typing import Protocol
 from fzero.partition._manifest import Manifest, TensorSpec
 from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, validate
 
-__all__ = ["Strategy", "flat_even", "group_units", "module_key", "per_tensor_dim0", "plan"]
+__all__ = [
+    "BUILT_IN",
+    "Strategy",
+    "flat_even",
+    "group_units",
+    "module_key",
+    "per_tensor_dim0",
+    "plan",
+    "strategy_from_name",
+]
 
 # 16 fp32 elements = 64 bytes: one cache line, one AVX-512 register.
 DEFAULT_ALIGNMENT = 16
@@ -267,3 +277,30 @@ def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) ->
                 "persistence_threshold at stage 3, from zero_optimization."
                 "stage3_param_persistence_threshold): add the parameter, or **options"
             )
+
+
+BUILT_IN = ("flat_even", "per_tensor_dim0")
+
+
+def strategy_from_name(name: str) -> Callable[..., Plan]:
+    """The strategy a config names: a built-in's name (`BUILT_IN`) or `module:function`
+    (imported; the function is your strategy)."""
+    if name in BUILT_IN:
+        return {"flat_even": flat_even, "per_tensor_dim0": per_tensor_dim0}[name]
+    module_name, _, function = name.partition(":")
+    if not module_name or not function:
+        raise PlanError(
+            f"config key 'strategy' is {name!r}; allowed: {', '.join(BUILT_IN)} or "
+            "'module:function' naming your own strategy"
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as error:
+        raise PlanError(
+            f"config key 'strategy' is {name!r}, which cannot be loaded: {error}"
+        ) from None
+    if not callable(found):
+        raise PlanError(
+            f"config key 'strategy' is {name!r}, a {type(found).__name__}: not callable"
+        )
+    return found
