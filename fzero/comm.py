@@ -37,6 +37,7 @@ __all__ = [
     "named_operation",
     "reduce_scatter_into",
     "side_group",
+    "traffic",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -151,8 +152,28 @@ def backend_device() -> torch.device:
     return torch.device("cpu")
 
 
+# ---- what moves: collectives by operation -------------------------------------------------
+
+_traffic: dict[str, list[int]] = {}  # operation -> [calls, bytes]
+
+
+def _count(operation: str, tensor: torch.Tensor) -> None:
+    entry = _traffic.setdefault(operation, [0, 0])
+    entry[0] += 1
+    entry[1] += tensor.numel() * tensor.element_size()
+
+
+def traffic() -> dict[str, tuple[int, int]]:
+    """The collectives fzero has issued in this process, by operation (`all_gather`,
+    `reduce_scatter`, `all_reduce`): (calls, bytes), a collective's bytes being its whole
+    buffer (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor), as
+    `fzero.partition.comm_volume` predicts them. Differences of two calls give a span."""
+    return {name: (calls, size) for name, (calls, size) in _traffic.items()}
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
     """Concatenate every rank's equal-size `shard` into `output` (rank order)."""
+    _count("all_gather", output)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, shard, async_op=async_op)
 
@@ -161,6 +182,7 @@ def reduce_scatter_into(
     shard: torch.Tensor, full: torch.Tensor, *, average: bool = True, async_op: bool = False
 ):
     """Sum (or average) `full` over ranks and leave rank r's equal part in `shard`."""
+    _count("reduce_scatter", full)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return scatter(shard, full, op=op, async_op=async_op)
@@ -187,6 +209,7 @@ def all_reduce(
         if op not in _OPS:
             raise ValueError(f"all_reduce op is {op!r}; allowed: {sorted(_OPS)} or a ReduceOp")
         op = _OPS[op]
+    _count("all_reduce", tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

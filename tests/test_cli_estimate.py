@@ -44,3 +44,13 @@ def test_estimate_from_a_model_built_on_meta(capsys):
     assert "4,680 params" in out
     # stage 0, 1 rank, fp32 Adam: (4,680 + padding to 16) x 16 bytes
     assert "0.08 MB" in out
+
+
+def test_estimate_takes_a_strategy(capsys):
+    """Per-tensor rows pad each tensor (64 + 8 rows here) where flat_even pads the unit."""
+    args = ["estimate", "--model", "tests.test_cli_estimate:tiny_model", "--world-sizes", "64"]
+    assert main([*args, "--precision", "fp32"]) == 0
+    flat = capsys.readouterr().out
+    assert main([*args, "--precision", "fp32", "--strategy", "per_tensor_dim0"]) == 0
+    rows = capsys.readouterr().out
+    assert flat != rows and "4,680 params" in rows

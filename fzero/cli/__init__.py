@@ -28,7 +28,7 @@ def _estimate(args: argparse.Namespace) -> int:
     import torch
 
     from fzero.cli.estimate import estimate, format_estimate, manifest_of_size
-    from fzero.partition import describe
+    from fzero.partition import PlanError, describe, strategy_from_name
 
     if (args.model is None) == (args.params is None):
         raise SystemExit("fzero estimate: give exactly one of --model module:factory or --params N")
@@ -38,6 +38,10 @@ def _estimate(args: argparse.Namespace) -> int:
         manifest = describe(model)
     else:
         manifest = manifest_of_size(int(float(args.params)))
+    try:
+        strategy = strategy_from_name(args.strategy, where="--strategy")
+    except PlanError as error:
+        raise SystemExit(f"fzero estimate: {error}") from None
     rows = estimate(
         manifest,
         args.world_sizes,
@@ -45,6 +49,7 @@ def _estimate(args: argparse.Namespace) -> int:
         grad_dtype=_DTYPE_NAMES[args.grad_dtype or args.precision],
         optimizer=args.optimizer,
         persistence_threshold=args.persistence_threshold,
+        strategy=strategy,
     )
     print(format_estimate(rows, manifest.numel))
     return 0
@@ -70,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         default="fp32",
         help="gradient accumulators' dtype (default fp32, what fzero keeps; the ZeRO paper's "
         "figures have them in --precision)",
+    )
+    est.add_argument(
+        "--strategy",
+        default="flat_even",
+        help="partitioning strategy: flat_even (default), per_tensor_dim0 or module:function",
     )
     est.add_argument(
         "--persistence-threshold",

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fzero.partition import Manifest, TensorSpec, memory_per_rank, plan
+from fzero.partition import Manifest, Plan, TensorSpec, flat_even, memory_per_rank, plan
 
 __all__ = ["EstimateRow", "estimate", "format_estimate", "manifest_of_size"]
 
@@ -33,10 +33,12 @@ def estimate(
     grad_dtype: str = "float32",
     optimizer: str = "adam",
     persistence_threshold: int = 100_000,
+    strategy: Callable[..., Plan] = flat_even,
 ) -> list[EstimateRow]:
     """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload.
     The defaults are the engine's: fp32 gradient accumulators, and stage 3 keeps tensors
-    under `stage3_param_persistence_threshold` (DeepSpeed's 100,000) whole."""
+    under `stage3_param_persistence_threshold` (DeepSpeed's 100,000) whole; `strategy`
+    is the partitioning function (its plan's padding counts)."""
     rows = []
     for world_size in world_sizes:
         for stage in (0, 1, 2, 3):
@@ -45,6 +47,7 @@ def estimate(
                 world_size=world_size,
                 stage=stage,
                 persistence_threshold=persistence_threshold,
+                strategy=strategy,
             )
             for offload in (False, True) if stage else (False,):
                 mem = memory_per_rank(

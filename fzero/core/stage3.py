@@ -53,6 +53,9 @@ class Stage3Gatherer:
         self.on_backward_use: Callable[[], None] = lambda: None
         self.phase = "forward"
         self._trace: dict[str, list[int]] = {"forward": [], "backward": []}
+        # units the last backward gathered again (released after forward): what
+        # `partition.comm_volume(regathered=...)` needs to predict a step's all-gathers
+        self.regathered: set[int] = set()
         self._traced: set[str] = set()
         self._cursor = 0
         self._prefetch_numel = zero.stage3_prefetch_bucket_size
@@ -103,6 +106,8 @@ class Stage3Gatherer:
         starts when the unit is used."""
         if rt.full is None:
             self._live += rt.unit.numel  # only stage-3 units without a persistent buffer get here
+            if self.phase == "backward":
+                self.regathered.add(rt.index)
             if self.param_offload == "nvme" and self._read_whole(rt):
                 # one rank on the host: the shard is the unit; read it in place (an
                 # all-gather of one would copy it into fresh pages: 25 ms per 16.8M)
@@ -220,6 +225,8 @@ class Stage3Gatherer:
     def begin_phase(self, phase: str) -> None:
         """A forward or backward starts: units count as unused, the trace from its start."""
         self.phase, self._cursor = phase, 0
+        if phase == "backward":
+            self.regathered = set()
         for rt in self.units:
             rt.used = False
             if phase == "forward":  # the root's forward starts: no holder runs yet

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm
+from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import OptimizerApplication
@@ -29,6 +29,7 @@ from fzero.core.layout import (
     UnitRuntime,
 )
 from fzero.core.precision import DTYPES, Precision, loss_scaler, precision_of
+from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import Residency
 from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.state import TrainState, optimizer_partition, partition_numel
@@ -419,6 +420,22 @@ class Engine(DeepSpeedAccessors):
     def memory_held(self) -> MemoryEstimate:
         """Bytes of every model-state tensor this rank holds now, by kind."""
         return _views.memory_held(self)
+
+    def comm_volume(self) -> list[partition.Collective]:
+        """`fzero.partition.comm_volume` of this engine's plan and settings: the collectives
+        one optimizer step issues (stage 3: with the units its last backward gathered
+        again, from its recorded use order)."""
+        zero = self.config.zero_optimization
+        return partition.comm_volume(
+            self.plan,
+            accumulation_steps=self.accumulation,
+            param_dtype=partition.dtype_name(self.compute_dtype),
+            bucket_numel=int(zero.reduce_bucket_size),
+            scatter_as_all_reduce=scatter_by_all_reduce(),
+            regathered=self.stage3.regathered,
+            loss_scaling=self.loss_scaler is not None and self.loss_scaler.dynamic,
+            optimizer=self.functional_optimizer.name,
+        )
 
     def memory_planned(self) -> MemoryEstimate:
         """What the plan says this rank holds (`partition.memory_per_rank`)."""

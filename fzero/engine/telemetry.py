@@ -83,6 +83,7 @@ class Telemetry:
         self.tokens = 0
         self.last = time.perf_counter()
         self.params = engine.plan.manifest.numel
+        self.traffic = comm.traffic()  # at the last report
         self._bar: Any = None
         config = engine.config
         if engine.rank == 0 and config.progress and sys.stdout.isatty():
@@ -146,6 +147,11 @@ class Telemetry:
         if tokens.item():
             record["tokens_per_s"] = tokens.item() / elapsed
             record["tflops"] = 6 * self.params * tokens.item() / elapsed / 1e12
+        traffic = comm.traffic()
+        record["comm_bytes"] = {  # this process's collectives since the last report
+            op: size - self.traffic.get(op, (0, 0))[1] for op, (_, size) in traffic.items()
+        }
+        self.traffic = traffic
         record["memory_mb"] = figures[1].item() / 2**20
         record["memory_plan_mb"] = engine.memory_planned().total / 2**20
         record["peak_memory_mb"] = figures[2].item() / 2**20

@@ -41,10 +41,12 @@ from fzero.partition._strategies import (
     plan,
     strategy_from_name,
 )
+from fzero.partition._volume import Collective, comm_volume, format_comm_volume
 
 __all__ = [
     "BUILT_IN",
     "DEFAULT_ALIGNMENT",
+    "Collective",
     "LocalSlice",
     "Manifest",
     "MemoryEstimate",
@@ -57,10 +59,12 @@ __all__ = [
     "TensorSpec",
     "Unit",
     "UnitGroup",
+    "comm_volume",
     "describe",
     "dtype_name",
     "dtype_of",
     "flat_even",
+    "format_comm_volume",
     "format_plan",
     "from_bytes",
     "group_units",

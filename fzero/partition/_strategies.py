@@ -282,25 +282,21 @@ def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) ->
 BUILT_IN = ("flat_even", "per_tensor_dim0")
 
 
-def strategy_from_name(name: str) -> Callable[..., Plan]:
+def strategy_from_name(name: str, where: str = "config key 'strategy'") -> Callable[..., Plan]:
     """The strategy a config names: a built-in's name (`BUILT_IN`) or `module:function`
-    (imported; the function is your strategy)."""
+    (imported; the function is your strategy). Errors name `where` it came from."""
     if name in BUILT_IN:
         return {"flat_even": flat_even, "per_tensor_dim0": per_tensor_dim0}[name]
     module_name, _, function = name.partition(":")
     if not module_name or not function:
         raise PlanError(
-            f"config key 'strategy' is {name!r}; allowed: {', '.join(BUILT_IN)} or "
+            f"{where} is {name!r}; allowed: {', '.join(BUILT_IN)} or "
             "'module:function' naming your own strategy"
         )
     try:
         found = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as error:
-        raise PlanError(
-            f"config key 'strategy' is {name!r}, which cannot be loaded: {error}"
-        ) from None
+        raise PlanError(f"{where} is {name!r}, which cannot be loaded: {error}") from None
     if not callable(found):
-        raise PlanError(
-            f"config key 'strategy' is {name!r}, a {type(found).__name__}: not callable"
-        )
+        raise PlanError(f"{where} is {name!r}, a {type(found).__name__}: not callable")
     return found

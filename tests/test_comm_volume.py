@@ -1,0 +1,163 @@
+"""`fzero.partition.comm_volume` predicts the collectives a step issues: the bytes and
+calls a real run sends (counted by `fzero.comm.traffic`) equal it at every stage, with
+accumulation, fp16, LAMB and stage 3's backward re-gathers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import comm
+from fzero.partition import Manifest, PlanError, TensorSpec, comm_volume, plan
+from tests._dist import run_world
+from tests.models import Net, global_batch
+
+MICRO, ACCUM = 2, 2
+
+
+def _by_operation(rows) -> dict[str, tuple[int, int]]:
+    totals: dict[str, tuple[int, int]] = {}
+    for r in rows:
+        calls, size = totals.get(r.operation, (0, 0))
+        totals[r.operation] = (calls + r.calls, size + r.bytes)
+    return totals
+
+
+def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Per case: the traffic of 3 optimizer steps after 2 warm-up steps, per step, and
+    the engine's `comm_volume()` (also recomputed from the pure function)."""
+    out = {}
+    for stage, precision, reuse, name in cases:
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACCUM,
+            "steps_per_print": 0,
+            "optimizer": {"type": name, "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": 300,
+                "stage3_param_persistence_threshold": 100 if stage == 3 else 0,
+                "stage3_max_reuse_distance": reuse,
+            },
+        }
+        if precision == "fp16":
+            config["fp16"] = {"enabled": True, "initial_scale_power": 8}  # no overflow
+        torch.manual_seed(0)
+        engine, *_ = fzero.initialize(model=Net(), config=config)
+
+        def steps(count: int, first: int, engine=engine) -> None:
+            for i in range(first, first + count):
+                for _ in range(ACCUM):
+                    x, y = global_batch(i, MICRO * world)
+                    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+                    engine.backward(F.mse_loss(engine(x[rows]).float(), y[rows]))
+                    engine.step()
+
+        steps(2, 0)
+        before = comm.traffic()
+        steps(3, 2)
+        after = comm.traffic()
+        sent = {
+            op: ((calls - before.get(op, (0, 0))[0]) // 3, (size - before.get(op, (0, 0))[1]) // 3)
+            for op, (calls, size) in after.items()
+            if (calls, size) != before.get(op, (0, 0))
+        }
+        predicted = engine.comm_volume()
+        pure = comm_volume(
+            engine.plan,
+            accumulation_steps=ACCUM,
+            param_dtype={"fp32": "float32", "fp16": "float16"}[precision],
+            bucket_numel=300,
+            scatter_as_all_reduce=True,  # gloo
+            regathered=engine.stage3.regathered,
+            loss_scaling=precision == "fp16",
+            optimizer=name.lower(),
+        )
+        out[(stage, precision, reuse, name)] = {
+            "sent": sent,
+            "predicted": _by_operation(predicted),
+            "same": predicted == pure,
+            "regathered": sorted(engine.stage3.regathered),
+            "persistent": sum(u.persistent for u in engine.plan.units),
+        }
+        engine.destroy()
+    return out
+
+
+CASES = [
+    (0, "fp32", 0, "AdamW"),
+    (1, "fp32", 0, "AdamW"),
+    (2, "fp16", 0, "AdamW"),
+    (3, "fp32", 0, "AdamW"),  # units released after forward are gathered again
+    (3, "fp16", 1_000_000_000, "Lamb"),  # every unit kept from forward into backward
+]
+
+
+def test_a_step_sends_what_comm_volume_predicts():
+    results = run_world(measured_case, 2, CASES)
+    for case, result in results.items():
+        assert result["sent"] == result["predicted"], case
+        assert result["same"], case
+    assert results[(3, "fp32", 0, "AdamW")]["regathered"]  # the backward re-gathers counted
+    assert results[(3, "fp16", 1_000_000_000, "Lamb")]["regathered"] == []
+    assert results[(3, "fp16", 1_000_000_000, "Lamb")]["persistent"]  # persistent units too
+
+
+def test_comm_volume_rows_by_stage():
+    """Pure: which collectives each stage issues, their sizes and wire bytes."""
+    manifest = Manifest((TensorSpec("a", (1024,)), TensorSpec("b", (1024,))))
+
+    def rows(stage, **options):
+        p = plan(manifest, world_size=4, stage=stage, unit_numel=1024)
+        return {(r.operation, r.what): (r.calls, r.bytes) for r in comm_volume(p, **options)}
+
+    assert rows(0) == {
+        ("all_reduce", "gradients"): (1, 8192),
+        ("all_reduce", "gradient norm"): (1, 8),
+        ("all_reduce", "left-over gradients check"): (1, 4),
+    }
+    stage2 = rows(2, accumulation_steps=3, param_dtype="bfloat16")
+    assert stage2[("reduce_scatter", "gradients")] == (6, 3 * 8192)
+    assert stage2[("all_gather", "parameters after the update")] == (2, 4096)
+    assert stage2[("all_reduce", "left-over gradients check")] == (3, 12)
+    stage3 = rows(3, regathered=[1], param_dtype="bfloat16")
+    assert stage3[("all_gather", "parameters for forward")] == (2, 4096)
+    assert stage3[("all_gather", "parameters for backward")] == (1, 2048)
+    assert ("all_gather", "parameters after the update") not in stage3
+    p = plan(manifest, world_size=4, stage=3, unit_numel=1024)
+    grads = next(r for r in comm_volume(p) if r.what == "gradients")
+    assert grads.wire_bytes == 8192 * 3 // 4
+    norm = next(r for r in comm_volume(p) if r.what == "gradient norm")
+    assert norm.wire_bytes == 2 * (8 * 3 // 4)
+    assert comm_volume(plan(manifest, world_size=1, stage=3)) == []
+    with pytest.raises(PlanError, match="accumulation_steps is 0"):
+        comm_volume(p, accumulation_steps=0)
+    with pytest.raises(PlanError, match="regathered names units stage 3 does not gather"):
+        comm_volume(plan(manifest, world_size=4, stage=2), regathered=[0])
+
+
+def metrics_case(rank: int, world: int, path: str) -> None:
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1, "metrics_file": path}
+    engine = fzero.shard(Net(), stage=2, config=config)
+    for i in range(2):
+        x, y = global_batch(i, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+    engine.destroy()
+
+
+def test_the_metrics_file_has_the_bytes_each_report_moved(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    run_world(metrics_case, 2, str(path))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    numel = sum(u.numel for u in plan(fzero.partition.describe(Net()), world_size=2, stage=2).units)
+    second = records[1]["comm_bytes"]
+    # a step: gradients (all-reduced on gloo), new parameters, the norm and the check,
+    # plus the previous report's own two all-reduces (tokens, memory: 8 + 24 bytes)
+    assert second["all_gather"] == numel * 4
+    assert second["all_reduce"] == numel * 4 + 8 + 4 + 32
