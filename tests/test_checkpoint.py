@@ -308,6 +308,7 @@ def test_inspect_reports_and_verifies(saved):
     report, intact = inspect(str(saved))
     assert intact
     assert "latest: good" in report and "world size 2, stage 2, fp32, step 1" in report
+    assert "; plan: strategy flat_even, " in report
     assert "master" in report and "optim.exp_avg_sq" in report and "2 files ok" in report
 
 

@@ -223,6 +223,20 @@ def test_format_plan_mentions_every_rank():
     assert "rank 0:" in text and "rank 1:" in text and "embed.weight[" in text
 
 
+def test_format_plan_reports_padding_and_imbalance():
+    """Two tensors of 10 at world 4, one unit: 16-aligned shards of 16, 44 padding; rank 0
+    owns 16, rank 1 the last 4, ranks 2-3 nothing (imbalance 16 / 5 = 3.2x)."""
+    manifest = Manifest((TensorSpec("a", (10,)), TensorSpec("b", (10,))))
+    text = format_plan(plan(manifest, world_size=4, stage=1))
+    assert "numel=64 shard=16 padding=44" in text
+    assert "rank 1: b[6:10] (+12 padding)" in text
+    assert "rank 3: (padding only)" in text
+    assert text.endswith(
+        "padding: 44 elements (68.8% of the unit buffers); owned per rank: min 0, max 16 "
+        "(imbalance 3.20x)"
+    )
+
+
 def test_reshard_rejects_different_models():
     a = plan(Manifest((TensorSpec("w", (4,)),)), world_size=1, stage=1)
     b = plan(Manifest((TensorSpec("w", (5,)),)), world_size=1, stage=1)

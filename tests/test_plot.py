@@ -97,3 +97,20 @@ def test_a_results_file_becomes_one_png_of_medians_and_spreads(tmp_path):
         check=True,
     )
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_plan_draws_each_kind_per_rank(tmp_path):
+    """`partition.plot_plan` returns a PNG; a stage-1 plan and a stage-3 plan of the same
+    model differ (parameters sharded or kept whole)."""
+    import fzero
+    from tests.models import Net
+
+    manifest = fzero.partition.describe(Net())
+    images = [
+        fzero.partition.plot_plan(fzero.partition.plan(manifest, world_size=3, stage=stage))
+        for stage in (1, 3)
+    ]
+    for image in images:
+        assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 5000
+    assert images[0] != images[1]
+    (tmp_path / "plan.png").write_bytes(images[1])

@@ -234,10 +234,14 @@ def inspect(save_dir: str) -> tuple[str, bool]:
             intact = False
             continue
         counters = index["counters"]
+        saving = partition.from_bytes(index["plan"])
+        persistent = sum(u.persistent for u in saving.units)
         lines.append(
             f"{tag}: world size {index['world_size']}, stage {index['stage']}, "
             f"{index['precision']}, step {counters['global_steps']}, "
-            f"optimizer {index['optimizer']['name']}, fzero {index['fzero_version']}"
+            f"optimizer {index['optimizer']['name']}, fzero {index['fzero_version']}; "
+            f"plan: strategy {saving.strategy}, {len(saving.units)} units"
+            + (f" ({persistent} persistent)" if persistent else "")
         )
         sizes: dict[str, int] = {}
         problems = []

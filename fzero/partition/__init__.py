@@ -16,6 +16,7 @@ from fzero.partition._plan import (
     to_bytes,
     validate,
 )
+from fzero.partition._plot import plot_plan
 from fzero.partition._queries import (
     LocalSlice,
     MemoryEstimate,
@@ -76,6 +77,7 @@ __all__ = [
     "owner_of",
     "per_tensor_dim0",
     "plan",
+    "plot_plan",
     "reduction_buckets",
     "reshard_reads",
     "strategy_from_name",

@@ -266,19 +266,36 @@ def _check_rank(plan: Plan, rank: int) -> None:
 
 
 def format_plan(plan: Plan) -> str:
-    """A table of units: tensors, buffer size and which elements each rank owns."""
+    """A table of units: tensors, buffer size and which elements each rank owns, with the
+    padding each rank's shard carries; then the plan's padding (elements every rank
+    allocates beyond the model) and its imbalance (the most elements a rank owns over
+    the mean), which equal shards turn into padding."""
     lines = [
         f"plan: strategy={plan.strategy} stage={plan.stage} world_size={plan.world_size} "
         f"alignment={plan.alignment} units={len(plan.units)} params={plan.manifest.numel:,}"
     ]
+    slices = [local_slices(plan, rank) for rank in range(plan.world_size)]
     for index, unit in enumerate(plan.units):
         flags = " persistent" if unit.persistent else ""
+        padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
-            f"{unit.dtype} numel={unit.numel:,} shard={unit.shard_numel:,}{flags}"
+            f"{unit.dtype} numel={unit.numel:,} shard={unit.shard_numel:,} "
+            f"padding={padding:,}{flags}"
         )
         for rank in range(plan.world_size):
-            owned = [s for s in local_slices(plan, rank) if s.unit == index]
+            owned = [s for s in slices[rank] if s.unit == index]
             text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or "(padding only)"
-            lines.append(f"    rank {rank}: {text}")
+            pad = unit.shard_numel - sum(s.stop - s.start for s in owned)
+            lines.append(f"    rank {rank}: {text}" + (f" (+{pad:,} padding)" if pad else ""))
+    buffers = sum(u.numel for u in plan.units)
+    padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
+    owned = owned_numel(plan)
+    mean = sum(owned) / len(owned)
+    imbalance = max(owned) / mean if mean else 1.0
+    lines.append(
+        f"padding: {padding:,} elements ({100 * padding / max(buffers, 1):.1f}% of the unit "
+        f"buffers); owned per rank: min {min(owned):,}, max {max(owned):,} "
+        f"(imbalance {imbalance:.2f}x)"
+    )
     return "\n".join(lines)
