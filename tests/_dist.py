@@ -119,7 +119,7 @@ def failing_at_write(engine: Any, write: int, action: Callable[[], Any]) -> str:
     def wait(ticket: Any, what: str) -> None:
         real_wait(ticket, what)
         writes.append(what)
-        if writes.count("writing") == write:
+        if what == "writing" and writes.count("writing") == write:
             raise OSError(28, f"writing {engine.nvme.path} failed: No space left on device")
 
     engine.nvme.wait = wait

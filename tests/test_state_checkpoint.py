@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 import fzero
 from fzero.checkpoint import consolidated_state_dict
-from tests._dist import run_world
+from tests._dist import failing_at_write, run_world
 from tests.models import Net, global_batch
 
 MICRO = 2
@@ -215,3 +216,62 @@ def test_restore_errors_name_what_is_wrong(tmp_path):
     ), errors["optimizer"]
     assert errors["no optimizer"].startswith("ValueError: load_optimizer_states=False needs")
     assert result["step"] == 0  # weights only: the optimizer starts afresh
+
+
+def nvme_failure_case(rank: int, world: int, root: str, commit: str) -> dict:
+    """Rank 1's third swap write of the step ending micro-step 4 fails (ENOSPC).
+    two_slots: every rank raises, the state is as before the call, and the same call run
+    again trains on as if nothing failed. in_place: the state is refused until a
+    checkpoint is restored into it."""
+    swap = os.path.join(root, "swap")
+    os.makedirs(swap, exist_ok=True)
+    _, _, optimizer, state, step = _setup(world, 2, 2, 0, swap, commit)
+    state, losses = _micro_steps(step, state, rank, world, 0, 3)
+    fzero.checkpoint.save(root, state, optimizer=optimizer, tag="t")
+    x, y = global_batch(3, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    holder = types.SimpleNamespace(nvme=state.residence.residency.nvme)
+    result: dict = {}
+
+    def call() -> None:
+        result["state"] = step(state, (x[rows], y[rows]))
+
+    message = failing_at_write(holder, 3 if rank == 1 else -1, call)
+    refused = ""
+    try:
+        state, metrics = step(state, (x[rows], y[rows]))  # the same call again
+    except (OSError, RuntimeError) as error:
+        refused = str(error)
+        state = fzero.checkpoint.restore(root, state, optimizer=optimizer).state
+        state, metrics = step(state, (x[rows], y[rows]))
+    losses.append(metrics["loss"].item())
+    state, more = _micro_steps(step, state, rank, world, 4, 2)
+    return {
+        "message": message,
+        "refused": refused,
+        "losses": losses + more,
+        "weights": fzero.state_dict(state),
+    }
+
+
+@pytest.mark.parametrize("commit", ["two_slots", "in_place"])
+def test_a_failed_nvme_step_in_train_step_rolls_back_or_is_refused(tmp_path, commit):
+    result = run_world(nvme_failure_case, 2, str(tmp_path), commit)
+    assert "rank 1: " in result["message"] and "No space left on device" in result["message"]
+    if commit == "two_slots":
+        assert "optimizer step was not applied" in result["message"]
+        assert result["refused"] == ""
+    else:
+        assert "commit 'in_place': step 2 failed after" in result["message"]
+        assert result["refused"] == result["message"]
+    reference = run_world(nvme_reference_case, 2, str(tmp_path / "ref"))
+    assert result["losses"] == reference["losses"]
+    for name, value in reference["weights"].items():
+        assert torch.equal(result["weights"][name], value), name
+
+
+def nvme_reference_case(rank: int, world: int, root: str) -> dict:
+    """The same six micro-steps with nothing failing (and the state in memory)."""
+    _, _, _, state, step = _setup(world, 2, 2, 0)
+    state, losses = _micro_steps(step, state, rank, world, 0, 6)
+    return {"losses": losses, "weights": fzero.state_dict(state)}

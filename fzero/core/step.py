@@ -175,6 +175,21 @@ class _Step:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
+        # NVMe: a step whose I/O fails on any rank is rolled back on every rank (commit
+        # two_slots) and raises OSError; the gradients are put back as they were before
+        # the call too, so the state is as before it and the same call may be run again
+        boundary = (state.counters.micro_steps + 1) % self.accumulation == 0
+        kept = None
+        if state.residence is not None and boundary:
+            kept = [u.grad.clone() for u in state.units]
+        try:
+            return self._run(state, batch)
+        except OSError:
+            for u, grad in zip(state.units, kept or ()):
+                u.grad.copy_(grad)
+            raise
+
+    def _run(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         run = _Micro(self, state)
         with _rng(state.rng) as rng:
             loss, aux = run.gradients(batch)
