@@ -168,6 +168,11 @@ class ZeroConfig(_Section):
     """Stage 3 keeps tensors with fewer elements than this whole on every rank."""
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_eval_live_parameters: int = 0
+    """fzero: elements stage 3 keeps gathered across forwards run without gradients
+    (generation, evaluation), so decoding gathers each unit once rather than once per
+    token; 0 (the default) releases them after each use as in training. Kept units go at
+    the next backward, step or checkpoint load."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     round_robin_gradients: bool = _no_effect(
         False,

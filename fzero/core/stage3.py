@@ -60,6 +60,7 @@ class Stage3Gatherer:
         self._cursor = 0
         self._prefetch_numel = zero.stage3_prefetch_bucket_size
         self._max_live = zero.stage3_max_live_parameters
+        self._eval_live = zero.stage3_eval_live_parameters
         self._live = 0
         self._max_reuse = zero.stage3_max_reuse_distance
         self._params: dict[int, UnitRuntime] = {}
@@ -83,6 +84,8 @@ class Stage3Gatherer:
         """Keep `value` as the unit's compute-dtype shard where `offload_param` says:
         the device (no offload), the host, or the param swap file (without `wait` the
         write may still be in flight: `finish_param_writes` ends them)."""
+        if rt.full is not None and rt.active == 0:  # kept gathered: stale from now on
+            self.release(rt)
         if self.param_offload == "nvme":
             if value is not rt.param_shard or value.numel():
                 aligned = value
@@ -236,6 +239,14 @@ class Stage3Gatherer:
         """A recorded phase is followed from now on."""
         self._traced.add(self.phase)  # a recorded phase is followed from now on
 
+    def keeps(self, rt: UnitRuntime) -> bool:
+        """Whether a unit whose holders' forwards have ended stays gathered: in a forward
+        without gradients (generation, evaluation) while the gathered total stays within
+        `stage3_eval_live_parameters`, else by `keeps_after_forward`."""
+        if not torch.is_grad_enabled() and self.live_numel() <= self._eval_live:
+            return True
+        return self.keeps_after_forward(rt)
+
     def keeps_after_forward(self, rt: UnitRuntime) -> bool:
         """DeepSpeed's `stage3_max_reuse_distance`: a unit whose next use (later in this
         forward, or in backward) comes within that many elements of other units' use is
@@ -297,7 +308,7 @@ class Stage3Gatherer:
                 if self.phase != "forward" and torch._C._current_graph_task_id() != -1:
                     return
                 for rt in rts:
-                    if rt.active == 0 and not self.keeps_after_forward(rt):
+                    if rt.active == 0 and not self.keeps(rt):
                         self.release(rt)
 
             self.hooks.append(module.register_forward_pre_hook(pre))
