@@ -16,9 +16,10 @@ from fzero.compat.initialize import initialize
 from fzero.compat.zero import gathered_parameters
 from fzero.config import Config, load_config
 from fzero.config.auto import resolve_auto
+from fzero.core.evaluate import eval_step
 from fzero.core.init import init, state_dict
 from fzero.core.state import Counters, TrainState, UnitState
-from fzero.core.step import eval_step, train_step
+from fzero.core.step import train_step
 from fzero.engine import Engine
 from fzero.engine.entry import shard
 from fzero.engine.meta_init import init_context

@@ -114,3 +114,61 @@ def test_transformers_generate_at_zero3_gathers_each_unit_once_and_decodes_the_s
     released = run_world(generate_case, 2, 0)
     assert released["same"]
     assert released["gathers"] > 10 * kept["units"]
+
+
+def eval_door_case(rank: int, world: int, keep: int) -> dict:
+    """`fzero.eval_step` at stage 3: calls on one state reuse the kept units; a state a
+    step returned is gathered afresh, and its outputs are the consolidated model's."""
+    torch.manual_seed(0)
+    model = Net()
+    plan = fzero.partition.plan(
+        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+    )
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    config = {"zero_optimization": {"stage3_eval_live_parameters": keep}}
+    state = fzero.init(model, plan, optimizer, config=config)
+
+    def forward(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.mse_loss(forward(params, x), y)
+
+    evaluate = fzero.eval_step(forward, plan, config=config)
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    x, y = global_batch(0, MICRO * world)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    counts, outputs = [], []
+    for _ in range(3):
+        start = _gathers()
+        outputs.append(evaluate(state, x[rows]))
+        counts.append(_gathers() - start)
+    state, _ = step(state, (x[rows], y[rows]))
+    start = _gathers()
+    after = evaluate(state, x[rows])
+    counts.append(_gathers() - start)
+    weights = fzero.state_dict(state)
+    reference = None
+    if rank == 0:
+        fresh = Net()
+        fresh.load_state_dict(weights)
+        with torch.no_grad():
+            reference = fresh(x[rows])
+    return {
+        "counts": counts,
+        "units": len(plan.units),
+        "same": outputs[0].equal(outputs[2]),
+        "after": after,
+        "reference": reference,
+    }
+
+
+def test_eval_step_keeps_units_between_calls_on_one_state():
+    kept = run_world(eval_door_case, 2, 1_000_000_000)
+    units = kept["units"]
+    assert kept["counts"] == [units, 0, 0, units] and kept["same"]
+    assert torch.equal(kept["after"], kept["reference"])
+    released = run_world(eval_door_case, 2, 0)
+    assert released["counts"] == [units] * 4
+    assert torch.equal(released["after"], kept["after"])

@@ -4,7 +4,7 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG);
 - `init`: building a `TrainState` from a model and a plan; what a door runs when the
   call and the config name no optimizer or schedule; consolidated weights;
-- `step`: `train_step` and `eval_step`;
+- `step`: `train_step`; `evaluate`: `eval_step`;
 - `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
 - `gather`: stage 3's per-unit gathering of placeholders inside a function, and the
   prefetch and reuse rules;

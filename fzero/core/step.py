@@ -50,7 +50,7 @@ from fzero.core.update import decide_step, grad_stats
 from fzero.optim import Optimizer, adamw
 from fzero.partition import Placement, Plan
 
-__all__ = ["eval_step", "train_step"]
+__all__ = ["check_state", "train_step"]
 
 LossFn = Callable[[dict[str, Tensor], Any], Any]
 GradFn = Callable[[dict[str, Tensor], Any], tuple[Tensor, Mapping[str, Tensor]]]
@@ -588,51 +588,3 @@ def _check_grads(out: Any, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 # ---- evaluation -----------------------------------------------------------------------------
-
-
-def eval_step(
-    fn: Callable[[dict[str, Tensor], Any], Any],
-    plan: Plan,
-    config: Config | Mapping[str, Any] | str | None = None,
-) -> Callable[[TrainState, Any], Any]:
-    """`evaluate(state, batch) -> fn(params, batch)` under `torch.no_grad()`, with
-    `params` as `train_step` gives them (stage 3: units gathered while used, at most
-    `stage3_max_live_parameters` elements at once). The state is read, not changed or
-    donated. Collective at stage 3 (every rank evaluates)."""
-    cfg = config_for_plan(config, plan)
-    max_live = int(cfg.zero_optimization.stage3_max_live_parameters)
-
-    def evaluate(state: TrainState, batch: Any) -> Any:
-        check_state(state, plan, "eval_step")
-        device = state.units[0].grad.device if state.units else torch.device("cpu")
-        dtype = next((u.params.dtype for u in state.units if u.params is not None), torch.float32)
-        gatherer = None
-        if plan.stage == 3:
-
-            def shard(index: int) -> Tensor:
-                unit = state.units[index]
-                return unit.params if unit.params is not None else unit.master
-
-            gatherer = PlaceholderGatherer(
-                plan, shard, dtype=dtype, device=device, max_live=max_live
-            )
-        params: dict[str, Tensor] = {}
-        for index, unit in enumerate(plan.units):
-            for pl in unit.placements:
-                shape = plan.manifest[pl.fqn].shape
-                if gatherer is None or unit.persistent:
-                    params[pl.fqn] = gather_pieces(state.units[index].params, pl, shape)
-                else:
-                    params[pl.fqn] = torch.empty_strided(
-                        shape, (0,) * len(shape), dtype=dtype, device=device
-                    )
-                    gatherer.placeholders[id(params[pl.fqn])] = (index, pl, shape)
-        active = gatherer.active() if gatherer is not None else contextlib.nullcontext()
-        try:
-            with torch.no_grad(), active:
-                return fn(params, batch)
-        finally:
-            if gatherer is not None:
-                gatherer.release_all()
-
-    return evaluate
