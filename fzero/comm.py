@@ -260,13 +260,20 @@ def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> lis
 
 _LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 _ARRIVAL_WAIT_S = 30.0
+_named_now: list[str] = []  # the named operation running now (outermost), if any
 
 
 @contextlib.contextmanager
 def named_operation(name: str) -> Iterator[None]:
     """Run fzero operation `name` (its collectives). When one times out or loses a peer,
     the ranks that got here meet in the process group's store and the error names the
-    ranks that never arrived, and what each rank that did was doing."""
+    ranks that never arrived, and what each rank that did was doing. Inside another named
+    operation the outer name is the one given (`engine.state_dict` runs
+    `fzero.state_dict`)."""
+    if _named_now:
+        yield
+        return
+    _named_now.append(name)
     try:
         yield
     except RuntimeError as error:
@@ -274,6 +281,8 @@ def named_operation(name: str) -> Iterator[None]:
         if not dist.is_initialized() or not any(s in text for s in _LOST_PEER):
             raise
         raise RuntimeError(f"fzero {name}: {_missing_ranks(name)}") from error
+    finally:
+        _named_now.pop()
 
 
 def _missing_ranks(name: str) -> str:

@@ -334,6 +334,51 @@ def test_a_rank_that_never_arrives_is_named(tmp_path):
     ), done.stderr[-3000:]
 
 
+def test_a_rank_that_skips_a_state_dict_is_named(tmp_path):
+    """Rank 1 never calls `engine.state_dict()` (then `fzero.state_dict`): rank 0's error
+    names the operation and the missing rank after the collective timeout, not silence."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        import torch
+        import fzero
+        from tests.models import Net
+
+        fzero.comm.init_distributed()
+        rank = fzero.comm.get_rank()
+        functional = sys.argv[1] == "functional"
+        if functional:
+            model = Net()
+            plan = fzero.partition.plan(fzero.partition.describe(model), world_size=2, stage=3)
+            state = fzero.init(model, plan, fzero.optim.adamw())
+        else:
+            engine = fzero.shard(Net(), stage=3, config={"train_micro_batch_size_per_gpu": 2})
+        if rank == 1:
+            time.sleep(12)  # skips the call
+        elif functional:
+            fzero.state_dict(state)
+        else:
+            engine.state_dict()
+        """
+    )
+    path = tmp_path / "skipping_rank.py"
+    path.write_text(script)
+    env = {**os.environ, "FZERO_TIMEOUT_S": "3", "PYTHONPATH": str(ROOT)}
+    for door, pattern in [
+        (
+            "engine",
+            r"fzero state_dict of engine Net \(micro-step 0\): rank\(s\) \[1\] did not arrive",
+        ),
+        ("functional", r"fzero fzero.state_dict \(micro-step 0\): rank\(s\) \[1\] did not arrive"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "fzero.cli", "run", "-n", "2", str(path), door],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert re.search(pattern, done.stderr), done.stderr[-3000:]
+
+
 # ---- the launcher -----------------------------------------------------------------------
 
 

@@ -222,7 +222,16 @@ def state_dict(
 ) -> dict[str, Tensor]:
     """The consolidated weights from the fp32 masters, on rank 0 ({} elsewhere);
     collective. Every name of a tied tensor is a key. With `module`, its frozen
-    parameters and buffers are added, in its own `state_dict` order."""
+    parameters and buffers are added, in its own `state_dict` order. A rank that never
+    arrives is named (`fzero.comm.named_operation`)."""
+    where = f"fzero.state_dict (micro-step {state.counters.micro_steps})"
+    with comm.named_operation(where):
+        return _state_dict(state, module, dtype)
+
+
+def _state_dict(
+    state: TrainState, module: torch.nn.Module | None, dtype: torch.dtype
+) -> dict[str, Tensor]:
     result: dict[str, Tensor] = {}
     plan = state.plan
     for index, unit in enumerate(plan.units):

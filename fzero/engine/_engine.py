@@ -402,7 +402,8 @@ class Engine(DeepSpeedAccessors):
     ) -> Iterator[None]:
         """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
         With `modifier_rank`, that rank's edits are broadcast on exit and kept."""
-        with _views.gathered_parameters(self, params, modifier_rank):
+        where = f"gathered_parameters of engine {self.name} (micro-step {self.micro_steps})"
+        with comm.named_operation(where), _views.gathered_parameters(self, params, modifier_rank):
             yield
 
     # ---- whole-model views (fzero.engine._views) ------------------------------------------
@@ -411,6 +412,7 @@ class Engine(DeepSpeedAccessors):
         """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
         return _views.full_master(self, rt)
 
+    @_named("state_dict")
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""
