@@ -18,6 +18,7 @@ from fzero.config import Config, load_config
 from fzero.config.auto import resolve_auto
 from fzero.core.evaluate import eval_step
 from fzero.core.init import init, state_dict
+from fzero.core.precision import Precision
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.step import train_step
 from fzero.engine import Engine
@@ -41,6 +42,7 @@ __all__ = [
     "Counters",
     "DeepSpeedEngine",
     "Engine",
+    "Precision",
     "TrainState",
     "UnitState",
     "__version__",

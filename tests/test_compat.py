@@ -263,7 +263,7 @@ def test_config_keys_of_current_deepspeed():
     ):
         fzero.load_config(off)
     with pytest.raises(ConfigError) as error:
-        fzero.load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+        fzero.load_config({"bf16": {"enabled": True, "immediate_grad_update": True}})
     message = str(error.value)
     assert "not supported yet by fzero" in message and "\n" not in message
     assert "Known keys" not in message and "known keys" not in message

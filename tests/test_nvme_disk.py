@@ -147,12 +147,15 @@ def test_a_failed_in_place_step_stops_the_engine_until_a_checkpoint_loads(stage,
 
 
 def test_bf16_optimizer_states_and_in_place_config_errors(tmp_path):
-    """bf16 moments without NVMe, and a commit that is not one, are refused by name."""
-    with pytest.raises(ConfigError, match=r"'bf16.bf16_optimizer_states' is true but .*'cpu'"):
+    """bf16 masters in the swap file, and a commit that is not one, are refused by name."""
+    with pytest.raises(ConfigError, match=r"'bf16.bf16_master_weights_and_grads' .*'nvme'"):
         fzero.config.load_config(
             {
-                "bf16": {"enabled": True, "bf16_optimizer_states": True},
-                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                },
             }
         )
     allowed = r"commit' is 'in-place'; allowed: \['two_slots', 'in_place'\]"

@@ -245,12 +245,13 @@ class Reader:
         )
 
     def read_range(self, rank: int, key: str, begin: int, out: Tensor) -> None:
-        """Elements `[begin, begin + out.numel())` of saved tensor `key` into `out`."""
+        """Elements `[begin, begin + out.numel())` of saved tensor `key` into `out` (cast
+        to `out`'s dtype: bf16 masters and moments load into fp32 ones and back)."""
         tensor_digest: int | None = self._tensor_digest(rank, key)
         if (rank, key) in self._verified:
             tensor_digest = None
         entry = self.file(rank).entry(key)
-        whole = begin == 0 and out.numel() == _numel(entry.shape)
+        whole = begin == 0 and out.numel() == _numel(entry.shape) and out.dtype == entry.dtype
         if whole and out.is_contiguous() and out.device.type == "cpu":
             self.file(rank).read_into(key, out, tensor_digest)
             return

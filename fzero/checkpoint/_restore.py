@@ -37,6 +37,7 @@ from fzero.checkpoint._save import (
     state_kinds,
     wait_for_save,
 )
+from fzero.core.precision import init_state
 from fzero.core.publish import Publisher, runtime_of
 from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
 from fzero.optim import LossScaleState, Optimizer
@@ -321,15 +322,25 @@ def _unit_from(
 ) -> UnitState:
     """A unit of the restored state: the loaded master and optimizer state on the devices
     of `old`'s; parameters and gradient are still `old`'s (`restore` writes them)."""
-    master = tensors["master"].to(old.master.device)
+    device = old.master.device
+    master = tensors["master"].to(device, old.master.dtype)
     if with_state:
-        fields = {k.removeprefix("optim."): t.to(old.master.device) for k, t in tensors.items()}
-        fields.pop("master")
+        fields = {
+            k: t.to(device, getattr(old.optim, k).dtype)
+            for k, t in ((k.removeprefix("optim."), t) for k, t in tensors.items())
+            if k != "master"
+        }
         optim = old.optim._replace(**fields, **index["optimizer"]["scalars"])
     else:
         assert optimizer is not None
-        optim = optimizer.init(master)
+        optim = init_state(optimizer, master, _state_dtype(old.optim))
     return UnitState(master, optim, old.params, old.grad)
+
+
+def _state_dtype(optim: Any) -> torch.dtype:
+    """The dtype of an optimizer state's floating tensors (fp32 when it has none)."""
+    tensors = [v for v in optim._asdict().values() if isinstance(v, Tensor)]
+    return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
 
 
 def _viewed(like: TrainState, i: int) -> bool:
@@ -346,14 +357,14 @@ def _viewed(like: TrainState, i: int) -> bool:
 
 def _in_place(like: TrainState, i: int, kind: str) -> Tensor:
     """Where unit i's partition of `kind` is read in the second pass: `like`'s own buffer
-    when it is fp32, contiguous and in host memory, else a new one; its padding zeroed
-    (the reads fill every other element)."""
+    when it is fp32 or bf16, contiguous and in host memory, else a new one; its padding
+    zeroed (the reads fill every other element, cast to the buffer's dtype)."""
     old = like.units[i]
     out = old.master if kind == "master" else getattr(old.optim, kind.removeprefix("optim."))
     numel, gaps = _layout(like.plan, like.rank, i)
     if not (
         out.device.type == "cpu"
-        and out.dtype == torch.float32
+        and out.dtype in (torch.float32, torch.bfloat16)
         and out.is_contiguous()
         and out.numel() == numel
     ):

@@ -160,12 +160,13 @@ def _save_entries(
     entries: list[_Entry] = []
     for index in range(len(state.plan.units)):
         for kind in kinds:
+            dtype = stored_dtype(state, kind)
             for s in (s for s in slices if s.unit == index):
                 key = slice_key(kind, s.fqn, s.start, s.stop)
                 at = _partition_start(state, index) + s.shard_offset
                 record = {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
-                get = functools.partial(_slice_of, kind, at, s.numel)
-                entries.append((record, index, (key, torch.float32, (s.numel,)), get))
+                get = functools.partial(_slice_of, kind, at, s.numel, dtype)
+                entries.append((record, index, (key, dtype, (s.numel,)), get))
         if mid_accumulation:
             key, numel = f"grad/unit{index}", grad_numel(state.plan, index)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
@@ -178,8 +179,18 @@ def _save_entries(
     return entries
 
 
-def _slice_of(kind: str, at: int, numel: int, unit: UnitState) -> Tensor:
-    return _buffer(unit, kind)[at : at + numel]
+def stored_dtype(state: TrainState, kind: str) -> torch.dtype:
+    """The dtype a checkpoint keeps `kind` in: the state's own (bf16 masters and
+    moments stay bf16); NVMe-resident moments in the swap file's dtype."""
+    if state.residence is not None:
+        return torch.float32 if kind == "master" else state.residence.state_dtype
+    return _buffer(state.units[0], kind).dtype if state.units else torch.float32
+
+
+def _slice_of(kind: str, at: int, numel: int, dtype: torch.dtype, unit: UnitState) -> Tensor:
+    """`numel` elements of `kind` from `at`, in `dtype` (NVMe bf16 moments are read back
+    as fp32 copies of bf16 values: exact)."""
+    return _buffer(unit, kind)[at : at + numel].to(dtype)
 
 
 def _grad_of(unit: UnitState) -> Tensor:
@@ -390,7 +401,10 @@ def _index_body(
 
 
 def _precision(state: TrainState) -> str:
-    dtype = next((u.params.dtype for u in state.units if u.params is not None), torch.float32)
+    dtype = next(
+        (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),
+        torch.float32,
+    )
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 

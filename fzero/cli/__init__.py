@@ -48,6 +48,8 @@ def _estimate(args: argparse.Namespace) -> int:
         param_dtype=_DTYPE_NAMES[args.precision],
         grad_dtype=_DTYPE_NAMES[args.grad_dtype or args.precision],
         optimizer=args.optimizer,
+        master_dtype=_DTYPE_NAMES[args.master_dtype],
+        state_dtype=_DTYPE_NAMES[args.state_dtype],
         persistence_threshold=args.persistence_threshold,
         strategy=strategy,
     )
@@ -75,6 +77,19 @@ def _parser() -> argparse.ArgumentParser:
         default="fp32",
         help="gradient accumulators' dtype (default fp32, what fzero keeps; the ZeRO paper's "
         "figures have them in --precision)",
+    )
+    est.add_argument(
+        "--master-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="master weights' dtype (bf16: bf16.bf16_master_weights_and_grads; with "
+        "--precision bf16 the parameters are the masters)",
+    )
+    est.add_argument(
+        "--state-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="optimizer moments' dtype (bf16: bf16.bf16_optimizer_states)",
     )
     est.add_argument(
         "--strategy",

@@ -34,11 +34,14 @@ def estimate(
     optimizer: str = "adam",
     persistence_threshold: int = 100_000,
     strategy: Callable[..., Plan] = flat_even,
+    master_dtype: str = "float32",
+    state_dtype: str = "float32",
 ) -> list[EstimateRow]:
     """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload.
-    The defaults are the engine's: fp32 gradient accumulators, and stage 3 keeps tensors
-    under `stage3_param_persistence_threshold` (DeepSpeed's 100,000) whole; `strategy`
-    is the partitioning function (its plan's padding counts)."""
+    The defaults are the engine's: fp32 gradient accumulators, fp32 masters and
+    optimizer states, and stage 3 keeps tensors under `stage3_param_persistence_threshold`
+    (DeepSpeed's 100,000) whole; `strategy` is the partitioning function (its plan's
+    padding counts)."""
     rows = []
     for world_size in world_sizes:
         for stage in (0, 1, 2, 3):
@@ -57,6 +60,8 @@ def estimate(
                     grad_dtype=grad_dtype,
                     optimizer=optimizer,
                     offload_optimizer=offload,
+                    master_dtype=master_dtype,
+                    state_dtype=state_dtype,
                 )
                 rows.append(EstimateRow(stage, world_size, offload, mem.device, mem.host))
     return rows

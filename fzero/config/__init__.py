@@ -211,11 +211,17 @@ class FP16Config(_Section):
 @dataclass(frozen=True, kw_only=True)
 class BF16Config(_Section):
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = False
+    """Master weights in bf16: in memory they are the bf16 parameters themselves (held
+    once, no fp32 copy); each update runs in fp32 and rounds the new weights back
+    stochastically. Gradients are still reduced and accumulated in fp32 (fzero's
+    accuracy choice: 4 B per element of this rank's gradient partition)."""
     bf16_optimizer_states: bool = False
     """The optimizer's moments (Adam's exp_avg and exp_avg_sq, SGD's momentum) kept in
-    bf16 where they rest between steps, stochastically rounded; masters stay fp32 and
-    each update runs in fp32. fzero applies it to the NVMe swap file (two bytes per
-    moment per parameter instead of four), so it needs `offload_optimizer` on nvme."""
+    bf16 where they rest between steps — in memory, or in the NVMe swap file — and
+    stochastically rounded after each update, which runs in fp32 (two bytes per moment
+    per parameter instead of four). DeepSpeed asks for bf16 masters with it; fzero also
+    takes it over fp32 masters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,11 +383,7 @@ _NOT_SUPPORTED = {
         "memory_efficient_linear",
     },
     "fp16": {"auto_cast", "fp16_master_weights_and_grads"},
-    "bf16": {
-        "immediate_grad_update",
-        "check_grad_overflow",
-        "bf16_master_weights_and_grads",
-    },
+    "bf16": {"immediate_grad_update", "check_grad_overflow"},
     "zero_optimization.offload_optimizer": {"ratio"},
 }
 
@@ -596,12 +598,15 @@ def _check(config: Config) -> None:
         )
     if zero.offload_optimizer.device not in ("none", AUTO) and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs stage 1, 2 or 3, found 0")
-    if config.bf16.bf16_optimizer_states is True and zero.offload_optimizer.device != "nvme":
+    if (
+        config.bf16.bf16_master_weights_and_grads is True
+        and zero.offload_optimizer.device == "nvme"
+    ):
         raise ConfigError(
-            "config key 'bf16.bf16_optimizer_states' is true but "
-            f"'zero_optimization.offload_optimizer.device' is {zero.offload_optimizer.device!r}: "
-            "fzero keeps bf16 optimizer states only in the NVMe swap file; set the device "
-            "to 'nvme' or the key to false"
+            "config key 'bf16.bf16_master_weights_and_grads' is true but "
+            "'zero_optimization.offload_optimizer.device' is 'nvme': the swap file holds "
+            "fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters with "
+            "'bf16.bf16_optimizer_states' (bf16 moments in the file)"
         )
     if config.optimizer is not None:
         kind = config.optimizer.type.lower()

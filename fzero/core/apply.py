@@ -15,6 +15,7 @@ own, `fzero.train_step` over records of its `TrainState`'s units.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor
 from fzero import native
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
+from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Residency
 from fzero.core.state import optimizer_partition, partition_numel
@@ -114,10 +116,25 @@ class OptimizerApplication:
 
     def update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
         """Update the unit's master and state; returns the compute-dtype copy of the new
-        master when the native kernel wrote one (for `publish`)."""
+        master when the native kernel wrote one (for `publish`). bf16 masters or states:
+        the update runs in fp32 and rounds back (`fzero.core.precision.widened`)."""
+        if narrowed(rt.master) or narrowed(rt.state):
+            with self.widened_if_narrow(rt):
+                self._update_unit(rt, factor, lrs, written=None)
+            return None
+        return self._update_unit(rt, factor, lrs, self.copy_target(rt))
+
+    def widened_if_narrow(self, rt: UnitRuntime) -> contextlib.AbstractContextManager[None]:
+        """fp32 copies of a bf16 master and state inside, rounded back after (else as is)."""
+        if not (narrowed(rt.master) or narrowed(rt.state)):
+            return contextlib.nullcontext()
+        return widened(rt, step=self.clock.step, start=self.partition(rt.unit).start)
+
+    def _update_unit(
+        self, rt: UnitRuntime, factor: float, lrs: list[float], written: Tensor | None
+    ) -> Tensor | None:
         grad = self.step_grad(rt)
         hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
-        written = self.copy_target(rt)
         if not self.native_update(rt, grad, factor, hp, written):
             written = None
             if factor != 1.0:
@@ -175,10 +192,14 @@ class OptimizerApplication:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
         squares locally, one all-reduce, then apply."""
         sums = self.lamb_sums()
-        work = [self.lamb_direction(rt, factor, lrs, sums) for rt in self.units]
+        work = []
+        for rt in self.units:
+            with self.widened_if_narrow(rt):
+                work.append(self.lamb_direction(rt, factor, lrs, sums))
         norms = self.lamb_norms(sums)
         for rt, hp, update, segments in work:
-            self.lamb_apply(rt, hp, update, segments, norms)
+            with self.widened_if_narrow(rt):
+                self.lamb_apply(rt, hp, update, segments, norms)
             self.publish(rt)
 
     def lamb_sums(self) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor
 from fzero import comm
 from fzero.config import Config, load_config, read_config
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
-from fzero.core.precision import DTYPES, loss_scaler
+from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
     Counters,
@@ -48,26 +48,31 @@ def init(
     plan: Plan,
     optimizer: Optimizer,
     *,
-    precision: str = "fp32",
+    precision: str | Precision = "fp32",
     config: Config | Mapping[str, Any] | str | None = None,
     seed: int | None = None,
 ) -> TrainState:
     """This rank's `TrainState` for `model` under `plan` (collective: every rank starts
-    from rank 0's weights). `precision` is the compute dtype (`fp32`, `bf16`, `fp16`;
-    masters are fp32). `config`'s `offload_optimizer.device: cpu` keeps masters and
-    optimizer state in host memory; `nvme` keeps them in a swap file under
-    `offload_optimizer.nvme_path` (`TrainState.residence`; gradients stay in memory).
-    `seed` seeds the generator the steps draw from (default: the process generator's
-    state now)."""
-    if precision not in DTYPES:
-        raise ValueError(f"precision is {precision!r}; allowed: {sorted(DTYPES)}")
+    from rank 0's weights). `precision` is the compute dtype's name (`fp32`, `bf16`,
+    `fp16`; masters and optimizer states as the config's `bf16` block says, else fp32)
+    or a `fzero.Precision` (e.g. `Precision("bf16", master="bf16", states="bf16")`:
+    bf16 masters, held once as the parameters, and bf16 moments). `config`'s
+    `offload_optimizer.device: cpu` keeps masters and optimizer state in host memory;
+    `nvme` keeps them in a swap file under `offload_optimizer.nvme_path`
+    (`TrainState.residence`; gradients stay in memory). `seed` seeds the generator the
+    steps draw from (default: the process generator's state now)."""
     check_optimizer(optimizer)
     cfg = config_for_plan(config, plan)
+    dtypes = precision_of(cfg, precision)
+    check_precision(dtypes, cfg)
     comm.init_distributed()
     _check_world(plan)
-    rank, device, dtype = dist.get_rank(), comm.backend_device(), DTYPES[precision]
+    rank, device, dtype = dist.get_rank(), comm.backend_device(), dtypes.compute_dtype
     host = _optimizer_device(cfg, device, plan.stage)
     swapped = cfg.zero_optimization.offload_optimizer.device == "nvme"
+    master_dtype = dtypes.master_dtype
+    # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
+    state_dtype = torch.float32 if swapped else dtypes.state_dtype
     named = dict(model.named_parameters())
     _check_model(plan, named)
     meta = [fqn for fqn, p in named.items() if p.is_meta]
@@ -89,17 +94,17 @@ def init(
         part = optimizer_partition(plan, unit, rank)
         if plan.stage < 3 or unit.persistent:
             params = flat if dtype == torch.float32 else flat.to(dtype)
-            shares = dtype == torch.float32 and host == device
-            master = params[part] if shares else flat[part].to(host, copy=True)
+            shares = dtype == master_dtype and host == device
+            master = params[part] if shares else flat[part].to(host, master_dtype, copy=True)
         else:
-            master = flat[part].to(host, copy=True)
-            serves = dtype == torch.float32 and host == device and not swapped
+            master = flat[part].to(host, master_dtype, copy=True)
+            serves = dtype == master_dtype and host == device and not swapped
             params = None if serves else flat[part].to(dtype, copy=True)
         numel = unit.numel if plan.stage < 2 else unit.shard_numel
         grad = torch.zeros(numel, dtype=torch.float32, device=device)
-        units.append(UnitState(master, optimizer.init(master), params, grad))
+        units.append(UnitState(master, init_state(optimizer, master, state_dtype), params, grad))
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
-    scale = loss_scaler(cfg).init() if precision == "fp16" else None
+    scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None
     residence = _swap_out(cfg, plan, rank, optimizer, units) if swapped else None
     return TrainState(plan, rank, tuple(units), Counters(), scale, rng, residence)
 
@@ -220,7 +225,7 @@ def _optimizer_device(config: Config, device: torch.device, stage: int) -> torch
 def state_dict(
     state: TrainState, *, module: torch.nn.Module | None = None, dtype: torch.dtype = torch.float32
 ) -> dict[str, Tensor]:
-    """The consolidated weights from the fp32 masters, on rank 0 ({} elsewhere);
+    """The consolidated weights from the masters (in `dtype`), on rank 0 ({} elsewhere);
     collective. Every name of a tied tensor is a key. With `module`, its frozen
     parameters and buffers are added, in its own `state_dict` order. A rank that never
     arrives is named (`fzero.comm.named_operation`)."""
@@ -252,13 +257,14 @@ def _state_dict(
 
 
 def full_master(state: TrainState, index: int) -> Tensor:
-    """Unit `index`'s whole fp32 master buffer, gathered on every rank (collective; a unit
-    outside memory is read back first)."""
+    """Unit `index`'s whole master buffer (fp32, or bf16 with bf16 masters), gathered on
+    every rank (collective; a unit outside memory is read back first)."""
     device = comm.backend_device()
     with state.resident(index) as unit:
         if state.plan.stage == 0:
             return unit.master.to(device, copy=True)
-        full = torch.empty(state.plan.units[index].numel, dtype=torch.float32, device=device)
+        numel, dtype = state.plan.units[index].numel, unit.master.dtype
+        full = torch.empty(numel, dtype=dtype, device=device)
         if state.plan.world_size > 1:
             comm.all_gather_into(full, unit.master.to(device).contiguous())
         else:

@@ -1,23 +1,111 @@
-"""Compute dtypes, casting a forward's inputs to them, and the fp16 loss scale's setup.
+"""What each kind of state is held in, casting a forward's inputs to the compute dtype,
+the fp16 loss scale's setup, and the update over bf16 masters and optimizer states.
 
-fp32 masters always; bf16 or fp16 compute copies; fp16 with DeepSpeed's dynamic loss
-scale (`loss_scale: 0`) or a static one.
+`Precision` says three dtypes: `compute` (the parameters forward and backward run in:
+fp32, bf16 or fp16), `master` (the weights the optimizer updates: fp32, or bf16 — then,
+in memory, the compute parameters themselves, held once) and `states` (the optimizer's
+moments: fp32 or bf16). Gradients are reduced and accumulated in fp32 whatever these say.
+An update over bf16 tensors runs in fp32 (`widened`) and rounds its results back
+stochastically, from a seed that depends on the step, the unit, the kind of tensor and
+each element's position in the unit only: the same at every stage and world size, and
+again on resume.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from fzero import native
 from fzero.config import Config
-from fzero.optim import DynamicLossScale, StaticLossScale
+from fzero.optim import DynamicLossScale, StaticLossScale, bf16_stochastic
 
-__all__ = ["DTYPES", "Precision", "cast_floats", "loss_scaler", "precision_of"]
+__all__ = [
+    "DTYPES",
+    "STATE_DTYPES",
+    "Precision",
+    "cast_floats",
+    "check_precision",
+    "init_state",
+    "loss_scaler",
+    "narrowed",
+    "precision_of",
+    "round_bf16_",
+    "rounding_seed",
+    "widened",
+]
 
-Precision = str  # "fp32" | "bf16" | "fp16"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Precision(NamedTuple):
+    """The dtypes of a run (see the module docstring). DeepSpeed's `bf16` block spells
+    them as `enabled` (compute), `bf16_master_weights_and_grads` (master) and
+    `bf16_optimizer_states` (states); `fzero.Precision("bf16", master="bf16",
+    states="bf16")` is the same in fzero's own API."""
+
+    compute: str = "fp32"
+    master: str = "fp32"
+    states: str = "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.compute]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return STATE_DTYPES[self.master]
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return STATE_DTYPES[self.states]
+
+    def check(self) -> Precision:
+        """This precision, or a ValueError naming the field, its value and what is allowed."""
+        if self.compute not in DTYPES:
+            raise ValueError(f"precision compute is {self.compute!r}; allowed: {sorted(DTYPES)}")
+        for name in ("master", "states"):
+            value = getattr(self, name)
+            if value not in STATE_DTYPES:
+                raise ValueError(f"precision {name} is {value!r}; allowed: {sorted(STATE_DTYPES)}")
+        if self.master == "bf16" and self.compute != "bf16":
+            raise ValueError(
+                f"precision master is 'bf16' but compute is {self.compute!r}: bf16 master "
+                "weights are the bf16 parameters themselves, so compute must be 'bf16' too"
+            )
+        return self
+
+
+def precision_of(config: Config, given: str | Precision | None = None) -> Precision:
+    """The precision a door runs: `given` (a `Precision`, or a compute dtype's name whose
+    master and states the config's `bf16` block says), else the config's."""
+    if isinstance(given, Precision):
+        return given.check()
+    if isinstance(given, tuple) or (given is not None and not isinstance(given, str)):
+        raise TypeError(f"precision is {given!r}; give a dtype name or a fzero.Precision")
+    bf16 = config.bf16
+    compute = given or ("fp16" if config.fp16.enabled else "bf16" if bf16.enabled else "fp32")
+    return Precision(
+        compute,
+        master="bf16" if bf16.enabled and bf16.bf16_master_weights_and_grads else "fp32",
+        states="bf16" if bf16.enabled and bf16.bf16_optimizer_states else "fp32",
+    ).check()
+
+
+def check_precision(precision: Precision, config: Config) -> None:
+    """Refuse what fzero cannot hold yet: bf16 masters in the NVMe swap file."""
+    if precision.master == "bf16" and config.zero_optimization.offload_optimizer.device == "nvme":
+        raise ValueError(
+            "bf16 master weights ('bf16.bf16_master_weights_and_grads' or precision master "
+            "'bf16') with 'zero_optimization.offload_optimizer.device' 'nvme': the swap file "
+            "holds fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters "
+            "with 'bf16_optimizer_states' (bf16 moments in the file)"
+        )
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -33,15 +121,6 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def precision_of(config: Config) -> Precision:
-    """The compute precision a config asks for."""
-    if config.fp16.enabled:
-        return "fp16"
-    if config.bf16.enabled:
-        return "bf16"
-    return "fp32"
-
-
 def loss_scaler(config: Config) -> DynamicLossScale | StaticLossScale:
     """The fp16 block's loss scaling: dynamic when `loss_scale` is 0, else static."""
     fp16 = config.fp16
@@ -54,3 +133,73 @@ def loss_scaler(config: Config) -> DynamicLossScale | StaticLossScale:
         min_scale=fp16.min_loss_scale,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
+
+
+# ---- bf16 masters and optimizer states ------------------------------------------------------
+
+
+def init_state(optimizer: Any, master: Tensor, dtype: torch.dtype) -> Any:
+    """The optimizer's initial state over `master`, its tensors in `dtype`."""
+    state = optimizer.init(master)
+    fields = {
+        k: v.to(dtype)
+        for k, v in state._asdict().items()
+        if isinstance(v, Tensor) and v.is_floating_point() and v.dtype != dtype
+    }
+    return state._replace(**fields) if fields else state
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def rounding_seed(step: int, unit: int, kind: int, start: int) -> int:
+    """The seed that rounds kind `kind` (0: master, then the optimizer state's bf16
+    tensors in field order) of unit `unit`'s partition starting at element `start`
+    after step `step`: offset so that the unit's element `start + i` draws the bits the
+    whole unit's element would (`bf16_stochastic` hashes seed + (i + 1) x golden)."""
+    base = ((step * 1_000_003 + unit) * 16 + kind) * 0x2545F4914F6CDD1D
+    return (base + start * _GOLDEN) % 2**64
+
+
+def round_bf16_(x: Tensor, out: Tensor, seed: int) -> None:
+    """fp32 `x` rounded stochastically into bf16 `out` (native kernel where available)."""
+    seed %= 2**64
+    if native.available(x.device):
+        native.bf16_stochastic_(x, out, seed)
+    else:
+        bf16_stochastic(x, seed, out=out)
+
+
+def narrowed(state: Any) -> bool:
+    """Whether a master or optimizer state (a tensor or a NamedTuple of them) holds bf16."""
+    if isinstance(state, Tensor):
+        return state.dtype == torch.bfloat16
+    return any(
+        isinstance(v, Tensor) and v.dtype == torch.bfloat16 for v in state._asdict().values()
+    )
+
+
+@contextlib.contextmanager
+def widened(rt: Any, *, step: int, start: int) -> Iterator[None]:
+    """Inside the block, `rt.master` and `rt.state`'s bf16 tensors are fp32 copies; on a
+    normal exit the results are rounded back stochastically into the bf16 storage (the
+    same tensors as before) and `rt.state` keeps the new non-tensor fields (a step
+    count). `start`: the partition's first element in its unit (for the seeds)."""
+    master, state = rt.master, rt.state
+    wide_master = master.float() if master.dtype == torch.bfloat16 else master
+    fields: Mapping[str, Any] = state._asdict()
+    narrow = [k for k, v in fields.items() if isinstance(v, Tensor) and v.dtype == torch.bfloat16]
+    rt.master = wide_master
+    rt.state = state._replace(**{k: fields[k].float() for k in narrow})
+    try:
+        yield
+        if wide_master is not master:
+            round_bf16_(rt.master, master, rounding_seed(step, rt.index, 0, start))
+        new = rt.state._asdict()
+        for kind, k in enumerate(narrow, start=1):
+            round_bf16_(new[k], fields[k], rounding_seed(step, rt.index, kind, start))
+        rt.state = rt.state._replace(**{k: fields[k] for k in narrow})
+    finally:
+        rt.master = master
+        if any(getattr(rt.state, k).dtype != torch.bfloat16 for k in narrow):
+            rt.state = state  # the update failed: the state is as before it

@@ -433,12 +433,12 @@ class Residency:
                 ticket, _ = tickets.pop(0)
                 self.nvme.io.wait(ticket)
 
-    def to_host(self, tensor: Tensor) -> Tensor:
-        """A new fp32 copy where the optimizer runs: the host when offloading (pinned
-        with CUDA and `pin_memory`), else the device."""
+    def to_host(self, tensor: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A new copy in `dtype` where the optimizer runs: the host when offloading
+        (pinned with CUDA and `pin_memory`), else the device."""
         if not self.offload:
-            return tensor.clone()
-        copy = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=self.pin)
+            return tensor.to(dtype, copy=True)
+        copy = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
         return copy.copy_(tensor)
 
 
@@ -455,6 +455,11 @@ class SwapFileUnits:
         rt = self.units[index]
         with self.residency.resident(rt, write_back=False):
             yield UnitState(rt.master, rt.state, None, rt.grad)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
+        return self.residency.state_dtype
 
     def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
         """Write `unit` to the other slot of unit `index`'s regions (current after

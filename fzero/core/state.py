@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
@@ -66,7 +67,11 @@ class SwappedUnits(Protocol):
     """Where units' masters and optimizer states live when not in memory (the NVMe swap
     file, `fzero.core.residency`): `resident(i)` makes unit i's tensors readable inside
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
-    it current; `check_usable()` raises when the file holds no single step."""
+    it current; `check_usable()` raises when the file holds no single step;
+    `state_dtype` is the dtype the file keeps the optimizer's moments in."""
+
+    @property
+    def state_dtype(self) -> torch.dtype: ...
 
     def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
 

@@ -269,8 +269,10 @@ class _Micro:
         self.step, self.state, self.plan = step, state, step.plan
         self.rank, self.world = state.rank, self.plan.world_size
         self.device = state.units[0].grad.device if state.units else torch.device("cpu")
+        # the compute dtype: the parameters', or the master's where it serves as them
         self.dtype = next(
-            (u.params.dtype for u in state.units if u.params is not None), torch.float32
+            (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),
+            torch.float32,
         )
         self.gatherer: PlaceholderGatherer | None = None
         if self.plan.stage == 3:

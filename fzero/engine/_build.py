@@ -15,6 +15,7 @@ from fzero import partition
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces, unbind
+from fzero.core.precision import init_state
 from fzero.engine._forward import ForwardHooks
 from fzero.engine.meta_init import MetaInitializer
 from fzero.engine.zero3_attributes import describe_zero3_param
@@ -123,16 +124,17 @@ def build_unit(
     part = engine.partition(unit)
     residency = engine.residency
     full = master = param_shard = None
+    master_dtype = engine.dtypes.master_dtype
     shares_master = (
-        engine.compute_dtype == torch.float32
+        engine.compute_dtype == master_dtype
         and not engine.offload
         and engine.param_offload == "none"
     )
     if keeps_full:
         full = flat if engine.compute_dtype == torch.float32 else flat.to(engine.compute_dtype)
-        master = full[part] if shares_master else residency.to_host(flat[part])
+        master = full[part] if shares_master else residency.to_host(flat[part], master_dtype)
     else:
-        master = residency.to_host(flat[part])
+        master = residency.to_host(flat[part], master_dtype)
         if not shares_master:
             param_shard = flat[part].to(engine.compute_dtype, copy=True)
     del flat
@@ -143,7 +145,12 @@ def build_unit(
         unit=unit,
         params=params,
         master=master,
-        state=engine.functional_optimizer.init(master),
+        # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
+        state=init_state(
+            engine.functional_optimizer,
+            master,
+            torch.float32 if residency.nvme is not None else engine.dtypes.state_dtype,
+        ),
         grad=torch.zeros(grad_numel, dtype=torch.float32, device=engine.device),
         full=full,
         param_shard=param_shard,

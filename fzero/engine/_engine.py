@@ -28,7 +28,7 @@ from fzero.core.apply import OptimizerApplication
 from fzero.core.layout import (
     UnitRuntime,
 )
-from fzero.core.precision import DTYPES, Precision, loss_scaler, precision_of
+from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import Residency
 from fzero.core.stage3 import Stage3Gatherer
@@ -102,7 +102,7 @@ class Engine(DeepSpeedAccessors):
         optimizer: Optimizer | None,
         config: Config,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
-        precision: Precision | None = None,
+        precision: str | Precision | None = None,
         strategy: Callable[..., Plan] | None = None,
         schedule: Callable[[int, float], float] | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
@@ -119,10 +119,11 @@ class Engine(DeepSpeedAccessors):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = comm.backend_device()
-        self.precision = precision or precision_of(config)
-        if self.precision not in DTYPES:
-            raise ValueError(f"precision is {self.precision!r}; allowed: {sorted(DTYPES)}")
-        self.compute_dtype = DTYPES[self.precision]
+        # compute, master and optimizer-state dtypes; `precision` names the first
+        self.dtypes = precision_of(config, precision)
+        check_precision(self.dtypes, config)
+        self.precision = self.dtypes.compute
+        self.compute_dtype = self.dtypes.compute_dtype
         zero = config.zero_optimization
         self.stage = zero.stage
         # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update

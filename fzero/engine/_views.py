@@ -136,6 +136,9 @@ def memory_planned(engine: Engine) -> MemoryEstimate:
         grad_dtype="float32",
         optimizer=engine.functional_optimizer,
         offload_optimizer=engine.offload,
+        master_dtype=partition.dtype_name(engine.dtypes.master_dtype),
+        # NVMe: the moments are in the swap file, not counted here
+        state_dtype=partition.dtype_name(engine.dtypes.state_dtype),
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from fzero.config import Config, ConfigError, load_config
 from fzero.core.init import optimizer_of, schedule_of
+from fzero.core.precision import Precision
 from fzero.engine._engine import Engine
 from fzero.optim import Optimizer, adamw
 from fzero.partition import Plan
@@ -42,7 +43,7 @@ def shard(
     stage: int | None = None,
     optimizer: Optimizer | None = None,
     *,
-    precision: str | None = None,
+    precision: str | Precision | None = None,
     config: Config | Mapping[str, Any] | str | None = None,
     strategy: Callable[..., Plan] | None = None,
     param_groups: Iterable[Any] | None = None,
@@ -53,7 +54,8 @@ def shard(
     """Shard `model` with ZeRO `stage` and train it with a functional `optimizer`.
 
     `stage` overrides the config's `zero_optimization.stage`; `precision`
-    ("fp32", "bf16", "fp16") overrides its fp16/bf16 blocks; `strategy` is any
+    ("fp32", "bf16", "fp16", or a `fzero.Precision` saying master and optimizer-state
+    dtypes too) overrides its fp16/bf16 blocks; `strategy` is any
     partitioning function (else the config's `strategy` key, else
     `fzero.partition.flat_even`). A model built on
     the meta device (`fzero.init_context()`) is initialised module by module with

@@ -169,22 +169,28 @@ def memory_per_rank(
     grad_dtype: str | None = "float32",
     optimizer: str | int | object = "adam",
     offload_optimizer: bool = False,
+    master_dtype: str = "float32",
+    state_dtype: str = "float32",
 ) -> MemoryEstimate:
     """Model-state bytes on `rank`, the ZeRO paper's formula made exact for this plan.
 
-    Per element, with Ψ elements, N ranks, K = 4 (fp32 master, when params are
-    not fp32) + 4 * optimizer slots: stage 0 holds params + grads + K·Ψ;
+    Per element, with Ψ elements, N ranks, K = master bytes (4 for fp32, when params
+    are not fp32) + optimizer slots x state bytes: stage 0 holds params + grads + K·Ψ;
     stage 1 shards the K part; stage 2 also the grads; stage 3 also the params
     (except persistent units). Buffers are counted padded, as allocated.
     The defaults are what fzero keeps: fp32 gradient accumulators at every precision
-    (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures).
+    (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures),
+    fp32 masters and states. A master in the parameters' dtype is the parameters
+    (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless offloaded.
     """
     _check_rank(plan, rank)
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
+    state_size = dtype_of(state_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
-    # fp32 params are their own master, unless the master lives on the host (offload)
-    master_size = 0 if param_dtype == "float32" and not offload_optimizer else 4
+    # params in the master's dtype are the master, unless it lives on the host (offload)
+    held_once = dtype_of(master_dtype) == dtype_of(param_dtype) and not offload_optimizer
+    master_size = 0 if held_once else dtype_of(master_dtype).itemsize
     params = grads = optimizer_numel = 0
     for unit in plan.units:
         shard, full = unit.shard_numel, unit.numel
@@ -195,7 +201,7 @@ def memory_per_rank(
         params=params * param_size,
         master=optimizer_numel * master_size,
         grads=grads * grad_size,
-        optimizer_state=optimizer_numel * 4 * slots,
+        optimizer_state=optimizer_numel * state_size * slots,
         offload_optimizer=offload_optimizer,
     )
 
