@@ -54,6 +54,23 @@ def _micro(engine, rank, world, step, accum=1):
     return losses
 
 
+def both_doors(engine, step, state, rank, world, accum, steps=3):
+    """`steps` steps of the engine and of train_step on the same micro-batches: both
+    losses per micro-step, and the final state."""
+    engine_losses, step_losses = [], []
+    for i in range(steps):
+        x, y = global_batch(i, MICRO * accum * world)
+        for a in range(accum):
+            rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+            loss = F.mse_loss(engine(x[rows]).float(), y[rows])
+            engine.backward(loss)
+            engine.step()
+            state, metrics = step(state, (x[rows], y[rows]))
+            engine_losses.append(loss.item())
+            step_losses.append(metrics["loss"].item())
+    return engine_losses, step_losses, state
+
+
 def doors_case(rank: int, world: int, cases: list[tuple]) -> dict:
     """Per (stage, accum, clip, offload, optimizer): the engine and train_step on the
     same micro-batches, with bf16 masters and states, and what the engine holds."""
@@ -76,17 +93,7 @@ def doors_case(rank: int, world: int, cases: list[tuple]) -> dict:
             return F.mse_loss(out.float(), y)
 
         step = fzero.train_step(loss_fn, plan, optimizer, config=config)
-        engine_losses, step_losses = [], []
-        for i in range(3):
-            x, y = global_batch(i, MICRO * accum * world)
-            for a in range(accum):
-                rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
-                loss = F.mse_loss(engine(x[rows]).float(), y[rows])
-                engine.backward(loss)
-                engine.step()
-                state, metrics = step(state, (x[rows], y[rows]))
-                engine_losses.append(loss.item())
-                step_losses.append(metrics["loss"].item())
+        engine_losses, step_losses, state = both_doors(engine, step, state, rank, world, accum)
         rt = engine.units[0]
         held = {
             "master": str(rt.master.dtype),
@@ -102,6 +109,7 @@ def doors_case(rank: int, world: int, cases: list[tuple]) -> dict:
             "held_once": rt.full is None
             or rt.master.data_ptr() == rt.full[engine.partition(rt.unit)].data_ptr(),
         }
+        held["planned"] = engine.memory_held() == engine.memory_planned()
         results[(stage, accum, clip, offload, name)] = {
             "losses": (engine_losses, step_losses),
             "skipped": [],
@@ -128,6 +136,7 @@ def test_bf16_masters_and_states_train_alike_at_every_stage_through_both_doors()
         if case[-1] != "sgd":
             assert result["held"]["moments"] == ["torch.bfloat16"], case
         assert result["held"]["held_once"] or case[3], case  # offload: the master is on the host
+        assert result["held"]["planned"] or case[-1] == "sgd", case  # held = the plan's bytes
     base = results[cases[0]]
     for case in cases[1:4]:
         assert results[case]["losses"] == base["losses"], case

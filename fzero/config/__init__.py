@@ -612,7 +612,8 @@ def _check(config: Config) -> None:
         kind = config.optimizer.type.lower()
         if kind not in OPTIMIZER_PARAMS:
             raise ConfigError(
-                f"'optimizer.type' is {config.optimizer.type!r}; allowed: Adam, AdamW, Lamb, SGD"
+                f"'optimizer.type' is {config.optimizer.type!r}; "
+                "allowed: Adam, AdamW, Lamb, SGD, Muon"
             )
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
     if config.scheduler is not None:

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero import native
+from fzero import comm, native
 from fzero.core import nvme as _nvme
-from fzero.core.layout import UnitRuntime
+from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Residency
@@ -39,7 +39,14 @@ from fzero.core.update import (
     native_update_,
     scheduled_overrides,
 )
-from fzero.optim import Optimizer, Schedule, with_overrides
+from fzero.optim import AdamState, Optimizer, Schedule, adam_update_, with_overrides
+from fzero.optim._muon import (
+    adam_part,
+    muon_direction_,
+    orthogonalized,
+    scaled_overrides,
+    uses_muon,
+)
 from fzero.partition import Plan, Unit
 
 __all__ = ["OptimizerApplication", "StepClock"]
@@ -77,6 +84,13 @@ class OptimizerApplication:
         self.param_shards = param_shards or InMemoryShards()
         self.param_offload, self.timer = param_offload, timer
         self.offload = residency.offload
+        if optimizer.name == "muon" and residency.nvme is not None:
+            raise ValueError(
+                "Muon with 'zero_optimization.offload_optimizer.device' 'nvme': its "
+                "Newton-Schulz step needs each matrix's whole momentum direction, which the "
+                "swap file's unit-at-a-time pipeline does not gather; use offload device "
+                "'cpu' or 'none'"
+            )
         # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
         # state lives: on the host with optimizer offload, else on the compute device
         self.native = native.available("cpu" if self.offload else device)
@@ -107,6 +121,12 @@ class OptimizerApplication:
         self.units, self.clock = units, clock
         if self.residency.nvme is not None:
             self.nvme_updates(factor, lrs)
+        elif self.optimizer.name == "muon":
+            for rt in units:
+                with self.widened_if_narrow(rt):
+                    self.muon_unit(rt, factor, lrs)
+                self.residency.give_back(self.residency.lent)
+                self.publish(rt)
         elif self.optimizer.name == "lamb":
             self.lamb_step(factor, lrs)
         else:
@@ -187,6 +207,60 @@ class OptimizerApplication:
         return scheduled_overrides(
             rt.hparams, self.schedule, self.clock.lr_steps, lrs[rt.unit.group]
         )
+
+    def muon_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> None:
+        """Muon's step for one unit (`fzero.optim.muon`): momentum on this rank's
+        partition; each hidden matrix's direction made whole (one all-gather of the
+        unit's directions where the partition is a shard), orthogonalized where this
+        rank owns part of it, applied to that part; AdamW for the unit's other tensors.
+        Collective when sharded: every rank runs every unit in order."""
+        grad = self.step_grad(rt)
+        if factor != 1.0:
+            grad.mul_(factor)
+        hp = with_overrides(rt.hparams, scaled_overrides(rt.hparams, self.step_overrides(rt, lrs)))
+        shapes = {pl.fqn: self.plan.manifest[pl.fqn].shape for pl in rt.unit.placements}
+        hidden = {fqn for fqn, shape in shapes.items() if uses_muon(fqn, shape, hp)}
+        state, step = rt.state, rt.state.step
+        direction = torch.zeros_like(grad) if hidden else None
+        segments = self.lamb_segments(rt)
+        for start, stop, fqn in segments:
+            g, m = grad[start:stop], state.exp_avg[start:stop]
+            if fqn in hidden:
+                direction[start:stop] = muon_direction_(g, m, hp)  # type: ignore[index]
+            else:
+                moments = AdamState(step, m, state.exp_avg_sq[start:stop])
+                adam_update_(g, moments, rt.master[start:stop], adam_part(hp))
+        if direction is not None:
+            ortho = self.muon_update_of(rt, direction, hidden, segments, hp)
+            for start, stop, fqn in segments:
+                if fqn in hidden:
+                    p = rt.master[start:stop].mul_(1 - hp.lr * hp.weight_decay)
+                    p.add_(ortho[start:stop].to(p.device), alpha=-hp.lr)
+        rt.state = state._replace(step=step + 1)
+
+    def muon_update_of(
+        self,
+        rt: UnitRuntime,
+        direction: Tensor,
+        hidden: set[str],
+        segments: Segments,
+        hp: Any,
+    ) -> Tensor:
+        """Muon's orthogonalized update over this rank's partition of the unit, from the
+        partition's momentum directions (gathered into the whole unit where sharded)."""
+        unit, part = rt.unit, self.partition(rt.unit)
+        whole = direction.to(self.device)
+        if part.stop - part.start != unit.numel or part.start != 0:
+            whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+            comm.all_gather_into(whole, direction.to(self.device).contiguous())
+        mine = {fqn for start, stop, fqn in segments if fqn in hidden and stop > start}
+        out = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+        for pl in unit.placements:
+            if pl.fqn in mine:
+                shape = self.plan.manifest[pl.fqn].shape
+                value = orthogonalized(gather_pieces(whole, pl, shape), hp)
+                scatter_pieces(out, value.reshape(-1), pl)
+        return out[part]
 
     def lamb_step(self, factor: float, lrs: list[float]) -> None:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's

@@ -34,6 +34,7 @@ from fzero.optim._loss_scale import (
     LossScaleState,
     StaticLossScale,
 )
+from fzero.optim._muon import MuonHParams, MuonState, muon
 from fzero.optim._registry import (
     OPTIMIZER_PARAMS,
     OPTIMIZERS,
@@ -68,6 +69,8 @@ __all__ = [
     "LambState",
     "LossScaleError",
     "LossScaleState",
+    "MuonHParams",
+    "MuonState",
     "OneCycle",
     "Optimizer",
     "Schedule",
@@ -93,6 +96,7 @@ __all__ = [
     "lamb_init",
     "lamb_update",
     "lamb_update_",
+    "muon",
     "optimizer_from_name",
     "schedule_from_name",
     "segment_sq_sums",

@@ -10,6 +10,7 @@ from typing import Any
 from fzero.optim._adam import adam
 from fzero.optim._base import Optimizer
 from fzero.optim._lamb import lamb
+from fzero.optim._muon import muon
 from fzero.optim._schedules import (
     LRRangeTest,
     OneCycle,
@@ -30,7 +31,11 @@ __all__ = [
     "schedule_from_name",
 ]
 
-OPTIMIZERS = ("adam", "adamw", "lamb", "sgd")
+OPTIMIZERS = ("adam", "adamw", "lamb", "sgd", "muon")
+# DeepSpeed's Muon block: `lr` (both groups unless `muon_lr`/`adam_lr`), `momentum`,
+# `weight_decay`, `betas`, `eps`, `ns_method` ("standard" here; DeepSpeed's default
+# "gram" is its own Newton-Schulz variant)
+_MUON_DEEPSPEED = {"muon_lr", "ns_method"}
 # DeepSpeed's switches that pick an implementation of Adam there and change nothing here
 _IMPLEMENTATION_ONLY = ("torch_adam", "fused")
 
@@ -46,6 +51,7 @@ OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
     "adamw": frozenset(_arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY}),
     "lamb": frozenset(_arguments(lamb)),
     "sgd": frozenset(_arguments(sgd)),
+    "muon": frozenset(_arguments(muon) | _MUON_DEEPSPEED),
 }
 SCHEDULES = {
     "warmuplr": WarmupLR,
@@ -78,7 +84,29 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
         return lamb(**p)
     if key == "sgd":
         return sgd(**p)
-    raise ValueError(f"optimizer type {name!r} is unknown; allowed: Adam, AdamW, Lamb, SGD")
+    if key == "muon":
+        return _muon_from(p)
+    raise ValueError(f"optimizer type {name!r} is unknown; allowed: Adam, AdamW, Lamb, SGD, Muon")
+
+
+def _muon_from(params: dict[str, Any]) -> Optimizer:
+    """DeepSpeed's Muon block: `lr` is both groups' unless `muon_lr` / `adam_lr` say;
+    without any, the reference's 0.02 and 3e-4."""
+    method = params.pop("ns_method", "standard")
+    if method != "standard":
+        raise ValueError(
+            f"optimizer.params.ns_method is {method!r}; fzero runs the reference's "
+            "Newton-Schulz iteration: allowed: 'standard'"
+        )
+    lr = params.pop("lr", None)
+    muon_lr, adam_lr = params.pop("muon_lr", lr), params.pop("adam_lr", lr)
+    if muon_lr is not None:
+        params["lr"] = muon_lr
+    if adam_lr is not None:
+        params["adam_lr"] = adam_lr
+    if "exclude" in params:
+        params["exclude"] = tuple(params["exclude"])
+    return muon(**params)
 
 
 def schedule_from_name(name: str, params: Mapping[str, Any]) -> Schedule:

@@ -1,21 +1,24 @@
-"""bf16 master weights and optimizer states in memory: accuracy, memory and step time of a
-GPT-shaped model, fp32 masters and moments against bf16 ones, in the same run.
+"""bf16 master weights and optimizer states in memory, and Muon: accuracy, memory and
+step time of a GPT-shaped model against fp32 masters and AdamW, in the same run.
 
-    python benchmarks/bf16_masters.py [--steps 300] [--nproc 2] [--rounds 1] [--results FILE]
+    python benchmarks/bf16_and_muon.py [--steps 300] [--nproc 2] [--rounds 1] [--results FILE]
 
 Model: the README's main job, a pre-norm transformer LM (4 layers, width 128, 4 heads,
 tied embedding, ~0.8M parameters) on characters of Python's own help text, 64-token
 sequences, micro-batch 8 per rank, ZeRO-3 on `--nproc` CPU processes, bf16 compute,
-AdamW (lr 1e-3, weight decay 0.01), gradient clipping 1.0. Rows:
+gradient clipping 1.0. Rows:
 
-- `fp32 masters`: `bf16.enabled` only — fp32 masters and fp32 moments (DeepSpeed's
-  baseline in its blog);
-- `bf16 masters+states`: `bf16_master_weights_and_grads` and `bf16_optimizer_states` —
-  the masters are the bf16 parameters themselves, the update runs in fp32 and rounds back
-  stochastically;
+- `adamw fp32 masters`: AdamW (lr 1e-3, weight decay 0.01), `bf16.enabled` only — fp32
+  masters and fp32 moments (DeepSpeed's baseline in its blog);
+- `adamw bf16 masters+states`: the same with `bf16_master_weights_and_grads` and
+  `bf16_optimizer_states` — the masters are the bf16 parameters themselves, the update
+  runs in fp32 and rounds back stochastically;
 - `torch bf16 nearest`: one process, `torch.optim.AdamW` straight on bf16 parameters (its
   moments bf16, every result rounded to nearest, as DeepSpeed's fused and CPU Adam
-  kernels round), on the same global batches — the rounding DeepSpeed's feature uses.
+  kernels round), on the same global batches — the rounding DeepSpeed's feature uses;
+- `muon fp32 masters` / `muon bf16 masters+states`: `fzero.optim.muon` (lr 0.02 for the
+  hidden matrices, AdamW at 1e-3 for embeddings, norms and biases, weight decay 0.01),
+  each hidden matrix's direction gathered whole for Newton-Schulz.
 
 Loss columns: mean over the first and last 50 steps, and the held-out loss on 32
 sequences of the text's last tenth. Memory: model-state bytes one rank holds
@@ -44,13 +47,13 @@ from train_transformer import TinyLM
 import fzero
 
 MICRO, LENGTH, LR, DECAY = 8, 64, 1e-3, 0.01
+FP32 = {"enabled": True}
+BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 ROWS = {
-    "fp32 masters": {"enabled": True},
-    "bf16 masters+states": {
-        "enabled": True,
-        "bf16_master_weights_and_grads": True,
-        "bf16_optimizer_states": True,
-    },
+    "adamw fp32 masters": ("adamw", FP32),
+    "adamw bf16 masters+states": ("adamw", BF16),
+    "muon fp32 masters": ("muon", FP32),
+    "muon bf16 masters+states": ("muon", BF16),
 }
 REFERENCE = "torch bf16 nearest"
 
@@ -91,10 +94,13 @@ def engine_row(name: str, steps: int, out: str) -> None:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 1.0,
         "steps_per_print": 0,
-        "bf16": ROWS[name],
+        "bf16": ROWS[name][1],
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
-    optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
+    if ROWS[name][0] == "muon":
+        optimizer = fzero.optim.muon(lr=0.02, weight_decay=DECAY, adam_lr=LR, betas=(0.9, 0.999))
+    else:
+        optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
     engine = fzero.shard(TinyLM(vocab), optimizer=optimizer, config=config)
     rank, world = engine.global_rank, engine.world_size
     losses, times = [], []
@@ -107,11 +113,11 @@ def engine_row(name: str, steps: int, out: str) -> None:
         engine.step()
         times.append(time.perf_counter() - start)
         losses.append(_mean_over_ranks(loss.item(), world))
+    held, planned = engine.memory_held(), engine.memory_planned()  # as training holds it
     engine.eval()
     with torch.no_grad():
         tokens, targets = held_out(ids)
         final = _loss(engine(tokens), targets).item()
-    held, planned = engine.memory_held(), engine.memory_planned()
     if rank == 0:
         write_row(
             out,
@@ -163,9 +169,10 @@ def main() -> None:
     parser.add_argument("--results", default=None)
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row == REFERENCE:
-        reference_row(args.steps, args.nproc, args.out)
+        reference_row(args.steps, args.world, args.out)
         return
     if args.row is not None:
         assert launched_rank() is not None, "a row runs under torchrun"
@@ -174,7 +181,7 @@ def main() -> None:
     script = os.path.abspath(__file__)
 
     def command(name: str, out: str) -> list[str]:
-        row = ["--row", name, "--steps", str(args.steps), "--nproc", str(args.nproc), "--out", out]
+        row = ["--row", name, "--steps", str(args.steps), "--world", str(args.nproc), "--out", out]
         if name == REFERENCE:
             return [sys.executable, script, *row]
         return torchrun(args.nproc, script, *row)
@@ -201,8 +208,8 @@ def main() -> None:
             )
         )
     table = Table(
-        f"bf16 masters and optimizer states: TinyLM (ZeRO-3, {args.nproc} ranks, bf16 "
-        f"compute), {args.steps} steps, AdamW; memory per rank in MB",
+        f"bf16 masters and optimizer states, Muon: TinyLM (ZeRO-3, {args.nproc} ranks, bf16 "
+        f"compute), {args.steps} steps; memory per rank in MB",
         "run",
         (
             ("loss_first50", ".3f"),
@@ -224,7 +231,7 @@ def main() -> None:
             "[--master-dtype bf16 --state-dtype bf16]`: stage 3 30.87 -> 17.15 GB per rank.",
         ),
     )
-    report("bf16_masters", table, args.results)
+    report("bf16_and_muon", table, args.results)
 
 
 if __name__ == "__main__":
