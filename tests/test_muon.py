@@ -255,3 +255,35 @@ def nvme_case(rank: int, world: int, path: str) -> str:
 def test_muon_refuses_nvme_offload_by_name(tmp_path):
     message = run_world(nvme_case, 1, str(tmp_path))
     assert "Muon with 'zero_optimization.offload_optimizer.device' 'nvme'" in message
+
+
+def groups_case(rank: int, world: int, embed_muon: bool) -> dict:
+    """DeepSpeed's `use_muon` group key: the rule's own split given as groups, or the
+    embedding moved to Muon."""
+    torch.manual_seed(0)
+    model = Net()
+    hidden = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    if embed_muon:
+        hidden.append(model.embed.weight)
+        rest = [p for p in rest if p is not model.embed.weight]
+    groups = [{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}]
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}
+    optimizer = fzero.optim.muon(ns_dtype="fp32", **HP)
+    engine = fzero.shard(model, optimizer=optimizer, config=config, param_groups=groups)
+    for i in range(STEPS):
+        x, y = global_batch(i, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+    return engine.state_dict(dtype=torch.float32)
+
+
+def test_param_groups_choose_muon_with_deepspeeds_use_muon_key():
+    reference = reference_run(2)
+    by_groups = run_world(groups_case, 2, False)
+    for name, value in reference.items():
+        torch.testing.assert_close(by_groups[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    embed_on_muon = run_world(groups_case, 2, True)
+    moved = (embed_on_muon["embed.weight"] - reference["embed.weight"]).abs().max()
+    assert moved > 1e-3

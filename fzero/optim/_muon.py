@@ -2,7 +2,8 @@
 rest, as the reference `MuonWithAuxAdam` computes it.
 
 A hidden matrix (a tensor of two or more dimensions whose name contains none of
-`exclude`, by default "embed" and "lm_head": DeepSpeed's rule) moves along its
+`exclude`, by default "embed" and "lm_head": DeepSpeed's rule; a param group's
+`use_muon` key decides for its tensors instead) moves along its
 orthogonalized momentum:
 
     m = lerp(m, g, 1 - momentum);  u = lerp(g, m, momentum)  (nesterov; else u = m)
@@ -58,6 +59,9 @@ class MuonHParams:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-10
     exclude: tuple[str, ...] = ("embed", "lm_head")
+    use_muon: bool | None = None
+    """A param group's choice (DeepSpeed's `use_muon` group key): True for Muon on its
+    tensors of two or more dimensions, False for AdamW on all; None: by name (`exclude`)."""
 
 
 class MuonState(NamedTuple):
@@ -68,8 +72,10 @@ class MuonState(NamedTuple):
 
 def uses_muon(name: str, shape: tuple[int, ...], hp: MuonHParams) -> bool:
     """Whether tensor `name` of `shape` takes Muon's step (else AdamW's)."""
+    if len(shape) < 2 or hp.use_muon is False:
+        return False
     lowered = name.lower()
-    return len(shape) >= 2 and not any(word in lowered for word in hp.exclude)
+    return hp.use_muon is True or not any(word in lowered for word in hp.exclude)
 
 
 def newton_schulz(matrix: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
