@@ -39,6 +39,7 @@ from torch import nn
 
 import fzero
 from fzero import native
+from fzero.core.quantize import quantize
 from fzero.optim import (
     adam,
     adamw,
@@ -170,6 +171,15 @@ def check_kernels(device: torch.device, sizes: list[int]) -> None:
             out.cpu().view(torch.int16), bf16_stochastic(x.cpu(), 7).view(torch.int16)
         )
         record(f"{device.type} bf16 stochastic rounding, n={n}", f"bit-equal {same}", same)
+
+        if n:  # blockwise int8 (qwZ, qgZ): the block-wide max needs a block of threads
+            blocks = -(-n // 256)
+            codes = torch.empty(blocks * 256, dtype=torch.int8, device=device)
+            scales = torch.empty(blocks, device=device)
+            native.quantize_int8_(x, codes, scales)
+            want_codes, want_scales = quantize(x.cpu())
+            same = torch.equal(codes.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)
+            record(f"{device.type} int8 quantize, n={n}", f"bit-equal {same}", same)
 
 
 # ---- the fused AdamW kernel against torch's and the floor -----------------------------------

@@ -165,8 +165,9 @@ def _count(operation: str, tensor: torch.Tensor) -> None:
 
 def traffic() -> dict[str, tuple[int, int]]:
     """The collectives fzero has issued in this process, by operation (`all_gather`,
-    `reduce_scatter`, `all_reduce`): (calls, bytes), a collective's bytes being its whole
-    buffer (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor), as
+    `reduce_scatter`, `all_reduce`, `all_to_all`): (calls, bytes), a collective's bytes
+    being its whole buffer (an all-gather's output, a reduce-scatter's or an
+    all-to-all's input, an all-reduce's tensor), as
     `fzero.partition.comm_volume` predicts them. Differences of two calls give a span."""
     return {name: (calls, size) for name, (calls, size) in _traffic.items()}
 
@@ -186,6 +187,13 @@ def reduce_scatter_into(
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return scatter(shard, full, op=op, async_op=async_op)
+
+
+def all_to_all_into(output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False):
+    """Rank r's part i of `input` (equal parts, rank order) lands as rank i's part r of
+    `output`."""
+    _count("all_to_all", input)
+    return dist.all_to_all_single(output, input, async_op=async_op)
 
 
 _OPS = {

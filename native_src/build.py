@@ -41,6 +41,11 @@ void fz_segment_sq_sums(const float *x, const int64_t *starts, const int64_t *st
                         int64_t segments, double *out, int threads);
 void fz_stream_floor(float *p, const float *g, float *m, float *v, int64_t n, int threads);
 void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed, int threads);
+void fz_quantize_int8(const float *x, int64_t n, int8_t *codes, float *scales, int threads);
+void fz_dequantize_int8(const int8_t *codes, const float *scales, int64_t n, int64_t parts,
+                        int64_t stride, void *out, int out_kind, int threads);
+void fz_dequantize_mean_int8(const int8_t *codes, const float *scales, int64_t n,
+                             int64_t parts, int64_t stride, float *out, int threads);
 """
 CDEF += AIO_PROTOTYPES
 

@@ -93,4 +93,22 @@ FZ_FN void fz_lamb_direction_at(const float *p, const float *g, float *m, float 
     u[i] = ui;
 }
 
+/* Blockwise int8 (fzero.core.quantize): FZ_QBLOCK elements per fp32 scale. A block's
+ * scale is max|x| / 127 (NaN if any element is NaN: non-finite values reach the
+ * dequantized result); an element's code is rint(x / divisor) (the scale, or 1 for an
+ * all-zero block; half to even), NaN as 0, clamped to [-127, 127]. */
+#define FZ_QBLOCK 256
+
+FZ_FN float fz_absmax(float amax, float x) {
+    const float a = fabsf(x);
+    return (a > amax || a != a) ? a : amax;
+}
+
+FZ_FN signed char fz_int8_code(float x, float divisor) {
+    float q = rintf(x / divisor);
+    if (q != q) q = 0.0f;
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    return (signed char)q;
+}
+
 #endif

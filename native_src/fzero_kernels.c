@@ -265,6 +265,55 @@ void fz_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t seed,
     for (int64_t i = 0; i < n; i++) out[i] = fz_bf16_stochastic_at(x[i], seed, i);
 }
 
+/* Blockwise int8 codes and scales of x (n elements; codes for whole blocks, the padding
+ * 0): fz_absmax and fz_int8_code in fzero_common.h, as fzero.core.quantize.quantize. */
+void fz_quantize_int8(const float *x, int64_t n, int8_t *codes, float *scales, int threads) {
+    const int64_t blocks = (n + FZ_QBLOCK - 1) / FZ_QBLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * FZ_QBLOCK;
+        const int64_t stop = start + FZ_QBLOCK < n ? start + FZ_QBLOCK : n;
+        float amax = 0.0f;
+        for (int64_t i = start; i < stop; i++) amax = fz_absmax(amax, x[i]);
+        const float scale = amax / 127.0f;
+        const float divisor = scale > 0.0f ? scale : 1.0f;
+        scales[b] = scale;
+        for (int64_t i = start; i < start + FZ_QBLOCK; i++)
+            codes[i] = i < stop ? fz_int8_code(x[i], divisor) : 0;
+    }
+}
+
+static float fz_dequantized(const int8_t *codes, const float *scales, int64_t stride,
+                            int64_t r, int64_t i) {
+    return (float)codes[r * stride + i] * scales[r * (stride / FZ_QBLOCK) + i / FZ_QBLOCK];
+}
+
+/* `parts` rows of codes (`stride` each, whole blocks) back to values: out[r * n + i] =
+ * code * its block's scale, as fp32 (out_kind 0), bf16 (1) or fp16 (2), rounded to
+ * nearest (qwZ's gathered parameters). */
+void fz_dequantize_int8(const int8_t *codes, const float *scales, int64_t n, int64_t parts,
+                        int64_t stride, void *out, int out_kind, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < parts * n; k++) {
+        const float value = fz_dequantized(codes, scales, stride, k / n, k % n);
+        if (out_kind == 1) ((uint16_t *)out)[k] = fz_bf16(value);
+        else if (out_kind == 2) ((uint16_t *)out)[k] = fz_fp16(value);
+        else ((float *)out)[k] = value;
+    }
+}
+
+/* The mean of `parts` dequantized rows, summed in row order in fp32, then divided by
+ * `parts` (qgZ: what the owner of a gradient shard keeps). */
+void fz_dequantize_mean_int8(const int8_t *codes, const float *scales, int64_t n,
+                             int64_t parts, int64_t stride, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float total = fz_dequantized(codes, scales, stride, 0, i);
+        for (int64_t r = 1; r < parts; r++) total = total + fz_dequantized(codes, scales, stride, r, i);
+        out[i] = total / (float)parts;
+    }
+}
+
 /* The memory floor of an Adam step: read p, g, m, v and write p, m, v (28 bytes per
  * element) with the least arithmetic, for benchmarks/cpu_adam.py. */
 FZ_CLONES

@@ -16,6 +16,7 @@ typedef unsigned short fz_u16;
 typedef unsigned int fz_u32;
 typedef unsigned long long fz_u64;
 typedef long long fz_i64;
+typedef signed char fz_i8;
 
 #define FZ_OUT_NONE 0
 #define FZ_OUT_BF16 1
@@ -206,6 +207,62 @@ extern "C" __global__ void fz_bf16_stochastic(const float *__restrict__ x,
                                               fz_u16 *__restrict__ out, fz_i64 n,
                                               fz_u64 seed) {
     FZ_GRID_STRIDE(i, n) { out[i] = fz_bf16_stochastic_at(x[i], seed, i); }
+}
+
+/* Blockwise int8, as fz_quantize_int8: one thread block (FZ_QBLOCK threads) per quant
+ * block, grid-stride over blocks; the block's max|x| reduced in shared memory (an exact
+ * max: any order gives the same value; NaN propagates as in fz_absmax). */
+extern "C" __global__ void fz_quantize_int8(const float *__restrict__ x, fz_i64 n,
+                                            fz_i8 *__restrict__ codes,
+                                            float *__restrict__ scales) {
+    __shared__ float amax[FZ_QBLOCK];
+    const fz_i64 blocks = (n + FZ_QBLOCK - 1) / FZ_QBLOCK;
+    for (fz_i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
+        const fz_i64 i = b * FZ_QBLOCK + threadIdx.x;
+        const float xi = i < n ? x[i] : 0.0f;
+        amax[threadIdx.x] = fz_absmax(0.0f, xi);
+        __syncthreads();
+        for (int half = FZ_QBLOCK / 2; half > 0; half /= 2) {
+            if (threadIdx.x < half)
+                amax[threadIdx.x] = fz_absmax(amax[threadIdx.x], amax[threadIdx.x + half]);
+            __syncthreads();
+        }
+        const float scale = amax[0] / 127.0f;
+        const float divisor = scale > 0.0f ? scale : 1.0f;
+        codes[i] = i < n ? fz_int8_code(xi, divisor) : 0;
+        if (threadIdx.x == 0) scales[b] = scale;
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ float fz_dequantized(const fz_i8 *codes, const float *scales,
+                                                fz_i64 stride, fz_i64 r, fz_i64 i) {
+    return (float)codes[r * stride + i] * scales[r * (stride / FZ_QBLOCK) + i / FZ_QBLOCK];
+}
+
+/* As fz_dequantize_int8: out[r * n + i] = code * scale, fp32 (0), bf16 (1) or fp16 (2). */
+extern "C" __global__ void fz_dequantize_int8(const fz_i8 *__restrict__ codes,
+                                              const float *__restrict__ scales, fz_i64 n,
+                                              fz_i64 parts, fz_i64 stride, void *out,
+                                              int out_kind) {
+    FZ_GRID_STRIDE(k, parts * n) {
+        const float value = fz_dequantized(codes, scales, stride, k / n, k % n);
+        if (out_kind == 1) ((fz_u16 *)out)[k] = fz_bf16(value);
+        else if (out_kind == 2) ((fz_u16 *)out)[k] = fz_fp16(value);
+        else ((float *)out)[k] = value;
+    }
+}
+
+/* As fz_dequantize_mean_int8: the rows summed in order in fp32, divided by `parts`. */
+extern "C" __global__ void fz_dequantize_mean_int8(const fz_i8 *__restrict__ codes,
+                                                   const float *__restrict__ scales, fz_i64 n,
+                                                   fz_i64 parts, fz_i64 stride,
+                                                   float *__restrict__ out) {
+    FZ_GRID_STRIDE(i, n) {
+        float total = fz_dequantized(codes, scales, stride, 0, i);
+        for (fz_i64 r = 1; r < parts; r++) total = total + fz_dequantized(codes, scales, stride, r, i);
+        out[i] = total / (float)parts;
+    }
 }
 
 /* The memory floor of an Adam step, as fz_stream_floor: read p, g, m, v and write p, m, v

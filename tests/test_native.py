@@ -194,6 +194,55 @@ def test_bf16_stochastic_matches_pure_bit_for_bit(kernels, n, seed):
         native.bf16_stochastic_(x, torch.empty(n, dtype=torch.float16), seed)
 
 
+QUANT_SIZES = [1, 255, 256, 257, 1000, 65_537]
+
+
+@pytest.mark.parametrize("n", QUANT_SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantize_int8_matches_pure_bit_for_bit(n, threads):
+    """Codes and scales of `fzero.core.quantize.quantize`, ties and an all-zero block
+    included; NaN gives its block a NaN scale and a 0 code (the CUDA kernel's
+    block-wide max needs a block of threads: benchmarks/gpu_check.py checks it)."""
+    from fzero.core.quantize import quantize
+
+    torch.set_num_threads(threads)
+    x = _data(n, seed=5)[0] * torch.logspace(-4, 3, n)
+    if n > 600:
+        x[256:512] = 0.0
+        x[512], x[520], x[521] = 127.0, 2.5, -3.5  # scale 1: exact ties, to even
+        x[700] = float("nan")
+    blocks = -(-n // 256)
+    codes = torch.empty(blocks * 256, dtype=torch.int8)
+    scales = torch.empty(blocks)
+    native.quantize_int8_(x, codes, scales)
+    want_codes, want_scales = quantize(x)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales.isnan(), want_scales.isnan())
+    finite = ~scales.isnan()
+    assert torch.equal(scales[finite], want_scales[finite])
+
+
+@pytest.mark.parametrize("n", QUANT_SIZES)
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_int8_matches_pure_bit_for_bit(kernels, n, parts, dtype):
+    from fzero.core.quantize import dequantize_, dequantize_mean_, quantize
+
+    rows = [quantize(_data(n, seed=r)[0] * (r + 1)) for r in range(parts)]
+    codes = torch.cat([c for c, _ in rows])
+    scales = torch.cat([s for _, s in rows])
+    out = torch.empty(parts * n, dtype=dtype)
+    native.dequantize_int8_(codes, scales, out, parts)
+    for r, (c, s) in enumerate(rows):
+        want = dequantize_(torch.empty(n, dtype=dtype), c, s)
+        assert torch.equal(out[r * n : (r + 1) * n].view(torch.uint8), want.view(torch.uint8))
+    mean = torch.empty(n)
+    native.dequantize_mean_int8_(codes, scales, mean, parts)
+    assert torch.equal(mean, dequantize_mean_(torch.empty(n), codes, scales, parts))
+    with pytest.raises(ValueError, match=r"expected 2 rows of whole 256-blocks"):
+        native.dequantize_int8_(codes[:-1], scales, out, 2)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -174,6 +174,15 @@ class ZeroConfig(_Section):
     token; 0 (the default) releases them after each use as in training. Kept units go at
     the next backward, step or checkpoint load."""
     stage3_gather_16bit_weights_on_model_save: bool = False
+    zero_quantized_weights: bool = False
+    """ZeRO++'s qwZ: stage 3's parameter all-gathers travel as blockwise int8 (256
+    elements per fp32 scale, `fzero.core.quantize`); the gathered copies forward and
+    backward run on are approximate, masters and shards exact. No effect at stages 0-2
+    (no parameter gathers), as in DeepSpeed."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++'s qgZ: stages 2-3 reduce gradients by one all-to-all of blockwise int8
+    (each rank's contribution rounded within its block, summed in fp32 by the owner)
+    instead of a reduce-scatter; no effect at stages 0-1 (whole gradients all-reduced)."""
     round_robin_gradients: bool = _no_effect(
         False,
         "the order DeepSpeed copies offloaded gradients in; the values are the same",
@@ -375,8 +384,6 @@ _NOT_SUPPORTED = {
         "cpu_offload_use_pin_memory",
         "mics_shard_size",
         "zero_hpz_partition_size",
-        "zero_quantized_gradients",
-        "zero_quantized_weights",
         "zeropp_loco_param",
         "stage3_module_granularity_threshold",
         "use_multi_rank_bucket_allreduce",

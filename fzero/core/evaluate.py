@@ -44,7 +44,10 @@ def eval_step(
     def evaluate(state: TrainState, batch: Any) -> Any:
         check_state(state, plan, "eval_step")
         device = state.units[0].grad.device if state.units else torch.device("cpu")
-        dtype = next((u.params.dtype for u in state.units if u.params is not None), torch.float32)
+        dtype = next(  # the parameters', or the master's where it serves as them
+            (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),
+            torch.float32,
+        )
         gatherer = None
         if plan.stage == 3:
             gatherer = kept.gatherer_for(state, keep)
@@ -55,7 +58,12 @@ def eval_step(
                     return unit.params if unit.params is not None else unit.master
 
                 gatherer = PlaceholderGatherer(
-                    plan, shard, dtype=dtype, device=device, max_live=max_live
+                    plan,
+                    shard,
+                    dtype=dtype,
+                    device=device,
+                    max_live=max_live,
+                    quantized=zero.zero_quantized_weights,
                 )
             gatherer.placeholders.clear()
         params: dict[str, Tensor] = {}

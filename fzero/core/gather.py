@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from fzero import comm
 from fzero.core.layout import gather_pieces
+from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Placement, Plan
 
 __all__ = [
@@ -132,8 +133,11 @@ class PlaceholderGatherer:
         trace: UseTrace | None = None,
         prefetch_numel: int = 0,
         max_reuse: int = 0,
+        quantized: bool = False,
     ) -> None:
+        """`quantized`: gathers travel as int8 blocks (qwZ, `fzero.core.quantize`)."""
         self.plan, self.shard, self.dtype, self.device = plan, shard, dtype, device
+        self.quantized = quantized
         self.max_live, self.prefetch_numel, self.max_reuse = max_live, prefetch_numel, max_reuse
         self.trace = trace if trace is not None else UseTrace()
         self.phase = "forward"
@@ -172,6 +176,8 @@ class PlaceholderGatherer:
     def _start_gather(self, index: int, full: Tensor) -> Any:
         shard = self.shard(index).to(self.device, self.dtype)
         self.gathers += 1
+        if self.quantized:
+            return quantized_all_gather(full, shard.contiguous())
         if self.plan.world_size > 1:
             return comm.all_gather_into(full, shard.contiguous(), async_op=True)
         full.copy_(shard)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
+from fzero.core.quantize import quantized_reduce_scatter
 
 __all__ = ["Pending", "finish", "reduce_bucket", "scatter_by_all_reduce"]
 
@@ -39,10 +40,13 @@ def reduce_bucket(
     keep: Callable[[int, Tensor], None],
     *,
     world_size: int,
+    quantized: bool = False,
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
-    on this rank. Returns what is in flight, in order, for `finish`."""
+    on this rank. `quantized` (qgZ, stages 2-3: each rank owns a shard): one all-to-all
+    of int8 blocks instead (`fzero.core.quantize`). Returns what is in flight, in order,
+    for `finish`."""
 
     def keep_all() -> None:
         for i, flat in enumerate(flats):
@@ -50,6 +54,8 @@ def reduce_bucket(
 
     if world_size == 1:
         return [(None, keep_all)]
+    if quantized:
+        return _quantized(flats, owned, keep, world_size)
     if scatter_by_all_reduce():
         return [(comm.all_reduce(buffer, op="avg", async_op=True), keep_all)]
     pending: Pending = []
@@ -59,6 +65,24 @@ def reduce_bucket(
         work = comm.reduce_scatter_into(shard, flat, async_op=True)
         pending.append((work, functools.partial(keep, i, shard)))
     return pending
+
+
+def _quantized(
+    flats: Sequence[Tensor],
+    owned: Sequence[slice],
+    keep: Callable[[int, Tensor], None],
+    world_size: int,
+) -> Pending:
+    """qgZ over one bucket: rank r's part is every unit's `owned` shard of rank r, in
+    unit order (the shards have one size on every rank)."""
+    sizes = [part.stop - part.start for part in owned]
+    parts = torch.cat([flat.view(world_size, size) for flat, size in zip(flats, sizes)], dim=1)
+
+    def keep_parts(mine: Tensor) -> None:
+        for i, piece in enumerate(mine.split(sizes)):
+            keep(i, piece)
+
+    return quantized_reduce_scatter(parts, keep_parts, world=world_size)
 
 
 def finish(pending: Pending) -> None:

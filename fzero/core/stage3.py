@@ -25,6 +25,7 @@ from fzero.core import nvme as _nvme
 from fzero.core.gather import reuse_distance, units_to_prefetch
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.publish import Timer
+from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Plan
 
 __all__ = ["Stage3Gatherer"]
@@ -63,6 +64,11 @@ class Stage3Gatherer:
         self._eval_live = zero.stage3_eval_live_parameters
         self._live = 0
         self._max_reuse = zero.stage3_max_reuse_distance
+        # qwZ: forward and backward gathers travel as int8 blocks (`fzero.core.quantize`);
+        # units gathered that way, which an exact gather (state dicts, `destroy`,
+        # `gathered_parameters`) gathers again
+        self._quantized = zero.zero_quantized_weights
+        self.approximate: set[int] = set()
         self._params: dict[int, UnitRuntime] = {}
         # stage 3 parameter shards between uses: on the device, the host or NVMe
         self.param_offload = zero.offload_param.device
@@ -103,11 +109,19 @@ class Stage3Gatherer:
         elif value is not rt.param_shard:
             rt.param_shard.copy_(value)
 
-    def gather(self, rt: UnitRuntime, *, wait: bool = True) -> None:
-        """All-gather the unit's parameters (asynchronously unless `wait`). With
-        `offload_param: nvme` a prefetch only starts reading the shard; the all-gather
-        starts when the unit is used."""
+    def gather(self, rt: UnitRuntime, *, wait: bool = True, quantized: bool = False) -> None:
+        """All-gather the unit's parameters (asynchronously unless `wait`; as int8 blocks
+        with `quantized`, else exactly). With `offload_param: nvme` a prefetch only starts
+        reading the shard; the all-gather starts when the unit is used."""
+        if rt.full is not None and not quantized and rt.index in self.approximate:
+            self._land(rt)  # gathered as int8 blocks: gather the exact values over them
+            self.approximate.discard(rt.index)
+            if rt.param_read is None:
+                shard = rt.param_shard if rt.param_shard is not None else rt.master
+                self._start_gather(rt, shard.to(self.device))
         if rt.full is None:
+            if quantized:
+                self.approximate.add(rt.index)
             self._live += rt.unit.numel  # only stage-3 units without a persistent buffer get here
             if self.phase == "backward":
                 self.regathered.add(rt.index)
@@ -149,8 +163,19 @@ class Stage3Gatherer:
         return failure
 
     def _start_gather(self, rt: UnitRuntime, shard: Tensor) -> None:
-        rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
+        if rt.index in self.approximate:
+            rt.gather_work = quantized_all_gather(rt.full, shard)
+        else:
+            rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
         rt.gather_input = shard  # alive until the all-gather is done
+
+    def _land(self, rt: UnitRuntime) -> None:
+        """Wait for the unit's gather in flight, if any."""
+        if rt.param_read is not None:
+            self._finish_read(rt)
+        if rt.gather_work is not None:
+            rt.gather_work.wait()
+            rt.gather_work = rt.gather_input = None
 
     def _finish_read(self, rt: UnitRuntime) -> None:
         """Wait for the unit's shard to arrive from the param swap file; all-gather it."""
@@ -181,6 +206,7 @@ class Stage3Gatherer:
             rt.gather_work.wait()
             rt.gather_work = rt.gather_input = None
         rt.full = None
+        self.approximate.discard(rt.index)
         self._live -= rt.unit.numel
         rt.used = False
         unbind(rt, self.compute_dtype, self.device)
@@ -198,7 +224,7 @@ class Stage3Gatherer:
         if not rt.used:
             rt.used = True
             self._advance_trace(rt)
-        self.gather(rt)
+        self.gather(rt, quantized=self._quantized)
 
     def _advance_trace(self, rt: UnitRuntime) -> None:
         trace = self._trace[self.phase]
@@ -214,7 +240,7 @@ class Stage3Gatherer:
             if ahead.full is None:
                 if self.live_numel() + ahead.unit.numel > self._max_live:
                     break
-                self.gather(ahead, wait=False)
+                self.gather(ahead, wait=False, quantized=self._quantized)
             elif ahead.param_read is not None:
                 # read ahead on an earlier use (NVMe): all-gather it now, so that overlaps
                 # this unit's compute too

@@ -286,6 +286,7 @@ class _Micro:
                 trace=step.trace,
                 prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                 max_reuse=int(zero.stage3_max_reuse_distance),
+                quantized=zero.zero_quantized_weights,
             )
         self.waiting: dict[int, set[str]] = {}
         # reductions: bucket by bucket in launch order (`fzero.core.reduce`), stages 0-1
@@ -455,8 +456,14 @@ class _Micro:
         def keep(i: int, part: Tensor) -> None:
             units[indices[i]].grad.add_(part)
 
+        zero = self.step.config.zero_optimization
         self.pending += reduce_bucket(
-            self.buffers.pop(b), flats, owned, keep, world_size=self.world
+            self.buffers.pop(b),
+            flats,
+            owned,
+            keep,
+            world_size=self.world,
+            quantized=self.plan.stage >= 2 and zero.zero_quantized_gradients,
         )
 
     # ---- the update at an accumulation boundary ----

@@ -438,6 +438,8 @@ class Engine(DeepSpeedAccessors):
             regathered=self.stage3.regathered,
             loss_scaling=self.loss_scaler is not None and self.loss_scaler.dynamic,
             optimizer=self.functional_optimizer.name,
+            quantized_weights=zero.zero_quantized_weights,
+            quantized_gradients=zero.zero_quantized_gradients,
         )
 
     def memory_planned(self) -> MemoryEstimate:

@@ -268,6 +268,8 @@ class GradientReduction:
             [self.engine.owned(rt.unit) for rt in bucket.units],
             lambda i, part: self._accumulate_grad(bucket.units[i], part),
             world_size=self.engine.world_size,
+            quantized=self.engine.stage >= 2
+            and self.engine.config.zero_optimization.zero_quantized_gradients,
         )
         pending.append((None, lambda: self._drop_flat(bucket)))
         if self.engine.world_size == 1:

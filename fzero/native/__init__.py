@@ -31,8 +31,11 @@ __all__ = [
     "adam_",
     "available",
     "bf16_stochastic_",
+    "dequantize_int8_",
+    "dequantize_mean_int8_",
     "lamb_apply_",
     "lamb_direction_",
+    "quantize_int8_",
     "segment_sq_sums",
     "sgd_",
     "sq_sum",
@@ -399,3 +402,61 @@ def bf16_stochastic_(x: Tensor, out: Tensor, seed: int) -> Tensor:
     args = [("float *", x), ("uint16_t *", out), ("int64_t", n), ("uint64_t", seed % 2**64)]
     _run("fz_bf16_stochastic", device, args, n)
     return out
+
+
+QBLOCK = 256  # elements per scale of the int8 kernels (FZ_QBLOCK)
+_DEQUANT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def quantize_int8_(x: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """Blockwise int8 of fp32 `x` into `codes` (int8, whole blocks of 256, the padding 0)
+    and `scales` (fp32, one per block), as `fzero.core.quantize.quantize`."""
+    n = x.numel()
+    device = _buffers(n, x=x)
+    _require(device)
+    blocks = -(-n // QBLOCK)
+    _buffer("codes", codes, blocks * QBLOCK, torch.int8, device)
+    _buffer("scales", scales, blocks, torch.float32, device)
+    args = [("float *", x), ("int64_t", n), ("int8_t *", codes), ("float *", scales)]
+    _run("fz_quantize_int8", device, args, n)
+
+
+def _dequant_args(codes: Tensor, scales: Tensor, n: int, parts: int) -> tuple[torch.device, Args]:
+    device = codes.device
+    if parts < 1 or codes.numel() % parts or (codes.numel() // parts) % QBLOCK:
+        raise ValueError(
+            f"codes has {codes.numel()} elements; expected {parts} rows of whole {QBLOCK}-blocks"
+        )
+    stride = codes.numel() // parts
+    if n > stride:
+        raise ValueError(f"n is {n}; a row of codes holds {stride}")
+    _buffer("codes", codes, codes.numel(), torch.int8, device)
+    _buffer("scales", scales, codes.numel() // QBLOCK, torch.float32, device)
+    _require(device)
+    args: Args = [("int8_t *", codes), ("float *", scales), ("int64_t", n), ("int64_t", parts)]
+    return device, [*args, ("int64_t", stride)]
+
+
+def dequantize_int8_(codes: Tensor, scales: Tensor, out: Tensor, parts: int) -> None:
+    """`parts` rows of int8 `codes` back into `out` (`parts` x n, fp32, bf16 or fp16,
+    rounded to nearest), as `fzero.core.quantize.dequantize_` row by row."""
+    if out.dtype not in _DEQUANT_KINDS:
+        raise ValueError(f"out has dtype {out.dtype}; allowed: {list(_DEQUANT_KINDS)}")
+    n = out.numel() // parts
+    device, args = _dequant_args(codes, scales, n, parts)
+    _buffer("out", out, parts * n, out.dtype, device)
+    _run(
+        "fz_dequantize_int8",
+        device,
+        [*args, ("void *", out), ("int", _DEQUANT_KINDS[out.dtype])],
+        parts * n,
+    )
+
+
+def dequantize_mean_int8_(codes: Tensor, scales: Tensor, out: Tensor, parts: int) -> None:
+    """The mean over `parts` rows of int8 `codes`, summed in row order in fp32, into
+    fp32 `out` (qgZ's owner side), as `fzero.core.quantize.dequantize_mean_`."""
+    n = out.numel()
+    device, args = _dequant_args(codes, scales, n, parts)
+    _buffer("out", out, n, torch.float32, device)
+    _run("fz_dequantize_mean_int8", device, [*args, ("float *", out)], n)

@@ -61,6 +61,9 @@ KERNELS = (
     "fz_segment_sq_final",
     "fz_bf16_stochastic",
     "fz_stream_floor",
+    "fz_quantize_int8",
+    "fz_dequantize_int8",
+    "fz_dequantize_mean_int8",
 )
 # No contraction but the source's fmaf calls; IEEE division and square root (the default).
 OPTIONS = ("--fmad=false", "--std=c++17")

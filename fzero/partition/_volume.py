@@ -42,6 +42,9 @@ class Collective:
         return 2 * share if self.operation == "all_reduce" else share
 
 
+_QUANT_BLOCK = 256  # elements per fp32 scale of a quantized collective (fzero.core.quantize)
+
+
 def comm_volume(
     plan: Plan,
     *,
@@ -52,6 +55,8 @@ def comm_volume(
     regathered: Iterable[int] = (),
     loss_scaling: bool = False,
     optimizer: str = "adam",
+    quantized_weights: bool = False,
+    quantized_gradients: bool = False,
 ) -> list[Collective]:
     """The collectives one optimizer step of the engine issues under `plan`.
 
@@ -68,6 +73,12 @@ def comm_volume(
       `loss_scaling`, LAMB's per-tensor norms (`optimizer="lamb"`), and the engine's check
       for gradients left by other passes (4 bytes, per micro-step at stages 2-3, per step
       at 0-1).
+
+    `quantized_weights` (qwZ, `zero_quantized_weights`): stage 3's forward and backward
+    gathers travel as int8 codes in blocks of 256 plus one fp32 scale per block: two
+    all-gathers per unit, 1.016 bytes per element. `quantized_gradients` (qgZ,
+    stages 2-3): each bucket's reduction is two all-to-alls (codes and scales) of the
+    bucket's int8 blocks, every micro-step.
 
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
@@ -89,6 +100,11 @@ def comm_volume(
     buckets = reduction_buckets(plan, bucket_numel)
     if stage < 2:
         add("all_reduce", "gradients", len(buckets), total * _GRAD_BYTES)
+    elif quantized_gradients:
+        # one row of blocks per rank: every unit's shard of that rank, concatenated
+        per_rank = [sum(units[i].shard_numel for i in bucket) for bucket in buckets]
+        size = sum(-(-n // _QUANT_BLOCK) * world * (_QUANT_BLOCK + 4) for n in per_rank)
+        add("all_to_all", "gradients (int8)", 2 * len(buckets) * steps, size * steps)
     elif scatter_as_all_reduce:
         add("all_reduce", "gradients", len(buckets) * steps, total * _GRAD_BYTES * steps)
     else:
@@ -101,21 +117,17 @@ def comm_volume(
         len(whole),
         sum(u.numel for u in whole) * param_bytes,
     )
-    add(
-        "all_gather",
-        "parameters for forward",
-        len(sharded) * steps,
-        sum(u.numel for u in sharded) * param_bytes * steps,
-    )
     again = [units[i] for i in sorted(set(regathered))]
     if any(stage != 3 or u.persistent for u in again):
         raise PlanError("regathered names units stage 3 does not gather (persistent, or stage < 3)")
-    add(
-        "all_gather",
-        "parameters for backward",
-        len(again) * steps,
-        sum(u.numel for u in again) * param_bytes * steps,
-    )
+    for what, gathered in (("parameters for forward", sharded), ("parameters for backward", again)):
+        if quantized_weights:
+            blocks = [-(-u.shard_numel // _QUANT_BLOCK) * world for u in gathered]
+            size = sum(b * (_QUANT_BLOCK + 4) for b in blocks) * steps
+            add("all_gather", what + " (int8)", 2 * len(gathered) * steps, size)
+        else:
+            size = sum(u.numel for u in gathered) * param_bytes * steps
+            add("all_gather", what, len(gathered) * steps, size)
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
         add("all_reduce", "fp16 overflow flag", 1, 4)
