@@ -179,6 +179,7 @@ def test_bf16_master_weights_and_states_train_as_under_deepspeed(tmp_path, stage
     theirs = _bf16_master(DEEPSPEED_PYTHON, tmp_path, "deepspeed", config, fzero=False)
     ours = _bf16_master(sys.executable, tmp_path, "fzero", config, fzero=True)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-2)  # the same model and first batch
-    mean = sum(ours[-10:]) / 10
-    assert mean == pytest.approx(sum(theirs[-10:]) / 10, rel=5e-2)
-    assert mean < 0.5 * sum(ours[:5]) / 5  # both learn the pattern
+    mean, their_mean = sum(ours[-10:]) / 10, sum(theirs[-10:]) / 10
+    print(f"stage {stage}: last 10 steps' loss fzero {mean:.4f}, DeepSpeed {their_mean:.4f}")
+    assert mean == pytest.approx(their_mean, rel=5e-2)
+    assert max(mean, their_mean) < 0.7 * sum(ours[:5]) / 5  # both learn the pattern
