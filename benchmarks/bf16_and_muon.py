@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pydoc_data.topics import topics
 
 import torch
@@ -102,6 +103,34 @@ def engine_row(name: str, steps: int, out: str) -> None:
     else:
         optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
     engine = fzero.shard(TinyLM(vocab), optimizer=optimizer, config=config)
+    held, planned = None, None
+
+    def measure(step: int) -> None:
+        nonlocal held, planned
+        if step == steps - 1:  # as training holds it, before the evaluation
+            held, planned = engine.memory_held(), engine.memory_planned()
+
+    record = train(engine, ids, steps, measure)
+    assert held is not None and planned is not None
+    if engine.global_rank == 0:
+        write_row(
+            out,
+            {
+                **record,
+                "master": held.master,
+                "state": held.optimizer_state,
+                "held": held.total,
+                "planned": planned.total,
+            },
+        )
+
+
+def train(
+    engine: fzero.Engine, ids: torch.Tensor, steps: int, after_step: Callable[[int], None]
+) -> dict:
+    """`steps` steps of `engine` on the global batches (this rank's rows), then the
+    held-out loss; `after_step(step)` runs after each. Losses averaged over ranks,
+    step time the median after 10 steps."""
     rank, world = engine.global_rank, engine.world_size
     losses, times = [], []
     for step in range(steps):
@@ -112,25 +141,13 @@ def engine_row(name: str, steps: int, out: str) -> None:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - start)
+        after_step(step)
         losses.append(_mean_over_ranks(loss.item(), world))
-    held, planned = engine.memory_held(), engine.memory_planned()  # as training holds it
     engine.eval()
     with torch.no_grad():
         tokens, targets = held_out(ids)
         final = _loss(engine(tokens), targets).item()
-    if rank == 0:
-        write_row(
-            out,
-            {
-                "losses": losses,
-                "held_out": final,
-                "step_s": statistics.median(times[10:]),
-                "master": held.master,
-                "state": held.optimizer_state,
-                "held": held.total,
-                "planned": planned.total,
-            },
-        )
+    return {"losses": losses, "held_out": final, "step_s": statistics.median(times[10:])}
 
 
 def _mean_over_ranks(value: float, world: int) -> float:

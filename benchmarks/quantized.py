@@ -24,14 +24,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import Table, launched_rank, report, run_rows, torchrun, write_row
-from bf16_and_muon import batch, corpus, held_out
+from bf16_and_muon import corpus, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_transformer import TinyLM
@@ -70,40 +69,22 @@ def row(name: str, steps: int, out: str) -> None:
     }
     optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
     engine = fzero.shard(TinyLM(vocab), optimizer=optimizer, config=config)
-    rank, world = engine.global_rank, engine.world_size
-    losses, times, moved = [], [], {}
-    for step in range(steps):
-        tokens, targets = batch(ids, step, MICRO * world)
-        mine = slice(rank * MICRO, (rank + 1) * MICRO)
-        before = dict(fzero.comm.traffic())
-        start = time.perf_counter()
-        loss = _loss(engine(tokens[mine]), targets[mine])
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - start)
+    moved: dict[str, int] = {}
+    before: dict[str, tuple[int, int]] = {}
+
+    def count(step: int) -> None:  # one step's collectives, after warm-up
+        nonlocal before
+        if step == 9:
+            before = dict(fzero.comm.traffic())
         if step == 10:
-            moved = {
-                op: size - before.get(op, (0, 0))[1]
-                for op, (_, size) in fzero.comm.traffic().items()
-            }
-        total = torch.tensor([loss.item()])
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    engine.eval()
-    with torch.no_grad():
-        tokens, targets = held_out(ids)
-        final = _loss(engine(tokens), targets).item()
-    if rank == 0:
+            for op, (_, size) in fzero.comm.traffic().items():
+                moved[op] = size - before.get(op, (0, 0))[1]
+
+    record = train(engine, ids, steps, count)
+    if engine.global_rank == 0:
+        gradients = sum(moved.get(op, 0) for op in ("all_to_all", "reduce_scatter", "all_reduce"))
         write_row(
-            out,
-            {
-                "losses": losses,
-                "held_out": final,
-                "step_s": statistics.median(times[10:]),
-                "params_bytes": moved.get("all_gather", 0),
-                "grads_bytes": sum(moved.get(op, 0) for op in ("all_to_all", "reduce_scatter"))
-                + moved.get("all_reduce", 0),
-            },
+            out, {**record, "params_bytes": moved.get("all_gather", 0), "grads_bytes": gradients}
         )
 
 
