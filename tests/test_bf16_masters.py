@@ -54,6 +54,26 @@ def _micro(engine, rank, world, step, accum=1):
     return losses
 
 
+def build_doors(make, world, stage, optimizer, config, precision=None, cast=None):
+    """The engine over `make()` and, from the same weights, `train_step`'s state and step
+    (its loss: mean squared error of the model's output on `x` cast to `cast`)."""
+    torch.manual_seed(0)
+    engine = fzero.shard(make(), optimizer=optimizer, config=config)
+    torch.manual_seed(0)
+    model = make()
+    plan = _plan(model, world, stage)
+    state = fzero.init(model, plan, optimizer, precision=precision or "fp32", config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        x = x.to(cast) if cast is not None else x
+        out = torch.func.functional_call(model, params, (x,))
+        return F.mse_loss(out.float(), y)
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    return engine, model, state, step
+
+
 def both_doors(engine, step, state, rank, world, accum, steps=3):
     """`steps` steps of the engine and of train_step on the same micro-batches: both
     losses per micro-step, and the final state."""
@@ -79,20 +99,10 @@ def doors_case(rank: int, world: int, cases: list[tuple]) -> dict:
         zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
         config = _config(stage, accum, clip, **zero)
         optimizer = getattr(fzero.optim, name)(lr=LR, weight_decay=DECAY)
-        torch.manual_seed(0)
-        engine = fzero.shard(Net(), optimizer=optimizer, config=config)
-        torch.manual_seed(0)
-        model = Net()
-        plan = _plan(model, world, stage)
         precision = fzero.Precision("bf16", master="bf16", states="bf16")
-        state = fzero.init(model, plan, optimizer, precision=precision, config=config)
-
-        def loss_fn(params, batch, model=model):
-            x, y = batch
-            out = torch.func.functional_call(model, params, (x.to(torch.bfloat16),))
-            return F.mse_loss(out.float(), y)
-
-        step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+        engine, model, state, step = build_doors(
+            Net, world, stage, optimizer, config, precision, cast=torch.bfloat16
+        )
         engine_losses, step_losses, state = both_doors(engine, step, state, rank, world, accum)
         rt = engine.units[0]
         held = {

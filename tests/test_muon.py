@@ -13,8 +13,8 @@ from fzero.config import ConfigError
 from fzero.optim import OPTIMIZER_PARAMS, optimizer_from_name
 from tests._dist import run_world
 from tests.models import Net, global_batch
-from tests.test_bf16_masters import both_doors
-from tests.test_functional import _assert_same, _plan
+from tests.test_bf16_masters import both_doors, build_doors
+from tests.test_functional import _assert_same
 
 MICRO, STEPS = 2, 3
 HP = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 3e-3}
@@ -131,18 +131,7 @@ def doors_case(rank: int, world: int, cases: list[tuple]) -> dict:
             "zero_optimization": zero,
         }
         optimizer = fzero.optim.muon(ns_dtype=ns_dtype, **HP)
-        torch.manual_seed(0)
-        engine = fzero.shard(Net(), optimizer=optimizer, config=config)
-        torch.manual_seed(0)
-        model = Net()
-        plan = _plan(model, world, stage)
-        state = fzero.init(model, plan, optimizer, config=config)
-
-        def loss_fn(params, batch, model=model):
-            x, y = batch
-            return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-        step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+        engine, model, state, step = build_doors(Net, world, stage, optimizer, config)
         engine_losses, step_losses, state = both_doors(
             engine, step, state, rank, world, accum, STEPS
         )

@@ -13,8 +13,8 @@ import fzero
 from fzero.core.quantize import BLOCK, dequantize_, quantize
 from tests._dist import run_world
 from tests.models import IN, OUT, global_batch
-from tests.test_bf16_masters import both_doors
-from tests.test_functional import _assert_same, _plan
+from tests.test_bf16_masters import both_doors, build_doors
+from tests.test_functional import _assert_same
 
 MICRO = 2
 
@@ -56,18 +56,7 @@ def qwz_case(rank: int, world: int) -> dict:
     for quantized in (False, True):
         config = _config(quantized)
         optimizer = fzero.optim.adamw(lr=1e-2)
-        torch.manual_seed(0)
-        engine = fzero.shard(wide(), optimizer=optimizer, config=config)
-        torch.manual_seed(0)
-        model = wide()
-        plan = _plan(model, world, 3)
-        state = fzero.init(model, plan, optimizer, config=config)
-
-        def loss_fn(params, batch, model=model):
-            x, y = batch
-            return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-        step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+        engine, model, state, step = build_doors(wide, world, 3, optimizer, config)
         before = fzero.comm.traffic().get("all_gather", (0, 0))
         # the weights the forward saw: the block weight as gathered, and the exact one
         seen = []
@@ -130,18 +119,7 @@ def qgz_case(rank: int, world: int, stage: int) -> dict:
             },
         }
         optimizer = fzero.optim.adamw(lr=1e-2)
-        torch.manual_seed(0)
-        engine = fzero.shard(wide(), optimizer=optimizer, config=config)
-        torch.manual_seed(0)
-        model = wide()
-        plan = _plan(model, world, stage)
-        state = fzero.init(model, plan, optimizer, config=config)
-
-        def loss_fn(params, batch, model=model):
-            x, y = batch
-            return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-        step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+        engine, model, state, step = build_doors(wide, world, stage, optimizer, config)
         moved: dict[str, int] = {}
         x, y = global_batch(99, MICRO * 2 * world)
         for a in range(2):  # one step of each door; the engine's collectives counted
