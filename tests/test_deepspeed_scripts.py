@@ -319,6 +319,7 @@ _BF16_FULL = {
 }
 
 
+@pytest.mark.slow  # two 2-rank launches of 40 steps (about 35 s)
 def test_deepspeed_bf16_master_weight_example_trains_like_its_baseline(tmp_path):
     """The bf16 master-weight example's shape (`--deepspeed_config` file, plain
     `loss.backward()`, autocast from the JSON) with its own two configs, ZeRO-3 on 2
