@@ -138,11 +138,11 @@ class OptimizerApplication:
         """Update the unit's master and state; returns the compute-dtype copy of the new
         master when the native kernel wrote one (for `publish`). bf16 masters or states:
         the update runs in fp32 and rounds back (`fzero.core.precision.widened`)."""
-        if narrowed(rt.master) or narrowed(rt.state):
-            with self.widened_if_narrow(rt):
-                self._update_unit(rt, factor, lrs, written=None)
-            return None
-        return self._update_unit(rt, factor, lrs, self.copy_target(rt))
+        if not (narrowed(rt.master) or narrowed(rt.state)):
+            return self._update_unit(rt, factor, lrs, self.copy_target(rt))
+        with self.widened_if_narrow(rt):  # the rounding writes the bf16 master itself
+            self._update_unit(rt, factor, lrs, written=None)
+        return None
 
     def widened_if_narrow(self, rt: UnitRuntime) -> contextlib.AbstractContextManager[None]:
         """fp32 copies of a bf16 master and state inside, rounded back after (else as is)."""

@@ -193,13 +193,12 @@ def widened(rt: Any, *, step: int, start: int) -> Iterator[None]:
     rt.state = state._replace(**{k: fields[k].float() for k in narrow})
     try:
         yield
-        if wide_master is not master:
-            round_bf16_(rt.master, master, rounding_seed(step, rt.index, 0, start))
-        new = rt.state._asdict()
-        for kind, k in enumerate(narrow, start=1):
-            round_bf16_(new[k], fields[k], rounding_seed(step, rt.index, kind, start))
-        rt.state = rt.state._replace(**{k: fields[k] for k in narrow})
-    finally:
-        rt.master = master
-        if any(getattr(rt.state, k).dtype != torch.bfloat16 for k in narrow):
-            rt.state = state  # the update failed: the state is as before it
+    except BaseException:
+        rt.master, rt.state = master, state  # the bf16 storage was not touched
+        raise
+    if wide_master is not master:
+        round_bf16_(rt.master, master, rounding_seed(step, rt.index, 0, start))
+    new = rt.state._asdict()
+    for kind, k in enumerate(narrow, start=1):
+        round_bf16_(new[k], fields[k], rounding_seed(step, rt.index, kind, start))
+    rt.master, rt.state = master, rt.state._replace(**{k: fields[k] for k in narrow})
