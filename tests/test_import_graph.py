@@ -204,3 +204,69 @@ def test_the_layer_rule_catches_a_core_module_reaching_checkpoints(tmp_path):
     layout = root / "fzero" / "core" / "layout.py"
     layout.write_text(layout.read_text() + "\n\nfrom fzero.checkpoint import CheckpointError\n")
     assert "fzero.core.layout -> fzero.checkpoint" in layer_violations(import_graph(root))
+
+
+def _unit_record_fields() -> set[str]:
+    """The fields of `UnitRuntime` (the engine's per-unit runtime record)."""
+    source = (ROOT / "fzero" / "core" / "layout.py").read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == "UnitRuntime":
+            return {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    raise AssertionError("UnitRuntime not found in fzero/core/layout.py")
+
+
+def record_writes(root: Path = ROOT) -> list[str]:
+    """Assignments to a unit record's field (`rt.<field> = ...`, `setattr(rt, ...)`)
+    outside `fzero/core`: `path:line rt.field`."""
+    fields, found = _unit_record_fields(), []
+    for path in sorted((root / "fzero").rglob("*.py")):
+        if (root / "fzero" / "core") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets for t in _flat_targets(target)]
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "setattr"
+                and getattr(node.args[0], "id", None) == "rt"
+            ):
+                found.append(f"{path.relative_to(root)}:{node.lineno} setattr(rt, ...)")
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and getattr(t.value, "id", None) == "rt"
+                    and t.attr in fields
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} rt.{t.attr}")
+    return found
+
+
+def _flat_targets(target: ast.expr) -> list[ast.expr]:
+    if isinstance(target, ast.Tuple | ast.List):
+        return [t for element in target.elts for t in _flat_targets(element)]
+    return [target]
+
+
+def test_only_the_core_writes_a_unit_record():
+    """The engine and the checkpoint wrappers read each unit's runtime record
+    (`fzero.core.layout.UnitRuntime`) and call the core to change it."""
+    writes = record_writes()
+    assert not writes, "unit records written outside fzero/core:\n" + "\n".join(writes)
+
+
+def test_the_record_rule_catches_an_engine_write(tmp_path):
+    root = _copy_tree(tmp_path)
+    step = root / "fzero" / "engine" / "_step.py"
+    step.write_text(step.read_text() + "\n\ndef _planted(rt):\n    rt.grad_on_disk, x = 1, 2\n")
+    assert record_writes(root) == ["fzero/engine/_step.py:" + _last_line(step) + " rt.grad_on_disk"]
+
+
+def _last_line(path: Path) -> str:
+    return str(len(path.read_text().splitlines()))

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm
+from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
+from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
     Counters,
@@ -82,7 +83,11 @@ def init(
             f"meta device (first: {meta[0]!r}); build the model eagerly, or give the "
             "meta-device model to fzero.shard, which materialises it unit by unit"
         )
-    units = []
+    accumulators = None  # stages 0-1: views of one buffer per reduction bucket
+    if plan.stage < 2:
+        buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
+        accumulators = bucket_accumulators(plan, buckets, device)
+    units: list[UnitState] = []
     for unit in plan.units:
         flat = torch.zeros(unit.numel, dtype=torch.float32, device=device)
         with torch.no_grad():
@@ -100,8 +105,9 @@ def init(
             master = flat[part].to(host, master_dtype, copy=True)
             serves = dtype == master_dtype and host == device and not swapped
             params = None if serves else flat[part].to(dtype, copy=True)
-        numel = unit.numel if plan.stage < 2 else unit.shard_numel
-        grad = torch.zeros(numel, dtype=torch.float32, device=device)
+        grad = torch.zeros(unit.shard_numel, dtype=torch.float32, device=device)
+        if accumulators is not None:
+            grad = accumulators[len(units)]
         units.append(UnitState(master, init_state(optimizer, master, state_dtype), params, grad))
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None

@@ -27,12 +27,10 @@ from torch import Tensor
 from fzero.partition import Placement, Unit
 
 __all__ = [
-    "Bucket",
     "UnitRuntime",
     "ZeroParamStatus",
     "add_pieces",
     "bind",
-    "drop_flat",
     "gather_pieces",
     "scatter_pieces",
     "unbind",
@@ -60,38 +58,16 @@ class UnitRuntime:
     grad: Tensor
     full: Tensor | None = None
     param_shard: Tensor | None = None
-    flat_grad: Tensor | None = None
     gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
     gather_input: Tensor | None = None
     param_read: Any = None  # offload_param nvme: the shard's read still in flight
     used: bool = False  # gathered for use since the current phase began (stage 3)
     active: int = 0  # forwards of its holder modules running now (stage 3)
-    bucket: Bucket | None = None
-    reported: int = 0
-    ready: bool = False
     hparams: Any = None
     # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
     grad_on_disk: bool = False  # this accumulation window has written it
     grad_stats: tuple[Tensor | None, bool] | None = None  # of the window's final gradient
     slot: int = 0  # NVMe offload: which of the unit's two state copies is current
-
-
-@dataclass
-class Bucket:
-    """Units whose gradients one collective reduces (`partition.reduction_buckets`)."""
-
-    units: list[UnitRuntime]
-    buffer: Tensor | None = None  # contiguous fp32 gradients of all its units
-
-    @property
-    def numel(self) -> int:
-        return sum(rt.unit.numel for rt in self.units)
-
-
-def drop_flat(bucket: Bucket) -> None:
-    for rt in bucket.units:
-        rt.flat_grad = None
-    bucket.buffer = None
 
 
 def scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:

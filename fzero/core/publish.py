@@ -9,18 +9,29 @@ and checkpoint restores (`fzero.checkpoint.restore`) all use, over `UnitRuntime`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.layout import UnitRuntime, bind
-from fzero.core.state import UnitState, optimizer_partition
+from fzero.core.layout import UnitRuntime, bind, scatter_pieces
+from fzero.core.state import TrainState, UnitState, optimizer_partition
 from fzero.partition import Plan, Unit
 
-__all__ = ["InMemoryShards", "ParamShards", "Publisher", "attach_params", "runtime_of"]
+__all__ = [
+    "InMemoryShards",
+    "ParamShards",
+    "Publisher",
+    "accept_edits",
+    "attach_params",
+    "install",
+    "install_unit",
+    "rolled_back",
+    "runtime_of",
+]
 
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
 
@@ -100,7 +111,7 @@ class Publisher:
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
         shard = shard.to(self.device, copy=self.swapped and written is None)
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        work = comm.all_gather_into(rt.full, shard, async_op=True, what=_updated(rt))
         self.publishing.append((work, rt, shard))
 
     def exchange(self, rt: UnitRuntime) -> None:
@@ -111,7 +122,7 @@ class Publisher:
             self.publishing.append((None, rt, None))
             return
         shard = rt.full[self.partition(rt.unit)].clone()
-        work = comm.all_gather_into(rt.full, shard, async_op=True)
+        work = comm.all_gather_into(rt.full, shard, async_op=True, what=_updated(rt))
         self.publishing.append((work, rt, shard))
 
     def finish_publish(self) -> None:
@@ -143,3 +154,85 @@ def attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:
         rt.full, rt.param_shard = None, unit.params
     else:
         rt.full, rt.param_shard = unit.params, None
+
+
+def install(units: Sequence[UnitRuntime], like: TrainState, state: TrainState) -> None:
+    """Make a restored `state` the units' (`like` is the state the restore read into):
+    masters copied into buffers the parameters view, else taken; optimizer states taken;
+    loaded gradients copied (NVMe: the next slots, already written, become current).
+    The parameters are published after (`Publisher`)."""
+    if like.residence is not None:
+        like.residence.commit()
+    with torch.no_grad():
+        for rt, old, unit in zip(units, like.units, state.units):
+            if unit.grad is not old.grad and rt.grad.numel():
+                rt.grad.copy_(unit.grad)
+            if like.residence is not None:
+                continue
+            if rt.master._base is None:
+                rt.master = unit.master
+            elif unit.master is not rt.master:  # else read in place already
+                rt.master.copy_(unit.master)  # a view of the parameters' buffer
+            rt.state = unit.optim
+
+
+def install_unit(rt: UnitRuntime, saved: Mapping[str, Any]) -> None:
+    """Copy a unit's saved master and optimizer tensors (by field name, `master` for the
+    master) into its buffers, and its optimizer step count; each must have the shape of
+    the buffer it replaces. The parameters are published after (`Publisher`)."""
+    current = {"master": rt.master, **_tensor_fields(rt.state)}
+    for name, tensor in current.items():
+        value = saved.get(name)
+        if not isinstance(value, Tensor) or value.shape != tensor.shape:
+            found = (
+                f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            )
+            raise ValueError(
+                f"optimizer state_dict unit {rt.index} {name!r}: expected a tensor "
+                f"of shape {tuple(tensor.shape)}, found {found}"
+            )
+    with torch.no_grad():
+        for name, tensor in current.items():
+            tensor.copy_(saved[name])
+    rt.state = rt.state._replace(step=int(saved["step"]))
+
+
+def _tensor_fields(state: Any) -> dict[str, Tensor]:
+    return {k: v for k, v in state._asdict().items() if isinstance(v, Tensor)}
+
+
+@contextlib.contextmanager
+def rolled_back(units: Sequence[UnitRuntime]) -> Iterator[None]:
+    """Inside: the units' optimizer states and NVMe gradient flags are put back as they
+    were if the block raises (a restore that failed before `install`)."""
+    before = [(rt.state, rt.grad_on_disk) for rt in units]
+    try:
+        yield
+    except BaseException:
+        for rt, (state, grad_on_disk) in zip(units, before):
+            rt.state, rt.grad_on_disk = state, grad_on_disk
+        raise
+
+
+def accept_edits(
+    rt: UnitRuntime, plan: Plan, rank: int, source: int, param_shards: ParamShards
+) -> None:
+    """A gathered unit's parameters as rank `source` edited them become its weights on
+    every rank: broadcast, then written to the master and the stage-3 shard (DeepSpeed's
+    `GatheredParameters(modifier_rank=...)`). Collective."""
+    assert rt.full is not None
+    for p, placement, _ in rt.params:  # parameters that are copies write back
+        scatter_pieces(rt.full, p.detach().reshape(-1), placement)
+    if plan.world_size > 1:
+        dist.broadcast(rt.full, src=source)
+    part = rt.full[optimizer_partition(plan, rt.unit, rank)]
+    if rt.master.data_ptr() != part.data_ptr():
+        rt.master.copy_(part)
+    if rt.param_shard is not None:
+        start, stop = rt.unit.shard_range(rank)
+        param_shards.store_param_shard(rt, rt.full[start:stop])
+    bind(rt)
+
+
+def _updated(rt: UnitRuntime) -> str:
+    return f"updated parameters of unit {rt.index} {rt.unit.name!r}"

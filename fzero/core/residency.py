@@ -276,6 +276,13 @@ class Residency:
             (self.staging if buffer.dtype == torch.bfloat16 else self.pool).give(buffer)
         buffers.clear()
 
+    def zero_grads(self, units: list[UnitRuntime]) -> None:
+        """Clear the units' gradient accumulators after a step (NVMe gradients: the
+        file's copies count as unwritten for the next window)."""
+        for rt in units:
+            rt.grad.zero_()
+            rt.grad_on_disk, rt.grad_stats = False, None
+
     def accumulate_grad(
         self, rt: UnitRuntime, value: Tensor, at_boundary: bool, stats: Callable[[Tensor], Any]
     ) -> None:

@@ -5,11 +5,12 @@ where the plan, precision and offload say (`fzero.core.layout`), and its hooks."
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from fzero import partition
 from fzero.config import Config
@@ -66,16 +67,22 @@ def cast_module(engine: Engine) -> None:
 
 
 def build_units(
-    engine: Engine, param_init_fn: Callable[[torch.nn.Module], None] | None
+    engine: Engine,
+    param_init_fn: Callable[[torch.nn.Module], None] | None,
+    accumulators: Sequence[Tensor] | None,
 ) -> list[UnitRuntime]:
     """Every unit of the plan, built in order (a model on the meta device is materialised
-    a few tensors at a time, as the units need them)."""
+    a few tensors at a time, as the units need them). `accumulators`: stages 0-1, each
+    unit's fp32 gradient accumulator (views of the reduction's bucket buffers)."""
     module = engine.module
     named = dict(module.named_parameters())
     meta = None
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         meta = MetaInitializer(module, engine.device, param_init_fn)
-    units = [build_unit(engine, i, unit, named, meta) for i, unit in enumerate(engine.plan.units)]
+    units = [
+        build_unit(engine, i, unit, named, meta, accumulators[i] if accumulators else None)
+        for i, unit in enumerate(engine.plan.units)
+    ]
     if meta is not None:
         meta.finish()
     if engine.stage == 3:  # frozen parameters stay whole: DeepSpeed's attributes say so
@@ -108,6 +115,7 @@ def build_unit(
     unit: Unit,
     named: Mapping[str, torch.nn.Parameter],
     meta: MetaInitializer | None,
+    accumulator: Tensor | None = None,
 ) -> UnitRuntime:
     """Unit `index`'s buffers on this rank, the module's parameters bound to them (or, in
     stage 3, left empty until gathered)."""
@@ -138,8 +146,10 @@ def build_unit(
         if not shares_master:
             param_shard = flat[part].to(engine.compute_dtype, copy=True)
     del flat
-    # stages 0-1: views of the bucket buffers; NVMe offload: in the swap file
-    grad_numel = 0 if engine.stage < 2 or residency.grads_on_disk else unit.shard_numel
+    # stages 0-1: a view of its bucket's buffer; NVMe offload: in the swap file
+    grad_numel = 0 if residency.grads_on_disk else unit.shard_numel
+    if accumulator is None:
+        accumulator = torch.zeros(grad_numel, dtype=torch.float32, device=engine.device)
     rt = UnitRuntime(
         index=index,
         unit=unit,
@@ -151,7 +161,8 @@ def build_unit(
             master,
             torch.float32 if residency.nvme is not None else engine.dtypes.state_dtype,
         ),
-        grad=torch.zeros(grad_numel, dtype=torch.float32, device=engine.device),
+        grad=accumulator,
+        hparams=engine.hyperparams.group_hparams[unit.group],
         full=full,
         param_shard=param_shard,
     )

@@ -29,7 +29,7 @@ from fzero.core.layout import (
     UnitRuntime,
 )
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
-from fzero.core.reduce import scatter_by_all_reduce
+from fzero.core.reduce import bucket_accumulators, scatter_by_all_reduce
 from fzero.core.residency import Residency
 from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.state import TrainState, optimizer_partition, partition_numel
@@ -186,14 +186,30 @@ class Engine(DeepSpeedAccessors):
             param_offload=self.param_offload,
             timer=self.timers,
         )
-        self.reduction = GradientReduction(self)
-        self.stage3.on_backward_use = self.reduction.note_backward_use
-        self.units = build_units(self, param_init_fn)
-        self.stage3.units = self.residency.units = self.units
-        self.reduction.build(zero.reduce_bucket_size)
-        self._hooks += install_hooks(self)
         trainable = self.functional_optimizer is not _NO_OPTIMIZER
         self.hyperparams = Hyperparams(self, self._groups, trainable)
+        buckets = partition.reduction_buckets(self.plan, int(zero.reduce_bucket_size))
+        accumulators = None  # stages 0-1: one buffer per bucket (one all-reduce each)
+        if self.stage < 2:
+            accumulators = bucket_accumulators(self.plan, buckets, self.device)
+        self.units = build_units(self, param_init_fn, accumulators)
+        self.stage3.units = self.residency.units = self.units
+        self.reduction = GradientReduction(
+            self,
+            self.plan,
+            self.rank,
+            self.units,
+            buckets,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            stage3=self.stage3,
+            residency=self.residency,
+            timers=self.timers,
+            overlap=self.overlap_comm,
+            quantized=zero.zero_quantized_gradients,
+        )
+        self.stage3.on_backward_use = self.reduction.note_backward_use
+        self._hooks += install_hooks(self)
         # what the engine steps after each applied step, a plain attribute as DeepSpeed's
         # (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None
         self.config_scheduler = (
@@ -337,6 +353,11 @@ class Engine(DeepSpeedAccessors):
         if self.functional_optimizer is _NO_OPTIMIZER:
             raise RuntimeError(_NO_OPTIMIZER_MESSAGE)
         self.residency.check_usable()
+
+    def drop_accumulation_window(self) -> None:
+        """Back to the first micro-step of the current accumulation window (its
+        gradients were lost: NVMe gradient writes failed)."""
+        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
 
     def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)

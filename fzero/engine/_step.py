@@ -72,9 +72,7 @@ def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDe
 
 
 def zero_grads(engine: Engine) -> None:
-    for rt in engine.units:
-        rt.grad.zero_()
-        rt.grad_on_disk, rt.grad_stats = False, None
+    engine.residency.zero_grads(engine.units)
 
 
 class Hyperparams:
@@ -100,8 +98,7 @@ class Hyperparams:
             {"params": list(group["params"]), **hparam_fields(hp)}
             for group, hp in zip(groups, group_hparams)
         ]
-        for rt in engine.units:
-            rt.hparams = group_hparams[rt.unit.group]
+        self.group_hparams = group_hparams  # each unit's, by its group (`UnitRuntime`)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

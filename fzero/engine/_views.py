@@ -14,7 +14,8 @@ from torch import Tensor
 
 from fzero import partition
 from fzero.core import init as functional
-from fzero.core.layout import UnitRuntime, bind, scatter_pieces
+from fzero.core.layout import UnitRuntime
+from fzero.core.publish import accept_edits
 from fzero.core.residency import SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.partition import MemoryEstimate
@@ -61,25 +62,12 @@ def gathered_parameters(
         with torch.no_grad():
             for rt in units:
                 with engine.residency.resident(rt, write_back=True):
-                    _accept_edits(engine, rt, modifier_rank)
+                    accept_edits(rt, engine.plan, engine.rank, modifier_rank, engine.stage3)
             for p in others:
                 if engine.world_size > 1:
                     dist.broadcast(p.data, src=modifier_rank)
     for rt in gathered_here:
         engine.stage3.release(rt)
-
-
-def _accept_edits(engine: Engine, rt: UnitRuntime, source: int) -> None:
-    assert rt.full is not None
-    for p, placement, _ in rt.params:  # parameters that are copies write back
-        scatter_pieces(rt.full, p.detach().reshape(-1), placement)
-    if engine.world_size > 1:
-        dist.broadcast(rt.full, src=source)
-    if rt.master.data_ptr() != rt.full[engine.partition(rt.unit)].data_ptr():
-        rt.master.copy_(rt.full[engine.partition(rt.unit)])
-    if rt.param_shard is not None:
-        engine.stage3.store_param_shard(rt, rt.full[engine.owned(rt.unit)])
-    bind(rt)
 
 
 def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
@@ -116,8 +104,9 @@ def memory_held(engine: Engine) -> MemoryEstimate:
         for p, _, _ in rt.params:
             params += size(p.data)
         master += size(rt.master)
-        grads += size(rt.grad) + size(rt.flat_grad)
+        grads += size(rt.grad)
         state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
+    grads += engine.reduction.held_numel() * 4  # fp32 buckets of a reduction in flight
     return MemoryEstimate(
         params=params,
         master=master,

@@ -31,6 +31,7 @@ from fzero.checkpoint._save import (
     save,
     wait_for_save,
 )
+from fzero.core.publish import install, rolled_back
 
 # An fzero Engine, taken by duck type: the checkpoint package imports nothing from the
 # engine (the engine imports it), and reads only the engine's public attributes.
@@ -150,25 +151,23 @@ def load_checkpoint(
         _check_scheduler_state(engine, directory, load_lr_scheduler_states)
     # NVMe offload: restore writes each unit to the other slot of its swap regions as it
     # is read (one unit in memory at a time); the slots flip once every rank has read.
-    before = [(rt.state, rt.grad_on_disk) for rt in engine.units]
     like = engine.train_state
     residency, stored = engine.residency, engine.residency.stored
     try:
-        restored = restore(
-            load_dir,
-            like,
-            optimizer=engine.functional_optimizer,
-            tag=tag,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            accumulation=_accumulation(engine),
-            extras=extras,
-            owner=engine,
-            install=False,
-            strict=load_module_strict,
-        )
+        with rolled_back(engine.units):
+            restored = restore(
+                load_dir,
+                like,
+                optimizer=engine.functional_optimizer,
+                tag=tag,
+                load_optimizer_states=load_optimizer_states and not load_module_only,
+                accumulation=_accumulation(engine),
+                extras=extras,
+                owner=engine,
+                install=False,
+                strict=load_module_strict,
+            )
     except Exception as error:
-        for rt, (state, grad_on_disk) in zip(engine.units, before):
-            rt.state, rt.grad_on_disk = state, grad_on_disk
         if isinstance(error, PartlyRestoredError):
             residency.broken = (
                 f"loading {load_dir} failed after the engine's buffers were partly "
@@ -181,7 +180,7 @@ def load_checkpoint(
             )
         raise
     residency.broken = ""  # the file holds the loaded step now
-    _install(engine, like, restored.state)
+    install(engine.units, like, restored.state)
     with torch.no_grad():
         for key, tensor in module_tensors(engine.plan, engine.module).items():
             if key in restored.module:  # all of them unless load_module_strict=False
@@ -197,25 +196,6 @@ def load_checkpoint(
             restore_process_rng(index["ranks"][engine.rank]["rng"])
     _log_world_change(engine, index)
     return restored.directory, restored.client_state
-
-
-def _install(engine: Engine, like: Any, state: Any) -> None:
-    """Make the restored units the engine's: masters copied into buffers the parameters
-    view, else taken; optimizer states taken; loaded gradients copied (NVMe: the next
-    slots, already written, become current)."""
-    if like.residence is not None:
-        like.residence.commit()
-    with torch.no_grad():
-        for rt, old, unit in zip(engine.units, like.units, state.units):
-            if unit.grad is not old.grad and rt.grad.numel():
-                rt.grad.copy_(unit.grad)
-            if like.residence is not None:
-                continue
-            if rt.master._base is None:
-                rt.master = unit.master
-            elif unit.master is not rt.master:  # else read in place already
-                rt.master.copy_(unit.master)  # a view of the parameters' buffer
-            rt.state = unit.optim
 
 
 def _restore_counters(

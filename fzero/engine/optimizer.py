@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fzero.core.publish import install_unit
+
 # An fzero Engine, by duck type: this module sits below the engine and imports nothing
 # from it.
 Engine = Any
@@ -114,17 +116,7 @@ class EngineOptimizer(torch.optim.Optimizer, ZeROOptimizer):
         for rt in engine.units:
             saved = state_dict["state"][rt.index]
             with engine.residency.resident(rt, write_back=True):
-                current = {"master": rt.master, **_state_tensors(rt.state)}
-                for name, tensor in current.items():
-                    value = saved.get(name)
-                    if not isinstance(value, Tensor) or value.shape != tensor.shape:
-                        raise ValueError(
-                            f"optimizer state_dict unit {rt.index} {name!r}: expected a tensor "
-                            f"of shape {tuple(tensor.shape)}, found {_describe(value)}"
-                        )
-                    with torch.no_grad():
-                        tensor.copy_(value)
-                rt.state = rt.state._replace(step=int(saved["step"]))
+                install_unit(rt, saved)
                 engine.publish_master(rt)
         engine.finish_publish()
         for group, saved in zip(engine.param_groups, state_dict["param_groups"]):
@@ -169,9 +161,3 @@ for _hook in (
 
 def _state_tensors(state: Any) -> dict[str, Tensor]:
     return {k: v for k, v in state._asdict().items() if isinstance(v, Tensor)}
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"shape {tuple(value.shape)}"
-    return type(value).__name__
