@@ -40,10 +40,10 @@ from fzero.config import Config, accumulation_steps
 from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
-from fzero.core.layout import UnitRuntime, add_pieces, gather_pieces
+from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import loss_scaler
 from fzero.core.publish import attach_params, runtime_of
-from fzero.core.reduce import Pending, finish, reduce_bucket
+from fzero.core.reduce import Reduction
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState, partition_numel
 from fzero.core.update import decide_step, grad_stats
@@ -174,6 +174,11 @@ class _Step:
         return self._applications[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        where = f"train_step (micro-step {state.counters.micro_steps})"
+        with comm.named_operation(where):
+            return self._call(state, batch)
+
+    def _call(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
         # NVMe: a step whose I/O fails on any rank is rolled back on every rank (commit
         # two_slots) and raises OSError; the gradients are put back as they were before
@@ -288,19 +293,22 @@ class _Micro:
                 max_reuse=int(zero.stage3_max_reuse_distance),
                 quantized=zero.zero_quantized_weights,
             )
-        self.waiting: dict[int, set[str]] = {}
         # reductions: bucket by bucket in launch order (`fzero.core.reduce`), stages 0-1
         # only in the micro-step that ends an accumulation window
-        self.at_boundary = (state.counters.micro_steps + 1) % step.accumulation == 0
-        self.buffers: dict[int, Tensor] = {}  # stages 2-3: bucket -> its gradients
-        self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
-        for b, indices in enumerate(step.buckets):
-            offset = 0
-            for index in indices:
-                self.place[index] = (b, offset)
-                offset += self.plan.units[index].numel
-        self.next_bucket = 0
-        self.pending: Pending = []
+        at_boundary = (state.counters.micro_steps + 1) % step.accumulation == 0
+        units = state.units
+        self.reduction = Reduction(
+            self.plan,
+            self.rank,
+            step.buckets,
+            sizes=[len(unit.placements) for unit in self.plan.units],
+            accumulator=lambda i: units[i].grad,
+            keep=lambda i, part: units[i].grad.add_(part),
+            device=self.device,
+            quantized=self.plan.stage >= 2
+            and step.config.zero_optimization.zero_quantized_gradients,
+        )
+        self.reduction.begin(reduce=self.plan.stage >= 2 or at_boundary)
 
     # ---- gradients of the micro-batch ----
 
@@ -337,7 +345,7 @@ class _Micro:
                 hook.remove()
             if self.gatherer is not None:
                 self.gatherer.end_step()
-        self._reduce_rest()
+        self.reduction.finish()  # units this pass did not use reduce zeros
         return loss, aux
 
     def _leaves(self, whole: bool) -> dict[str, Tensor]:
@@ -352,7 +360,6 @@ class _Micro:
             params = self.state.units[index].params
             if whole and not self._whole(unit):
                 params = self.gatherer.full(index)
-            self.waiting[index] = {pl.fqn for pl in unit.placements}
             for pl in unit.placements:
                 shape = self.plan.manifest[pl.fqn].shape
                 self.where[pl.fqn] = (index, pl)
@@ -376,10 +383,9 @@ class _Micro:
         def hook(leaf: Tensor) -> None:
             assert leaf.grad is not None
             index, pl = self.where[fqn]
-            self._add(index, pl, leaf.grad)
+            self.reduction.add(index, pl, leaf.grad)
             leaf.grad = None
-            self.waiting[index].discard(fqn)
-            self._reduce_ready()
+            self.reduction.arrived(index)
 
         return hook
 
@@ -405,66 +411,9 @@ class _Micro:
         loss, grads = _check_grads(out, self.plan)
         for fqn, grad in grads.items():
             index, pl = self.where[fqn]
-            self._add(index, pl, grad.detach() / self.step.accumulation)
-        self._reduce_rest()
+            self.reduction.add(index, pl, grad.detach() / self.step.accumulation)
+        self.reduction.finish()
         return loss, None
-
-    def _add(self, index: int, placement: Placement, grad: Tensor) -> None:
-        """Add a gradient into the unit's flat fp32 gradient of this micro-batch."""
-        # stages 0-1 sum locally into the accumulator until the boundary
-        flat = self.state.units[index].grad if self.plan.stage < 2 else self._flat(index)
-        add_pieces(flat, grad.reshape(-1).float(), placement)
-
-    def _flat(self, index: int) -> Tensor:
-        """Stages 2-3: unit `index`'s full-size gradient, a view of its bucket's buffer."""
-        b, offset = self.place[index]
-        buffer = self.buffers.get(b)
-        if buffer is None:
-            numel = sum(self.plan.units[i].numel for i in self.step.buckets[b])
-            buffer = self.buffers[b] = torch.zeros(numel, device=self.device)
-        return buffer[offset : offset + self.plan.units[index].numel]
-
-    def _reduce_ready(self) -> None:
-        """Launch bucket reductions in bucket order (the same on every rank), as far as
-        their units' gradients are complete: they overlap the rest of backward."""
-        buckets = self.step.buckets
-        while self.next_bucket < len(buckets) and not any(
-            self.waiting.get(i) for i in buckets[self.next_bucket]
-        ):
-            self._launch(self.next_bucket)
-            self.next_bucket += 1
-
-    def _reduce_rest(self) -> None:
-        """Launch what is left (units this pass did not use reduce zeros) and wait."""
-        while self.next_bucket < len(self.step.buckets):
-            self._launch(self.next_bucket)
-            self.next_bucket += 1
-        finish(self.pending)
-
-    def _launch(self, b: int) -> None:
-        indices = self.step.buckets[b]
-        units = self.state.units
-        if self.plan.stage < 2:
-            if self.at_boundary and self.world > 1:
-                for index in indices:
-                    work = comm.all_reduce(units[index].grad, op="avg", async_op=True)
-                    self.pending.append((work, _nothing))
-            return
-        flats = [self._flat(index) for index in indices]
-        owned = [slice(*self.plan.units[index].shard_range(self.rank)) for index in indices]
-
-        def keep(i: int, part: Tensor) -> None:
-            units[indices[i]].grad.add_(part)
-
-        zero = self.step.config.zero_optimization
-        self.pending += reduce_bucket(
-            self.buffers.pop(b),
-            flats,
-            owned,
-            keep,
-            world_size=self.world,
-            quantized=self.plan.stage >= 2 and zero.zero_quantized_gradients,
-        )
 
     # ---- the update at an accumulation boundary ----
 
@@ -542,10 +491,6 @@ def _compiled(fn: Any) -> bool:
     return hasattr(fn, "_torchdynamo_orig_callable") or isinstance(
         fn, torch._dynamo.eval_frame.OptimizedModule
     )
-
-
-def _nothing() -> None:
-    """What follows a collective whose result is already where it belongs."""
 
 
 @contextlib.contextmanager
