@@ -62,3 +62,130 @@ def test_parameters_one_rank_leaves_unused_get_zero_contributions(stage):
     got = run_world(unused_case, 2, stage)
     for name, value in reference().items():
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6)
+
+
+# ---- a rank that raises: the others end within seconds, naming it ---------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raises_on_rank_1(rank: int, where: str) -> None:
+    if rank == 1:
+        raise Boom(f"bad batch on rank 1 ({where})")
+
+
+def _run_and_time(rank: int, action) -> dict:
+    import time
+
+    start = time.monotonic()
+    try:
+        action()
+        return {"rank": rank, "error": "no error", "seconds": time.monotonic() - start}
+    except Exception as error:  # every rank reports what it got
+        return {
+            "rank": rank,
+            "type": type(error).__name__,
+            "error": str(error),
+            "seconds": time.monotonic() - start,
+        }
+
+
+def _both(rank: int, result: dict, directory: str) -> dict:
+    """Rank 1 leaves its result in a file; rank 0 returns both."""
+    import json
+    import pathlib
+    import time
+
+    path = pathlib.Path(directory) / f"rank{rank}.json"
+    path.write_text(json.dumps(result))
+    if rank != 0:
+        return result
+    other = pathlib.Path(directory) / "rank1.json"
+    deadline = time.monotonic() + 60
+    while not other.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {"0": result, "1": json.loads(other.read_text()) if other.exists() else None}
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 1:
+                _raises_on_rank_1(rank, "inside layers.1's forward")
+        return x
+
+
+def engine_raise_case(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine = fzero.shard(Deep(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    x = torch.randn(2, 16)
+
+    def train() -> None:
+        engine.backward(engine(x, rank).square().mean())
+        engine.step()
+
+    return _both(rank, _run_and_time(rank, train), directory)
+
+
+def train_step_raise_case(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = Deep()
+    plan = fzero.partition.plan(
+        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+    )
+    state = fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))
+
+    def loss_fn(params: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x, rank)).square().mean()
+
+    step = fzero.train_step(loss_fn, plan=plan, optimizer=fzero.optim.sgd(lr=0.1))
+    return _both(rank, _run_and_time(rank, lambda: step(state, torch.randn(2, 16))), directory)
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rank: int) -> torch.Tensor:
+        ctx.rank = rank
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _raises_on_rank_1(ctx.rank, "in backward")
+        return grad, None
+
+
+def backward_raise_case(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    engine = fzero.shard(model, optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    x = torch.randn(2, 16)
+
+    def train() -> None:
+        loss = _FailsInBackward.apply(engine(x), rank).square().mean()
+        engine.backward(loss)
+        engine.step()
+
+    return _both(rank, _run_and_time(rank, train), directory)
+
+
+@pytest.mark.parametrize("case", [engine_raise_case, train_step_raise_case, backward_raise_case])
+def test_a_rank_that_raises_is_named_on_the_others_within_seconds(case, tmp_path):
+    got = run_world(case, 2, str(tmp_path))
+    raiser, waiter = got["1"], got["0"]
+    assert raiser["type"] == "Boom"
+    assert waiter["type"] == "RankDisagreement", waiter
+    assert "rank 1 raised in" in waiter["error"] and "Boom: bad batch on rank 1" in waiter["error"]
+    assert "rank 0 was waiting in collective #" in waiter["error"]
+    assert waiter["seconds"] < 20, waiter  # the collective timeout here is 120 s

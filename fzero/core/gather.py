@@ -179,7 +179,8 @@ class PlaceholderGatherer:
         if self.quantized:
             return quantized_all_gather(full, shard.contiguous())
         if self.plan.world_size > 1:
-            return comm.all_gather_into(full, shard.contiguous(), async_op=True)
+            what = f"parameters of unit {index} {self.plan.units[index].name!r}"
+            return comm.all_gather_into(full, shard.contiguous(), async_op=True, what=what)
         full.copy_(shard)
         return _Done()
 

@@ -166,7 +166,12 @@ class Stage3Gatherer:
         if rt.index in self.approximate:
             rt.gather_work = quantized_all_gather(rt.full, shard)
         else:
-            rt.gather_work = comm.all_gather_into(rt.full, shard, async_op=True)
+            rt.gather_work = comm.all_gather_into(
+                rt.full,
+                shard,
+                async_op=True,
+                what=f"parameters of unit {rt.index} {rt.unit.name!r}",
+            )
         rt.gather_input = shard  # alive until the all-gather is done
 
     def _land(self, rt: UnitRuntime) -> None:

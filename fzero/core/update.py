@@ -86,7 +86,7 @@ def decide_step(
     if loss_scaler is not None and loss_scaler.dynamic:
         flag = torch.tensor([float(not all(finite for _, finite in stats))], device=device)
         if world_size > 1:
-            comm.all_reduce(flag, op="max")
+            comm.all_reduce(flag, op="max", what="fp16 overflow flag")
         found_inf = bool(flag.item())
         if loss_scaler.stuck(loss_scale, found_inf):
             raise LossScaleError(
@@ -103,7 +103,7 @@ def decide_step(
     for unit_sq, _ in stats:
         sq += unit_sq
     if world_size > 1:
-        comm.all_reduce(sq, op="sum")
+        comm.all_reduce(sq, op="sum", what="gradient norm")
     factor = 1.0 / scale
     norm = math.sqrt(sq.item()) * factor
     if clipping > 0:
@@ -232,7 +232,7 @@ def add_lamb_squares(
 def lamb_norms(sums: Tensor, stage: int) -> list[list[float]]:
     """Every tensor's parameter and update norms over all ranks (collective from stage 1)."""
     if stage > 0:
-        comm.all_reduce(sums, op="sum")
+        comm.all_reduce(sums, op="sum", what="LAMB norms")
     return sums.sqrt().tolist()
 
 
