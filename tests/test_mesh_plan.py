@@ -24,12 +24,16 @@ from fzero.partition import (
     TensorSpec,
     UnitSharding,
     Zero,
+    comm_volume,
     describe,
+    format_comm_volume,
+    format_plan,
     from_bytes,
     from_plan,
     from_zero_config,
     kind_slices,
     local_slices,
+    memory_per_rank,
     mesh_plan,
     mesh_plan_from_bytes,
     per_tensor_dim0,
@@ -38,6 +42,7 @@ from fzero.partition import (
     to_bytes,
     to_plan,
     validate,
+    volume_by_axes,
 )
 
 MANIFEST = Manifest(
@@ -484,3 +489,144 @@ def test_hierarchical_mics_splits_the_shard_group_into_nodes():
 def test_deepspeed_key_errors_name_key_and_value(zero, kwargs, message):
     with pytest.raises(PlanError, match=message):
         from_zero_config(zero, 8, **kwargs)
+
+
+# --- study tools: memory and communication -----------------------------------------------
+
+BIG = Manifest(tuple(TensorSpec(f"blocks.{i}.w", (32, 32)) for i in range(3)))  # no padding
+
+
+def _rows(rows):
+    return {(r.operation, r.what, r.axes): (r.calls, r.bytes, r.world_size) for r in rows}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_comm_volume_on_one_axis_is_todays(stage):
+    options = {"persistence_threshold": 20} if stage == 3 else {}
+    today = plan(MANIFEST, world_size=4, stage=stage, **options)
+    mp = from_plan(today)
+    regathered = [i for i, u in enumerate(today.units) if stage == 3 and not u.persistent]
+    settings = {
+        "accumulation_steps": 3,
+        "param_dtype": "bfloat16",
+        "bucket_numel": 100,
+        "regathered": regathered[:1],
+        "loss_scaling": True,
+        "optimizer": "lamb",
+    }
+    expected = [dataclasses.replace(r, axes=("dp",)) for r in comm_volume(today, **settings)]
+    assert comm_volume(mp, **settings) == expected
+    assert comm_volume(from_plan(plan(MANIFEST, world_size=1, stage=stage))) == []
+
+
+def test_hsdp_reduces_within_the_node_and_all_reduces_across():
+    """MiCS/HSDP on 2 x 2, fp32 params, 2 micro-steps: gradients reduce-scattered over
+    `local` every micro-step and their shard all-reduced over `node` once per step
+    (MiCS's 2-hop synchronisation, section 4.3; DeepSpeed at the accumulation boundary);
+    parameters gathered over `local` only."""
+    mp = mesh_plan(BIG, MESH, "mics")
+    rows = _rows(comm_volume(mp, accumulation_steps=2, regathered=[0, 1, 2]))
+    unit_bytes = 1024 * 4
+    assert rows[("reduce_scatter", "gradients", ("local",))] == (6, 3 * unit_bytes * 2, 2)
+    assert rows[("all_reduce", "gradients", ("node",))] == (3, 3 * unit_bytes // 2, 2)
+    assert rows[("all_gather", "parameters for forward", ("local",))] == (6, 6 * unit_bytes, 2)
+    assert rows[("all_gather", "parameters for backward", ("local",))] == (6, 6 * unit_bytes, 2)
+    assert not any("node" in axes and what.startswith("param") for _, what, axes in rows)
+
+
+def test_hpz_moves_the_backward_gather_into_the_node():
+    """ZeRO++ hpZ (Wang et al. 2023, section 4.2): ZeRO-3 moves 3M per step across the
+    world (forward gather, backward gather, gradient reduce-scatter); hpZ gathers for
+    backward from the in-node secondary copy, so 2M of it still crosses nodes: the same
+    bytes, one collective moved from node+local to local."""
+    regathered = [0, 1, 2]
+    zero3 = _rows(comm_volume(mesh_plan(BIG, MESH, "zero3"), regathered=regathered))
+    hpz = _rows(comm_volume(mesh_plan(BIG, MESH, "hpz"), regathered=regathered))
+    every = ("node", "local")
+    backward = zero3.pop(("all_gather", "parameters for backward", every))
+    assert hpz.pop(("all_gather", "parameters for backward", ("local",))) == (*backward[:2], 2)
+    assert hpz == zero3
+    model = 3 * 1024 * 4  # M: fp32 parameters and gradients
+    for preset, crossing_models in (("zero3", 3), ("hpz", 2)):
+        rows = comm_volume(mesh_plan(BIG, MESH, preset), regathered=regathered)
+        data = [r for r in rows if r.what in ("gradients",) or r.what.startswith("param")]
+        assert sum(r.bytes for r in data if "node" in r.axes) == crossing_models * model
+
+
+def test_hierarchical_gather_runs_one_gather_per_axis():
+    mesh = Mesh({"replica": 2, "node": 2, "local": 2})
+    flat = _rows(comm_volume(mesh_plan(BIG, mesh, MiCS(("node", "local")))))
+    hier = _rows(comm_volume(mesh_plan(BIG, mesh, MiCS(("node", "local"), True))))
+    model = 3 * 1024 * 4
+    assert flat[("all_gather", "parameters for forward", ("node", "local"))] == (3, model, 4)
+    # over node: each rank's quarter becomes a half; over local: the half becomes the whole
+    assert hier[("all_gather", "parameters for forward", ("node",))] == (3, model // 2, 2)
+    assert hier[("all_gather", "parameters for forward", ("local",))] == (3, model, 2)
+
+
+def test_comm_volume_refuses_what_it_does_not_model_on_a_mesh():
+    mp = mesh_plan(BIG, MESH, "mics")
+    with pytest.raises(PlanError, match="not modelled for plans on a mesh yet"):
+        comm_volume(mp, quantized_weights=True)
+    with pytest.raises(PlanError, match=r"unit 0 \('blocks.0'\), whose parameters are whole"):
+        comm_volume(mesh_plan(BIG, MESH, "zero2"), regathered=[0])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_on_one_axis_is_todays(stage):
+    today = plan(MANIFEST, world_size=4, stage=stage, persistence_threshold=20)
+    for rank, precision in itertools.product(range(4), ("float32", "bfloat16")):
+        expected = memory_per_rank(today, rank, param_dtype=precision)
+        assert memory_per_rank(from_plan(today), rank, param_dtype=precision) == expected
+
+
+def test_mics_holds_the_model_over_the_shard_group():
+    """MiCS (Zhang et al. 2022, section 3): per-rank model states are the model over the
+    partition group's size, whatever the world: 2 x 2 MiCS holds what ZeRO-3 on 2 ranks
+    does (no padding in BIG), twice ZeRO-3 on 4."""
+    mics = memory_per_rank(mesh_plan(BIG, MESH, "mics"), 3, param_dtype="bfloat16")
+    zero3_on_2 = memory_per_rank(plan(BIG, world_size=2, stage=3), 0, param_dtype="bfloat16")
+    zero3_on_4 = memory_per_rank(plan(BIG, world_size=4, stage=3), 0, param_dtype="bfloat16")
+    assert mics == zero3_on_2
+    assert mics.total == 2 * zero3_on_4.total
+    model = 3 * 1024
+    assert mics.params == model // 2 * 2 and mics.grads == model // 2 * 4
+    assert mics.master == model // 2 * 4 and mics.optimizer_state == model // 2 * 8
+
+
+def test_hpz_adds_a_secondary_copy_over_the_node():
+    """ZeRO++ hpZ trades memory for cross-node volume: ZeRO-3's states plus one copy of
+    the parameters split over the ranks of a node (Ψ/2 bf16 elements here)."""
+    hpz = memory_per_rank(mesh_plan(BIG, MESH, "hpz"), 0, param_dtype="bfloat16")
+    zero3 = memory_per_rank(plan(BIG, world_size=4, stage=3), 0, param_dtype="bfloat16")
+    model = 3 * 1024
+    assert hpz.params_secondary == model // 2 * 2
+    assert dataclasses.replace(hpz, params_secondary=0) == zero3
+    assert hpz.total == zero3.total + model
+
+
+def test_format_plan_shows_each_kind_and_rank():
+    text = format_plan(mesh_plan(BIG, MESH, "hpz"))
+    lines = text.splitlines()
+    assert lines[0] == (
+        "plan: strategy=flat_even preset=hpz mesh=node=2 x local=2 (4 ranks) alignment=16 "
+        "units=3 params=3,072"
+    )
+    assert "    params_secondary shard(local) replicate(node)" in text
+    assert "    grads            shard(node, local)" in text
+    assert (
+        "    rank 2 (node=1, local=0): params[512:768) grads[512:768) optimizer[512:768) "
+        "params_secondary[0:512); updates blocks.0.w[512:768]" in lines
+    )
+    assert lines[-1].startswith("padding: 0 elements (0.0% of the unit buffers)")
+    assert format_plan(from_plan(plan(BIG, world_size=2, stage=1))).count("whole") == 6
+
+
+def test_format_comm_volume_adds_axes_on_a_mesh():
+    rows = comm_volume(mesh_plan(BIG, MESH, "mics"))
+    text = format_comm_volume(rows)
+    assert "axes" in text.splitlines()[0]
+    assert volume_by_axes(rows)[("node",)] == 3 * 1024 * 4 // 2  # ring all-reduce: 2(g-1)/g
+    assert "  wire bytes over node " in text
+    stage_rows = comm_volume(plan(BIG, world_size=4, stage=3))
+    assert "axes" not in format_comm_volume(stage_rows)

@@ -58,7 +58,7 @@ from fzero.partition._strategies import (
     plan,
     strategy_from_name,
 )
-from fzero.partition._volume import Collective, comm_volume, format_comm_volume
+from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
 
 __all__ = [
     "BUILT_IN",
@@ -120,4 +120,5 @@ __all__ = [
     "to_bytes",
     "to_plan",
     "validate",
+    "volume_by_axes",
 ]

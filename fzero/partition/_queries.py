@@ -87,7 +87,7 @@ def _slices_in(index: int, unit: Unit, lo: int, hi: int) -> list[LocalSlice]:
     return found
 
 
-def reduction_buckets(plan: Plan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
+def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
     """Unit indices grouped into gradient-reduction buckets, in launch order.
 
     Backward produces gradients roughly in reverse unit order, so buckets take
