@@ -67,10 +67,12 @@ class Mesh:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The axis names, outermost (slowest) first."""
         return tuple(name for name, _ in self.axes)
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The axis sizes, in `names` order."""
         return tuple(size for _, size in self.axes)
 
     @property

@@ -75,6 +75,7 @@ class MeshPlan:
 
     @property
     def world_size(self) -> int:
+        """Ranks the plan is for: the mesh's size."""
         return self.mesh.size
 
     unit_of = Plan.unit_of  # the same lookup: by name or alias
