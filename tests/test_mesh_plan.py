@@ -522,7 +522,7 @@ def test_comm_volume_on_one_axis_is_todays(stage):
 def test_hsdp_reduces_within_the_node_and_all_reduces_across():
     """MiCS/HSDP on 2 x 2, fp32 params, 2 micro-steps: gradients reduce-scattered over
     `local` every micro-step and their shard all-reduced over `node` once per step
-    (MiCS's 2-hop synchronisation, section 4.3; DeepSpeed at the accumulation boundary);
+    (MiCS's 2-hop gradient synchronisation; DeepSpeed at the accumulation boundary);
     parameters gathered over `local` only."""
     mp = mesh_plan(BIG, MESH, "mics")
     rows = _rows(comm_volume(mp, accumulation_steps=2, regathered=[0, 1, 2]))
@@ -535,7 +535,7 @@ def test_hsdp_reduces_within_the_node_and_all_reduces_across():
 
 
 def test_hpz_moves_the_backward_gather_into_the_node():
-    """ZeRO++ hpZ (Wang et al. 2023, section 4.2): ZeRO-3 moves 3M per step across the
+    """ZeRO++ hpZ (Wang et al. 2023, arXiv:2306.10209): ZeRO-3 moves 3M per step across the
     world (forward gather, backward gather, gradient reduce-scatter); hpZ gathers for
     backward from the in-node secondary copy, so 2M of it still crosses nodes: the same
     bytes, one collective moved from node+local to local."""
@@ -581,7 +581,7 @@ def test_memory_on_one_axis_is_todays(stage):
 
 
 def test_mics_holds_the_model_over_the_shard_group():
-    """MiCS (Zhang et al. 2022, section 3): per-rank model states are the model over the
+    """MiCS (Zhang et al. 2022, arXiv:2205.00119): per-rank model states are the model over the
     partition group's size, whatever the world: 2 x 2 MiCS holds what ZeRO-3 on 2 ranks
     does (no padding in BIG), twice ZeRO-3 on 4."""
     mics = memory_per_rank(mesh_plan(BIG, MESH, "mics"), 3, param_dtype="bfloat16")

@@ -231,12 +231,12 @@ class UnitSharding:
     - `params`: the primary parameter shards (stage 3's): what forward gathers;
     - `grads`: the reduced gradient accumulators;
     - `optimizer`: fp32 masters and optimizer states (always split alike);
-    - `params_secondary`: ZeRO++ hpZ's secondary copy (Wang et al. 2023, section 4.2):
+    - `params_secondary`: ZeRO++ hpZ's secondary copy (Wang et al. 2023, arXiv:2306.10209):
       after forward's gather each rank keeps this split of the parameters, and backward
       gathers from it instead of from `params` (an in-node gather); None: no secondary;
     - `hierarchical_params_gather`: a parameter gather over several axes runs as one
       all-gather per axis, the first (outermost) axis first: MiCS's hierarchical
-      all-gather (Zhang et al. 2022, section 4.2; DeepSpeed's
+      all-gather (Zhang et al. 2022, arXiv:2205.00119; DeepSpeed's
       `mics_hierarchical_params_gather`), the same result with fewer cross-node messages.
     """
 

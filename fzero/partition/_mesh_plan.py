@@ -159,7 +159,7 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
             raise PlanError(
                 f"{where} params_secondary: split over axis {extra[0]!r} where the primary "
                 f"params ({params}) are not; hpZ's secondary copy is a coarser split of the "
-                "primary (ZeRO++, section 4.2)"
+                "primary (ZeRO++ hpZ)"
             )
     if sharding.hierarchical_params_gather and len(params.shard) < 2:
         raise PlanError(

@@ -4,18 +4,18 @@ the units out with a strategy and asks a preset how to split each.
 - `Zero(stage)`: DeepSpeed's ZeRO-1/2/3 (Rajbhandari et al. 2020): optimizer state, then
   gradients, then parameters split over every axis; on a one-axis mesh it is today's
   stage plan exactly (`to_plan`).
-- `MiCS(shard_axes)`: MiCS (Zhang et al. 2022, VLDB 2023) and FSDP's HSDP: every kind
-  split within a group (`shard_axes`, by default the mesh's last axis: the ranks of a
-  node where ranks are numbered node by node, as torchrun does) and replicated across
-  the other axes. Per-rank model states are the model over the group size (the paper's
-  section 3: "scale-aware partitioning"); gradients are reduce-scattered within the group
-  every micro-step and all-reduced across groups once per step (DeepSpeed's
+- `MiCS(shard_axes)`: MiCS (Zhang et al. 2022, arXiv:2205.00119) and FSDP's HSDP:
+  every kind split within a group (`shard_axes`, by default the mesh's last axis: the
+  ranks of a node where ranks are numbered node by node, as torchrun does) and
+  replicated across the other axes. Per-rank model states are the model over the group
+  size (the paper's scale-aware partitioning); gradients are reduce-scattered within the
+  group every micro-step and all-reduced across groups once per step (DeepSpeed's
   `MiCS_Optimizer.allreduce_mics_shard_grads`, at the accumulation boundary).
-- `HpZ(secondary_axes)`: ZeRO++'s hierarchical partitioning (Wang et al. 2023, section
-  4.2): stage 3, plus a secondary copy of the parameters split within `secondary_axes`
-  (by default the last axis) that backward gathers from, trading memory (a
-  model/secondary-group-size copy per rank) for cross-node volume (backward's gather
-  stays in the node: 3M to 2M across nodes per step, the paper's section 4.2).
+- `HpZ(secondary_axes)`: ZeRO++'s hierarchical partitioning (Wang et al. 2023,
+  arXiv:2306.10209): stage 3, plus a secondary copy of the parameters split within
+  `secondary_axes` (by default the last axis) that backward gathers from, trading memory
+  (a model/secondary-group-size copy per rank) for cross-node volume (backward's gather
+  stays in the node: of ZeRO-3's 3M per step, 2M still cross nodes).
 - `Custom(name, rule)`: any mix, per unit and kind, from your function.
 """
 

@@ -214,8 +214,8 @@ def memory_per_rank(
 
     On a mesh each kind holds its unit's buffer over the group size of its shard axes
     (`MeshPlan.shard_range`), plus hpZ's secondary copy in `params_secondary`. MiCS (Zhang
-    et al. 2022, section 3): every model state over the shard-group size, not the world
-    size; ZeRO++ hpZ (Wang et al. 2023, section 4.2): ZeRO-3's states plus a parameter copy
+    et al. 2022, arXiv:2205.00119): every model state over the shard-group size, not the world
+    size; ZeRO++ hpZ (Wang et al. 2023, arXiv:2306.10209): ZeRO-3's states plus a parameter copy
     over the ranks of a node.
     """
     _check_rank(plan, rank)
