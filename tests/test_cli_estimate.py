@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fzero.cli import main
@@ -54,3 +55,47 @@ def test_estimate_takes_a_strategy(capsys):
     assert main([*args, "--precision", "fp32", "--strategy", "per_tensor_dim0"]) == 0
     rows = capsys.readouterr().out
     assert flat != rows and "4,680 params" in rows
+
+
+def test_estimate_on_a_mesh(capsys):
+    """Ψ = 7.5B fp16 on 8 nodes of 8: MiCS holds ZeRO-3's states over 8 ranks (16.88 GB,
+    as stage 3 at N = 8: the MiCS paper's model/shard-size), hpZ ZeRO-3's over 64 plus
+    Ψ/8 fp16 parameters (2.11 + 1.88 GB); per step MiCS all-reduces gradient shards over
+    `node` (2 x 7/8 x 30 GB / 8) and hpZ's backward gather stays on `local`."""
+    args = ["estimate", "--params", "7.5e9", "--mesh", "node=8,local=8"]
+    assert main([*args, "--preset", "mics,hpz,zero3"]) == 0
+    out = capsys.readouterr().out
+    assert "on mesh node=8 x local=8 (64 ranks)" in out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "mics - 16.88 GB 0.00 MB" in lines
+    assert "hpz - 3.98 GB 0.00 MB" in lines
+    assert "zero3 - 2.11 GB 0.00 MB" in lines
+    assert "mics node 0 B 0 B 6.56 GB" in lines
+    assert "mics local 26.25 GB 26.25 GB 0 B" in lines
+    assert "hpz local 13.13 GB 0 B 0 B" in lines  # backward, from the in-node copy
+    assert "hpz node+local 14.77 GB 29.53 GB 20 B" in lines  # forward + reduce-scatter
+    assert "zero3 node+local 29.53 GB 29.53 GB 20 B" in lines
+
+
+def test_estimate_on_a_mesh_from_a_model(capsys):
+    args = ["estimate", "--model", "tests.test_cli_estimate:tiny_model", "--mesh", "node=2,local=2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for preset in ("zero0", "zero1", "zero2", "zero3", "mics", "hpz"):
+        assert f" {preset} " in out
+    assert " zero0 cpu" not in " ".join(out.split())  # nothing to offload unsplit
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mesh", "node=2,local"], "'local' is not 'axis=size'"),
+        (["--mesh", "node=2,local=2", "--preset", "fsdp"], "--preset 'fsdp' is unknown"),
+        (["--preset", "mics"], "--preset needs --mesh"),
+        (["--mesh", "node=2", "--world-sizes", "2"], "give --mesh or --world-sizes"),
+        (["--mesh", "node=2,gpu=2", "--preset", "zero3", "--strategy", "x"], "--strategy"),
+    ],
+)
+def test_estimate_mesh_errors(extra, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["estimate", "--params", "1000", *extra])

@@ -27,8 +27,14 @@ _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
-    from fzero.cli.estimate import estimate, format_estimate, manifest_of_size
-    from fzero.partition import PlanError, describe, strategy_from_name
+    from fzero.cli.estimate import (
+        estimate,
+        estimate_mesh,
+        format_estimate,
+        format_mesh_estimate,
+        manifest_of_size,
+    )
+    from fzero.partition import PRESETS, Mesh, PlanError, describe, strategy_from_name
 
     if (args.model is None) == (args.params is None):
         raise SystemExit("fzero estimate: give exactly one of --model module:factory or --params N")
@@ -38,21 +44,35 @@ def _estimate(args: argparse.Namespace) -> int:
         manifest = describe(model)
     else:
         manifest = manifest_of_size(int(float(args.params)))
+    if args.preset is not None and args.mesh is None:
+        raise SystemExit("fzero estimate: --preset needs --mesh (e.g. --mesh node=2,local=8)")
+    if args.mesh is not None and args.world_sizes is not None:
+        raise SystemExit("fzero estimate: give --mesh or --world-sizes, not both")
+    settings = {
+        "param_dtype": _DTYPE_NAMES[args.precision],
+        "grad_dtype": _DTYPE_NAMES[args.grad_dtype or args.precision],
+        "optimizer": args.optimizer,
+        "master_dtype": _DTYPE_NAMES[args.master_dtype],
+        "state_dtype": _DTYPE_NAMES[args.state_dtype],
+        "persistence_threshold": args.persistence_threshold,
+    }
     try:
         strategy = strategy_from_name(args.strategy, where="--strategy")
+        if args.mesh is not None:
+            mesh = Mesh.parse(args.mesh)
+            presets = args.preset.split(",") if args.preset else list(PRESETS)
+            unknown = [p for p in presets if p not in PRESETS]
+            if unknown:
+                raise PlanError(
+                    f"--preset {unknown[0]!r} is unknown; allowed: {', '.join(PRESETS)}"
+                )
+            rows = estimate_mesh(manifest, mesh, presets, strategy=strategy, **settings)
+            print(format_mesh_estimate(rows, manifest.numel, mesh))
+            return 0
     except PlanError as error:
         raise SystemExit(f"fzero estimate: {error}") from None
-    rows = estimate(
-        manifest,
-        args.world_sizes,
-        param_dtype=_DTYPE_NAMES[args.precision],
-        grad_dtype=_DTYPE_NAMES[args.grad_dtype or args.precision],
-        optimizer=args.optimizer,
-        master_dtype=_DTYPE_NAMES[args.master_dtype],
-        state_dtype=_DTYPE_NAMES[args.state_dtype],
-        persistence_threshold=args.persistence_threshold,
-        strategy=strategy,
-    )
+    world_sizes = args.world_sizes if args.world_sizes is not None else [1, 8, 64]
+    rows = estimate(manifest, world_sizes, strategy=strategy, **settings)
     print(format_estimate(rows, manifest.numel))
     return 0
 
@@ -66,8 +86,19 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--world-sizes",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 8, 64],
+        default=None,
         help="comma-separated data-parallel sizes (default 1,8,64)",
+    )
+    est.add_argument(
+        "--mesh",
+        help="a mesh of named axes instead of world sizes, e.g. node=2,local=8 (rank-major, "
+        "the last axis fastest): memory and wire bytes per axis for each --preset",
+    )
+    est.add_argument(
+        "--preset",
+        help="with --mesh: comma-separated presets among zero0..zero3, mics (split within the "
+        "last axis, replicated across the others), hpz (zero3 + a secondary copy split within "
+        "the last axis); default all",
     )
     est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")

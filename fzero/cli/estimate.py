@@ -6,9 +6,27 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fzero.partition import Manifest, Plan, TensorSpec, flat_even, memory_per_rank, plan
+from fzero.partition import (
+    Manifest,
+    Mesh,
+    Plan,
+    TensorSpec,
+    comm_volume,
+    flat_even,
+    memory_per_rank,
+    mesh_plan,
+    plan,
+)
 
-__all__ = ["EstimateRow", "estimate", "format_estimate", "manifest_of_size"]
+__all__ = [
+    "EstimateRow",
+    "MeshEstimate",
+    "estimate",
+    "estimate_mesh",
+    "format_estimate",
+    "format_mesh_estimate",
+    "manifest_of_size",
+]
 
 
 @dataclass(frozen=True)
@@ -85,4 +103,93 @@ def format_estimate(rows: Sequence[EstimateRow], num_params: int) -> str:
             f"{row.stage:>5} {row.world_size:>6} {('cpu' if row.offload_optimizer else '-'):>17} "
             f"{_gb(row.device_bytes):>14} {_gb(row.host_bytes):>12}"
         )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MeshEstimate:
+    """One preset on a mesh: rank 0's model-state bytes (hpZ's secondary copy counted on
+    the device) and the ring wire bytes one rank sends per step, by axes and operation."""
+
+    preset: str
+    offload_optimizer: bool
+    device_bytes: int
+    host_bytes: int
+    wire_bytes: dict[tuple[tuple[str, ...], str], int]
+
+
+def estimate_mesh(
+    manifest: Manifest,
+    mesh: Mesh,
+    presets: Sequence[str],
+    *,
+    param_dtype: str = "float16",
+    grad_dtype: str = "float32",
+    optimizer: str = "adam",
+    persistence_threshold: int = 100_000,
+    strategy: Callable[..., Plan] = flat_even,
+    master_dtype: str = "float32",
+    state_dtype: str = "float32",
+) -> list[MeshEstimate]:
+    """Rank 0's bytes and each step's wire bytes per axes for every preset (a name in
+    `partition.PRESETS`) on `mesh`, with the engine's defaults as `estimate` has them.
+    Communication counts one micro-step per step and backward re-gathering every unit
+    whose parameters are split (ZeRO's 3Ψ: what hpZ's secondary copy serves). As in
+    `estimate`, optimizer offload is shown only where the optimizer state is split."""
+    rows = []
+    for name in presets:
+        p = mesh_plan(
+            manifest, mesh, name, strategy=strategy, persistence_threshold=persistence_threshold
+        )
+        regathered = [i for i, s in enumerate(p.shardings) if s.params.shard]
+        wire: dict[tuple[tuple[str, ...], str], int] = {}
+        for row in comm_volume(p, param_dtype=param_dtype, regathered=regathered):
+            key = (row.axes, row.operation)
+            wire[key] = wire.get(key, 0) + row.wire_bytes
+        splits_optimizer = any(s.optimizer.shard for s in p.shardings)
+        for offload in (False, True) if splits_optimizer else (False,):
+            mem = memory_per_rank(
+                p,
+                0,
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                optimizer=optimizer,
+                offload_optimizer=offload,
+                master_dtype=master_dtype,
+                state_dtype=state_dtype,
+            )
+            rows.append(MeshEstimate(name, offload, mem.device, mem.host, wire))
+    return rows
+
+
+def _bytes(num_bytes: int) -> str:
+    return f"{num_bytes:,} B" if num_bytes < 10_000 else _gb(num_bytes)
+
+
+def format_mesh_estimate(rows: Sequence[MeshEstimate], num_params: int, mesh: Mesh) -> str:
+    """The tables `fzero estimate --mesh` prints: memory per preset, then wire bytes."""
+    lines = [
+        f"model states per rank for {num_params:,} params on mesh {mesh} ({mesh.size} ranks); "
+        "rank 0; activations not included",
+        f"{'preset':>6} {'offload_optimizer':>17} {'device/rank':>14} {'host/rank':>12}",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row.preset:>6} {('cpu' if row.offload_optimizer else '-'):>17} "
+            f"{_gb(row.device_bytes):>14} {_gb(row.host_bytes):>12}"
+        )
+    operations = ("all_gather", "reduce_scatter", "all_reduce")
+    lines += [
+        "wire bytes one rank sends per step, by the axes of each collective (ring "
+        "algorithms; backward re-gathers every split unit):",
+        f"{'preset':>6} {'axes':<20}" + "".join(f"{op:>15}" for op in operations),
+    ]
+    for row in rows:
+        if row.offload_optimizer:
+            continue
+        for axes in dict.fromkeys(axes for axes, _ in row.wire_bytes):
+            sent = [row.wire_bytes.get((axes, op), 0) for op in operations]
+            lines.append(
+                f"{row.preset:>6} {'+'.join(axes):<20}" + "".join(f"{_bytes(b):>15}" for b in sent)
+            )
     return "\n".join(lines)

@@ -3,25 +3,41 @@
 manifest = describe(model)                       # works on the meta device
 p = plan(manifest, world_size=4, stage=3)        # or strategy=per_tensor_dim0 / your own
 local_slices(p, rank=1); memory_per_rank(p, 1, param_dtype="bfloat16")
+m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zero3", Custom
+print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
 """
 
 from fzero.partition._manifest import Manifest, TensorSpec, describe, dtype_name, dtype_of
-from fzero.partition._plan import (
-    Piece,
-    Placement,
-    Plan,
-    PlanError,
-    Unit,
-    from_bytes,
+from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
+from fzero.partition._mesh_plan import (
+    MeshPlan,
+    from_plan,
+    mesh_plan_from_bytes,
+    process_groups,
+    stage_shardings,
     to_bytes,
+    to_plan,
     validate,
 )
+from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, from_bytes
 from fzero.partition._plot import plot_plan
+from fzero.partition._presets import (
+    PRESETS,
+    Custom,
+    HpZ,
+    MiCS,
+    Preset,
+    Zero,
+    from_zero_config,
+    mesh_plan,
+    preset_from_name,
+)
 from fzero.partition._queries import (
     LocalSlice,
     MemoryEstimate,
     Read,
     format_plan,
+    kind_slices,
     local_slices,
     memory_per_rank,
     optimizer_state_slots,
@@ -42,24 +58,36 @@ from fzero.partition._strategies import (
     plan,
     strategy_from_name,
 )
-from fzero.partition._volume import Collective, comm_volume, format_comm_volume
+from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
 
 __all__ = [
     "BUILT_IN",
     "DEFAULT_ALIGNMENT",
+    "KINDS",
+    "PRESETS",
     "Collective",
+    "Custom",
+    "HpZ",
     "LocalSlice",
     "Manifest",
     "MemoryEstimate",
+    "Mesh",
+    "MeshError",
+    "MeshPlan",
+    "MiCS",
     "Piece",
     "Placement",
     "Plan",
     "PlanError",
+    "Preset",
     "Read",
+    "Sharding",
     "Strategy",
     "TensorSpec",
     "Unit",
     "UnitGroup",
+    "UnitSharding",
+    "Zero",
     "comm_volume",
     "describe",
     "dtype_name",
@@ -68,9 +96,14 @@ __all__ = [
     "format_comm_volume",
     "format_plan",
     "from_bytes",
+    "from_plan",
+    "from_zero_config",
     "group_units",
+    "kind_slices",
     "local_slices",
     "memory_per_rank",
+    "mesh_plan",
+    "mesh_plan_from_bytes",
     "module_key",
     "optimizer_state_slots",
     "owned_numel",
@@ -78,9 +111,14 @@ __all__ = [
     "per_tensor_dim0",
     "plan",
     "plot_plan",
+    "preset_from_name",
+    "process_groups",
     "reduction_buckets",
     "reshard_reads",
+    "stage_shardings",
     "strategy_from_name",
     "to_bytes",
+    "to_plan",
     "validate",
+    "volume_by_axes",
 ]

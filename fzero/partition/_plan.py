@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -188,77 +189,90 @@ def _validate_pieces(where: str, spec: TensorSpec, pieces: tuple[Piece, ...], si
         raise PlanError(f"{where}: pieces of {spec.fqn!r} cover {covered} of {spec.numel} elements")
 
 
+def encode_manifest(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as msgpack-ready lists (shared by both plan formats)."""
+    return {
+        "tensors": [
+            [s.fqn, list(s.shape), s.dtype, s.group, list(s.aliases)] for s in manifest.tensors
+        ],
+        "frozen": list(manifest.frozen),
+    }
+
+
+def encode_unit(unit: Unit) -> dict[str, Any]:
+    """One unit as a msgpack-ready dict (shared by both plan formats)."""
+    return {
+        "name": unit.name,
+        "module": unit.module,
+        "group": unit.group,
+        "dtype": unit.dtype,
+        "placements": [
+            [p.fqn, [[x.start, x.offset, x.numel] for x in p.pieces]] for p in unit.placements
+        ],
+        "shard_numel": unit.shard_numel,
+        "numel": unit.numel,
+        "persistent": unit.persistent,
+    }
+
+
+def decode_manifest(raw: dict[str, Any]) -> Manifest:
+    """Inverse of `encode_manifest`."""
+    return Manifest(
+        tensors=tuple(
+            TensorSpec(fqn, tuple(shape), dtype, group, tuple(aliases))
+            for fqn, shape, dtype, group, aliases in raw["tensors"]
+        ),
+        frozen=tuple(raw["frozen"]),
+    )
+
+
+def decode_unit(raw: dict[str, Any]) -> Unit:
+    """Inverse of `encode_unit`."""
+    return Unit(
+        name=raw["name"],
+        module=raw["module"],
+        group=raw["group"],
+        dtype=raw["dtype"],
+        placements=tuple(
+            Placement(fqn, tuple(Piece(*x) for x in pieces)) for fqn, pieces in raw["placements"]
+        ),
+        shard_numel=raw["shard_numel"],
+        numel=raw["numel"],
+        persistent=raw["persistent"],
+    )
+
+
 def to_bytes(plan: Plan) -> bytes:
     """Serialise a plan with msgpack (no pickle); `from_bytes` inverts it exactly."""
-    manifest = {
-        "tensors": [
-            [s.fqn, list(s.shape), s.dtype, s.group, list(s.aliases)] for s in plan.manifest.tensors
-        ],
-        "frozen": list(plan.manifest.frozen),
-    }
-    units = [
-        {
-            "name": u.name,
-            "module": u.module,
-            "group": u.group,
-            "dtype": u.dtype,
-            "placements": [
-                [p.fqn, [[x.start, x.offset, x.numel] for x in p.pieces]] for p in u.placements
-            ],
-            "shard_numel": u.shard_numel,
-            "numel": u.numel,
-            "persistent": u.persistent,
-        }
-        for u in plan.units
-    ]
     return msgpack.packb(
         {
             "format": FORMAT_VERSION,
-            "manifest": manifest,
+            "manifest": encode_manifest(plan.manifest),
             "world_size": plan.world_size,
             "stage": plan.stage,
             "alignment": plan.alignment,
             "strategy": plan.strategy,
-            "units": units,
+            "units": [encode_unit(u) for u in plan.units],
         }
     )
 
 
 def from_bytes(data: bytes) -> Plan:
-    """Read a plan written by `to_bytes`; raise `PlanError` on any other input."""
+    """Read a plan written by `to_bytes`; raise `PlanError` on any other input (a plan
+    on a mesh, format 2, is read by `mesh_plan_from_bytes`)."""
     try:
         raw = msgpack.unpackb(data)
         if raw.get("format") != FORMAT_VERSION:
-            raise PlanError(f"plan format {raw.get('format')!r}; this fzero reads {FORMAT_VERSION}")
-        manifest = Manifest(
-            tensors=tuple(
-                TensorSpec(fqn, tuple(shape), dtype, group, tuple(aliases))
-                for fqn, shape, dtype, group, aliases in raw["manifest"]["tensors"]
-            ),
-            frozen=tuple(raw["manifest"]["frozen"]),
-        )
-        units = tuple(
-            Unit(
-                name=u["name"],
-                module=u["module"],
-                group=u["group"],
-                dtype=u["dtype"],
-                placements=tuple(
-                    Placement(fqn, tuple(Piece(*x) for x in pieces))
-                    for fqn, pieces in u["placements"]
-                ),
-                shard_numel=u["shard_numel"],
-                numel=u["numel"],
-                persistent=u["persistent"],
+            raise PlanError(
+                f"plan format {raw.get('format')!r}; this function reads {FORMAT_VERSION} "
+                "(a plan on a mesh, format 2, is read by partition.mesh_plan_from_bytes)"
             )
-            for u in raw["units"]
-        )
         plan = Plan(
-            manifest=manifest,
+            manifest=decode_manifest(raw["manifest"]),
             world_size=raw["world_size"],
             stage=raw["stage"],
             alignment=raw["alignment"],
-            units=units,
+            units=tuple(decode_unit(u) for u in raw["units"]),
             strategy=raw["strategy"],
         )
     except PlanError:

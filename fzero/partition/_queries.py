@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._plan import Plan, PlanError
+from fzero.partition._mesh import KINDS
+from fzero.partition._mesh_plan import MeshPlan
+from fzero.partition._plan import Plan, PlanError, Unit
 
 __all__ = [
     "LocalSlice",
     "MemoryEstimate",
     "Read",
     "format_plan",
+    "kind_slices",
     "local_slices",
     "memory_per_rank",
     "optimizer_state_slots",
@@ -42,25 +45,49 @@ def local_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
     """The part of every tensor that `rank` owns, in unit then buffer order.
 
     Ownership is the plan's partition; whether a state is actually held
-    sharded depends on the stage (`Plan.shards_*`).
+    sharded depends on the stage (`Plan.shards_*`). A plan on a mesh splits each kind
+    its own way: ask `kind_slices`.
     """
+    if isinstance(plan, MeshPlan):
+        raise PlanError(
+            "a MeshPlan splits each kind its own way: use kind_slices(plan, rank, kind)"
+        )
     _check_rank(plan, rank)
     found = []
     for index, unit in enumerate(plan.units):
-        lo, hi = unit.shard_range(rank)
-        for placement in unit.placements:
-            for piece in placement.pieces:
-                begin = max(lo, piece.offset)
-                end = min(hi, piece.offset + piece.numel)
-                if end > begin:
-                    start = piece.start + begin - piece.offset
-                    found.append(
-                        LocalSlice(placement.fqn, index, start, start + end - begin, begin - lo)
-                    )
+        found += _slices_in(index, unit, *unit.shard_range(rank))
     return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
 
 
-def reduction_buckets(plan: Plan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
+def kind_slices(plan: MeshPlan, rank: int, kind: str) -> tuple[LocalSlice, ...]:
+    """The part of every tensor that `rank` holds of `kind` (one of `KINDS`) under a mesh
+    plan, in unit then buffer order; `shard_offset` counts from the start of the rank's
+    block of that kind (`MeshPlan.shard_range`). Units without a `params_secondary` have
+    no slices of it."""
+    _check_rank(plan, rank)
+    found = []
+    for index, (unit, sharding) in enumerate(zip(plan.units, plan.shardings)):
+        if sharding.of(kind) is not None:
+            found += _slices_in(index, unit, *plan.shard_range(index, kind, rank))
+    return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
+
+
+def _slices_in(index: int, unit: Unit, lo: int, hi: int) -> list[LocalSlice]:
+    """The tensor elements in `[lo, hi)` of `unit`'s buffer, offsets counted from `lo`."""
+    found = []
+    for placement in unit.placements:
+        for piece in placement.pieces:
+            begin = max(lo, piece.offset)
+            end = min(hi, piece.offset + piece.numel)
+            if end > begin:
+                start = piece.start + begin - piece.offset
+                found.append(
+                    LocalSlice(placement.fqn, index, start, start + end - begin, begin - lo)
+                )
+    return found
+
+
+def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
     """Unit indices grouped into gradient-reduction buckets, in launch order.
 
     Backward produces gradients roughly in reverse unit order, so buckets take
@@ -147,10 +174,12 @@ class MemoryEstimate:
     grads: int
     optimizer_state: int
     offload_optimizer: bool = False
+    params_secondary: int = 0
+    """ZeRO++ hpZ's secondary parameter copy (plans on a mesh; 0 otherwise)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.master + self.grads + self.optimizer_state
+        return self.params + self.params_secondary + self.master + self.grads + self.optimizer_state
 
     @property
     def host(self) -> int:
@@ -162,7 +191,7 @@ class MemoryEstimate:
 
 
 def memory_per_rank(
-    plan: Plan,
+    plan: Plan | MeshPlan,
     rank: int,
     *,
     param_dtype: str = "float32",
@@ -182,8 +211,20 @@ def memory_per_rank(
     (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures),
     fp32 masters and states. A master in the parameters' dtype is the parameters
     (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless offloaded.
+
+    On a mesh each kind holds its unit's buffer over the group size of its shard axes
+    (`MeshPlan.shard_range`), plus hpZ's secondary copy in `params_secondary`. MiCS (Zhang
+    et al. 2022, arXiv:2205.00119): every model state over the shard-group size, not the world
+    size; ZeRO++ hpZ (Wang et al. 2023, arXiv:2306.10209): ZeRO-3's states plus a parameter copy
+    over the ranks of a node.
     """
     _check_rank(plan, rank)
+    if isinstance(plan, MeshPlan):
+        held = _mesh_numel(plan)
+        params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
+    else:
+        params, grads, optimizer_numel = _stage_numel(plan)
+        secondary = 0
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
     state_size = dtype_of(state_dtype).itemsize
@@ -191,19 +232,39 @@ def memory_per_rank(
     # params in the master's dtype are the master, unless it lives on the host (offload)
     held_once = dtype_of(master_dtype) == dtype_of(param_dtype) and not offload_optimizer
     master_size = 0 if held_once else dtype_of(master_dtype).itemsize
-    params = grads = optimizer_numel = 0
-    for unit in plan.units:
-        shard, full = unit.shard_numel, unit.numel
-        params += shard if plan.shards_params and not unit.persistent else full
-        grads += shard if plan.shards_grads else full
-        optimizer_numel += shard if plan.shards_optimizer else full
     return MemoryEstimate(
         params=params * param_size,
         master=optimizer_numel * master_size,
         grads=grads * grad_size,
         optimizer_state=optimizer_numel * state_size * slots,
         offload_optimizer=offload_optimizer,
+        params_secondary=secondary * param_size,
     )
+
+
+def _stage_numel(plan: Plan) -> tuple[int, int, int]:
+    """Elements one rank holds of params, grads and optimizer state under a stage plan."""
+    params = grads = optimizer_numel = 0
+    for unit in plan.units:
+        shard, full = unit.shard_numel, unit.numel
+        params += shard if plan.shards_params and not unit.persistent else full
+        grads += shard if plan.shards_grads else full
+        optimizer_numel += shard if plan.shards_optimizer else full
+    return params, grads, optimizer_numel
+
+
+_HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
+
+
+def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
+    """Elements one rank holds of each kind under a mesh plan (blocks are equal)."""
+    held = dict.fromkeys(_HELD_KINDS, 0)
+    for unit, sharding in zip(plan.units, plan.shardings):
+        for kind in _HELD_KINDS:
+            split = sharding.of(kind)
+            if split is not None:
+                held[kind] += unit.numel // plan.mesh.group_size(split.shard)
+    return held
 
 
 @dataclass(frozen=True)
@@ -271,11 +332,15 @@ def _check_rank(plan: Plan, rank: int) -> None:
         raise ValueError(f"rank {rank} is out of range for world_size {plan.world_size}")
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan | MeshPlan) -> str:
     """A table of units: tensors, buffer size and which elements each rank owns, with the
     padding each rank's shard carries; then the plan's padding (elements every rank
     allocates beyond the model) and its imbalance (the most elements a rank owns over
-    the mean), which equal shards turn into padding."""
+    the mean), which equal shards turn into padding. A plan on a mesh shows, per unit,
+    each kind's axes and block, and per rank (with its mesh coordinate) the buffer range
+    of each kind and the tensor elements its optimizer block updates."""
+    if isinstance(plan, MeshPlan):
+        return _format_mesh_plan(plan)
     lines = [
         f"plan: strategy={plan.strategy} stage={plan.stage} world_size={plan.world_size} "
         f"alignment={plan.alignment} units={len(plan.units)} params={plan.manifest.numel:,}"
@@ -303,5 +368,51 @@ def format_plan(plan: Plan) -> str:
         f"padding: {padding:,} elements ({100 * padding / max(buffers, 1):.1f}% of the unit "
         f"buffers); owned per rank: min {min(owned):,}, max {max(owned):,} "
         f"(imbalance {imbalance:.2f}x)"
+    )
+    return "\n".join(lines)
+
+
+def _format_mesh_plan(plan: MeshPlan) -> str:
+    mesh = plan.mesh
+    lines = [
+        f"plan: strategy={plan.strategy} preset={plan.preset} mesh={mesh} "
+        f"({mesh.size} ranks) alignment={plan.alignment} units={len(plan.units)} "
+        f"params={plan.manifest.numel:,}"
+    ]
+    kinds = [k for k in KINDS if any(s.of(k) is not None for s in plan.shardings)]
+    updates = [kind_slices(plan, rank, "optimizer") for rank in range(mesh.size)]
+    for index, (unit, sharding) in enumerate(zip(plan.units, plan.shardings)):
+        padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
+        flags = " persistent" if unit.persistent else ""
+        flags += " hierarchical-gather" if sharding.hierarchical_params_gather else ""
+        lines.append(
+            f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
+            f"{unit.dtype} numel={unit.numel:,} padding={padding:,}{flags}"
+        )
+        for kind in kinds:
+            split = sharding.of(kind)
+            if split is not None:
+                block = unit.numel // mesh.group_size(split.shard)
+                lines.append(f"    {kind:<17}{split!s:<40}{block:>12,} per rank")
+        for rank in range(mesh.size):
+            where = ", ".join(f"{a}={c}" for a, c in mesh.coordinate(rank).items())
+            ranges = " ".join(
+                f"{kind}[{lo}:{hi})"
+                for kind in kinds
+                if sharding.of(kind) is not None
+                for lo, hi in [plan.shard_range(index, kind, rank)]
+            )
+            owned = [s for s in updates[rank] if s.unit == index]
+            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or "(padding only)"
+            lines.append(f"    rank {rank} ({where}): {ranges}; updates {text}")
+    buffers = sum(u.numel for u in plan.units)
+    padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
+    owned_by = [sum(s.numel for s in slices) for slices in updates]
+    mean = sum(owned_by) / len(owned_by)
+    imbalance = max(owned_by) / mean if mean else 1.0
+    lines.append(
+        f"padding: {padding:,} elements ({100 * padding / max(buffers, 1):.1f}% of the unit "
+        f"buffers); optimizer elements per rank: min {min(owned_by):,}, max "
+        f"{max(owned_by):,} (imbalance {imbalance:.2f}x)"
     )
     return "\n".join(lines)

@@ -7,18 +7,25 @@ A collective's `bytes` is its whole buffer (an all-gather's output, a reduce-sca
 input, an all-reduce's tensor). What one rank puts on the wire with ring algorithms is
 `wire_bytes`: (W-1)/W of that for an all-gather or reduce-scatter, twice it for an
 all-reduce.
+
+On a mesh (`MeshPlan`) every row also names the `axes` it runs over, and its
+`world_size` is the size of that group: HSDP/MiCS reduce-scatters gradients over the
+shard axes and all-reduces them over the replica axes; hpZ gathers parameters over the
+world for forward and over the node for backward. `volume_by_axes` sums them per axes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
+from fzero.partition._mesh_plan import MeshPlan
 from fzero.partition._plan import Plan, PlanError
 from fzero.partition._queries import reduction_buckets
 
-__all__ = ["Collective", "comm_volume", "format_comm_volume"]
+__all__ = ["Collective", "comm_volume", "format_comm_volume", "volume_by_axes"]
 
 _GRAD_BYTES = 4  # gradients are reduced in fp32 at every precision
 
@@ -34,6 +41,9 @@ class Collective:
     calls: int
     bytes: int
     world_size: int
+    axes: tuple[str, ...] = ()
+    """The mesh axes the collective runs over (plans on a mesh); () for a stage plan's
+    world."""
 
     @property
     def wire_bytes(self) -> int:
@@ -46,7 +56,7 @@ _QUANT_BLOCK = 256  # elements per fp32 scale of a quantized collective (fzero.c
 
 
 def comm_volume(
-    plan: Plan,
+    plan: Plan | MeshPlan,
     *,
     accumulation_steps: int = 1,
     param_dtype: str = "float32",
@@ -82,9 +92,26 @@ def comm_volume(
 
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
+
+    Under a `MeshPlan`, per unit and per axes (see `_mesh_volume`); `quantized_*` and
+    `scatter_as_all_reduce` are not modelled on a mesh yet (a `PlanError`).
     """
     if accumulation_steps < 1:
         raise PlanError(f"accumulation_steps is {accumulation_steps}; it must be >= 1")
+    if isinstance(plan, MeshPlan):
+        if quantized_weights or quantized_gradients or scatter_as_all_reduce:
+            raise PlanError(
+                "quantized_weights, quantized_gradients and scatter_as_all_reduce are not "
+                "modelled for plans on a mesh yet; leave them False"
+            )
+        return _mesh_volume(
+            plan,
+            steps=accumulation_steps,
+            param_bytes=dtype_of(param_dtype).itemsize,
+            bucket_numel=bucket_numel,
+            regathered=sorted(set(regathered)),
+            control=_control(plan, loss_scaling, optimizer),
+        )
     world, stage, steps = plan.world_size, plan.stage, accumulation_steps
     if world == 1:
         return []
@@ -138,12 +165,143 @@ def comm_volume(
     return rows
 
 
+def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int]]:
+    """The control all-reduces of one step over the world: (what, bytes) once each."""
+    rows = [("gradient norm", 8)]
+    if loss_scaling:
+        rows.append(("fp16 overflow flag", 4))
+    if optimizer == "lamb":
+        rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8))
+    return rows
+
+
+def _mesh_volume(
+    plan: MeshPlan,
+    *,
+    steps: int,
+    param_bytes: int,
+    bucket_numel: int,
+    regathered: list[int],
+    control: list[tuple[str, int]],
+) -> list[Collective]:
+    """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
+
+    - gradients whole on every rank (`grads.shard` empty): all-reduced over the world once
+      per step, in buckets (stages 0-1); split: reduce-scattered over `grads.shard` every
+      micro-step and the shard all-reduced over `grads.replicate` once per step, at the
+      accumulation boundary (DeepSpeed's MiCS, `allreduce_mics_shard_grads`);
+    - after the update, the parameter shard gathered from optimizer shards over the
+      optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none);
+    - forward gathers every unit with split parameters over `params.shard` per
+      micro-step (one gather per axis, outermost first, when hierarchical: MiCS's
+      hierarchical all-gather); backward re-gathers the units in `regathered`, from hpZ's
+      secondary copy over its axes where there is one;
+    - control (norm, flags, the left-over check) over the world.
+    """
+    mesh, units = plan.mesh, plan.units
+    every = mesh.names
+    found: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
+
+    def add(operation: str, what: str, axes: tuple[str, ...], calls: int, size: int) -> None:
+        if calls and mesh.group_size(axes) > 1:
+            row = found.setdefault((operation, what, axes), [0, 0])
+            row[0] += calls
+            row[1] += size
+
+    whole = [i for i, s in enumerate(plan.shardings) if not s.grads.shard]
+    if whole:
+        kept = dataclasses.replace(
+            plan,
+            units=tuple(units[i] for i in whole),
+            shardings=tuple(plan.shardings[i] for i in whole),
+        )
+        buckets = reduction_buckets(kept, bucket_numel)
+        size = sum(units[i].numel for i in whole) * _GRAD_BYTES
+        add("all_reduce", "gradients", every, len(buckets), size)
+    for unit, sharding in zip(units, plan.shardings):
+        grads = sharding.grads
+        if grads.shard:
+            add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * _GRAD_BYTES * steps)
+            shard_bytes = unit.numel // mesh.group_size(grads.shard) * _GRAD_BYTES
+            add("all_reduce", "gradients", grads.replicate, 1, shard_bytes)
+    for unit, sharding in zip(units, plan.shardings):
+        params = sharding.params.shard
+        publish = sharding.optimizer.shard[len(params) :]
+        size = unit.numel // mesh.group_size(params) * param_bytes
+        add("all_gather", "parameters after the update", publish, 1, size)
+    for what, indices in (
+        ("parameters for forward", range(len(units))),
+        ("parameters for backward", regathered),
+    ):
+        for index in indices:
+            _add_gathers(plan, index, what, steps, param_bytes, add)
+    for what, size in control:
+        add("all_reduce", what, every, 1, size)
+    checks = steps if len(whole) < len(units) else 1  # per micro-step once any are split
+    add("all_reduce", "left-over gradients check", every, checks, 4 * checks)
+    return [
+        Collective(op, what, calls, size, mesh.group_size(axes), axes)
+        for (op, what, axes), (calls, size) in found.items()
+    ]
+
+
+def _add_gathers(
+    plan: MeshPlan,
+    index: int,
+    what: str,
+    steps: int,
+    param_bytes: int,
+    add: Callable[[str, str, tuple[str, ...], int, int], None],
+) -> None:
+    """One unit's parameter gathers for forward or backward, every micro-step."""
+    unit, sharding = plan.units[index], plan.shardings[index]
+    params = sharding.params.shard
+    backward = what.endswith("backward")
+    if backward and not params:
+        raise PlanError(
+            f"regathered names unit {index} ({unit.name!r}), whose parameters are whole: "
+            "nothing to gather"
+        )
+    secondary = sharding.params_secondary
+    if not params:
+        return
+    if backward and secondary is not None:
+        add("all_gather", what, secondary.shard, steps, unit.numel * param_bytes * steps)
+    elif sharding.hierarchical_params_gather:
+        gathered = unit.numel // plan.mesh.group_size(params)
+        for axis in params:  # outermost first: each gather multiplies what a rank holds
+            gathered *= plan.mesh.axis_size(axis)
+            add("all_gather", what, (axis,), steps, gathered * param_bytes * steps)
+    else:
+        add("all_gather", what, params, steps, unit.numel * param_bytes * steps)
+
+
+def volume_by_axes(rows: list[Collective]) -> dict[tuple[str, ...], int]:
+    """Ring wire bytes one rank sends per step, summed by the axes each collective runs
+    over (a stage plan's rows: under `()`, the world)."""
+    totals: dict[tuple[str, ...], int] = {}
+    for row in rows:
+        totals[row.axes] = totals.get(row.axes, 0) + row.wire_bytes
+    return totals
+
+
 def format_comm_volume(rows: list[Collective]) -> str:
-    """A table of `comm_volume`'s rows, with totals by operation."""
-    lines = [f"{'operation':<15}{'what':<32}{'calls':>7}{'bytes':>15}{'wire bytes':>15}"]
+    """A table of `comm_volume`'s rows, with totals by operation; rows of a plan on a mesh
+    also show their axes, and the totals per axes follow."""
+    on_mesh = any(r.axes for r in rows)
+    axes_head = f"{'axes':<20}" if on_mesh else ""
+    lines = [f"{'operation':<15}{'what':<32}{axes_head}{'calls':>7}{'bytes':>15}{'wire bytes':>15}"]
     for r in rows:
-        lines.append(f"{r.operation:<15}{r.what:<32}{r.calls:>7}{r.bytes:>15,}{r.wire_bytes:>15,}")
+        axes = f"{'+'.join(r.axes) or 'world':<20}" if on_mesh else ""
+        lines.append(
+            f"{r.operation:<15}{r.what:<32}{axes}{r.calls:>7}{r.bytes:>15,}{r.wire_bytes:>15,}"
+        )
     total = sum(r.bytes for r in rows)
     wire = sum(r.wire_bytes for r in rows)
-    lines.append(f"{'total':<47}{sum(r.calls for r in rows):>7}{total:>15,}{wire:>15,}")
+    width = 47 + len(axes_head)
+    lines.append(f"{'total':<{width}}{sum(r.calls for r in rows):>7}{total:>15,}{wire:>15,}")
+    if on_mesh:
+        for axes, sent in volume_by_axes(rows).items():
+            label = f"  wire bytes over {'+'.join(axes)}"
+            lines.append(f"{label:<{width + 22}}{sent:>15,}")
     return "\n".join(lines)

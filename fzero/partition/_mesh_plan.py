@@ -1,0 +1,356 @@
+"""A plan on a mesh: today's units (flat buffers, tensor placements), and per unit and
+per kind of state the mesh axes it is split over and replicated over.
+
+The unit layout is the one a stage plan has: a buffer of `numel = world_size *
+shard_numel` elements, `Unit.shard_range(rank)` the finest split (over every axis, in
+mesh order). A kind split over axes of group size g holds `numel / g` elements: block
+`Mesh.index_in_group(rank, shard)` of g equal blocks, a multiple of the alignment
+because g divides the world size. A kind split over every axis in mesh order holds
+exactly `Unit.shard_range(rank)`: today's ZeRO-1/2/3 are the one-axis case
+(`from_plan`, `to_plan`).
+
+What is executable (`validate`), as ZeRO and FSDP run it:
+
+- each rank's optimizer state (and fp32 master) lies inside its reduced gradient:
+  the gradients' shard axes are a prefix of the optimizer's (ZeRO-1: none of all; 2 and
+  3: all of all; MiCS: `local` of `local`);
+- each rank's parameter shard is the union of optimizer shards along the remaining
+  axes, published by one all-gather over them after the update, and is reduced into as
+  a gradient shard: the parameters' shard axes are a prefix of the gradients' (stage 3
+  implies 2, as in DeepSpeed; FSDP reduces a gradient to its parameter's shard);
+- ZeRO++ hpZ's secondary parameter copy is split over a subset of the primary's axes
+  (a coarser split: more memory, a gather within fewer ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import msgpack
+
+from fzero.partition._manifest import Manifest
+from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
+from fzero.partition._plan import (
+    Plan,
+    PlanError,
+    Unit,
+    decode_manifest,
+    decode_unit,
+    encode_manifest,
+    encode_unit,
+)
+from fzero.partition._plan import from_bytes as _stage_plan_from_bytes
+from fzero.partition._plan import to_bytes as _stage_plan_to_bytes
+from fzero.partition._plan import validate as _validate_stage_plan
+
+__all__ = [
+    "MESH_FORMAT_VERSION",
+    "MeshPlan",
+    "from_plan",
+    "mesh_plan_from_bytes",
+    "process_groups",
+    "to_bytes",
+    "to_plan",
+    "validate",
+]
+
+MESH_FORMAT_VERSION = 2  # format 1: a stage plan (`Plan`), read as a one-axis mesh plan
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """A sharding plan on a mesh: plain data, hashable, serialisable (format 2).
+
+    `units[i]` is laid out as in a stage plan; `shardings[i]` says how each kind of its
+    state is split. `strategy` names the layout's function, `preset` the shardings'.
+    """
+
+    manifest: Manifest
+    mesh: Mesh
+    alignment: int
+    units: tuple[Unit, ...]
+    shardings: tuple[UnitSharding, ...]
+    strategy: str = "custom"
+    preset: str = "custom"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan is for: the mesh's size."""
+        return self.mesh.size
+
+    unit_of = Plan.unit_of  # the same lookup: by name or alias
+
+    def shard_range(self, index: int, kind: str, rank: int) -> tuple[int, int]:
+        """`(start, stop)` of unit `index`'s buffer that `rank` holds of `kind` (one of
+        `KINDS`): the whole buffer for a kind split over no axis."""
+        sharding = self.shardings[index].of(kind)
+        if sharding is None:
+            raise PlanError(f"unit {self.units[index].name!r} has no {kind}")
+        block = self.units[index].numel // self.mesh.group_size(sharding.shard)
+        position = self.mesh.index_in_group(rank, sharding.shard)
+        return position * block, (position + 1) * block
+
+
+def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
+    """Check every invariant; return the plan or raise `PlanError` naming the unit, the
+    kind and the axis at fault. A stage `Plan` is checked as `_plan.validate` does; a
+    `MeshPlan` as one (its units on `mesh.size` ranks), then each unit's shardings (see
+    the module docstring)."""
+    if isinstance(plan, Plan):
+        return _validate_stage_plan(plan)
+    if not isinstance(plan, MeshPlan):
+        raise PlanError(f"expected a Plan or a MeshPlan, found {type(plan).__name__}")
+    if not isinstance(plan.mesh, Mesh):
+        raise PlanError(f"mesh is a {type(plan.mesh).__name__}; expected partition.Mesh")
+    if len(plan.shardings) != len(plan.units):
+        raise PlanError(
+            f"{len(plan.shardings)} shardings for {len(plan.units)} units; give one per unit"
+        )
+    _validate_stage_plan(_layout(plan))
+    for unit, sharding in zip(plan.units, plan.shardings):
+        _validate_sharding(plan.mesh, unit, sharding)
+    return plan
+
+
+def _layout(plan: MeshPlan) -> Plan:
+    """The units as a stage-3 plan (which allows persistent units), to check the layout."""
+    return Plan(plan.manifest, plan.mesh.size, 3, plan.alignment, plan.units, plan.strategy)
+
+
+def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
+    where = f"unit {unit.name!r}"
+    if not isinstance(sharding, UnitSharding):
+        raise PlanError(f"{where}: sharding is a {type(sharding).__name__}; expected UnitSharding")
+    for kind in KINDS:
+        split = sharding.of(kind)
+        if split is None and kind == "params_secondary":
+            continue
+        if not isinstance(split, Sharding):
+            raise PlanError(f"{where} {kind}: {split!r} is not a partition.Sharding")
+        problems = split.problems(mesh)
+        if problems:
+            raise PlanError(f"{where} {kind}: {problems[0]}")
+    params, grads, optimizer = sharding.params, sharding.grads, sharding.optimizer
+    if unit.persistent and params.shard:
+        raise PlanError(
+            f"{where} is persistent (parameters kept whole) but params are split over "
+            f"{params.shard}; split them over no axis or make the unit not persistent"
+        )
+    _check_prefix(
+        where + " params",
+        params.shard,
+        grads.shard,
+        "the gradients",
+        "a parameter shard is reduced into as a gradient shard (ZeRO stage 3 implies 2; "
+        "FSDP reduces a gradient to its parameter's shard)",
+    )
+    _check_prefix(
+        where + " grads",
+        grads.shard,
+        optimizer.shard,
+        "the optimizer state",
+        "each rank updates only elements whose reduced gradient it holds, so the optimizer "
+        "state is split as finely as the gradients or finer, the same axes first",
+    )
+    secondary = sharding.params_secondary
+    if secondary is not None:
+        extra = [axis for axis in secondary.shard if axis not in params.shard]
+        if extra:
+            raise PlanError(
+                f"{where} params_secondary: split over axis {extra[0]!r} where the primary "
+                f"params ({params}) are not; hpZ's secondary copy is a coarser split of the "
+                "primary (ZeRO++ hpZ)"
+            )
+    if sharding.hierarchical_params_gather and len(params.shard) < 2:
+        raise PlanError(
+            f"{where} params: hierarchical_params_gather needs params split over two or more "
+            f"axes (one all-gather per axis); found {params}"
+        )
+
+
+def _check_prefix(
+    where: str, inner: tuple[str, ...], outer: tuple[str, ...], of: str, why: str
+) -> None:
+    """Raise unless `inner` is a prefix of `outer`, naming the first axis that breaks it."""
+    for position, axis in enumerate(inner):
+        if position >= len(outer) or outer[position] != axis:
+            found = outer[position] if position < len(outer) else None
+            raise PlanError(
+                f"{where}: split over {inner}, {of} over {outer}: axis {axis!r} at position "
+                f"{position} is {'missing' if found is None else f'{found!r}'} there; {why}"
+            )
+
+
+def stage_shardings(mesh: Mesh, stage: int, persistent: bool) -> UnitSharding:
+    """ZeRO stage `stage`'s split of one unit on `mesh`: each kind either whole or split
+    over every axis in mesh order (rank r holds `Unit.shard_range(r)`)."""
+    every, whole = mesh.split_everywhere, mesh.replicated
+    return UnitSharding(
+        params=every if stage == 3 and not persistent else whole,
+        grads=every if stage >= 2 else whole,
+        optimizer=every if stage >= 1 else whole,
+    )
+
+
+def from_plan(plan: Plan, axis: str = "dp") -> MeshPlan:
+    """Today's stage plan as a mesh plan with the one axis `{axis: world_size}`: the same
+    units, so the same shard ranges (`MeshPlan.shard_range(i, kind, r) ==
+    Unit.shard_range(r)` for every kind the stage splits)."""
+    _validate_stage_plan(plan)
+    mesh = Mesh.single(plan.world_size, axis)
+    shardings = tuple(stage_shardings(mesh, plan.stage, u.persistent) for u in plan.units)
+    return MeshPlan(
+        plan.manifest,
+        mesh,
+        plan.alignment,
+        plan.units,
+        shardings,
+        strategy=plan.strategy,
+        preset=f"zero{plan.stage}",
+    )
+
+
+def to_plan(plan: MeshPlan) -> Plan:
+    """The stage plan a mesh plan equals, for an engine that runs one group over the
+    world; a `PlanError` names the unit, kind and axes that need process subgroups.
+
+    Equal means every kind of every unit is whole or split over every axis of size > 1
+    in mesh order, all units alike but for stage 3's persistent units (params whole)."""
+    validate(plan)
+    stages = [_unit_stage(plan.mesh, u, s) for u, s in zip(plan.units, plan.shardings)]
+    stage = max(stages, default=0)
+    for unit, unit_stage in zip(plan.units, stages):
+        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
+            first = plan.units[stages.index(stage)].name
+            raise PlanError(
+                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
+                f"stage {stage}; a stage plan splits every unit alike (but for stage 3's "
+                "persistent units, whose params are whole)"
+            )
+    units = tuple(
+        replace(u, persistent=stage == 3 and not s.params.shard)
+        for u, s in zip(plan.units, plan.shardings)
+    )
+    result = Plan(plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy)
+    return _validate_stage_plan(result)
+
+
+def _unit_stage(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> int:
+    """The ZeRO stage one unit's shardings are, or a `PlanError` naming what needs a
+    subgroup. A persistent unit (params whole, the rest split) counts as stage 3."""
+    where = f"unit {unit.name!r}"
+    if sharding.params_secondary is not None or sharding.hierarchical_params_gather:
+        raise PlanError(
+            f"{where} params: a secondary copy or a hierarchical gather needs process "
+            "subgroups (one per axis); a stage plan has one group, the world"
+        )
+    every = tuple(a for a in mesh.names if mesh.axis_size(a) > 1)
+    split = []
+    for kind in ("optimizer", "grads", "params"):
+        given = sharding.of(kind).shard  # axes of size 1 change nothing
+        shard = tuple(a for a in given if mesh.axis_size(a) > 1)
+        if shard and shard != every:
+            raise PlanError(
+                f"{where} {kind}: split over {given}, neither no axis nor "
+                f"every axis in mesh order {mesh.names}: it needs process subgroups (one "
+                "per axis); a stage plan has one group, the world"
+            )
+        split.append(bool(shard) or given == mesh.names)
+    stage = sum(split)  # validated prefixes: optimizer, then grads, then params
+    return 3 if unit.persistent and stage == 2 else stage
+
+
+def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
+    """Every set of axes a collective of `plan` runs over, in order of first use: the
+    process subgroups an engine creates (`Mesh.groups(axes)` each), besides the world
+    its control all-reduces (norms, flags) use. Per unit: the parameters' gather
+    (`params.shard`, or each of its axes for a hierarchical gather), hpZ's backward
+    gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
+    all-reduce (`grads.replicate`), and the publishing gather after the update (the
+    optimizer's axes after the parameters')."""
+    found: dict[tuple[str, ...], None] = {}
+    for sharding in plan.shardings:
+        params = sharding.params.shard
+        gathers = [(a,) for a in params] if sharding.hierarchical_params_gather else [params]
+        secondary = sharding.params_secondary
+        for axes in (
+            *gathers,
+            secondary.shard if secondary is not None else (),
+            sharding.grads.shard,
+            sharding.grads.replicate,
+            sharding.optimizer.shard[len(params) :],
+        ):
+            if axes:
+                found.setdefault(axes, None)
+    return tuple(found)
+
+
+def _encode_sharding(sharding: Sharding | None) -> list[list[str]] | None:
+    return None if sharding is None else [list(sharding.shard), list(sharding.replicate)]
+
+
+def _decode_sharding(raw: list[list[str]] | None) -> Sharding | None:
+    return None if raw is None else Sharding(tuple(raw[0]), tuple(raw[1]))
+
+
+def to_bytes(plan: Plan | MeshPlan) -> bytes:
+    """Serialise a plan with msgpack (no pickle): a stage `Plan` as format 1 (what
+    `from_bytes` reads), a `MeshPlan` as format 2 (`mesh_plan_from_bytes`)."""
+    if isinstance(plan, Plan):
+        return _stage_plan_to_bytes(plan)
+    shardings = [
+        {
+            **{kind: _encode_sharding(s.of(kind)) for kind in KINDS},
+            "hierarchical_params_gather": s.hierarchical_params_gather,
+        }
+        for s in plan.shardings
+    ]
+    return msgpack.packb(
+        {
+            "format": MESH_FORMAT_VERSION,
+            "manifest": encode_manifest(plan.manifest),
+            "mesh": [list(axis) for axis in plan.mesh.axes],
+            "alignment": plan.alignment,
+            "strategy": plan.strategy,
+            "preset": plan.preset,
+            "units": [encode_unit(u) for u in plan.units],
+            "shardings": shardings,
+        }
+    )
+
+
+def mesh_plan_from_bytes(data: bytes) -> MeshPlan:
+    """Read a plan written by `to_bytes`: format 2 as it was; format 1 (a stage plan, as
+    every checkpoint before meshes holds) as the one-axis mesh plan `from_plan` makes.
+    Anything else is a `PlanError`."""
+    try:
+        raw = msgpack.unpackb(data)
+        version = raw.get("format")
+        if version == 1:
+            return from_plan(_stage_plan_from_bytes(data))
+        if version != MESH_FORMAT_VERSION:
+            raise PlanError(f"plan format {version!r}; this fzero reads 1 and 2")
+        plan = MeshPlan(
+            manifest=decode_manifest(raw["manifest"]),
+            mesh=Mesh((name, size) for name, size in raw["mesh"]),
+            alignment=raw["alignment"],
+            units=tuple(decode_unit(u) for u in raw["units"]),
+            shardings=tuple(
+                UnitSharding(
+                    params=_decode_sharding(s["params"]),
+                    grads=_decode_sharding(s["grads"]),
+                    optimizer=_decode_sharding(s["optimizer"]),
+                    params_secondary=_decode_sharding(s["params_secondary"]),
+                    hierarchical_params_gather=s["hierarchical_params_gather"],
+                )
+                for s in raw["shardings"]
+            ),
+            strategy=raw["strategy"],
+            preset=raw["preset"],
+        )
+    except (PlanError, MeshError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
+        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
+    validate(plan)
+    return plan

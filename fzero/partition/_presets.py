@@ -1,0 +1,253 @@
+"""Presets: pure functions `(mesh, unit) -> UnitSharding`, and `mesh_plan`, which lays
+the units out with a strategy and asks a preset how to split each.
+
+- `Zero(stage)`: DeepSpeed's ZeRO-1/2/3 (Rajbhandari et al. 2020): optimizer state, then
+  gradients, then parameters split over every axis; on a one-axis mesh it is today's
+  stage plan exactly (`to_plan`).
+- `MiCS(shard_axes)`: MiCS (Zhang et al. 2022, arXiv:2205.00119) and FSDP's HSDP:
+  every kind split within a group (`shard_axes`, by default the mesh's last axis: the
+  ranks of a node where ranks are numbered node by node, as torchrun does) and
+  replicated across the other axes. Per-rank model states are the model over the group
+  size (the paper's scale-aware partitioning); gradients are reduce-scattered within the
+  group every micro-step and all-reduced across groups once per step (DeepSpeed's
+  `MiCS_Optimizer.allreduce_mics_shard_grads`, at the accumulation boundary).
+- `HpZ(secondary_axes)`: ZeRO++'s hierarchical partitioning (Wang et al. 2023,
+  arXiv:2306.10209): stage 3, plus a secondary copy of the parameters split within
+  `secondary_axes` (by default the last axis) that backward gathers from, trading memory
+  (a model/secondary-group-size copy per rank) for cross-node volume (backward's gather
+  stays in the node: of ZeRO-3's 3M per step, 2M still cross nodes).
+- `Custom(name, rule)`: any mix, per unit and kind, from your function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fzero.partition._manifest import Manifest
+from fzero.partition._mesh import Mesh, UnitSharding
+from fzero.partition._mesh_plan import MeshPlan, stage_shardings, validate
+from fzero.partition._plan import Plan, PlanError, Unit
+from fzero.partition._strategies import Strategy, flat_even, plan
+
+__all__ = [
+    "PRESETS",
+    "Custom",
+    "HpZ",
+    "MiCS",
+    "Preset",
+    "Zero",
+    "from_zero_config",
+    "mesh_plan",
+    "preset_from_name",
+]
+
+
+class Preset(Protocol):
+    """What `mesh_plan` takes: a name, the stage the layout is grouped for (stage 3 puts
+    tensors under `persistence_threshold` in persistent units), and the split of a unit."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    def __call__(self, mesh: Mesh, unit: Unit) -> UnitSharding:
+        """How `unit`'s kinds are split on `mesh`."""
+        ...
+
+
+def _axes(mesh: Mesh, axes: Sequence[str] | None) -> tuple[str, ...]:
+    """`axes`, or the mesh's last axis when None."""
+    return (mesh.names[-1],) if axes is None else tuple(axes)
+
+
+@dataclass(frozen=True)
+class Zero:
+    """ZeRO stage `stage` over every axis of the mesh, in mesh order."""
+
+    stage: int = 3
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise PlanError(f"ZeRO stage is {self.stage!r}; allowed: 0, 1, 2, 3")
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}"
+
+    def __call__(self, mesh: Mesh, unit: Unit) -> UnitSharding:
+        return stage_shardings(mesh, self.stage, unit.persistent)
+
+
+@dataclass(frozen=True)
+class MiCS:
+    """MiCS / HSDP: parameters, gradients and optimizer state split over `shard_axes`
+    (None: the mesh's last axis), replicated over the others; stage 3's persistent
+    units keep their parameters whole. `hierarchical_params_gather`: gather over the
+    shard axes one axis at a time (DeepSpeed's `mics_hierarchical_params_gather`)."""
+
+    shard_axes: tuple[str, ...] | None = None
+    hierarchical_params_gather: bool = False
+    name: str = "mics"
+    stage: int = 3
+
+    def __call__(self, mesh: Mesh, unit: Unit) -> UnitSharding:
+        group = mesh.sharding(*_axes(mesh, self.shard_axes))
+        params = mesh.replicated if unit.persistent else group
+        hierarchical = self.hierarchical_params_gather and len(params.shard) > 1
+        return UnitSharding(params, group, group, hierarchical_params_gather=hierarchical)
+
+
+@dataclass(frozen=True)
+class HpZ:
+    """ZeRO++ hpZ: ZeRO-3 over every axis, and a secondary parameter copy split over
+    `secondary_axes` (None: the mesh's last axis) that backward gathers from."""
+
+    secondary_axes: tuple[str, ...] | None = None
+    name: str = "hpz"
+    stage: int = 3
+
+    def __call__(self, mesh: Mesh, unit: Unit) -> UnitSharding:
+        zero3 = stage_shardings(mesh, 3, unit.persistent)
+        if unit.persistent:  # whole parameters: nothing to gather, no secondary
+            return zero3
+        secondary = mesh.sharding(*_axes(mesh, self.secondary_axes))
+        return UnitSharding(zero3.params, zero3.grads, zero3.optimizer, secondary)
+
+
+@dataclass(frozen=True)
+class Custom:
+    """Your preset: `rule(mesh, unit) -> UnitSharding` for every unit (any mix of axes
+    per unit and kind that `validate` accepts), the layout grouped for `stage`."""
+
+    name: str
+    rule: Callable[[Mesh, Unit], UnitSharding]
+    stage: int = 3
+
+    def __call__(self, mesh: Mesh, unit: Unit) -> UnitSharding:
+        return self.rule(mesh, unit)
+
+
+PRESETS: dict[str, Preset] = {
+    "zero0": Zero(0),
+    "zero1": Zero(1),
+    "zero2": Zero(2),
+    "zero3": Zero(3),
+    "mics": MiCS(),
+    "hpz": HpZ(),
+}
+
+
+def preset_from_name(name: str, where: str = "preset") -> Preset:
+    """A built-in preset by name (`PRESETS`); the error lists the names."""
+    if name not in PRESETS:
+        raise PlanError(f"{where} is {name!r}; allowed: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def mesh_plan(
+    manifest: Manifest,
+    mesh: Mesh,
+    preset: Preset | str = "zero3",
+    *,
+    strategy: Strategy | Callable[..., Plan] = flat_even,
+    **options: object,
+) -> MeshPlan:
+    """Lay `manifest` out with `strategy` on `mesh.size` ranks (with `options`, as
+    `plan` runs it, grouped for `preset.stage`), split every unit as `preset` says, and
+    validate. `mesh_plan(m, Mesh.single(W), "zero2")` is `from_plan(plan(m,
+    world_size=W, stage=2))`."""
+    chosen = preset_from_name(preset) if isinstance(preset, str) else preset
+    layout = plan(manifest, world_size=mesh.size, stage=chosen.stage, strategy=strategy, **options)
+    result = MeshPlan(
+        manifest,
+        mesh,
+        layout.alignment,
+        layout.units,
+        tuple(chosen(mesh, unit) for unit in layout.units),
+        strategy=layout.strategy,
+        preset=chosen.name,
+    )
+    validate(result)
+    return result
+
+
+def _int_key(zero: Mapping[str, Any], key: str, default: int) -> int:
+    value = zero.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"zero_optimization.{key} is {value!r}; it must be an integer")
+    return value
+
+
+def _divisor(key: str, value: int, of: int, what: str) -> None:
+    if value < 1 or of % value:
+        allowed = [d for d in range(1, of + 1) if of % d == 0]
+        raise PlanError(f"zero_optimization.{key} is {value}; it must divide {what} {of} {allowed}")
+
+
+def from_zero_config(
+    zero: Mapping[str, Any], world_size: int, *, ranks_per_node: int | None = None
+) -> tuple[Mesh, Preset]:
+    """The mesh and preset DeepSpeed's `zero_optimization` block asks for on
+    `world_size` ranks (pure: the block as a mapping, as in the JSON).
+
+    - `zero_hpz_partition_size: h > 1` (stage 3): `Mesh({"node": W/h, "local": h})`,
+      `HpZ(("local",))`; 1 (DeepSpeed's default) is off;
+    - `mics_shard_size: m > 0` (stage 3): `Mesh({"replica": W/m, "shard": m})`,
+      `MiCS(("shard",))`; -1 (the default) is off. With
+      `mics_hierarchical_params_gather` and a shard group spanning nodes (m >
+      `ranks_per_node`, which DeepSpeed reads from `NDEV_PER_NODE`):
+      `Mesh({"replica": W/m, "node": m/ranks_per_node, "local": ranks_per_node})`, split
+      over `("node", "local")`, gathered one axis at a time; within one node it has no
+      effect, as in DeepSpeed;
+    - otherwise `Mesh({"dp": W})` and `Zero(stage)`. Below stage 3 the three keys have no
+      effect, as in DeepSpeed, where hpZ and MiCS are parts of stage 3.
+
+    The config parser still refuses these keys: the engine cannot run such plans yet.
+    """
+    stage = _int_key(zero, "stage", 0)
+    hpz = _int_key(zero, "zero_hpz_partition_size", 1)
+    mics = _int_key(zero, "mics_shard_size", -1)
+    hierarchical = zero.get("mics_hierarchical_params_gather", False)
+    if not isinstance(hierarchical, bool):
+        raise PlanError(
+            f"zero_optimization.mics_hierarchical_params_gather is {hierarchical!r}; "
+            "it must be true or false"
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
+    base = Mesh.single(world_size), Zero(stage)  # also checks the stage
+    if stage < 3:
+        return base
+    if hpz > 1 and mics > 0:
+        raise PlanError(
+            f"zero_optimization.zero_hpz_partition_size is {hpz} and mics_shard_size is "
+            f"{mics}; choose one: hpZ (a secondary copy in the node) or MiCS (shard groups)"
+        )
+    if hpz != 1:
+        _divisor("zero_hpz_partition_size", hpz, world_size, "the world size")
+        return Mesh({"node": world_size // hpz, "local": hpz}), HpZ(("local",))
+    if mics <= 0:  # DeepSpeed: MiCS when mics_shard_size > 0
+        return base
+    _divisor("mics_shard_size", mics, world_size, "the world size")
+    if not hierarchical:
+        return Mesh({"replica": world_size // mics, "shard": mics}), MiCS(("shard",))
+    if ranks_per_node is None:
+        raise PlanError(
+            "zero_optimization.mics_hierarchical_params_gather is true: give ranks_per_node "
+            "(DeepSpeed reads NDEV_PER_NODE) to split the shard group into nodes"
+        )
+    if mics <= ranks_per_node:  # one node per shard group: nothing to gather across nodes
+        return Mesh({"replica": world_size // mics, "shard": mics}), MiCS(("shard",))
+    if mics % ranks_per_node:
+        raise PlanError(
+            f"zero_optimization.mics_shard_size is {mics}, which ranks_per_node "
+            f"{ranks_per_node} does not divide: a hierarchical gather needs whole nodes"
+        )
+    mesh = Mesh(
+        {"replica": world_size // mics, "node": mics // ranks_per_node, "local": ranks_per_node}
+    )
+    return mesh, MiCS(("node", "local"), hierarchical_params_gather=True)
