@@ -189,3 +189,75 @@ def test_a_rank_that_raises_is_named_on_the_others_within_seconds(case, tmp_path
     assert "rank 1 raised in" in waiter["error"] and "Boom: bad batch on rank 1" in waiter["error"]
     assert "rank 0 was waiting in collective #" in waiter["error"]
     assert waiter["seconds"] < 20, waiter  # the collective timeout here is 120 s
+
+
+# ---- uneven inputs: engine.join() -------------------------------------------------------------
+
+BATCHES = {0: 4, 1: 1}  # rank -> micro-batches it has
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return [
+        (torch.randn(2, 6, generator=gen), torch.randn(2, 4, generator=gen))
+        for _ in range(BATCHES[rank])
+    ]
+
+
+def join_case(rank: int, world: int, stage: int, accumulation: int) -> dict:
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage},
+    }
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    engine = fzero.shard(model, optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    with engine.join():
+        for x, y in _batches(rank):
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    return {"steps": engine.global_steps, "state": engine.state_dict(dtype=torch.float32)}
+
+
+def join_reference(world: int, accumulation: int) -> dict:
+    """One process: each window's gradient is the sum of every micro-batch any rank had in
+    it, over world x accumulation (a rank out of data adds zeros)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    data = {r: _batches(r) for r in range(world)}
+    micro = max(len(d) for d in data.values())
+    for start in range(0, micro, accumulation):
+        model.zero_grad()
+        for i in range(start, min(start + accumulation, micro)):
+            for r in range(world):
+                if i < len(data[r]):
+                    x, y = data[r][i]
+                    (F.mse_loss(model(x), y) / (world * accumulation)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 1), (2, 2)])
+def test_join_serves_a_rank_with_more_batches_and_equals_the_reference(stage, accumulation):
+    got = run_world(join_case, 2, stage, accumulation)
+    assert got["steps"] == max(BATCHES.values()) // accumulation
+    for name, value in join_reference(2, accumulation).items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-6, atol=1e-6)
+
+
+def join_stage3_case(rank: int, world: int) -> str:
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine = fzero.shard(nn.Linear(6, 4), optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    try:
+        with engine.join():
+            pass
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_join_at_stage_3_is_refused_by_name():
+    assert "engine.join() at ZeRO stage 3" in run_world(join_stage3_case, 2)

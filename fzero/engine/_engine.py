@@ -147,6 +147,7 @@ class Engine(DeepSpeedAccessors):
         self.lr_steps = 0
         self._skipped_last = False
         self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._joined: int | None = None  # inside join(): see there
         self.timers = Timers()
         self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
@@ -277,6 +278,9 @@ class Engine(DeepSpeedAccessors):
         the module's own hooks, so calling the module directly trains the same). A
         plain `loss.backward()` through the returned tensors is this engine's backward."""
         self.residency.check_usable()
+        if self._joined is not None and self._joined != self.micro_steps:
+            self._joined = self.micro_steps  # inside join(): this rank still trains
+            self.reduction.still_training(True)
         self.telemetry.forward(args, kwargs)
         with self.timers("forward"):
             output = self.module(*args, **kwargs)
@@ -403,6 +407,33 @@ class Engine(DeepSpeedAccessors):
         only (stages 2-3 reduce as they shard, as in DeepSpeed); no `step()` inside."""
         with self.reduction.without_sync():
             yield
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Uneven inputs (DDP's `Join`): ranks may run different numbers of micro-steps
+        inside the block. A rank that leaves it keeps serving the others' gradient
+        reductions and steps with zero gradients until every rank has left, so the
+        result is a run where a rank out of data contributes nothing (gradients are
+        still averaged over the whole world, as DDP's default). Each micro-step's first
+        forward inside costs one one-element all-reduce (who still trains). The loop
+        must be forward, backward, `step()` per micro-step; stages 0-2 (stage 3 gathers
+        in forward, which a finished rank cannot follow)."""
+        if self.stage == 3:
+            raise NotImplementedError(
+                "engine.join() at ZeRO stage 3: a rank out of data cannot serve the others' "
+                "forward all-gathers; give every rank the same number of micro-batches "
+                "(e.g. a DistributedSampler with drop_last=True), or use stages 0-2"
+            )
+        if self._joined is not None:
+            raise RuntimeError("engine.join() is already active; it cannot be re-entered")
+        self._joined = -1  # the micro-step whose "still training" flag was sent
+        try:
+            yield
+            while self.reduction.still_training(False):  # out of data: serve the others
+                self.reduction.shadow()
+                self.step()
+        finally:
+            self._joined = None
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give

@@ -268,6 +268,20 @@ class GradientReduction:
                 f"its micro-steps again ({'; '.join(messages)})"
             )
 
+    def still_training(self, here: bool) -> bool:
+        """`engine.join()`: whether any rank still trains (this one if `here`);
+        collective, once per micro-step."""
+        flag = torch.tensor([float(here)], device=self.device)
+        if self.world_size > 1:
+            comm.all_reduce(flag, op="max", what="join: whether any rank still trains")
+        return bool(flag.item())
+
+    def shadow(self) -> None:
+        """`engine.join()` on a rank out of data: the reductions of a backward that
+        computed no gradient here (zeros into the others' averages)."""
+        self.begin()
+        self.finish()
+
     def held_numel(self) -> int:
         """Elements of the bucket buffers of a reduction in progress (stages 2-3)."""
         return self.core.held_numel()
