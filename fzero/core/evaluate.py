@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fzero import comm
 from fzero.config import Config
 from fzero.core.gather import PlaceholderGatherer
 from fzero.core.init import config_for_plan
@@ -42,6 +43,10 @@ def eval_step(
     kept = _Kept()
 
     def evaluate(state: TrainState, batch: Any) -> Any:
+        with comm.named_operation(f"eval_step (after micro-step {state.counters.micro_steps})"):
+            return _evaluate(state, batch)
+
+    def _evaluate(state: TrainState, batch: Any) -> Any:
         check_state(state, plan, "eval_step")
         device = state.units[0].grad.device if state.units else torch.device("cpu")
         dtype = next(  # the parameters', or the master's where it serves as them
