@@ -32,7 +32,7 @@ from fzero.core.precision import Precision, check_precision, loss_scaler, precis
 from fzero.core.reduce import bucket_accumulators, scatter_by_all_reduce
 from fzero.core.residency import Residency
 from fzero.core.stage3 import Stage3Gatherer
-from fzero.core.state import TrainState, optimizer_partition, partition_numel
+from fzero.core.state import Counters, TrainState, optimizer_partition, partition_numel
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._accessors import DeepSpeedAccessors
@@ -92,8 +92,30 @@ def _named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return wrap
 
 
+def _counter(name: str) -> Any:
+    """DeepSpeed's engine attribute `name`, a field of the engine's `counters`."""
+
+    def get(self: Engine) -> int:
+        return getattr(self.counters, name)
+
+    def set_(self: Engine, value: int) -> None:
+        self.counters = self.counters._replace(**{name: int(value)})
+
+    return property(get, set_, doc=f"`counters.{name}`")
+
+
 class Engine(DeepSpeedAccessors):
-    """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`."""
+    """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`.
+
+    Its state is the units' buffers (`units`, viewed as a `TrainState` by `train_state`
+    without a copy), `counters`, `loss_scale_state` and the process's generator; each
+    unit's runtime record is written by the core only."""
+
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    micro_steps = _counter("micro_steps")
+    skipped_steps = _counter("skipped_steps")
+    lr_steps = _counter("lr_steps")
 
     def __init__(
         self,
@@ -140,11 +162,9 @@ class Engine(DeepSpeedAccessors):
         self.overlap_comm = zero.overlap_comm if zero.overlap_comm is not None else self.stage == 3
         self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
         self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self.lr_steps = 0
+        # steps, samples, micro-steps, skipped steps, the schedule's position: a value,
+        # read and set through DeepSpeed's attribute names below
+        self.counters = Counters()
         self._skipped_last = False
         self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._joined: int | None = None  # inside join(): see there

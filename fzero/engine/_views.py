@@ -17,7 +17,7 @@ from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
 from fzero.core.publish import accept_edits
 from fzero.core.residency import SwapFileUnits
-from fzero.core.state import Counters, TrainState, UnitState
+from fzero.core.state import TrainState, UnitState
 from fzero.partition import MemoryEstimate
 
 __all__ = [
@@ -143,13 +143,7 @@ def train_state(engine: Engine) -> TrainState:
         )
         for rt in engine.units
     )
-    counters = Counters(
-        engine.global_steps,
-        engine.global_samples,
-        engine.micro_steps,
-        engine.skipped_steps,
-        engine.lr_steps,
-    )
+    counters = engine.counters
     residence = SwapFileUnits(engine.residency, engine.units) if engine.nvme is not None else None
     return TrainState(
         engine.plan, engine.rank, units, counters, engine.loss_scale_state, residence=residence
