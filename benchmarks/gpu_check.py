@@ -180,6 +180,11 @@ def check_kernels(device: torch.device, sizes: list[int]) -> None:
             want_codes, want_scales = quantize(x.cpu())
             same = torch.equal(codes.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)
             record(f"{device.type} int8 quantize, n={n}", f"bit-equal {same}", same)
+            packed = torch.empty(blocks * 128, dtype=torch.uint8, device=device)
+            native.quantize_int4_(x, packed, scales)  # + pairs packed across threads
+            want_codes, want_scales = quantize(x.cpu(), bits=4)
+            same = torch.equal(packed.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)
+            record(f"{device.type} int4 quantize, n={n}", f"bit-equal {same}", same)
 
 
 # ---- the fused AdamW kernel against torch's and the floor -----------------------------------

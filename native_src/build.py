@@ -46,6 +46,9 @@ void fz_dequantize_int8(const int8_t *codes, const float *scales, int64_t n, int
                         int64_t stride, void *out, int out_kind, int threads);
 void fz_dequantize_mean_int8(const int8_t *codes, const float *scales, int64_t n,
                              int64_t parts, int64_t stride, float *out, int threads);
+void fz_quantize_int4(const float *x, int64_t n, uint8_t *codes, float *scales, int threads);
+void fz_dequantize_mean_int4(const uint8_t *codes, const float *scales, int64_t n,
+                             int64_t parts, int64_t stride, float *out, int threads);
 """
 CDEF += AIO_PROTOTYPES
 

@@ -111,4 +111,24 @@ FZ_FN signed char fz_int8_code(float x, float divisor) {
     return (signed char)q;
 }
 
+/* Blockwise int4, as int8 with the scale max|x| / 7 and codes in [-7, 7], two to a byte:
+ * element 2k of a block in the low nibble of byte k, element 2k + 1 in the high one, each
+ * in two's complement (fzero.core.quantize.quantize with bits=4). */
+FZ_FN signed char fz_int4_code(float x, float divisor) {
+    float q = rintf(x / divisor);
+    if (q != q) q = 0.0f;
+    q = q > 7.0f ? 7.0f : (q < -7.0f ? -7.0f : q);
+    return (signed char)q;
+}
+
+FZ_FN unsigned char fz_int4_pack(signed char low, signed char high) {
+    return (unsigned char)((low & 0xF) | ((high & 0xF) << 4));
+}
+
+/* Code of element i of packed int4 codes: its nibble, sign-extended. */
+FZ_FN int fz_int4_at(const unsigned char *codes, fz_i64 i) {
+    const int nibble = (codes[i >> 1] >> ((i & 1) * 4)) & 0xF;
+    return (nibble ^ 8) - 8;
+}
+
 #endif

@@ -314,6 +314,46 @@ void fz_dequantize_mean_int8(const int8_t *codes, const float *scales, int64_t n
     }
 }
 
+/* Blockwise int4 codes (two to a byte, whole blocks, the padding 0) and scales of x:
+ * fz_absmax, fz_int4_code and fz_int4_pack in fzero_common.h, as
+ * fzero.core.quantize.quantize with bits=4. */
+void fz_quantize_int4(const float *x, int64_t n, uint8_t *codes, float *scales, int threads) {
+    const int64_t blocks = (n + FZ_QBLOCK - 1) / FZ_QBLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * FZ_QBLOCK;
+        const int64_t stop = start + FZ_QBLOCK < n ? start + FZ_QBLOCK : n;
+        float amax = 0.0f;
+        for (int64_t i = start; i < stop; i++) amax = fz_absmax(amax, x[i]);
+        const float scale = amax / 7.0f;
+        const float divisor = scale > 0.0f ? scale : 1.0f;
+        scales[b] = scale;
+        for (int64_t i = start; i < start + FZ_QBLOCK; i += 2) {
+            const signed char low = i < stop ? fz_int4_code(x[i], divisor) : 0;
+            const signed char high = i + 1 < stop ? fz_int4_code(x[i + 1], divisor) : 0;
+            codes[i / 2] = fz_int4_pack(low, high);
+        }
+    }
+}
+
+static float fz_dequantized_int4(const uint8_t *codes, const float *scales, int64_t stride,
+                                 int64_t r, int64_t i) {
+    return (float)fz_int4_at(codes, r * stride + i) * scales[r * (stride / FZ_QBLOCK) + i / FZ_QBLOCK];
+}
+
+/* As fz_dequantize_mean_int8 over packed int4 codes (`stride` elements a row, stride / 2
+ * bytes): the mean of `parts` rows, summed in row order in fp32 (qgZ with 4 bits). */
+void fz_dequantize_mean_int4(const uint8_t *codes, const float *scales, int64_t n,
+                             int64_t parts, int64_t stride, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float total = fz_dequantized_int4(codes, scales, stride, 0, i);
+        for (int64_t r = 1; r < parts; r++)
+            total = total + fz_dequantized_int4(codes, scales, stride, r, i);
+        out[i] = total / (float)parts;
+    }
+}
+
 /* The memory floor of an Adam step: read p, g, m, v and write p, m, v (28 bytes per
  * element) with the least arithmetic, for benchmarks/cpu_adam.py. */
 FZ_CLONES

@@ -17,6 +17,7 @@ typedef unsigned int fz_u32;
 typedef unsigned long long fz_u64;
 typedef long long fz_i64;
 typedef signed char fz_i8;
+typedef unsigned char fz_u8;
 
 #define FZ_OUT_NONE 0
 #define FZ_OUT_BF16 1
@@ -261,6 +262,54 @@ extern "C" __global__ void fz_dequantize_mean_int8(const fz_i8 *__restrict__ cod
     FZ_GRID_STRIDE(i, n) {
         float total = fz_dequantized(codes, scales, stride, 0, i);
         for (fz_i64 r = 1; r < parts; r++) total = total + fz_dequantized(codes, scales, stride, r, i);
+        out[i] = total / (float)parts;
+    }
+}
+
+/* Blockwise int4, as fz_quantize_int4: the block's max|x| as in fz_quantize_int8, each
+ * thread's code into shared memory, then the first half of the threads packs pairs. */
+extern "C" __global__ void fz_quantize_int4(const float *__restrict__ x, fz_i64 n,
+                                            fz_u8 *__restrict__ codes,
+                                            float *__restrict__ scales) {
+    __shared__ float amax[FZ_QBLOCK];
+    __shared__ signed char code[FZ_QBLOCK];
+    const fz_i64 blocks = (n + FZ_QBLOCK - 1) / FZ_QBLOCK;
+    for (fz_i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
+        const fz_i64 i = b * FZ_QBLOCK + threadIdx.x;
+        const float xi = i < n ? x[i] : 0.0f;
+        amax[threadIdx.x] = fz_absmax(0.0f, xi);
+        __syncthreads();
+        for (int half = FZ_QBLOCK / 2; half > 0; half /= 2) {
+            if (threadIdx.x < half)
+                amax[threadIdx.x] = fz_absmax(amax[threadIdx.x], amax[threadIdx.x + half]);
+            __syncthreads();
+        }
+        const float scale = amax[0] / 7.0f;
+        const float divisor = scale > 0.0f ? scale : 1.0f;
+        code[threadIdx.x] = i < n ? fz_int4_code(xi, divisor) : 0;
+        if (threadIdx.x == 0) scales[b] = scale;
+        __syncthreads();
+        if (threadIdx.x < FZ_QBLOCK / 2)
+            codes[b * (FZ_QBLOCK / 2) + threadIdx.x] =
+                fz_int4_pack(code[2 * threadIdx.x], code[2 * threadIdx.x + 1]);
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ float fz_dequantized_int4(const fz_u8 *codes, const float *scales,
+                                                     fz_i64 stride, fz_i64 r, fz_i64 i) {
+    return (float)fz_int4_at(codes, r * stride + i) * scales[r * (stride / FZ_QBLOCK) + i / FZ_QBLOCK];
+}
+
+/* As fz_dequantize_mean_int4: packed int4 rows summed in order in fp32, divided by `parts`. */
+extern "C" __global__ void fz_dequantize_mean_int4(const fz_u8 *__restrict__ codes,
+                                                   const float *__restrict__ scales, fz_i64 n,
+                                                   fz_i64 parts, fz_i64 stride,
+                                                   float *__restrict__ out) {
+    FZ_GRID_STRIDE(i, n) {
+        float total = fz_dequantized_int4(codes, scales, stride, 0, i);
+        for (fz_i64 r = 1; r < parts; r++)
+            total = total + fz_dequantized_int4(codes, scales, stride, r, i);
         out[i] = total / (float)parts;
     }
 }

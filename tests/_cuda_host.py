@@ -42,7 +42,7 @@ extern "C" void fz_host_block_y(unsigned int y) { blockIdx.y = y; }
 # the host build runs these; the reductions need a block of threads (gpu_check.py)
 ELEMENTWISE = (
     "fz_adam", "fz_lamb_direction", "fz_lamb_apply", "fz_sgd", "fz_bf16_stochastic",
-    "fz_dequantize_int8", "fz_dequantize_mean_int8",
+    "fz_dequantize_int8", "fz_dequantize_mean_int8", "fz_dequantize_mean_int4",
 )  # fmt: skip
 _CTYPES = {
     "float": ctypes.c_float,
@@ -54,6 +54,7 @@ _CTYPES = {
 _TYPE_NAMES = {
     "fz_i64": "int64_t",
     "fz_i8": "int8_t",
+    "fz_u8": "uint8_t",
     "fz_u64": "uint64_t",
     "fz_u16": "uint16_t",
     "fz_u32": "uint32_t",

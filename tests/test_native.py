@@ -243,6 +243,55 @@ def test_dequantize_int8_matches_pure_bit_for_bit(kernels, n, parts, dtype):
         native.dequantize_int8_(codes[:-1], scales, out, 2)
 
 
+def _quant_input(n):
+    """Values over seven decades, with (past 600 elements) an all-zero block, exact ties
+    at scale 1 and a NaN."""
+    x = _data(n, seed=5)[0] * torch.logspace(-4, 3, n)
+    if n > 600:
+        x[256:512] = 0.0
+        x[512], x[520], x[521], x[522] = 7.0, 2.5, -3.5, -0.5  # scale 1: ties, to even
+        x[700] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("n", QUANT_SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantize_int4_matches_pure_bit_for_bit(n, threads):
+    """Packed int4 codes and scales of `fzero.core.quantize.quantize(bits=4)`, odd sizes
+    (a last byte half padding) included; the CUDA kernel packs pairs across threads of a
+    block: benchmarks/gpu_check.py checks it on a GPU."""
+    from fzero.core.quantize import quantize
+
+    torch.set_num_threads(threads)
+    x = _quant_input(n)
+    blocks = -(-n // 256)
+    codes = torch.empty(blocks * 128, dtype=torch.uint8)
+    scales = torch.empty(blocks)
+    native.quantize_int4_(x, codes, scales)
+    want_codes, want_scales = quantize(x, bits=4)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales.isnan(), want_scales.isnan())
+    finite = ~scales.isnan()
+    assert torch.equal(scales[finite], want_scales[finite])
+    with pytest.raises(ValueError, match=r"codes has dtype torch\.int8; expected torch\.uint8"):
+        native.quantize_int4_(x, codes.view(torch.int8), scales)
+
+
+@pytest.mark.parametrize("n", QUANT_SIZES)
+@pytest.mark.parametrize("parts", [1, 3])
+def test_dequantize_mean_int4_matches_pure_bit_for_bit(kernels, n, parts):
+    from fzero.core.quantize import dequantize_mean_, quantize
+
+    rows = [quantize(_data(n, seed=r)[0] * (r + 1), bits=4) for r in range(parts)]
+    codes = torch.cat([c for c, _ in rows])
+    scales = torch.cat([s for _, s in rows])
+    mean = torch.empty(n)
+    native.dequantize_mean_int4_(codes, scales, mean, parts)
+    assert torch.equal(mean, dequantize_mean_(torch.empty(n), codes, scales, parts, bits=4))
+    with pytest.raises(ValueError, match=r"expected 2 rows of whole 256-blocks of int4"):
+        native.dequantize_mean_int4_(codes[:-1], scales, mean, 2)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -32,9 +32,11 @@ __all__ = [
     "available",
     "bf16_stochastic_",
     "dequantize_int8_",
+    "dequantize_mean_int4_",
     "dequantize_mean_int8_",
     "lamb_apply_",
     "lamb_direction_",
+    "quantize_int4_",
     "quantize_int8_",
     "segment_sq_sums",
     "sgd_",
@@ -404,7 +406,7 @@ def bf16_stochastic_(x: Tensor, out: Tensor, seed: int) -> Tensor:
     return out
 
 
-QBLOCK = 256  # elements per scale of the int8 kernels (FZ_QBLOCK)
+QBLOCK = 256  # elements per scale of the int8 and int4 kernels (FZ_QBLOCK)
 _DEQUANT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -421,19 +423,42 @@ def quantize_int8_(x: Tensor, codes: Tensor, scales: Tensor) -> None:
     _run("fz_quantize_int8", device, args, n)
 
 
-def _dequant_args(codes: Tensor, scales: Tensor, n: int, parts: int) -> tuple[torch.device, Args]:
+def quantize_int4_(x: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """Blockwise int4 of fp32 `x` into `codes` (uint8, two codes a byte, whole blocks of
+    256, the padding 0) and `scales` (fp32, one per block), as
+    `fzero.core.quantize.quantize` with bits=4."""
+    n = x.numel()
+    device = _buffers(n, x=x)
+    _require(device)
+    blocks = -(-n // QBLOCK)
+    _buffer("codes", codes, blocks * QBLOCK // 2, torch.uint8, device)
+    _buffer("scales", scales, blocks, torch.float32, device)
+    args = [("float *", x), ("int64_t", n), ("uint8_t *", codes), ("float *", scales)]
+    _run("fz_quantize_int4", device, args, n)
+
+
+def _dequant_args(
+    codes: Tensor, scales: Tensor, n: int, parts: int, bits: int = 8
+) -> tuple[torch.device, Args]:
+    """Checked arguments of a dequantize kernel: codes (int8, or uint8 with two int4
+    codes a byte), scales, n, parts and the row stride in elements."""
     device = codes.device
-    if parts < 1 or codes.numel() % parts or (codes.numel() // parts) % QBLOCK:
+    per_byte = 8 // bits
+    elements = codes.numel() * per_byte
+    if parts < 1 or elements % parts or (elements // parts) % QBLOCK:
         raise ValueError(
-            f"codes has {codes.numel()} elements; expected {parts} rows of whole {QBLOCK}-blocks"
+            f"codes has {codes.numel()} bytes; expected {parts} rows of whole {QBLOCK}-blocks "
+            f"of int{bits} codes"
         )
-    stride = codes.numel() // parts
+    stride = elements // parts
     if n > stride:
         raise ValueError(f"n is {n}; a row of codes holds {stride}")
-    _buffer("codes", codes, codes.numel(), torch.int8, device)
-    _buffer("scales", scales, codes.numel() // QBLOCK, torch.float32, device)
+    kind = torch.int8 if bits == 8 else torch.uint8
+    _buffer("codes", codes, codes.numel(), kind, device)
+    _buffer("scales", scales, elements // QBLOCK, torch.float32, device)
     _require(device)
-    args: Args = [("int8_t *", codes), ("float *", scales), ("int64_t", n), ("int64_t", parts)]
+    pointer = "int8_t *" if bits == 8 else "uint8_t *"
+    args: Args = [(pointer, codes), ("float *", scales), ("int64_t", n), ("int64_t", parts)]
     return device, [*args, ("int64_t", stride)]
 
 
@@ -460,3 +485,13 @@ def dequantize_mean_int8_(codes: Tensor, scales: Tensor, out: Tensor, parts: int
     device, args = _dequant_args(codes, scales, n, parts)
     _buffer("out", out, n, torch.float32, device)
     _run("fz_dequantize_mean_int8", device, [*args, ("float *", out)], n)
+
+
+def dequantize_mean_int4_(codes: Tensor, scales: Tensor, out: Tensor, parts: int) -> None:
+    """The mean over `parts` rows of packed int4 `codes` (uint8, two a byte), summed in
+    row order in fp32, into fp32 `out` (qgZ with 4 bits), as
+    `fzero.core.quantize.dequantize_mean_` with bits=4."""
+    n = out.numel()
+    device, args = _dequant_args(codes, scales, n, parts, bits=4)
+    _buffer("out", out, n, torch.float32, device)
+    _run("fz_dequantize_mean_int4", device, [*args, ("float *", out)], n)

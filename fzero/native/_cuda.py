@@ -64,6 +64,8 @@ KERNELS = (
     "fz_quantize_int8",
     "fz_dequantize_int8",
     "fz_dequantize_mean_int8",
+    "fz_quantize_int4",
+    "fz_dequantize_mean_int4",
 )
 # No contraction but the source's fmaf calls; IEEE division and square root (the default).
 OPTIONS = ("--fmad=false", "--std=c++17")
