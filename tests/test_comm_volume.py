@@ -138,6 +138,13 @@ def test_comm_volume_rows_by_stage():
         comm_volume(p, accumulation_steps=0)
     with pytest.raises(PlanError, match="regathered names units stage 3 does not gather"):
         comm_volume(plan(manifest, world_size=4, stage=2), regathered=[0])
+    # qgZ: one bucket of 4 x 512 elements (each rank's 256 of both units): 2 blocks a rank,
+    # codes (256 bytes in int8, 128 in int4) and a 4-byte scale per block
+    assert rows(2, quantized_gradients=True)[("all_to_all", "gradients (int8)")] == (2, 2080)
+    int4 = rows(2, quantized_gradients=True, quantized_gradient_bits=4)
+    assert int4[("all_to_all", "gradients (int4)")] == (2, 1056)
+    with pytest.raises(PlanError, match=r"quantized_gradient_bits is 2; allowed: \[4, 8\]"):
+        comm_volume(p, quantized_gradients=True, quantized_gradient_bits=2)
 
 
 def metrics_case(rank: int, world: int, path: str) -> None:

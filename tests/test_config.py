@@ -169,6 +169,10 @@ def test_unresolved_key_left_when_value_not_given():
         ({"tensorboard": {"enabled": True}}, "'tensorboard' is not supported yet"),
         ({"fp16": {"auto_cast": True}}, "'fp16.auto_cast' is not supported yet"),
         ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "allowed: \\['none'"),
+        (
+            {"zero_optimization": {"zero_quantized_gradients_bits": 2}},
+            r"'zero_optimization.zero_quantized_gradients_bits' is 2; allowed: \[4, 8\]",
+        ),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "no nvme_path"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs stage 3"),
         ({"optimizer": {"type": "Adagrad"}}, "allowed: Adam, AdamW, Lamb, SGD"),
@@ -195,6 +199,12 @@ def test_switched_off_unsupported_blocks_are_accepted():
         {"train_batch_size": 8, "tensorboard": {"enabled": False}, "bfloat16": {"enabled": True}}
     )
     assert config.bf16.enabled
+
+
+def test_quantized_gradient_bits_read_as_declared():
+    config = load_config({"zero_optimization": {"zero_quantized_gradients_bits": 4.0}})
+    assert type(config.zero_optimization.zero_quantized_gradients_bits) is int
+    assert load_config({}).zero_optimization.zero_quantized_gradients_bits == 8
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -183,6 +183,12 @@ class ZeroConfig(_Section):
     """ZeRO++'s qgZ: stages 2-3 reduce gradients by one all-to-all of blockwise int8
     (each rank's contribution rounded within its block, summed in fp32 by the owner)
     instead of a reduce-scatter; no effect at stages 0-1 (whole gradients all-reduced)."""
+    zero_quantized_gradients_bits: Literal[4, 8] = 8
+    """fzero: the code width of qgZ's blocks (`zero_quantized_gradients`): 8 (int8, 1.016
+    bytes per element) or 4 (int4, two codes a byte, 0.516 bytes per element; the rounding
+    step of a block 18x int8's). DeepSpeed has no such key: its qgZ always sends int4
+    (`all_to_all_quant_reduce`), so 4 is its wire size; fzero keeps int8 by default for
+    accuracy. No effect without `zero_quantized_gradients`."""
     round_robin_gradients: bool = _no_effect(
         False,
         "the order DeepSpeed copies offloaded gradients in; the values are the same",
@@ -438,7 +444,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         allowed = typing.get_args(hint)
         if value not in allowed:
             raise ConfigError(f"config key {key!r} is {value!r}; allowed: {list(allowed)}")
-        return value
+        return allowed[allowed.index(value)]  # as declared: 8.0 from JSON reads as 8
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key {key!r} must be an object, found {value!r}")

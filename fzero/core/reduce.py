@@ -55,11 +55,13 @@ def reduce_bucket(
     world_size: int,
     quantized: bool = False,
     what: str = "",
+    bits: int = 8,
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
     on this rank. `quantized` (qgZ, stages 2-3: each rank owns a shard): one all-to-all
-    of int8 blocks instead (`fzero.core.quantize`). `what` names the bucket in errors.
+    of int8 (`bits` 8) or int4 (`bits` 4) blocks instead (`fzero.core.quantize`). `what`
+    names the bucket in errors.
     Returns what is in flight, in order, for `finish`."""
 
     def keep_all() -> None:
@@ -69,7 +71,7 @@ def reduce_bucket(
     if world_size == 1:
         return [(None, keep_all)]
     if quantized:
-        return _quantized(flats, owned, keep, world_size)
+        return _quantized(flats, owned, keep, world_size, bits)
     if scatter_by_all_reduce():
         return [(comm.all_reduce(buffer, op="avg", async_op=True, what=what), keep_all)]
     pending: Pending = []
@@ -86,6 +88,7 @@ def _quantized(
     owned: Sequence[slice],
     keep: Callable[[int, Tensor], None],
     world_size: int,
+    bits: int,
 ) -> Pending:
     """qgZ over one bucket: rank r's part is every unit's `owned` shard of rank r, in
     unit order (the shards have one size on every rank)."""
@@ -96,7 +99,7 @@ def _quantized(
         for i, piece in enumerate(mine.split(sizes)):
             keep(i, piece)
 
-    return quantized_reduce_scatter(parts, keep_parts, world=world_size)
+    return quantized_reduce_scatter(parts, keep_parts, world=world_size, bits=bits)
 
 
 def finish(pending: Pending) -> None:
@@ -151,7 +154,7 @@ class Reduction:
     of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; with
     `overlap`, complete buckets launch at once, in bucket order (the same on every
     rank). `finish` launches the rest (units this pass did not use reduce zeros) and
-    waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`).
+    waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4.
     """
 
     def __init__(
@@ -165,11 +168,13 @@ class Reduction:
         keep: Callable[[int, Tensor], None],
         device: torch.device,
         quantized: bool = False,
+        bits: int = 8,
         overlap: bool = True,
     ) -> None:
         self.plan, self.rank, self.buckets = plan, rank, [list(b) for b in buckets]
         self.sizes, self.accumulator, self.keep = list(sizes), accumulator, keep
         self.device, self.quantized, self.overlap = device, quantized, overlap
+        self.bits = bits
         self.world = plan.world_size
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
@@ -271,6 +276,7 @@ class Reduction:
             world_size=self.world,
             quantized=self.quantized,
             what=_grads_of(indices),
+            bits=self.bits,
         )
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.world == 1:

@@ -307,6 +307,7 @@ class _Micro:
             device=self.device,
             quantized=self.plan.stage >= 2
             and step.config.zero_optimization.zero_quantized_gradients,
+            bits=step.config.zero_optimization.zero_quantized_gradients_bits,
         )
         self.reduction.begin(reduce=self.plan.stage >= 2 or at_boundary)
 

@@ -228,6 +228,7 @@ class Engine(DeepSpeedAccessors):
             timers=self.timers,
             overlap=self.overlap_comm,
             quantized=zero.zero_quantized_gradients,
+            bits=zero.zero_quantized_gradients_bits,
         )
         self.stage3.on_backward_use = self.reduction.note_backward_use
         self._hooks += install_hooks(self)
@@ -512,6 +513,7 @@ class Engine(DeepSpeedAccessors):
             optimizer=self.functional_optimizer.name,
             quantized_weights=zero.zero_quantized_weights,
             quantized_gradients=zero.zero_quantized_gradients,
+            quantized_gradient_bits=zero.zero_quantized_gradients_bits,
         )
 
     def memory_planned(self) -> MemoryEstimate:

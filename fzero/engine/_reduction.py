@@ -81,6 +81,7 @@ class GradientReduction:
         timers: Any,
         overlap: bool,
         quantized: bool,
+        bits: int = 8,
     ) -> None:
         self.owner, self.plan, self.stage, self.units = owner, plan, plan.stage, list(units)
         self.world_size = plan.world_size
@@ -95,6 +96,7 @@ class GradientReduction:
             keep=self._accumulate_grad,
             device=device,
             quantized=quantized and plan.stage >= 2,
+            bits=bits,
             overlap=overlap,
         )
         self._param_unit = {

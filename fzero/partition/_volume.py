@@ -67,6 +67,7 @@ def comm_volume(
     optimizer: str = "adam",
     quantized_weights: bool = False,
     quantized_gradients: bool = False,
+    quantized_gradient_bits: int = 8,
 ) -> list[Collective]:
     """The collectives one optimizer step of the engine issues under `plan`.
 
@@ -88,7 +89,8 @@ def comm_volume(
     gathers travel as int8 codes in blocks of 256 plus one fp32 scale per block: two
     all-gathers per unit, 1.016 bytes per element. `quantized_gradients` (qgZ,
     stages 2-3): each bucket's reduction is two all-to-alls (codes and scales) of the
-    bucket's int8 blocks, every micro-step.
+    bucket's blocks, every micro-step: int8 codes, or with `quantized_gradient_bits` 4
+    (`zero_quantized_gradients_bits`) int4 codes two to a byte (0.516 bytes per element).
 
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
@@ -98,6 +100,8 @@ def comm_volume(
     """
     if accumulation_steps < 1:
         raise PlanError(f"accumulation_steps is {accumulation_steps}; it must be >= 1")
+    if quantized_gradient_bits not in (4, 8):
+        raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
     if isinstance(plan, MeshPlan):
         if quantized_weights or quantized_gradients or scatter_as_all_reduce:
             raise PlanError(
@@ -130,8 +134,10 @@ def comm_volume(
     elif quantized_gradients:
         # one row of blocks per rank: every unit's shard of that rank, concatenated
         per_rank = [sum(units[i].shard_numel for i in bucket) for bucket in buckets]
-        size = sum(-(-n // _QUANT_BLOCK) * world * (_QUANT_BLOCK + 4) for n in per_rank)
-        add("all_to_all", "gradients (int8)", 2 * len(buckets) * steps, size * steps)
+        block_bytes = _QUANT_BLOCK * quantized_gradient_bits // 8 + 4  # codes and a scale
+        size = sum(-(-n // _QUANT_BLOCK) * world * block_bytes for n in per_rank)
+        what = f"gradients (int{quantized_gradient_bits})"
+        add("all_to_all", what, 2 * len(buckets) * steps, size * steps)
     elif scatter_as_all_reduce:
         add("all_reduce", "gradients", len(buckets) * steps, total * _GRAD_BYTES * steps)
     else:
