@@ -1,6 +1,6 @@
 """ZeRO++'s quantized collectives: bytes per step, step time and loss of a GPT-shaped
-model with qwZ (int8 parameter all-gathers) and qgZ (int8 gradient reductions) against
-the unquantized run, in the same run.
+model with qwZ (int8 parameter all-gathers) and qgZ (int8 or int4 gradient reductions)
+against the unquantized run, in the same run.
 
     python benchmarks/quantized.py [--steps 300] [--nproc 4] [--rounds 1] [--results FILE]
 
@@ -8,7 +8,8 @@ Model: the README's main job, a pre-norm transformer LM (4 layers, width 128, 4 
 tied embedding, ~0.8M parameters) on characters of Python's own help text, 64-token
 sequences, micro-batch 8 per rank, ZeRO-3 on `--nproc` CPU processes (gloo), bf16
 compute, AdamW (lr 1e-3, weight decay 0.01), gradient clipping 1.0. Rows: no
-quantization; `zero_quantized_weights`; `zero_quantized_gradients`; both.
+quantization; `zero_quantized_weights`; `zero_quantized_gradients` in int8 and in int4
+(`zero_quantized_gradients_bits: 4`); both, with each width.
 
 Bytes are those `fzero.comm.traffic()` counted on rank 0 over one step after warm-up
 (a collective's whole buffer: an all-gather's output, an all-reduce's tensor, an
@@ -38,11 +39,13 @@ from train_transformer import TinyLM
 import fzero
 
 MICRO, LR, DECAY = 8, 1e-3, 0.01
-ROWS = {
-    "none": (False, False),
-    "qwZ": (True, False),
-    "qgZ": (False, True),
-    "qwZ+qgZ": (True, True),
+ROWS = {  # qwZ, qgZ's bits (0: off)
+    "none": (False, 0),
+    "qwZ": (True, 0),
+    "qgZ": (False, 8),
+    "qgZ-int4": (False, 4),
+    "qwZ+qgZ": (True, 8),
+    "qwZ+qgZ-int4": (True, 4),
 }
 
 
@@ -52,7 +55,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def row(name: str, steps: int, out: str) -> None:
-    weights, gradients = ROWS[name]
+    weights, bits = ROWS[name]
     ids, vocab = corpus()
     torch.manual_seed(0)
     config = {
@@ -64,7 +67,8 @@ def row(name: str, steps: int, out: str) -> None:
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
             "zero_quantized_weights": weights,
-            "zero_quantized_gradients": gradients,
+            "zero_quantized_gradients": bits > 0,
+            "zero_quantized_gradients_bits": bits or 8,
         },
     }
     optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
@@ -143,9 +147,10 @@ def main() -> None:
         tuple(rows),
         (
             "params: stage 3's all-gathers for forward and backward; grads: the reduction",
-            "(gloo: an all-reduce of each bucket unquantized, an all-to-all of int8 blocks",
-            "with qgZ), with the gradient norm and the left-over check (12 bytes). DeepSpeed",
-            "reports 4x less cross-node volume with qwZ+qgZ (ZeRO++, 100 Gbps links).",
+            "(gloo: an all-reduce of each bucket unquantized, an all-to-all of int8 or int4",
+            "blocks with qgZ), with the gradient norm and the left-over check (12 bytes).",
+            "DeepSpeed reports 4x less cross-node volume with qwZ+qgZ (ZeRO++, 100 Gbps",
+            "links; its qgZ is int4).",
         ),
     )
     report("quantized", table, args.results)
