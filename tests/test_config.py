@@ -374,3 +374,20 @@ def test_the_config_and_the_optimizer_registry_share_one_list_of_params():
     }  # fmt: skip
     with pytest.raises(ConfigError, match=r"optimizer.params.\(sgd\).fused"):
         load_config({"optimizer": {"type": "SGD", "params": {"fused": True}}})
+
+
+def test_hpz_and_mics_groups_of_every_rank_run_and_smaller_groups_are_refused():
+    from fzero.config import load_config
+    from fzero.core.init import check_group_keys
+
+    for zero in (
+        {"stage": 3, "zero_hpz_partition_size": 1, "mics_shard_size": -1},
+        {"stage": 3, "zero_hpz_partition_size": 4},
+        {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": True},
+        {"stage": 2, "zero_hpz_partition_size": 2},  # no effect below stage 3 (DeepSpeed)
+    ):
+        check_group_keys(load_config({"zero_optimization": zero}), 4)
+    for key, value in (("zero_hpz_partition_size", 2), ("mics_shard_size", 2)):
+        config = load_config({"zero_optimization": {"stage": 3, key: value}})
+        with pytest.raises(ValueError, match=rf"{key} is 2 on 4 ranks; fzero runs"):
+            check_group_keys(config, 4)

@@ -42,22 +42,23 @@ def test_blockwise_int8_round_trip_is_within_half_a_step_of_each_block():
     assert torch.equal(again[0], codes) and torch.equal(again[1], scales)  # deterministic
 
 
-def _config(quantized: bool) -> dict:
+def _config(quantized: bool, world: int) -> dict:
+    """With `quantized`, ZeRO++'s one-node config as DeepSpeed's tutorial writes it (hpZ
+    over the node's ranks: here every rank, so ZeRO-3's partition exactly)."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if quantized:
+        zero.update(zero_quantized_weights=True, zero_hpz_partition_size=world)
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 0,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "zero_quantized_weights": quantized,
-        },
+        "zero_optimization": zero,
     }
 
 
 def qwz_case(rank: int, world: int) -> dict:
     results = {}
     for quantized in (False, True):
-        config = _config(quantized)
+        config = _config(quantized, world)
         optimizer = fzero.optim.adamw(lr=1e-2)
         engine, model, state, step = build_doors(wide, world, 3, optimizer, config)
         before = fzero.comm.traffic().get("all_gather", (0, 0))

@@ -189,6 +189,12 @@ class ZeroConfig(_Section):
     step of a block 18x int8's). DeepSpeed has no such key: its qgZ always sends int4
     (`all_to_all_quant_reduce`), so 4 is its wire size; fzero keeps int8 by default for
     accuracy. No effect without `zero_quantized_gradients`."""
+    zero_hpz_partition_size: int = 1
+    """ZeRO++'s hpZ group: 1 (off) or the world size (the secondary copy is the primary:
+    ZeRO-3 exactly). A node's ranks out of several needs process subgroups (refused)."""
+    mics_shard_size: int = -1
+    """MiCS's shard group: -1 (off) or the world size (ZeRO-3 exactly); as hpZ."""
+    mics_hierarchical_params_gather: bool = False
     round_robin_gradients: bool = _no_effect(
         False,
         "the order DeepSpeed copies offloaded gradients in; the values are the same",
@@ -388,8 +394,6 @@ _NOT_SUPPORTED = {
         "cpu_offload",
         "cpu_offload_params",
         "cpu_offload_use_pin_memory",
-        "mics_shard_size",
-        "zero_hpz_partition_size",
         "zeropp_loco_param",
         "stage3_module_granularity_threshold",
         "use_multi_rank_bucket_allreduce",

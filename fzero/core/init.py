@@ -177,7 +177,30 @@ def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan)
             f"the config's zero_optimization.stage is {stage}; the plan's {plan.stage}: leave "
             "it out or make them agree"
         )
+    check_group_keys(cfg, plan.world_size)
     return cfg
+
+
+def check_group_keys(config: Config, world_size: int) -> None:
+    """DeepSpeed's hpZ and MiCS group sizes run where they mean one group of every rank
+    (ZeRO-3 exactly); a smaller group needs process subgroups, which fzero does not run
+    yet: refused, naming the key, the value and what is allowed. Below stage 3 they have
+    no effect, as in DeepSpeed."""
+    zero = config.zero_optimization
+    if zero.stage < 3:
+        return
+    for key, value, off in (
+        ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 1),
+        ("mics_shard_size", zero.mics_shard_size, -1),
+    ):
+        if value in (off, world_size) or (off < 0 and value <= 0):
+            continue
+        raise ValueError(
+            f"zero_optimization.{key} is {value} on {world_size} ranks; fzero runs {off} "
+            f"(off) or {world_size} (one group of every rank: ZeRO-3). Groups of fewer ranks "
+            "need process subgroups, not supported yet (fzero.partition.from_zero_config "
+            "shows the mesh plan it would be)"
+        )
 
 
 def _seeded(seed: int) -> Tensor:

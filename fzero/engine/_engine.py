@@ -25,6 +25,7 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import OptimizerApplication
+from fzero.core.init import check_group_keys
 from fzero.core.layout import (
     UnitRuntime,
 )
@@ -144,6 +145,7 @@ class Engine(DeepSpeedAccessors):
         # compute, master and optimizer-state dtypes; `precision` names the first
         self.dtypes = precision_of(config, precision)
         check_precision(self.dtypes, config)
+        check_group_keys(config, self.world_size)
         self.precision = self.dtypes.compute
         self.compute_dtype = self.dtypes.compute_dtype
         zero = config.zero_optimization
