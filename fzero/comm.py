@@ -446,20 +446,20 @@ class Watched:
         if timeout is not None:
             return bool(self.work.wait(timeout=timeout))
         seen: dict[int, str] | None = None
-        asked = False
-        while True:
-            try:
-                self.work.wait(timeout=datetime.timedelta(seconds=self.seconds))
-                break
-            except RuntimeError as error:
-                if self.work.is_completed() or "timed out" not in str(error).lower():
-                    _raise_if_another_raised(self.collective.describe())
-                    raise
-            asked = True
-            seen = _ask_peers(self.collective, seen)
+        try:
+            while True:
+                try:
+                    self.work.wait(timeout=datetime.timedelta(seconds=self.seconds))
+                    break
+                except RuntimeError as error:
+                    if self.work.is_completed() or "timed out" not in str(error).lower():
+                        _raise_if_another_raised(self.collective.describe())
+                        raise
+                seen = _ask_peers(self.collective, seen)
+        finally:
+            if seen is not None:  # this rank said where it waits: no longer
+                _set_status("done")
         self._done = True
-        if asked:
-            _set_status("done")
         return True
 
 
