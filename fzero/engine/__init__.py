@@ -2,10 +2,12 @@
 
 One module per concern, each with its one job in its docstring:
 
-- `_engine`: the `Engine` class — DeepSpeed's surface (forward/backward/step,
-  checkpoint wrappers) wiring the parts below together;
+- `_engine`: the `Engine` class — DeepSpeed's surface (forward/backward/step, join)
+  wiring the parts below together;
 - `_accessors`: DeepSpeed's one-line read-only accessors (`fp16_enabled()`, ...), mixed
   into `Engine`;
+- `_checkpoints`: DeepSpeed's checkpoint methods (`save_checkpoint`, ...), mixed into
+  `Engine`, over `checkpoint_io`;
 - `entry`: `fzero.shard`, the functional entry (DeepSpeed's `initialize` is in
   `fzero.compat`);
 - `_build`: the plan, each unit's buffers filled and placed, the hooks installed;

@@ -10,7 +10,6 @@ gradient is whose is `_reduction`'s docstring; each unit's buffers are `_units`'
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +37,7 @@ from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._accessors import DeepSpeedAccessors
 from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
+from fzero.engine._checkpoints import CheckpointMethods, named
 from fzero.engine._reduction import GradientReduction
 from fzero.engine._scheduler import ConfigScheduler
 from fzero.engine._step import Hyperparams, take_step
@@ -77,22 +77,6 @@ _NO_OPTIMIZER = Optimizer(
 )
 
 
-def _named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """An engine method whose collectives, if a rank never arrives, say which rank and
-    where (`comm.named_operation`)."""
-
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def run(self: Engine, *args: Any, **kwargs: Any) -> Any:
-            where = f"{operation} of engine {self.name} (micro-step {self.micro_steps})"
-            with comm.named_operation(where):
-                return method(self, *args, **kwargs)
-
-        return run
-
-    return wrap
-
-
 def _counter(name: str) -> Any:
     """DeepSpeed's engine attribute `name`, a field of the engine's `counters`."""
 
@@ -105,7 +89,7 @@ def _counter(name: str) -> Any:
     return property(get, set_, doc=f"`counters.{name}`")
 
 
-class Engine(DeepSpeedAccessors):
+class Engine(DeepSpeedAccessors, CheckpointMethods):
     """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`.
 
     Its state is the units' buffers (`units`, viewed as a `TrainState` by `train_state`
@@ -295,7 +279,7 @@ class Engine(DeepSpeedAccessors):
             return getattr(module, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
-    @_named("forward")
+    @named("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (floating inputs cast to the compute dtype, stage-3 gathering:
         the module's own hooks, so calling the module directly trains the same). A
@@ -311,7 +295,7 @@ class Engine(DeepSpeedAccessors):
             tensor.register_hook(self.reduction.on_output_grad)
         return output
 
-    @_named("backward")
+    @named("backward")
     def backward(
         self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> Tensor:
@@ -347,7 +331,7 @@ class Engine(DeepSpeedAccessors):
         does; each such `step()` is one micro-step and one optimizer step."""
         self.boundary_override = bool(is_boundary)
 
-    @_named("step")
+    @named("step")
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: unscale, clip, update owned shards, regather;
         then step `lr_scheduler` (with `lr_kwargs`) unless fp16 overflow skipped it."""
@@ -488,7 +472,7 @@ class Engine(DeepSpeedAccessors):
         """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
         return _views.full_master(self, rt)
 
-    @_named("state_dict")
+    @named("state_dict")
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""
@@ -521,92 +505,6 @@ class Engine(DeepSpeedAccessors):
     def memory_planned(self) -> MemoryEstimate:
         """What the plan says this rank holds (`partition.memory_per_rank`)."""
         return _views.memory_planned(self)
-
-    # ---- checkpoints ----------------------------------------------------------------------
-
-    @_named("save_checkpoint")
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-        *,
-        async_save: bool = False,
-    ) -> str:
-        """Save a sharded checkpoint to `save_dir/tag` (default tag `global_step{N}`) and
-        point `save_dir/latest` at it; collective. `client_state` (ints, floats, strings,
-        lists, dicts, tensors) comes back from `load_checkpoint`. With
-        `exclude_frozen_parameters` (DeepSpeed's, for PEFT adapters) the frozen parameters
-        are left out; load it with `load_module_strict=False` into a model that has them.
-        With `async_save` the state is copied to host memory and written by a background
-        thread; the next save, load or the process exit waits for it and raises its
-        error."""
-        from fzero.engine import checkpoint_io as _engine_io
-
-        return _engine_io.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, async_save=async_save,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )  # fmt: skip
-
-    @_named("load_checkpoint")
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, Any]:
-        """Load `load_dir/tag` (default: the tag in `load_dir/latest`), whatever world
-        size, stage or strategy saved it; collective. Returns `(path, client_state)`, or
-        `(None, None)` with a warning when there is no checkpoint (as DeepSpeed). DeepSpeed's
-        arguments in its order; without `load_module_strict`, frozen parameters and
-        buffers that the checkpoint or the module lacks are skipped."""
-        from fzero.engine import checkpoint_io as _engine_io
-
-        return _engine_io.load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-            load_module_strict=load_module_strict,
-        )
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
-    def _zero3_consolidated_16bit_state_dict(
-        self, exclude_frozen_parameters: bool = False
-    ) -> dict[str, Tensor] | None:
-        """DeepSpeed's name (Accelerate and Transformers call it at save): the whole model's
-        state dict in the compute dtype, on rank 0 (None elsewhere); collective. Without
-        the frozen parameters when `exclude_frozen_parameters`."""
-        state = self.state_dict()
-        if self.rank != 0:
-            return None
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
-        the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
-        method, without its pickle file."""
-        from fzero.engine import checkpoint_io as _engine_io
-
-        return _engine_io.save_16bit_model(self, save_dir, save_filename)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save has been written and committed."""
-        from fzero.engine import checkpoint_io as _engine_io
-
-        _engine_io.wait_for_save(self)
 
     # ---- telemetry ------------------------------------------------------------------------
 
