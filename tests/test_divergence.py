@@ -261,3 +261,30 @@ def join_stage3_case(rank: int, world: int) -> str:
 
 def test_join_at_stage_3_is_refused_by_name():
     assert "engine.join() at ZeRO stage 3" in run_world(join_stage3_case, 2)
+
+
+def train_step_join_case(rank: int, world: int, stage: int, accumulation: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation}
+    plan = fzero.partition.plan(fzero.partition.describe(model), world_size=world, stage=stage)
+    optimizer = fzero.optim.sgd(lr=0.1)
+    state = fzero.init(model, plan, optimizer=optimizer, config=config)
+
+    def loss_fn(params: dict, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan=plan, optimizer=optimizer, config=config, join=True)
+    for batch in _batches(rank):
+        state, _ = step(state, batch)
+    state = step.join(state)
+    return {"steps": state.step, "state": fzero.state_dict(state, module=model)}
+
+
+@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 2)])
+def test_train_step_join_equals_the_reference(stage, accumulation):
+    got = run_world(train_step_join_case, 2, stage, accumulation)
+    assert got["steps"] == max(BATCHES.values()) // accumulation
+    for name, value in join_reference(2, accumulation).items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-6, atol=1e-6)

@@ -32,6 +32,7 @@ from fzero.partition import Placement, Plan
 __all__ = [
     "Pending",
     "Reduction",
+    "any_rank",
     "bucket_accumulators",
     "finish",
     "reduce_bucket",
@@ -294,3 +295,11 @@ def _nothing() -> None:
 
 def _grads_of(indices: Sequence[int]) -> str:
     return f"gradients of units {list(indices)}"
+
+
+def any_rank(flag: bool, world_size: int, what: str, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank (collective; one element on `device`)."""
+    value = torch.tensor([float(flag)], device=device)
+    if world_size > 1:
+        comm.all_reduce(value, op="max", what=what)
+    return bool(value.item())

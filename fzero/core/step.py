@@ -43,7 +43,7 @@ from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, sche
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import loss_scaler
 from fzero.core.publish import attach_params, runtime_of
-from fzero.core.reduce import Reduction
+from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState, partition_numel
 from fzero.core.update import decide_step, grad_stats
@@ -69,6 +69,7 @@ def train_step(
     grad_fn: GradFn | None = None,
     schedule: Callable[[int, float], float] | None = None,
     has_aux: bool = False,
+    join: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The step `(state, batch) -> (state, metrics)` of one micro-batch on this rank.
 
@@ -99,16 +100,27 @@ def train_step(
     `schedule(step, base_lr)` to its `scheduler` block. `metrics`: `loss`, `stepped`,
     `skipped`, `grad_norm` (None off a boundary), `lr`, `loss_scale`,
     `gathered_peak_numel` and `gathers` (stage 3: unit all-gathers this call), `aux`.
+
+    With `join=True` (uneven inputs, DDP's `Join`; stages 0-2), each call first agrees
+    with the other ranks that this one still trains (one element all-reduced), and a
+    rank out of data calls `state = step.join(state)`, which serves the others'
+    micro-steps with zero gradients until every rank has joined.
     """
     if (loss_fn is None) == (grad_fn is None):
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
+    if join and plan.stage == 3:
+        raise NotImplementedError(
+            "train_step(join=True) at ZeRO stage 3: a rank out of data cannot serve the "
+            "others' gathers; give every rank the same number of micro-batches, or use "
+            "stages 0-2"
+        )
     cfg = config_for_plan(config, plan)
     optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)
     schedule = schedule_of(cfg, schedule)
-    runner = _Step(loss_fn, grad_fn, plan, optimizer, cfg, schedule, has_aux)
+    runner = _Step(loss_fn, grad_fn, plan, optimizer, cfg, schedule, has_aux, join)
     return runner
 
 
@@ -124,6 +136,7 @@ class _Step:
         config: Config,
         schedule: Callable[[int, float], float] | None,
         has_aux: bool,
+        join: bool = False,
     ) -> None:
         self.loss_fn, self.grad_fn, self.plan = loss_fn, grad_fn, plan
         self.optimizer, self.config, self.schedule, self.has_aux = (
@@ -133,6 +146,7 @@ class _Step:
             has_aux,
         )
         self.accumulation = accumulation_steps(config, plan.world_size)
+        self.uneven = join  # each call first says this rank still trains (`join`)
         self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
         self.buckets = partition.reduction_buckets(plan, bucket_numel)
@@ -176,7 +190,36 @@ class _Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         where = f"train_step (micro-step {state.counters.micro_steps})"
         with comm.named_operation(where):
+            if self.uneven:
+                any_rank(True, self.plan.world_size, _STILL_TRAINING, _device(state))
             return self._call(state, batch)
+
+    def join(self, state: TrainState) -> TrainState:
+        """Uneven inputs (`train_step(..., join=True)`, DDP's `Join`): this rank is out of
+        data. It takes part in the other ranks' micro-steps with zero gradients (their
+        reductions and, at boundaries, their updates) until every rank has called
+        `join`, and returns the state after the last of them: what a run where this
+        rank adds nothing from here gives (gradients still averaged over the world)."""
+        if not self.uneven:
+            raise ValueError("step.join(state) needs the step built with train_step(join=True)")
+        with comm.named_operation(f"train_step.join (micro-step {state.counters.micro_steps})"):
+            while any_rank(False, self.plan.world_size, _STILL_TRAINING, _device(state)):
+                state = self._shadow(state)
+        return state
+
+    def _shadow(self, state: TrainState) -> TrainState:
+        """A micro-step of the others, with no batch here (zero gradients)."""
+        self._take(state)
+        run = _Micro(self, state)
+        run.reduction.finish()
+        counters = state.counters._replace(micro_steps=state.counters.micro_steps + 1)
+        metrics: dict[str, Any] = {"lr": self._lrs(counters.lr_steps)}
+        units, loss_scale = state.units, state.loss_scale
+        if counters.micro_steps % self.accumulation == 0:
+            counters, loss_scale, units = run.boundary(counters, metrics)
+        new = state.replace(units=units, counters=counters, loss_scale=loss_scale)
+        _donate(state)
+        return new
 
     def _call(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         self._take(state)
@@ -273,7 +316,7 @@ class _Micro:
     def __init__(self, step: _Step, state: TrainState) -> None:
         self.step, self.state, self.plan = step, state, step.plan
         self.rank, self.world = state.rank, self.plan.world_size
-        self.device = state.units[0].grad.device if state.units else torch.device("cpu")
+        self.device = _device(state)
         # the compute dtype: the parameters', or the master's where it serves as them
         self.dtype = next(
             (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),
@@ -485,6 +528,13 @@ def _runtimes(state: TrainState, optimizer: Optimizer) -> list[UnitRuntime]:
             attach_params(plan, rt, u)
         return runtimes
     return [runtime_of(plan, i, u, hparams) for i, u in enumerate(state.units)]
+
+
+_STILL_TRAINING = "join: whether any rank still trains"
+
+
+def _device(state: TrainState) -> torch.device:
+    return state.units[0].grad.device if state.units else torch.device("cpu")
 
 
 def _compiled(fn: Any) -> bool:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.core.layout import UnitRuntime
-from fzero.core.reduce import Reduction
+from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency
 from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.update import GradStats
@@ -39,6 +39,7 @@ from fzero.partition import Plan
 
 __all__ = ["GradientReduction", "Owner"]
 
+_STILL_TRAINING = "join: whether any rank still trains"
 _EXPLICIT: list[Any] = []  # engines inside `backward(loss)` now, innermost last
 
 
@@ -273,10 +274,7 @@ class GradientReduction:
     def still_training(self, here: bool) -> bool:
         """`engine.join()`: whether any rank still trains (this one if `here`);
         collective, once per micro-step."""
-        flag = torch.tensor([float(here)], device=self.device)
-        if self.world_size > 1:
-            comm.all_reduce(flag, op="max", what="join: whether any rank still trains")
-        return bool(flag.item())
+        return any_rank(here, self.world_size, _STILL_TRAINING, self.device)
 
     def shadow(self) -> None:
         """`engine.join()` on a rank out of data: the reductions of a backward that
