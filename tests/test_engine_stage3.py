@@ -46,9 +46,9 @@ def gather_trace_case(rank, world, reuse_distance):
     ahead: list[bool] = []
     all_gather_into = comm.all_gather_into
 
-    def spy(output, shard, *, async_op=False):
+    def spy(output, shard, *, async_op=False, what=""):
         gathers.append(engine.stage3.phase)
-        return all_gather_into(output, shard, async_op=async_op)
+        return all_gather_into(output, shard, async_op=async_op, what=what)
 
     def watch(index):
         def pre_forward(_module, _inputs):
