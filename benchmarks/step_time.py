@@ -125,6 +125,18 @@ def train_step(
     return build
 
 
+def unwatched(stage: int) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
+    """The engine's row with `fzero.comm`'s watch off (`FZERO_WATCH_S=0`): what asking
+    the other ranks about a slow collective costs when no collective is slow."""
+    build = engine(stage)
+
+    def build_unwatched(args: argparse.Namespace, x: torch.Tensor) -> Step:
+        fzero.comm.watch_collectives(None)
+        return build(args, x)
+
+    return build_unwatched
+
+
 # Stage 3 twice: DeepSpeed's defaults (a unit reused within stage3_max_reuse_distance
 # elements stays gathered from forward into backward) and strict release after every use
 # (reuse distance 0: like FSDP2's reshard_after_forward=True).
@@ -135,6 +147,7 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     **{f"fzero stage {stage}": engine(stage) for stage in range(4)},
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
     "fzero stage 3 compiled model": engine(3, compiled=True),
+    **{f"fzero stage {stage}, collectives not watched": unwatched(stage) for stage in (1, 3)},
     **{f"fzero.train_step stage {stage}": train_step(stage) for stage in (1, 2, 3)},
     "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }

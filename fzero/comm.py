@@ -41,6 +41,7 @@ __all__ = [
     "reduce_scatter_into",
     "side_group",
     "traffic",
+    "watch_collectives",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -392,6 +393,14 @@ class _Collective:
 
 _issued = [0]  # collectives issued on the default group, watched or not
 _watch: list[Any] = [None, None]  # [the default group it was decided for, seconds or None]
+
+
+def watch_collectives(seconds: float | None) -> None:
+    """Set how long a collective waits before asking the other ranks where they are
+    (`FZERO_WATCH_S`); None or 0: never ask (a hang waits for the collective timeout)."""
+    _watch[:] = [dist.group.WORLD, None]
+    if seconds and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        _watch[1] = float(seconds)
 
 
 def _watch_slice() -> float | None:
