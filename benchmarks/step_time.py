@@ -147,7 +147,7 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     **{f"fzero stage {stage}": engine(stage) for stage in range(4)},
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
     "fzero stage 3 compiled model": engine(3, compiled=True),
-    **{f"fzero stage {stage}, collectives not watched": unwatched(stage) for stage in (1, 3)},
+    **{f"fzero stage {stage} unwatched": unwatched(stage) for stage in (1, 3)},
     **{f"fzero.train_step stage {stage}": train_step(stage) for stage in (1, 2, 3)},
     "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }
