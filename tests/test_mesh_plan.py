@@ -319,12 +319,25 @@ def test_validate_names_unit_kind_and_axis(kinds, message):
 
 
 def test_validate_accepts_what_zero_and_fsdp_run():
+    numel = ZERO3.units[0].numel
     # ZeRO-2 within the node only (grads and states over local, params whole)
-    validate(_with(ZERO3, params=WHOLE, grads=LOCAL, optimizer=LOCAL))
+    hsdp2 = _with(ZERO3, params=WHOLE, grads=LOCAL, optimizer=LOCAL)
+    assert validate(hsdp2) is hsdp2
+    assert hsdp2.shard_range(0, "params", 3) == (0, numel)
+    # ranks 1 and 3 share a local index: the same half on both nodes
+    assert hsdp2.shard_range(0, "grads", 1) == hsdp2.shard_range(0, "grads", 3)
+    assert hsdp2.shard_range(0, "optimizer", 1) == (numel // 2, numel)
     # states finer than gradients, the gradients' axes first (ZeRO-1 inside MiCS groups)
-    validate(_with(ZERO3, params=WHOLE, grads=LOCAL, optimizer=MESH.sharding("local", "node")))
+    finer = _with(ZERO3, params=WHOLE, grads=LOCAL, optimizer=MESH.sharding("local", "node"))
+    assert validate(finer) is finer
+    start, stop = finer.shard_range(0, "optimizer", 2)  # inside rank 2's gradient half
+    grad_start, grad_stop = finer.shard_range(0, "grads", 2)
+    assert grad_start <= start < stop <= grad_stop and stop - start == numel // 4
     # hpZ's secondary may equal the primary (zero_hpz_partition_size = world size)
-    validate(_with(ZERO3, params_secondary=EVERY))
+    same = _with(ZERO3, params_secondary=EVERY)
+    assert validate(same) is same
+    for rank in range(MESH.size):
+        assert same.shard_range(0, "params_secondary", rank) == same.shard_range(0, "params", rank)
 
 
 def test_validate_checks_the_plan_around_the_shardings():
