@@ -11,6 +11,7 @@ from fzero.partition._manifest import Manifest, TensorSpec, describe, dtype_name
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._mesh_plan import (
     MeshPlan,
+    executable,
     from_plan,
     mesh_plan_from_bytes,
     process_groups,
@@ -19,7 +20,7 @@ from fzero.partition._mesh_plan import (
     to_plan,
     validate,
 )
-from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, from_bytes
+from fzero.partition._plan import OnMesh, Piece, Placement, Plan, PlanError, Unit, from_bytes
 from fzero.partition._plot import plot_plan
 from fzero.partition._presets import (
     PRESETS,
@@ -75,6 +76,7 @@ __all__ = [
     "MeshError",
     "MeshPlan",
     "MiCS",
+    "OnMesh",
     "Piece",
     "Placement",
     "Plan",
@@ -92,6 +94,7 @@ __all__ = [
     "describe",
     "dtype_name",
     "dtype_of",
+    "executable",
     "flat_even",
     "format_comm_volume",
     "format_plan",

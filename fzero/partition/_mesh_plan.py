@@ -31,6 +31,7 @@ import msgpack
 from fzero.partition._manifest import Manifest
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._plan import (
+    OnMesh,
     Plan,
     PlanError,
     Unit,
@@ -46,6 +47,7 @@ from fzero.partition._plan import validate as _validate_stage_plan
 __all__ = [
     "MESH_FORMAT_VERSION",
     "MeshPlan",
+    "executable",
     "from_plan",
     "mesh_plan_from_bytes",
     "process_groups",
@@ -235,29 +237,141 @@ def to_plan(plan: MeshPlan) -> Plan:
     return _validate_stage_plan(result)
 
 
-def _unit_stage(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> int:
-    """The ZeRO stage one unit's shardings are, or a `PlanError` naming what needs a
-    subgroup. A persistent unit (params whole, the rest split) counts as stage 3."""
+def _unit_stage(
+    mesh: Mesh, unit: Unit, sharding: UnitSharding, every: tuple[str, ...] | None = None
+) -> int:
+    """The ZeRO stage one unit's shardings are over the group along `every` (default:
+    every axis, in mesh order), or a `PlanError` naming the kind split otherwise. A
+    persistent unit (params whole, the rest split) counts as stage 3. Without `every`,
+    a secondary copy or a hierarchical gather is an error (they need subgroups)."""
     where = f"unit {unit.name!r}"
-    if sharding.params_secondary is not None or sharding.hierarchical_params_gather:
+    if every is None and (
+        sharding.params_secondary is not None or sharding.hierarchical_params_gather
+    ):
         raise PlanError(
             f"{where} params: a secondary copy or a hierarchical gather needs process "
             "subgroups (one per axis); a stage plan has one group, the world"
         )
-    every = tuple(a for a in mesh.names if mesh.axis_size(a) > 1)
+    names = mesh.names if every is None else every
+    group = _significant(mesh, names)
     split = []
     for kind in ("optimizer", "grads", "params"):
         given = sharding.of(kind).shard  # axes of size 1 change nothing
-        shard = tuple(a for a in given if mesh.axis_size(a) > 1)
-        if shard and shard != every:
+        shard = _significant(mesh, given)
+        if shard and shard != group:
+            why = _ONE_GROUP if every is not None else _WORLD_ONLY
             raise PlanError(
-                f"{where} {kind}: split over {given}, neither no axis nor "
-                f"every axis in mesh order {mesh.names}: it needs process subgroups (one "
-                "per axis); a stage plan has one group, the world"
+                f"{where} {kind}: split over {given}, neither no axis nor {names}: {why}"
             )
-        split.append(bool(shard) or given == mesh.names)
+        split.append(bool(shard) or (given == names and bool(names)))
     stage = sum(split)  # validated prefixes: optimizer, then grads, then params
     return 3 if unit.persistent and stage == 2 else stage
+
+
+_WORLD_ONLY = (
+    "it needs process subgroups (one per axis); a stage plan has one group, the world "
+    "(partition.executable runs it on subgroups)"
+)
+_ONE_GROUP = (
+    "fzero runs plans whose every split is over one group of axes (ZeRO-1/2/3 over it, "
+    "replicas along the rest: MiCS/HSDP); splits over different groups per kind or unit "
+    "are not run yet"
+)
+
+
+def _significant(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in axes if mesh.axis_size(a) > 1)
+
+
+def executable(plan: MeshPlan | Plan) -> Plan:
+    """The plan both doors run for `plan`: a stage plan over the group of ranks along the
+    axes every kind is split over (its `world_size`), with `OnMesh` saying where those
+    ranks lie and which axes hold replicas (MiCS/HSDP: gradients reduce-scattered within
+    the group, then all-reduced across replicas) and hpZ's secondary split. ZeRO-1/2/3
+    on every axis give the stage plan `to_plan` gives, on the mesh. A stage `Plan` is
+    returned as it is.
+
+    Run: every kind of every unit split over one set of axes S, in mesh order, or whole
+    (as `to_plan` asks of the world's axes); hpZ's secondary over one subset of S, in
+    mesh order; a hierarchical gather runs as one all-gather over S (the same values).
+    Anything else is a `PlanError` naming the unit, kind and axes."""
+    if isinstance(plan, Plan):
+        return _validate_stage_plan(plan)
+    validate(plan)
+    mesh = plan.mesh
+    group = _shard_group(plan)
+    stages = [_unit_stage(mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
+    stage = max(stages, default=0)
+    for unit, unit_stage in zip(plan.units, stages):
+        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
+            first = plan.units[stages.index(stage)].name
+            raise PlanError(
+                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
+                f"stage {stage} over {group}; {_ONE_GROUP}"
+            )
+    secondary = _secondary(plan, group)
+    size = mesh.group_size(group)
+    units = tuple(
+        replace(u, persistent=stage == 3 and not _significant(mesh, s.params.shard),
+                shard_numel=u.numel // size)
+        for u, s in zip(plan.units, plan.shardings)
+    )  # fmt: skip
+    on = OnMesh(mesh.axes, group, secondary, plan.preset)
+    result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on)
+    return _validate_stage_plan(result)
+
+
+def _shard_group(plan: MeshPlan) -> tuple[str, ...]:
+    """The one set of axes (size > 1) any kind of any unit is split over, or a
+    `PlanError` naming two that differ; () when nothing is split."""
+    mesh, found = plan.mesh, None
+    for unit, sharding in zip(plan.units, plan.shardings):
+        for kind in ("optimizer", "grads", "params"):
+            axes = _significant(mesh, sharding.of(kind).shard)
+            if not axes:
+                continue
+            if found is None:
+                found = (axes, unit.name, kind)
+            elif axes != found[0]:
+                raise PlanError(
+                    f"unit {unit.name!r} {kind}: split over {axes}, unit {found[1]!r} "
+                    f"{found[2]} over {found[0]}; {_ONE_GROUP}"
+                )
+    if found is None:
+        return ()
+    _in_mesh_order(mesh, found[0], f"unit {found[1]!r} {found[2]}")
+    return found[0]
+
+
+def _secondary(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
+    """hpZ's secondary axes, one set for every unit with split params (they must agree)."""
+    mesh, found = plan.mesh, None
+    for unit, sharding in zip(plan.units, plan.shardings):
+        if not _significant(mesh, sharding.params.shard):
+            continue
+        second = sharding.params_secondary
+        axes = None if second is None else _significant(mesh, second.shard)
+        if found is not None and axes != found[0]:
+            raise PlanError(
+                f"unit {unit.name!r} params_secondary: {axes}, unit {found[1]!r}: "
+                f"{found[0]}; fzero runs one secondary split (hpZ) for every unit"
+            )
+        found = (axes, unit.name)
+    axes = found[0] if found is not None else None
+    if not axes or axes == group:  # a secondary as fine as the primary is the primary
+        return ()
+    _in_mesh_order(mesh, axes, f"unit {found[1]!r} params_secondary")
+    return axes
+
+
+def _in_mesh_order(mesh: Mesh, axes: tuple[str, ...], where: str) -> None:
+    order = [mesh.names.index(a) for a in axes]
+    if order != sorted(order):
+        raise PlanError(
+            f"{where}: split over {axes}, not in mesh order {mesh.names}; fzero runs "
+            "splits whose axes keep the mesh's order (a process group's ranks are in "
+            "rank order)"
+        )
 
 
 def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:

@@ -7,11 +7,18 @@ buffer is a list of pieces, so a plan can place a tensor in one run (flat split)
 or in one run per rank (dim-0 split). Which states use the split is the stage:
 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (ZeRO, Rajbhandari et
 al. 2020, section 5).
+
+A plan may run on a mesh of more processes than it has ranks (`OnMesh`): its
+`world_size` ranks are then one group along the mesh's `shard` axes, and each such group
+holds the same shards (replicas along the other axes: MiCS/HSDP), optionally with
+ZeRO++ hpZ's `secondary` parameter split within fewer ranks. `fzero.partition.executable`
+makes such a plan from a `MeshPlan`.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +26,17 @@ import msgpack
 
 from fzero.partition._manifest import Manifest, TensorSpec
 
-__all__ = ["Piece", "Placement", "Plan", "PlanError", "Unit", "from_bytes", "to_bytes", "validate"]
+__all__ = [
+    "OnMesh",
+    "Piece",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "Unit",
+    "from_bytes",
+    "to_bytes",
+    "validate",
+]
 
 FORMAT_VERSION = 1
 
@@ -69,8 +86,35 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class OnMesh:
+    """Where a plan's ranks lie on a mesh of processes (`axes`: name and size, row-major,
+    the last fastest, as `partition.Mesh`). The plan's rank `i` is every process whose
+    index along the `shard` axes (row-major in that order) is `i`; the processes along
+    the other axes hold the same shards (replicas: their gradients are averaged by an
+    all-reduce over those axes). `secondary`: stage 3's parameters are kept after forward
+    split over these axes only (a subset of `shard`: ZeRO++ hpZ), and backward gathers
+    from that copy. `preset` names the mesh plan it came from."""
+
+    axes: tuple[tuple[str, int], ...]
+    shard: tuple[str, ...]
+    secondary: tuple[str, ...] = ()
+    preset: str = "custom"
+
+    @property
+    def processes(self) -> int:
+        """Processes the plan runs on: the product of the axis sizes."""
+        return math.prod(size for _, size in self.axes)
+
+    @property
+    def replicate(self) -> tuple[str, ...]:
+        """The axes along which processes hold the same shards, in mesh order."""
+        return tuple(name for name, _ in self.axes if name not in self.shard)
+
+
+@dataclass(frozen=True)
 class Plan:
-    """A complete, validated sharding plan: plain data, hashable, serialisable."""
+    """A complete, validated sharding plan: plain data, hashable, serialisable.
+    `mesh`: None for a plan whose ranks are the processes; else `OnMesh`."""
 
     manifest: Manifest
     world_size: int
@@ -78,6 +122,17 @@ class Plan:
     alignment: int
     units: tuple[Unit, ...]
     strategy: str = "custom"
+    mesh: OnMesh | None = None
+
+    @property
+    def processes(self) -> int:
+        """Processes the plan runs on (`world_size` but on a mesh with replicas)."""
+        return self.world_size if self.mesh is None else self.mesh.processes
+
+    @property
+    def replicas(self) -> int:
+        """Processes holding each rank's shards (1 but with a mesh's replicate axes)."""
+        return self.processes // self.world_size
 
     @property
     def shards_optimizer(self) -> bool:
@@ -114,10 +169,14 @@ def validate(plan: Plan) -> Plan:
       every rank's shard has the same size (what the collectives need);
     - each tensor's pieces cover it exactly once and no two pieces overlap in
       the buffer: every element is owned by exactly one rank;
-    - `persistent` units only in stage 3.
+    - `persistent` units only in stage 3;
+    - on a mesh, `world_size` is the size of the `shard` axes' group, and a `secondary`
+      split names some of them, at stage 3.
     """
     if plan.world_size < 1:
         raise PlanError(f"world_size is {plan.world_size}; it must be >= 1")
+    if plan.mesh is not None:
+        _validate_mesh(plan)
     if plan.stage not in (0, 1, 2, 3):
         raise PlanError(f"stage is {plan.stage!r}; allowed: 0, 1, 2, 3")
     if plan.alignment < 1:
@@ -134,6 +193,30 @@ def validate(plan: Plan) -> Plan:
     if missing:
         raise PlanError(f"tensors in no unit: {missing}")
     return plan
+
+
+def _validate_mesh(plan: Plan) -> None:
+    mesh = plan.mesh
+    assert mesh is not None
+    sizes = dict(mesh.axes)
+    named = [*mesh.shard, *mesh.secondary]
+    unknown = [axis for axis in named if axis not in sizes]
+    if unknown or len(sizes) != len(mesh.axes) or any(s < 1 for s in sizes.values()):
+        raise PlanError(
+            f"plan mesh {mesh.axes}: axes must be unique with sizes >= 1, and shard "
+            f"{mesh.shard} / secondary {mesh.secondary} name only them (unknown: {unknown})"
+        )
+    group = math.prod(sizes[axis] for axis in mesh.shard)
+    if group != plan.world_size or len(set(mesh.shard)) != len(mesh.shard):
+        raise PlanError(
+            f"plan world_size {plan.world_size} on mesh {mesh.axes} split over {mesh.shard}: "
+            f"the shard axes' group has {group} ranks; they must be equal"
+        )
+    if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.shard)):
+        raise PlanError(
+            f"plan secondary split over {mesh.secondary}: hpZ's secondary copy is stage 3's "
+            f"(stage {plan.stage}) and a subset of the shard axes {mesh.shard}"
+        )
 
 
 def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed: set[str]) -> None:
@@ -253,7 +336,28 @@ def to_bytes(plan: Plan) -> bytes:
             "alignment": plan.alignment,
             "strategy": plan.strategy,
             "units": [encode_unit(u) for u in plan.units],
+            **({"mesh": _encode_on_mesh(plan.mesh)} if plan.mesh is not None else {}),
         }
+    )
+
+
+def _encode_on_mesh(mesh: OnMesh) -> dict[str, Any]:
+    return {
+        "axes": [list(axis) for axis in mesh.axes],
+        "shard": list(mesh.shard),
+        "secondary": list(mesh.secondary),
+        "preset": mesh.preset,
+    }
+
+
+def _decode_on_mesh(raw: dict[str, Any] | None) -> OnMesh | None:
+    if raw is None:
+        return None
+    return OnMesh(
+        tuple((name, size) for name, size in raw["axes"]),
+        tuple(raw["shard"]),
+        tuple(raw["secondary"]),
+        raw["preset"],
     )
 
 
@@ -274,6 +378,7 @@ def from_bytes(data: bytes) -> Plan:
             alignment=raw["alignment"],
             units=tuple(decode_unit(u) for u in raw["units"]),
             strategy=raw["strategy"],
+            mesh=_decode_on_mesh(raw.get("mesh")),
         )
     except PlanError:
         raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fzero.partition._manifest import Manifest, TensorSpec
+from fzero.partition._mesh_plan import MeshPlan, executable
 from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, validate
 
 __all__ = [
@@ -235,9 +236,11 @@ def plan(
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
-    it returns. A strategy whose signature takes neither an option it is given nor
-    `**options` is an error naming both (it would otherwise fail inside, or the option
-    would be lost). The engine passes `persistence_threshold` at stage 3 (the config's
+    it returns. A strategy may return a `MeshPlan` of `world_size` processes (its stage
+    `stage`): the result is then the plan both doors run for it (`executable`). A
+    strategy whose signature takes neither an option it is given nor `**options` is an
+    error naming both (it would otherwise fail inside, or the option would be lost).
+    The engine passes `persistence_threshold` at stage 3 (the config's
     `stage3_param_persistence_threshold`, DeepSpeed's default 100,000): to see the plan
     an engine runs, pass the same (or read `engine.plan`)."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -246,10 +249,13 @@ def plan(
         raise PlanError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
     _check_accepts(strategy, options)
     result = strategy(manifest, world_size=world_size, stage=stage, **options)
+    if isinstance(result, MeshPlan) and result.mesh.size == world_size:
+        result = executable(result)
+        world_size = result.world_size  # the ranks of its shard group
     if not isinstance(result, Plan):
         raise PlanError(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
-            f"{type(result).__name__}, expected fzero.partition.Plan"
+            f"{type(result).__name__}, expected fzero.partition.Plan or MeshPlan"
         )
     if (result.manifest, result.world_size, result.stage) != (manifest, world_size, stage):
         raise PlanError(
