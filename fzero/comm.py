@@ -37,10 +37,12 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "mesh_group",
     "named_operation",
     "reduce_scatter_into",
     "side_group",
     "traffic",
+    "traffic_by_group",
     "watch_collectives",
 ]
 
@@ -160,11 +162,13 @@ def backend_device() -> torch.device:
 
 # ---- what moves: collectives by operation -------------------------------------------------
 
-_traffic: dict[str, list[int]] = {}  # operation -> [calls, bytes]
+_traffic: dict[tuple[str, str], list[int]] = {}  # (group's axes, operation) -> [calls, bytes]
+_labels: dict[Any, str] = {}  # a mesh subgroup -> the axes it runs along ("local")
 
 
-def _count(operation: str, tensor: torch.Tensor) -> None:
-    entry = _traffic.setdefault(operation, [0, 0])
+def _count(operation: str, tensor: torch.Tensor, group: Any = None) -> None:
+    label = "world" if group is None else _labels.get(group, "other")
+    entry = _traffic.setdefault((label, operation), [0, 0])
     entry[0] += 1
     entry[1] += tensor.numel() * tensor.element_size()
 
@@ -175,16 +179,69 @@ def traffic() -> dict[str, tuple[int, int]]:
     being its whole buffer (an all-gather's output, a reduce-scatter's or an
     all-to-all's input, an all-reduce's tensor), as
     `fzero.partition.comm_volume` predicts them. Differences of two calls give a span."""
-    return {name: (calls, size) for name, (calls, size) in _traffic.items()}
+    total: dict[str, tuple[int, int]] = {}
+    for (_, name), (calls, size) in _traffic.items():
+        before = total.get(name, (0, 0))
+        total[name] = (before[0] + calls, before[1] + size)
+    return total
+
+
+def traffic_by_group() -> dict[str, dict[str, tuple[int, int]]]:
+    """`traffic()` by the group each collective ran on: "world" for every process, a mesh
+    subgroup by its axes joined with "+" ("local", "node+local"; `mesh_group`)."""
+    found: dict[str, dict[str, tuple[int, int]]] = {}
+    for (label, name), (calls, size) in _traffic.items():
+        found.setdefault(label, {})[name] = (calls, size)
+    return found
+
+
+_mesh_groups: dict[tuple[Any, ...], Any] = {}
+
+
+def mesh_group(axes: tuple[tuple[str, int], ...], along: tuple[str, ...]) -> Any:
+    """This process's subgroup along the axes `along` of the mesh `axes` (names and
+    sizes, row-major, as `fzero.partition.Mesh`): None (the default group) when it is
+    every process. Collective on first use for a pair: every process creates every
+    group along `along`, in one order (`Mesh.groups`). Its collectives are counted under
+    `"+".join(along)` (`traffic_by_group`)."""
+    from fzero.partition import Mesh  # pure data, below this module
+
+    mesh = Mesh(axes)
+    mesh.check_world(get_world_size())
+    key = (mesh.axes, tuple(along))
+    if key not in _mesh_groups:
+        mine = None
+        members = mesh.groups(tuple(along))
+        if len(members) > 1 or len(members[0]) != mesh.size:
+            for ranks in members:
+                group = dist.new_group(list(ranks))
+                if get_rank() in ranks:
+                    mine = group
+            _labels[mine] = "+".join(along) or "self"
+        _mesh_groups[key] = mine
+    return _mesh_groups[key]
 
 
 def all_gather_into(
-    output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False, what: str = ""
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
 ):
     """Concatenate every rank's equal-size `shard` into `output` (rank order). `what`
-    (here and below): what the collective is for, named if it goes wrong."""
+    (here and below): what the collective is for, named if it goes wrong; `group`: a
+    subgroup (`mesh_group`) instead of every process."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _issue("all_gather", output, what, async_op, lambda a: gather(output, shard, async_op=a))
+    return _issue(
+        "all_gather",
+        output,
+        what,
+        async_op,
+        lambda a: gather(output, shard, async_op=a, group=group),
+        group,
+    )
 
 
 def reduce_scatter_into(
@@ -194,17 +251,28 @@ def reduce_scatter_into(
     average: bool = True,
     async_op: bool = False,
     what: str = "",
+    group: Any = None,
 ):
     """Sum (or average) `full` over ranks and leave rank r's equal part in `shard`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return _issue(
-        "reduce_scatter", full, what, async_op, lambda a: scatter(shard, full, op=op, async_op=a)
+        "reduce_scatter",
+        full,
+        what,
+        async_op,
+        lambda a: scatter(shard, full, op=op, async_op=a, group=group),
+        group,
     )
 
 
 def all_to_all_into(
-    output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, what: str = ""
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
 ):
     """Rank r's part i of `input` (equal parts, rank order) lands as rank i's part r of
     `output`."""
@@ -213,7 +281,8 @@ def all_to_all_into(
         input,
         what,
         async_op,
-        lambda a: dist.all_to_all_single(output, input, async_op=a),
+        lambda a: dist.all_to_all_single(output, input, async_op=a, group=group),
+        group,
     )
 
 
@@ -235,16 +304,22 @@ def all_reduce(
     what: str = "",
 ):
     """In-place all-reduce; `op` is a name (`sum`, `avg`, `max`, `min`, `product`) or a
-    `ReduceOp` (DeepSpeed's `deepspeed.comm.all_reduce` signature)."""
+    `ReduceOp` (DeepSpeed's `deepspeed.comm.all_reduce` signature). fzero's own
+    subgroups (`mesh_group`) are watched as the default group; a caller's are not."""
     if isinstance(op, str):
         if op not in _OPS:
             raise ValueError(f"all_reduce op is {op!r}; allowed: {sorted(_OPS)} or a ReduceOp")
         op = _OPS[op]
-    if group is not None:  # a caller's group: counted, not watched
+    if group is not None and group not in _labels:  # a caller's group: counted, not watched
         _count("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return _issue(
-        "all_reduce", tensor, what, async_op, lambda a: dist.all_reduce(tensor, op=op, async_op=a)
+        "all_reduce",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.all_reduce(tensor, op=op, async_op=a, group=group),
+        group,
     )
 
 
@@ -415,10 +490,16 @@ def _watch_slice() -> float | None:
 
 
 def _issue(
-    kind: str, tensor: torch.Tensor, what: str, async_op: bool, start: Callable[[bool], Any]
+    kind: str,
+    tensor: torch.Tensor,
+    what: str,
+    async_op: bool,
+    start: Callable[[bool], Any],
+    group: Any = None,
 ) -> Any:
-    """Start one collective (`start(async_op)`), counted, and watched where gloo runs."""
-    _count(kind, tensor)
+    """Start one collective (`start(async_op)`), counted, and watched where gloo runs
+    (every process issues the same sequence, a subgroup's included: one count)."""
+    _count(kind, tensor, group)
     seconds = _watch_slice()
     _issued[0] += 1
     if _posted:
