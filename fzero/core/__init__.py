@@ -20,7 +20,9 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `residency`: where optimizer partitions live between steps (device, host, NVMe swap
   slots), host buffer pools, gradient accumulators on disk;
 - `precision`: compute dtypes and the fp16 loss scale's setup;
-- `nvme`: the swap file and its host buffer pool (the native async I/O).
+- `nvme`: the swap file and its host buffer pool (the native async I/O);
+- `groups`: the process groups a plan on a mesh runs on (its shard group, replicas,
+  hpZ's secondary group).
 
 The core imports nothing from the engine, the DeepSpeed surface or the checkpoint
 package (`tests/test_import_graph.py` holds it to that, package `__init__`s included).

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from fzero import comm, native
 from fzero.core import nvme as _nvme
+from fzero.core.groups import groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
@@ -252,7 +253,8 @@ class OptimizerApplication:
         whole = direction.to(self.device)
         if part.stop - part.start != unit.numel or part.start != 0:
             whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            comm.all_gather_into(whole, direction.to(self.device).contiguous())
+            group = groups_of(self.plan).shard
+            comm.all_gather_into(whole, direction.to(self.device).contiguous(), group=group)
         mine = {fqn for start, stop, fqn in segments if fqn in hidden and stop > start}
         out = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
         for pl in unit.placements:
@@ -309,7 +311,7 @@ class OptimizerApplication:
         return rt, hp, update, segments
 
     def lamb_norms(self, sums: Tensor) -> list[list[float]]:
-        return lamb_norms(sums, self.stage)
+        return lamb_norms(sums, self.stage, groups_of(self.plan).shard)
 
     def lamb_apply(
         self,

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fzero import comm
+from fzero.core.groups import groups_of, secondary_block
 from fzero.core.layout import gather_pieces
 from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Placement, Plan
@@ -148,6 +149,8 @@ class PlaceholderGatherer:
         self.live_numel = 0
         self.peak_numel = 0
         self.gathers = 0
+        self.groups = groups_of(plan)
+        self.secondary: dict[int, Tensor] = {}  # hpZ: forward's gathers kept for backward
 
     def full(self, index: int) -> Tensor:
         """Unit `index`'s whole compute-dtype buffer (collective when not gathered)."""
@@ -174,13 +177,20 @@ class PlaceholderGatherer:
             self.release(next(iter(self.live)))
 
     def _start_gather(self, index: int, full: Tensor) -> Any:
-        shard = self.shard(index).to(self.device, self.dtype)
         self.gathers += 1
+        what = f"parameters of unit {index} {self.plan.units[index].name!r}"
+        if self.phase == "backward" and index in self.secondary:  # hpZ: within the group
+            block, group = self.secondary[index], self.groups.secondary
+            what += " (hpZ secondary)"
+            return comm.all_gather_into(full, block, async_op=True, what=what, group=group)
+        shard = self.shard(index).to(self.device, self.dtype)
+        group = self.groups.shard
         if self.quantized:
-            return quantized_all_gather(full, shard.contiguous())
+            return quantized_all_gather(full, shard.contiguous(), group=group)
         if self.plan.world_size > 1:
-            what = f"parameters of unit {index} {self.plan.units[index].name!r}"
-            return comm.all_gather_into(full, shard.contiguous(), async_op=True, what=what)
+            return comm.all_gather_into(
+                full, shard.contiguous(), async_op=True, what=what, group=group
+            )
         full.copy_(shard)
         return _Done()
 
@@ -220,20 +230,21 @@ class PlaceholderGatherer:
         """Forward has returned: keep a unit gathered only if backward uses it again
         within `max_reuse` elements of other units (known once a step is recorded)."""
         self._drop_inflight()
-        self.phase = "backward"
         if not self.trace.complete:
             self.release_all()
-            return
-        backward = self.trace.order["backward"]
-        for index in list(self.live):
-            distance = reuse_distance(backward, index, self._numel)
-            if distance is None or distance > self.max_reuse:
-                self.release(index)
+        else:
+            backward = self.trace.order["backward"]
+            for index in list(self.live):
+                distance = reuse_distance(backward, index, self._numel)
+                if distance is None or distance > self.max_reuse:
+                    self.release(index)
+        self.phase = "backward"
 
     def end_step(self) -> None:
         """Backward has ended: release everything; the first step's trace is complete."""
         self._drop_inflight()
         self.release_all()
+        self.secondary.clear()
         self.trace.complete = True
 
     def _drop_inflight(self) -> None:
@@ -244,6 +255,9 @@ class PlaceholderGatherer:
 
     def release(self, index: int) -> None:
         full = self.live.pop(index)
+        block = secondary_block(self.groups, full) if self.phase == "forward" else None
+        if block is not None:
+            self.secondary[index] = block
         del self._by_storage[full.untyped_storage().data_ptr()]
         self.live_numel -= full.numel()
 

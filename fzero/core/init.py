@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
+from fzero.core.groups import groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
@@ -29,7 +30,7 @@ from fzero.core.state import (
 )
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
 from fzero.optim._schedules import Schedule
-from fzero.partition import Plan
+from fzero.partition import MeshPlan, Plan
 
 __all__ = [
     "check_optimizer",
@@ -46,7 +47,7 @@ __all__ = [
 
 def init(
     model: torch.nn.Module,
-    plan: Plan,
+    plan: Plan | MeshPlan,
     optimizer: Optimizer,
     *,
     precision: str | Precision = "fp32",
@@ -54,21 +55,23 @@ def init(
     seed: int | None = None,
 ) -> TrainState:
     """This rank's `TrainState` for `model` under `plan` (collective: every rank starts
-    from rank 0's weights). `precision` is the compute dtype's name (`fp32`, `bf16`,
-    `fp16`; masters and optimizer states as the config's `bf16` block says, else fp32)
-    or a `fzero.Precision` (e.g. `Precision("bf16", master="bf16", states="bf16")`:
+    from rank 0's weights; a `MeshPlan` runs as `partition.executable` makes it).
+    `precision` is the compute dtype's name (`fp32`, `bf16`, `fp16`; masters and
+    optimizer states as the config's `bf16` block says, else fp32) or a
+    `fzero.Precision` (e.g. `Precision("bf16", master="bf16", states="bf16")`:
     bf16 masters, held once as the parameters, and bf16 moments). `config`'s
     `offload_optimizer.device: cpu` keeps masters and optimizer state in host memory;
     `nvme` keeps them in a swap file under `offload_optimizer.nvme_path`
     (`TrainState.residence`; gradients stay in memory). `seed` seeds the generator the
     steps draw from (default: the process generator's state now)."""
     check_optimizer(optimizer)
+    plan = partition.executable(plan)
     cfg = config_for_plan(config, plan)
     dtypes = precision_of(cfg, precision)
     check_precision(dtypes, cfg)
     comm.init_distributed()
     _check_world(plan)
-    rank, device, dtype = dist.get_rank(), comm.backend_device(), dtypes.compute_dtype
+    rank, device, dtype = groups_of(plan).rank, comm.backend_device(), dtypes.compute_dtype
     host = _optimizer_device(cfg, device, plan.stage)
     swapped = cfg.zero_optimization.offload_optimizer.device == "nvme"
     master_dtype = dtypes.master_dtype
@@ -94,7 +97,7 @@ def init(
             for placement in unit.placements:
                 value = named[placement.fqn].detach().reshape(-1).float().to(device)
                 scatter_pieces(flat, value, placement)
-        if plan.world_size > 1:
+        if plan.processes > 1:
             dist.broadcast(flat, src=0)
         part = optimizer_partition(plan, unit, rank)
         if plan.stage < 3 or unit.persistent:
@@ -177,7 +180,8 @@ def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan)
             f"the config's zero_optimization.stage is {stage}; the plan's {plan.stage}: leave "
             "it out or make them agree"
         )
-    check_group_keys(cfg, plan.world_size)
+    if plan.mesh is None:  # a plan on a mesh says its groups itself
+        check_group_keys(cfg, plan.world_size)
     return cfg
 
 
@@ -217,10 +221,12 @@ def check_optimizer(optimizer: Optimizer) -> None:
 
 def _check_world(plan: Plan) -> None:
     world = dist.get_world_size()
-    if plan.world_size != world:
+    if plan.processes != world:
+        where = "" if plan.mesh is None else f" (its mesh {plan.mesh.axes})"
         raise ValueError(
-            f"plan.world_size is {plan.world_size} but torch.distributed runs {world} ranks; "
-            "plan for the world you run (fzero.partition.plan(..., world_size=W))"
+            f"the plan runs on {plan.processes} processes{where} but torch.distributed runs "
+            f"{world}; plan for the world you run (fzero.partition.plan(..., world_size=W) "
+            "or a mesh of W processes)"
         )
 
 
@@ -295,7 +301,8 @@ def full_master(state: TrainState, index: int) -> Tensor:
         numel, dtype = state.plan.units[index].numel, unit.master.dtype
         full = torch.empty(numel, dtype=dtype, device=device)
         if state.plan.world_size > 1:
-            comm.all_gather_into(full, unit.master.to(device).contiguous())
+            group = groups_of(state.plan).shard
+            comm.all_gather_into(full, unit.master.to(device).contiguous(), group=group)
         else:
             full.copy_(unit.master)
     return full

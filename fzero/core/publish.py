@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
+from fzero.core.groups import groups_of
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
 from fzero.core.state import TrainState, UnitState, optimizer_partition
 from fzero.partition import Plan, Unit
@@ -80,6 +81,7 @@ class Publisher:
         """`swapped`: masters sit in reused NVMe swap buffers (the all-gather's input is
         copied out of them)."""
         self.plan, self.rank, self.stage, self.world_size = plan, rank, plan.stage, plan.world_size
+        self.group = groups_of(plan).shard
         self.compute_dtype, self.device, self.swapped = compute_dtype, device, swapped
         self.param_shards = param_shards or InMemoryShards()
         self.timer = timer
@@ -111,7 +113,9 @@ class Publisher:
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
         shard = shard.to(self.device, copy=self.swapped and written is None)
-        work = comm.all_gather_into(rt.full, shard, async_op=True, what=_updated(rt))
+        work = comm.all_gather_into(
+            rt.full, shard, async_op=True, what=_updated(rt), group=self.group
+        )
         self.publishing.append((work, rt, shard))
 
     def exchange(self, rt: UnitRuntime) -> None:
@@ -122,7 +126,9 @@ class Publisher:
             self.publishing.append((None, rt, None))
             return
         shard = rt.full[self.partition(rt.unit)].clone()
-        work = comm.all_gather_into(rt.full, shard, async_op=True, what=_updated(rt))
+        work = comm.all_gather_into(
+            rt.full, shard, async_op=True, what=_updated(rt), group=self.group
+        )
         self.publishing.append((work, rt, shard))
 
     def finish_publish(self) -> None:
@@ -223,7 +229,7 @@ def accept_edits(
     assert rt.full is not None
     for p, placement, _ in rt.params:  # parameters that are copies write back
         scatter_pieces(rt.full, p.detach().reshape(-1), placement)
-    if plan.world_size > 1:
+    if plan.processes > 1:  # `source` is a process's rank
         dist.broadcast(rt.full, src=source)
     part = rt.full[optimizer_partition(plan, rt.unit, rank)]
     if rt.master.data_ptr() != part.data_ptr():

@@ -177,9 +177,10 @@ class _Dequantizing:
         _dequantize_rows(self.out, self.codes, self.scales, self.parts)
 
 
-def quantized_all_gather(out: Tensor, shard: Tensor) -> _Dequantizing:
+def quantized_all_gather(out: Tensor, shard: Tensor, group: Any = None) -> _Dequantizing:
     """Start all-gathering equal `shard`s into `out` as int8 blocks (`wait()` on the
-    result finishes and writes `out`, every part dequantized, this rank's included)."""
+    result finishes and writes `out`, every part dequantized, this rank's included) over
+    `group` (None: every process)."""
     world = out.numel() // shard.numel()
     codes, scales = _quantize(shard)
     all_codes = torch.empty(world * codes.numel(), dtype=torch.int8, device=out.device)
@@ -189,14 +190,19 @@ def quantized_all_gather(out: Tensor, shard: Tensor) -> _Dequantizing:
         all_scales.copy_(scales)
         return _Dequantizing([], out, all_codes, all_scales, 1)
     works = [
-        comm.all_gather_into(all_codes, codes.to(out.device), async_op=True),
-        comm.all_gather_into(all_scales, scales.to(out.device), async_op=True),
+        comm.all_gather_into(all_codes, codes.to(out.device), async_op=True, group=group),
+        comm.all_gather_into(all_scales, scales.to(out.device), async_op=True, group=group),
     ]
     return _Dequantizing(works, out, all_codes, all_scales, world)
 
 
 def quantized_reduce_scatter(
-    parts: Tensor, keep: Callable[[Tensor], None], *, world: int, bits: int = 8
+    parts: Tensor,
+    keep: Callable[[Tensor], None],
+    *,
+    world: int,
+    bits: int = 8,
+    group: Any = None,
 ) -> list[tuple[Any, Callable[[], None]]]:
     """Start averaging `parts` (world x n fp32, row r destined for rank r) over ranks as
     int8 (`bits` 8) or int4 (`bits` 4) blocks; `keep(mine)` then receives this rank's
@@ -210,8 +216,8 @@ def quantized_reduce_scatter(
     got_codes = torch.empty_like(codes)
     got_scales = torch.empty_like(scales)
     works = [
-        comm.all_to_all_into(got_codes.view(-1), codes.view(-1), async_op=True),
-        comm.all_to_all_into(got_scales.view(-1), scales.view(-1), async_op=True),
+        comm.all_to_all_into(got_codes.view(-1), codes.view(-1), async_op=True, group=group),
+        comm.all_to_all_into(got_scales.view(-1), scales.view(-1), async_op=True, group=group),
     ]
 
     def finish() -> None:

@@ -12,6 +12,10 @@ Gloo's reduce-scatter measured slower than its all-reduce at every size from 1 M
 32 MB (2 ranks), so on gloo a bucket is all-reduced and each rank keeps its part; other
 backends reduce-scatter each unit. Averages are elementwise, so a bucket gives each
 element exactly what one collective per unit gives.
+
+A plan on a mesh reduces within its shard group, then averages each rank's reduced part
+over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
+shard per rank, not the bucket); stages 0-1 all-reduce over every process at once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
+from fzero.core.groups import groups_of
 from fzero.core.layout import add_pieces
 from fzero.core.quantize import quantized_reduce_scatter
 from fzero.partition import Placement, Plan
@@ -57,13 +62,18 @@ def reduce_bucket(
     quantized: bool = False,
     what: str = "",
     bits: int = 8,
+    group: Any = None,
+    replicas: Any = None,
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
     on this rank. `quantized` (qgZ, stages 2-3: each rank owns a shard): one all-to-all
     of int8 (`bits` 8) or int4 (`bits` 4) blocks instead (`fzero.core.quantize`). `what`
-    names the bucket in errors.
-    Returns what is in flight, in order, for `finish`."""
+    names the bucket in errors. `group`: the ranks of the plan (None: every process);
+    `replicas`: the processes holding the same shards, over which each part is then
+    averaged (None: none). Returns what is in flight, in order, for `finish`."""
+    if replicas is not None:
+        keep = functools.partial(_keep_replicated, keep, replicas, what)
 
     def keep_all() -> None:
         for i, flat in enumerate(flats):
@@ -72,16 +82,25 @@ def reduce_bucket(
     if world_size == 1:
         return [(None, keep_all)]
     if quantized:
-        return _quantized(flats, owned, keep, world_size, bits)
+        return _quantized(flats, owned, keep, world_size, bits, group)
     if scatter_by_all_reduce():
-        return [(comm.all_reduce(buffer, op="avg", async_op=True, what=what), keep_all)]
+        work = comm.all_reduce(buffer, op="avg", async_op=True, what=what, group=group)
+        return [(work, keep_all)]
     pending: Pending = []
     for i, flat in enumerate(flats):
         part = owned[i]
         shard = torch.empty(part.stop - part.start, dtype=flat.dtype, device=flat.device)
-        work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what)
+        work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
         pending.append((work, functools.partial(keep, i, shard)))
     return pending
+
+
+def _keep_replicated(
+    keep: Callable[[int, Tensor], None], replicas: Any, what: str, i: int, part: Tensor
+) -> None:
+    """Average a reduced part over the replicas holding it, then keep it."""
+    comm.all_reduce(part, op="avg", group=replicas, what=f"{what} across replicas")
+    keep(i, part)
 
 
 def _quantized(
@@ -90,6 +109,7 @@ def _quantized(
     keep: Callable[[int, Tensor], None],
     world_size: int,
     bits: int,
+    group: Any,
 ) -> Pending:
     """qgZ over one bucket: rank r's part is every unit's `owned` shard of rank r, in
     unit order (the shards have one size on every rank)."""
@@ -100,7 +120,7 @@ def _quantized(
         for i, piece in enumerate(mine.split(sizes)):
             keep(i, piece)
 
-    return quantized_reduce_scatter(parts, keep_parts, world=world_size, bits=bits)
+    return quantized_reduce_scatter(parts, keep_parts, world=world_size, bits=bits, group=group)
 
 
 def finish(pending: Pending) -> None:
@@ -177,6 +197,7 @@ class Reduction:
         self.device, self.quantized, self.overlap = device, quantized, overlap
         self.bits = bits
         self.world = plan.world_size
+        self.groups = groups_of(plan)
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
             offset = 0
@@ -258,7 +279,7 @@ class Reduction:
     def _launch(self, b: int) -> None:
         indices = self.buckets[b]
         if self.plan.stage < 2:
-            if not self.reduce or self.world == 1:
+            if not self.reduce or self.plan.processes == 1:
                 return  # inside an accumulation window: keep summing locally
             grads = [self.accumulator(i) for i in indices]
             span = _span(grads)
@@ -278,9 +299,11 @@ class Reduction:
             quantized=self.quantized,
             what=_grads_of(indices),
             bits=self.bits,
+            group=self.groups.shard,
+            replicas=self.groups.replicate,
         )
         pending.append((None, functools.partial(self._reuse, buffer)))
-        if self.world == 1:
+        if self.plan.processes == 1:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
         else:
             self._pending += pending

@@ -116,7 +116,7 @@ class Residency:
         self._check_memory(per_unit)
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
-            rank,
+            comm.get_rank(),  # the process's: replicas on a mesh share a plan rank
             sizes,
             threads=config.aio.thread_count,
             block_size=config.aio.block_size,
@@ -343,7 +343,7 @@ class Residency:
         """Every rank's I/O failure of the pass just run ("rank r: error"), agreed by all
         (collective): either every rank commits or every rank rolls back."""
         failures = [failure.encode()]
-        if world_size > 1:
+        if max(world_size, self.plan.processes) > 1:
             failures = comm.all_gather_bytes(failure.encode())
         return [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
 

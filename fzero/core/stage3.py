@@ -23,6 +23,7 @@ from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.gather import reuse_distance, units_to_prefetch
+from fzero.core.groups import groups_of, secondary_block
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.publish import Timer
 from fzero.core.quantize import quantized_all_gather
@@ -46,6 +47,11 @@ class Stage3Gatherer:
         timers: Timer,
     ) -> None:
         zero = config.zero_optimization
+        self.groups = groups_of(plan)
+        self.group = self.groups.shard  # the plan's ranks (a mesh's shard group)
+        # ZeRO++ hpZ: what forward gathered, kept split within the secondary group for
+        # backward's gathers (unit -> this process's block), until the next forward
+        self.secondary: dict[int, Tensor] = {}
         self.compute_dtype, self.device, self._pin = compute_dtype, device, pin_memory
         self.timers = timers
         self.units: list[UnitRuntime] = []  # the engine's, once built
@@ -90,6 +96,7 @@ class Stage3Gatherer:
         """Keep `value` as the unit's compute-dtype shard where `offload_param` says:
         the device (no offload), the host, or the param swap file (without `wait` the
         write may still be in flight: `finish_param_writes` ends them)."""
+        self.secondary.pop(rt.index, None)  # stale from now on
         if rt.full is not None and rt.active == 0:  # kept gathered: stale from now on
             self.release(rt)
         if self.param_offload == "nvme":
@@ -136,6 +143,16 @@ class Stage3Gatherer:
                 shard = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
                 rt.param_read = self.param_swap.submit(rt.index, shard, False)
                 rt.gather_input = shard  # alive until read and all-gathered
+            elif self.phase == "backward" and rt.index in self.secondary:  # hpZ
+                rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
+                rt.gather_input = self.secondary[rt.index]
+                rt.gather_work = comm.all_gather_into(
+                    rt.full,
+                    rt.gather_input,
+                    async_op=True,
+                    what=f"parameters of unit {rt.index} {rt.unit.name!r} (hpZ secondary)",
+                    group=self.groups.secondary,
+                )
             else:  # offload_param cpu: host to device
                 rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
                 shard = rt.param_shard if rt.param_shard is not None else rt.master
@@ -164,13 +181,14 @@ class Stage3Gatherer:
 
     def _start_gather(self, rt: UnitRuntime, shard: Tensor) -> None:
         if rt.index in self.approximate:
-            rt.gather_work = quantized_all_gather(rt.full, shard)
+            rt.gather_work = quantized_all_gather(rt.full, shard, group=self.group)
         else:
             rt.gather_work = comm.all_gather_into(
                 rt.full,
                 shard,
                 async_op=True,
                 what=f"parameters of unit {rt.index} {rt.unit.name!r}",
+                group=self.group,
             )
         rt.gather_input = shard  # alive until the all-gather is done
 
@@ -210,6 +228,9 @@ class Stage3Gatherer:
         if rt.gather_work is not None:  # a prefetch nobody used: let it land first
             rt.gather_work.wait()
             rt.gather_work = rt.gather_input = None
+        block = secondary_block(self.groups, rt.full) if self.phase == "forward" else None
+        if block is not None:
+            self.secondary[rt.index] = block
         rt.full = None
         self.approximate.discard(rt.index)
         self._live -= rt.unit.numel
@@ -261,6 +282,8 @@ class Stage3Gatherer:
         self.phase, self._cursor = phase, 0
         if phase == "backward":
             self.regathered = set()
+        else:
+            self.secondary.clear()
         for rt in self.units:
             rt.used = False
             if phase == "forward":  # the root's forward starts: no holder runs yet

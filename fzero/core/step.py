@@ -39,6 +39,7 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps
 from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
+from fzero.core.groups import groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import loss_scaler
@@ -48,7 +49,7 @@ from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState, partition_numel
 from fzero.core.update import decide_step, grad_stats
 from fzero.optim import Optimizer, adamw
-from fzero.partition import Placement, Plan
+from fzero.partition import MeshPlan, Placement, Plan
 
 __all__ = ["check_state", "train_step"]
 
@@ -62,7 +63,7 @@ _DONATED: dict[int, weakref.ref] = {}  # states a step has consumed, by id
 
 def train_step(
     loss_fn: LossFn | None = None,
-    plan: Plan | None = None,
+    plan: Plan | MeshPlan | None = None,
     optimizer: Optimizer | None = None,
     config: Config | Mapping[str, Any] | str | None = None,
     *,
@@ -110,6 +111,7 @@ def train_step(
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
+    plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
     if join and plan.stage == 3:
         raise NotImplementedError(
             "train_step(join=True) at ZeRO stage 3: a rank out of data cannot serve the "
@@ -145,7 +147,7 @@ class _Step:
             schedule,
             has_aux,
         )
-        self.accumulation = accumulation_steps(config, plan.world_size)
+        self.accumulation = accumulation_steps(config, plan.processes)
         self.uneven = join  # each call first says this rank still trains (`join`)
         self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
@@ -191,7 +193,7 @@ class _Step:
         where = f"train_step (micro-step {state.counters.micro_steps})"
         with comm.named_operation(where):
             if self.uneven:
-                any_rank(True, self.plan.world_size, _STILL_TRAINING, _device(state))
+                any_rank(True, self.plan.processes, _STILL_TRAINING, _device(state))
             return self._call(state, batch)
 
     def join(self, state: TrainState) -> TrainState:
@@ -203,7 +205,7 @@ class _Step:
         if not self.uneven:
             raise ValueError("step.join(state) needs the step built with train_step(join=True)")
         with comm.named_operation(f"train_step.join (micro-step {state.counters.micro_steps})"):
-            while any_rank(False, self.plan.world_size, _STILL_TRAINING, _device(state)):
+            while any_rank(False, self.plan.processes, _STILL_TRAINING, _device(state)):
                 state = self._shadow(state)
         return state
 
@@ -478,6 +480,8 @@ class _Micro:
             clipping=config.gradient_clipping,
             device=self.device,
             world_size=self.world,
+            processes=plan.processes,
+            group=groups_of(plan).shard,
             step=counters.global_steps + 1,
             skipped=counters.skipped_steps,
         )

@@ -77,15 +77,19 @@ def decide_step(
     world_size: int,
     step: int = 0,
     skipped: int = 0,
+    processes: int | None = None,
+    group: Any = None,
 ) -> StepDecision:
     """Every rank's unit statistics agreed by all-reduces (collective): an overflow
-    anywhere skips the step everywhere; the norm is over all ranks' shards. An overflow
+    anywhere (of `processes`, default `world_size`) skips the step everywhere; the norm
+    is over the shards of the `world_size` ranks of `group` (a plan's shard group: its
+    replicas hold the same shards). An overflow
     the loss scale cannot absorb (at its minimum) raises `LossScaleError` on every rank,
     naming `step` (the one being decided) and the `skipped` steps before it."""
     scale = loss_scale.scale if loss_scale is not None else 1.0
     if loss_scaler is not None and loss_scaler.dynamic:
         flag = torch.tensor([float(not all(finite for _, finite in stats))], device=device)
-        if world_size > 1:
+        if max(world_size, processes or 0) > 1:
             comm.all_reduce(flag, op="max", what="fp16 overflow flag")
         found_inf = bool(flag.item())
         if loss_scaler.stuck(loss_scale, found_inf):
@@ -103,7 +107,7 @@ def decide_step(
     for unit_sq, _ in stats:
         sq += unit_sq
     if world_size > 1:
-        comm.all_reduce(sq, op="sum", what="gradient norm")
+        comm.all_reduce(sq, op="sum", what="gradient norm", group=group)
     factor = 1.0 / scale
     norm = math.sqrt(sq.item()) * factor
     if clipping > 0:
@@ -229,10 +233,11 @@ def add_lamb_squares(
         sums[1, tensor_index[fqn]] += u_sq
 
 
-def lamb_norms(sums: Tensor, stage: int) -> list[list[float]]:
-    """Every tensor's parameter and update norms over all ranks (collective from stage 1)."""
+def lamb_norms(sums: Tensor, stage: int, group: Any = None) -> list[list[float]]:
+    """Every tensor's parameter and update norms over the ranks of `group` (the plan's
+    shard group; collective from stage 1)."""
     if stage > 0:
-        comm.all_reduce(sums, op="sum", what="LAMB norms")
+        comm.all_reduce(sums, op="sum", what="LAMB norms", group=group)
     return sums.sqrt().tolist()
 
 

@@ -1,0 +1,75 @@
+"""The process groups a plan runs on.
+
+A plan without a mesh runs on every process: its rank is the process's, its collectives
+use the default group. A plan on a mesh (`fzero.partition.OnMesh`, made by
+`fzero.partition.executable` from a `MeshPlan`) runs its gathers and reductions within
+the group along its `shard` axes, where the process's rank in the plan is its index;
+the processes along the other axes hold the same shards, and each reduced gradient shard
+is averaged over them by one all-reduce (MiCS/HSDP). With hpZ's `secondary` axes,
+backward gathers parameters within that smaller group. Control collectives (the
+overflow flag, join's flag, checkpoint agreement) stay on every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fzero import comm
+from fzero.partition import Mesh, Plan
+
+__all__ = ["Groups", "groups_of", "plan_rank", "secondary_block"]
+
+
+class Groups(NamedTuple):
+    """`shard`: the group the plan's ranks form (None: every process); `replicate`: the
+    processes holding this one's shards (None: no replicas); `secondary`: hpZ's group
+    (None: none); `rank`: this process's rank in the plan; `secondary_rank`: its index
+    in `secondary`; `replica`: its index along the replicate axes (0 writes checkpoints)."""
+
+    shard: Any = None
+    replicate: Any = None
+    secondary: Any = None
+    rank: int = 0
+    secondary_rank: int = 0
+    replica: int = 0
+
+
+def groups_of(plan: Plan) -> Groups:
+    """This process's groups for `plan` (collective the first time a mesh is seen: every
+    process must call it at the same point, as `init` and the engine do)."""
+    on = plan.mesh
+    process = comm.get_rank()
+    if on is None:
+        return Groups(rank=process)
+    mesh = Mesh(on.axes)
+    replicate = on.replicate
+    return Groups(
+        shard=comm.mesh_group(on.axes, on.shard),
+        replicate=comm.mesh_group(on.axes, replicate) if plan.replicas > 1 else None,
+        secondary=comm.mesh_group(on.axes, on.secondary) if on.secondary else None,
+        rank=mesh.index_in_group(process, on.shard),
+        secondary_rank=mesh.index_in_group(process, on.secondary),
+        replica=mesh.index_in_group(process, replicate),
+    )
+
+
+def plan_rank(plan: Plan) -> int:
+    """This process's rank in `plan` (its index along the mesh's shard axes)."""
+    on = plan.mesh
+    if on is None:
+        return comm.get_rank()
+    return Mesh(on.axes).index_in_group(comm.get_rank(), on.shard)
+
+
+def secondary_block(groups: Groups, full: Tensor) -> Tensor | None:
+    """ZeRO++ hpZ: a copy of this process's block of a unit forward gathered (`full`),
+    split within its secondary group, which backward gathers from (Wang et al. 2023);
+    None when there is no secondary group or no backward follows (no gradients)."""
+    if groups.secondary is None or not torch.is_grad_enabled():
+        return None
+    size = full.numel() // comm.get_world_size(groups.secondary)
+    start = groups.secondary_rank * size
+    return full[start : start + size].clone()
