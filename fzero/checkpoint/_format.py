@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import partition
+from fzero import comm, partition
 from fzero.checkpoint._checksum import LEGACY_ALGORITHM
 from fzero.checkpoint._files import CheckpointError, SafetensorsFile, tensor_bytes
 from fzero.checkpoint._index import decode_client_state, unpack
@@ -90,6 +90,16 @@ def process_rng() -> dict[str, Any]:
         float(cached),
     ]
     return state
+
+
+def saved_rng(index: Mapping[str, Any], rank: int, processes: int) -> dict[str, Any] | None:
+    """The random states this process saved, if the checkpoint has them: by process on a
+    mesh with replicas of the same size (`process_rng`), else by plan `rank`."""
+    every = index.get("process_rng")
+    if every is not None:
+        process = comm.get_rank()
+        return every[process] if len(every) == processes else None
+    return index["ranks"][rank]["rng"] if rank < index["world_size"] else None
 
 
 def restore_process_rng(state: Mapping[str, Any]) -> None:

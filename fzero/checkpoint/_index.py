@@ -14,10 +14,13 @@ CRC-32):
   group, scalar state such as `step`), `scheduler`, `loss_scale`;
 - `tensors`: the model's `state_dict` keys in order, each with shape, dtype and
   where it comes from (a trainable tensor by fqn, or a module tensor);
-- `ranks`: per rank its file, byte size, checksum, saved slices (key, kind,
+- `ranks`: per rank of the plan its file, byte size, checksum, saved slices (key, kind,
   fqn, element range, and the tensor's digest in the field `crc`: XXH3-64, or CRC-32 in
   indexes written before `checksum_algorithm` was recorded, as that key says) and RNG
   states (torch, Python `random`, NumPy);
+- for a plan on a mesh with replicas (`partition.OnMesh`; only the first replica of
+  each rank writes its file): `processes` and `process_rng`, every process's RNG
+  states in process order (each draws its own data);
 - `files`: other files (client tensors) with size and checksum;
 - `client_state`.
 """

@@ -27,7 +27,14 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.checkpoint._files import CheckpointError, hugepage_hint
-from fzero.checkpoint._format import Reader, check_tag, read_index, read_latest, slice_key
+from fzero.checkpoint._format import (
+    Reader,
+    check_tag,
+    read_index,
+    read_latest,
+    saved_rng,
+    slice_key,
+)
 from fzero.checkpoint._save import (
     Extras,
     extras_of,
@@ -128,9 +135,9 @@ def restore(
     if index["loss_scale"] is not None and like.loss_scale is not None:
         loss_scale = LossScaleState(*index["loss_scale"])
     rng = like.rng
-    if like.rng is not None and like.rank < index["world_size"]:
-        saved = index["ranks"][like.rank]["rng"].get("torch")
-        rng = torch.tensor(list(saved), dtype=torch.uint8) if saved is not None else rng
+    saved = saved_rng(index, like.rank, like.plan.processes)
+    if like.rng is not None and saved is not None and saved.get("torch") is not None:
+        rng = torch.tensor(list(saved["torch"]), dtype=torch.uint8)
     if install and like.residence is not None:  # NVMe: the stored slots become current
         like.residence.commit()
         units = tuple(_install_swapped(like, i, unit) for i, unit in enumerate(units))
@@ -266,7 +273,9 @@ def _read(
     old_plan = partition.from_bytes(index["plan"])
     plan = like.plan
     _check_model(plan, like.rank, old_plan, index, directory, extras.module, strict)
-    if index["mid_accumulation"] and (index["world_size"] != plan.world_size or old_plan != plan):
+    if index["mid_accumulation"] and (
+        index.get("processes", index["world_size"]) != plan.processes or old_plan != plan
+    ):
         raise CheckpointError(
             f"{directory} was saved mid gradient-accumulation at world size "
             f"{index['world_size']}, stage {index['stage']}; it loads only into the same world "

@@ -46,6 +46,7 @@ from fzero.checkpoint._format import (
     write_durably,
 )
 from fzero.checkpoint._index import encode_client_state, pack
+from fzero.core.groups import groups_of
 from fzero.core.state import TrainState, UnitState
 from fzero.optim import Optimizer
 from fzero.partition import Plan
@@ -303,7 +304,7 @@ def save(
     same_on_every_rank(group, "save_checkpoint", save_dir=save_dir, tag=tag)
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
-    if state.rank == 0:
+    if comm.get_rank() == 0:  # the process's (a mesh's replicas share plan ranks)
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
@@ -331,6 +332,7 @@ def save(
         _write(
             group,
             state.rank,
+            groups_of(state.plan).replica,
             (save_dir, tag, partial, final),
             (specs, stream),
             records,
@@ -356,7 +358,7 @@ def _mid_accumulation(state: TrainState, accumulation: int | None) -> bool:
     if accumulation is not None:
         return state.counters.micro_steps % accumulation != 0
     flag = torch.tensor([float(any(bool(u.grad.any()) for u in state.units))])
-    if state.plan.world_size > 1:
+    if state.plan.processes > 1:
         comm.all_reduce(flag, op="max")
     return bool(flag.item())
 
@@ -380,6 +382,7 @@ def _index_body(
         "tag": tag,
         "fzero_version": __version__,
         "world_size": state.plan.world_size,
+        **({"processes": state.plan.processes} if state.plan.replicas > 1 else {}),
         "stage": state.plan.stage,
         "precision": extras.precision or _precision(state),
         "plan": partition.to_bytes(state.plan),
@@ -411,6 +414,7 @@ def _precision(state: TrainState) -> str:
 def _write(
     group: Any,
     rank: int,
+    replica: int,
     paths: tuple[str, str, str, str],
     tensors: tuple[list[Any], Iterable[Tensor]],
     records: list[dict[str, Any]],
@@ -421,20 +425,21 @@ def _write(
 ) -> None:
     save_dir, tag, partial, final = paths
     specs, stream = tensors
-    written = write_safetensors_stream(os.path.join(partial, rank_file(rank)), specs, stream)
-    if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{rank}":
-        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with a half-written save
-    for record in records:
-        record["crc"] = written.tensor_digests[record["key"]]
-    mine = {
-        "file": written.name,
-        "size": written.size,
-        "checksum": written.checksum,
-        "slices": records,
-        "rng": rng,
-    }
+    mine: dict[str, Any] = {"rank": rank, "rng": rng}
+    if replica == 0:  # a mesh's other replicas hold the same shards: they write nothing
+        path = os.path.join(partial, rank_file(rank))
+        written = write_safetensors_stream(path, specs, stream)
+        if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{rank}":
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die half-written
+        for record in records:
+            record["crc"] = written.tensor_digests[record["key"]]
+        mine.update(file=written.name, size=written.size, checksum=written.checksum, slices=records)
     reports = comm.all_gather_bytes(msgpack.packb(mine, use_bin_type=True), group=group)
-    if rank == 0:
+    if comm.get_rank() == 0:
+        every = [msgpack.unpackb(r, raw=False) for r in reports]
+        writers = sorted((r for r in every if "file" in r), key=lambda r: r.pop("rank"))
+        if len(writers) != len(every):
+            body = {**body, "process_rng": [r["rng"] for r in every]}
         files = {}
         for name, contents in extra_files.items():
             if contents:
@@ -444,7 +449,7 @@ def _write(
                     "checksum": extra.checksum,
                     "crcs": extra.tensor_digests,
                 }
-        body = {**body, "ranks": [msgpack.unpackb(r, raw=False) for r in reports], "files": files}
+        body = {**body, "ranks": writers, "files": files}
         write_durably(os.path.join(partial, INDEX), pack(body))
         fsync_dir(partial)
         if os.path.exists(final):

@@ -4,6 +4,7 @@ where the plan, precision and offload say (`fzero.core.layout`), and its hooks."
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,15 +37,34 @@ def plan_for(
 ) -> Plan:
     """The engine's plan: the module's trainable tensors by group, split as the config's
     stage (and stage 3's persistence threshold) and `strategy` say (else the config's
-    `strategy` key, else `flat_even`)."""
+    `strategy` key, else `flat_even`). DeepSpeed's `zero_hpz_partition_size` and
+    `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
+    secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
+    by the same strategy; a strategy may also return a `MeshPlan` itself."""
     zero = config.zero_optimization
     if strategy is None and config.strategy is not None:
         strategy = partition.strategy_from_name(config.strategy)
     options: dict[str, Any] = {}
     if zero.stage == 3:
         options["persistence_threshold"] = zero.stage3_param_persistence_threshold
+    manifest = partition.describe(module, groups)
+    keys = {
+        "stage": zero.stage,
+        "zero_hpz_partition_size": zero.zero_hpz_partition_size,
+        "mics_shard_size": zero.mics_shard_size,
+        "mics_hierarchical_params_gather": zero.mics_hierarchical_params_gather,
+    }
+    per_node = os.environ.get("NDEV_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
+    mesh, preset = partition.from_zero_config(
+        keys, world_size, ranks_per_node=int(per_node) if per_node else None
+    )
+    if preset.name != f"zero{zero.stage}":  # hpZ or MiCS groups
+        laid_out = partition.mesh_plan(
+            manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
+        )
+        return partition.executable(laid_out)
     return partition.plan(
-        partition.describe(module, groups),
+        manifest,
         world_size=world_size,
         stage=zero.stage,
         strategy=strategy or partition.flat_even,

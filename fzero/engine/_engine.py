@@ -24,7 +24,7 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import OptimizerApplication
-from fzero.core.init import check_group_keys
+from fzero.core.groups import groups_of
 from fzero.core.layout import (
     UnitRuntime,
 )
@@ -129,7 +129,6 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         # compute, master and optimizer-state dtypes; `precision` names the first
         self.dtypes = precision_of(config, precision)
         check_precision(self.dtypes, config)
-        check_group_keys(config, self.world_size)
         self.precision = self.dtypes.compute
         self.compute_dtype = self.dtypes.compute_dtype
         zero = config.zero_optimization
@@ -164,10 +163,14 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
         )
         self.plan = plan_for(module, self._groups, config, self.world_size, strategy)
+        # the process's groups and rank in the plan (a mesh's shard group; `rank` is the
+        # process's, DeepSpeed's global rank)
+        self.groups = groups_of(self.plan)
+        self.plan_rank = self.groups.rank
         self.residency = Residency(
             config,
             self.plan,
-            rank=self.rank,
+            rank=self.plan_rank,
             optimizer=self.functional_optimizer,
             partition_numel=self.partition_numel,
         )
@@ -175,7 +178,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.stage3 = Stage3Gatherer(
             config,
             self.plan,
-            rank=self.rank,
+            rank=self.plan_rank,
             compute_dtype=self.compute_dtype,
             device=self.device,
             pin_memory=self.residency.pin,
@@ -183,7 +186,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         )
         self.optimizer_application = OptimizerApplication(
             self.plan,
-            self.rank,
+            self.plan_rank,
             optimizer=self.functional_optimizer,
             schedule=schedule,
             residency=self.residency,
@@ -204,7 +207,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.reduction = GradientReduction(
             self,
             self.plan,
-            self.rank,
+            self.plan_rank,
             self.units,
             buckets,
             device=self.device,
@@ -238,11 +241,11 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
 
     def partition(self, unit: Unit) -> slice:
         """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
-        return optimizer_partition(self.plan, unit, self.rank)
+        return optimizer_partition(self.plan, unit, self.plan_rank)
 
     def owned(self, unit: Unit) -> slice:
         """This rank's shard of the unit buffer (`plan`'s range)."""
-        start, stop = unit.shard_range(self.rank)
+        start, stop = unit.shard_range(self.plan_rank)
         return slice(start, stop)
 
     @property
@@ -258,7 +261,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
 
     def partition_numel(self, unit: Unit) -> int:
         """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
-        return partition_numel(self.plan, unit, self.rank)
+        return partition_numel(self.plan, unit, self.plan_rank)
 
     # ---- forward / backward / step ------------------------------------------------------
 

@@ -85,7 +85,7 @@ class GradientReduction:
         bits: int = 8,
     ) -> None:
         self.owner, self.plan, self.stage, self.units = owner, plan, plan.stage, list(units)
-        self.world_size = plan.world_size
+        self.world_size, self.processes = plan.world_size, plan.processes
         self.device, self.compute_dtype = device, compute_dtype
         self.stage3, self.residency, self.timers = stage3, residency, timers
         self.core = Reduction(
@@ -263,7 +263,7 @@ class GradientReduction:
     def _finish_grad_writes(self) -> None:
         """With gradients on NVMe, a write that failed on any rank drops the window on
         every rank: its micro-steps are to be run again."""
-        messages = self.residency.finish_grad_writes(self.world_size)
+        messages = self.residency.finish_grad_writes(self.processes)
         if messages:
             self.owner.drop_accumulation_window()
             raise OSError(
@@ -274,7 +274,7 @@ class GradientReduction:
     def still_training(self, here: bool) -> bool:
         """`engine.join()`: whether any rank still trains (this one if `here`);
         collective, once per micro-step."""
-        return any_rank(here, self.world_size, _STILL_TRAINING, self.device)
+        return any_rank(here, self.processes, _STILL_TRAINING, self.device)
 
     def shadow(self) -> None:
         """`engine.join()` on a rank out of data: the reductions of a backward that
@@ -298,7 +298,7 @@ class GradientReduction:
                 p.grad = None
             return
         flag = torch.tensor([float(bool(left) or not self.reduced)], device=self.device)
-        if self.world_size > 1:
+        if self.processes > 1:
             comm.all_reduce(flag, op="max")
         if not flag.item():
             return

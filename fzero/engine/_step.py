@@ -47,7 +47,9 @@ def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDe
         loss_scale=engine.loss_scale_state,
         clipping=engine.config.gradient_clipping,
         device=engine.device,
-        world_size=engine.world_size,
+        world_size=engine.plan.world_size,
+        processes=engine.world_size,
+        group=engine.groups.shard,
         step=engine.global_steps + 1,
         skipped=engine.skipped_steps,
     )

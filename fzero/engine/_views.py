@@ -62,7 +62,7 @@ def gathered_parameters(
         with torch.no_grad():
             for rt in units:
                 with engine.residency.resident(rt, write_back=True):
-                    accept_edits(rt, engine.plan, engine.rank, modifier_rank, engine.stage3)
+                    accept_edits(rt, engine.plan, engine.plan_rank, modifier_rank, engine.stage3)
             for p in others:
                 if engine.world_size > 1:
                     dist.broadcast(p.data, src=modifier_rank)
@@ -120,7 +120,7 @@ def memory_planned(engine: Engine) -> MemoryEstimate:
     """What the plan says this rank holds (`partition.memory_per_rank`)."""
     return partition.memory_per_rank(
         engine.plan,
-        engine.rank,
+        engine.plan_rank,
         param_dtype=partition.dtype_name(engine.compute_dtype),
         grad_dtype="float32",
         optimizer=engine.functional_optimizer,
@@ -146,5 +146,5 @@ def train_state(engine: Engine) -> TrainState:
     counters = engine.counters
     residence = SwapFileUnits(engine.residency, engine.units) if engine.nvme is not None else None
     return TrainState(
-        engine.plan, engine.rank, units, counters, engine.loss_scale_state, residence=residence
+        engine.plan, engine.plan_rank, units, counters, engine.loss_scale_state, residence=residence
     )

@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from fzero import comm
 from fzero.checkpoint._files import CheckpointError, write_safetensors
-from fzero.checkpoint._format import jsonable, process_rng, read_index, restore_process_rng
+from fzero.checkpoint._format import (
+    jsonable,
+    process_rng,
+    read_index,
+    restore_process_rng,
+    saved_rng,
+)
 from fzero.checkpoint._restore import PartlyRestoredError, find, restore
 from fzero.checkpoint._save import (
     Extras,
@@ -192,8 +198,9 @@ def load_checkpoint(
     index = restored.index
     if not load_module_only:
         _restore_counters(engine, restored, load_optimizer_states, load_lr_scheduler_states)
-        if engine.rank < index["world_size"]:
-            restore_process_rng(index["ranks"][engine.rank]["rng"])
+        saved = saved_rng(index, engine.plan_rank, engine.world_size)
+        if saved is not None:
+            restore_process_rng(saved)
     _log_world_change(engine, index)
     return restored.directory, restored.client_state
 
@@ -240,7 +247,8 @@ def _check_scheduler_state(engine: Engine, directory: str, with_scheduler: bool)
 
 
 def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:
-    old_world, old_accum = index["world_size"], index["batch"]["gradient_accumulation_steps"]
+    old_world = index.get("processes", index["world_size"])
+    old_accum = index["batch"]["gradient_accumulation_steps"]
     if old_world == engine.world_size or engine.rank != 0:
         return
     message = (

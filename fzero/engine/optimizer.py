@@ -90,8 +90,8 @@ class EngineOptimizer(torch.optim.Optimizer, ZeROOptimizer):
                 {k: v for k, v in g.items() if k != "params"} for g in engine.param_groups
             ],
             "zero": {
-                "rank": engine.rank,
-                "world_size": engine.world_size,
+                "rank": engine.plan_rank,
+                "world_size": engine.plan.world_size,
                 "stage": engine.stage,
                 "units": len(engine.units),
             },
@@ -103,8 +103,8 @@ class EngineOptimizer(torch.optim.Optimizer, ZeROOptimizer):
         engine = self._engine
         zero = state_dict.get("zero", {})
         here = {
-            "rank": engine.rank,
-            "world_size": engine.world_size,
+            "rank": engine.plan_rank,
+            "world_size": engine.plan.world_size,
             "stage": engine.stage,
             "units": len(engine.units),
         }
