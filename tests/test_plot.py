@@ -1,9 +1,28 @@
-"""benchmarks/plot.py reads the tables the benchmarks print and the metrics files."""
+"""benchmarks/plot.py reads the tables the benchmarks print and the metrics files;
+`partition.plot_plan` draws stage plans and mesh plans (`_plot.plot_bars`: its rectangles)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+
+import pytest
+
+import fzero
+from fzero.partition import (
+    HpZ,
+    Mesh,
+    MiCS,
+    _plot,
+    describe,
+    flat_even,
+    format_plan,
+    kind_slices,
+    mesh_plan,
+    per_tensor_dim0,
+)
+from tests.models import Net
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
@@ -102,9 +121,7 @@ def test_a_results_file_becomes_one_png_of_medians_and_spreads(tmp_path):
 def test_plot_plan_draws_each_kind_per_rank(tmp_path):
     """`partition.plot_plan` returns a PNG; a stage-1 plan and a stage-3 plan of the same
     model differ (parameters sharded or kept whole)."""
-    import fzero
-    from tests.models import Net
-
+    pytest.importorskip("matplotlib")
     manifest = fzero.partition.describe(Net())
     images = [
         fzero.partition.plot_plan(fzero.partition.plan(manifest, world_size=3, stage=stage))
@@ -114,3 +131,134 @@ def test_plot_plan_draws_each_kind_per_rank(tmp_path):
         assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 5000
     assert images[0] != images[1]
     (tmp_path / "plan.png").write_bytes(images[1])
+
+
+MESH = Mesh({"node": 2, "local": 2})  # ranks 0, 1 on node 0; 2, 3 on node 1
+
+
+def _mesh_plan(preset, strategy=flat_even):
+    # persistent units: MiCS keeps their parameters whole, HpZ gives them no secondary copy
+    return mesh_plan(describe(Net()), MESH, preset, strategy=strategy, persistence_threshold=20)
+
+
+# per_tensor_dim0 leaves padding between a unit's tensors, flat_even only after them
+LAYOUTS = pytest.mark.parametrize(
+    "preset, strategy",
+    [(p, s) for p in (MiCS(("local",)), HpZ()) for s in (flat_even, per_tensor_dim0)],
+    ids=["mics", "mics-per-tensor", "hpz", "hpz-per-tensor"],
+)
+
+
+def _bases(plan):
+    """Where each unit's buffer starts on the x axis: the buffers end to end."""
+    return [sum(unit.numel for unit in plan.units[:index]) for index in range(len(plan.units))]
+
+
+def test_mesh_plan_bars_are_each_ranks_block():
+    """Under MiCS over `local` a rank holds its `local` block of every kind: ranks 0 and 2
+    (local=0) the same, ranks 0 and 1 different; under hpZ only the secondary copy is
+    split that way, the rest over every rank."""
+    mics, hpz = _plot.plot_bars(_mesh_plan(MiCS(("local",)))), _plot.plot_bars(_mesh_plan(HpZ()))
+    assert list(mics) == ["params", "grads", "optimizer"]
+    assert list(hpz) == ["params", "grads", "optimizer", "params_secondary"]
+    for kind in ("grads", "optimizer"):
+        assert mics[kind][0] == mics[kind][2] and mics[kind][1] == mics[kind][3]
+        assert mics[kind][0] != mics[kind][1]
+        assert len(set(hpz[kind])) == 4
+    assert hpz["params_secondary"][0] == hpz["params_secondary"][2] != hpz["params_secondary"][1]
+
+
+@LAYOUTS
+def test_mesh_plan_bars_hold_the_real_elements_and_pad_the_rest(preset, strategy):
+    """Each rank's row is, per unit, its block `shard_range(unit, kind, rank)` cut into
+    no gaps or overlaps: the tensor pieces `kind_slices` lists, pale where the kind is split
+    over no axis, and grey padding between and after them."""
+    plan = _mesh_plan(preset, strategy)
+    bases = _bases(plan)
+    for kind, rows in _plot.plot_bars(plan).items():
+        for rank, bars in enumerate(rows):
+            slices = kind_slices(plan, rank, kind)
+            for index, sharding in enumerate(plan.shardings):
+                unit_bars = [bar for bar in bars if bar.unit == index]
+                if sharding.of(kind) is None:
+                    assert unit_bars == []
+                    continue
+                lo, hi = (bases[index] + x for x in plan.shard_range(index, kind, rank))
+                assert [b.start for b in unit_bars] == [lo] + [b.stop for b in unit_bars[:-1]]
+                assert unit_bars[-1].stop == hi
+                real = "whole" if not sharding.of(kind).shard else "held"
+                assert {b.fill for b in unit_bars} <= {real, "padding"}
+                assert [(b.start, b.stop) for b in unit_bars if b.fill == real] == [
+                    (lo + s.shard_offset, lo + s.shard_offset + s.numel)
+                    for s in slices
+                    if s.unit == index
+                ]
+
+
+@LAYOUTS
+def test_mesh_plan_padding_bars_are_where_format_plan_reports_padding(preset, strategy):
+    """format_plan prints each unit's padding and what each rank's optimizer block updates
+    ("(padding only)": nothing): the optimizer bars pad the rest of the block, and the
+    blocks of one group of ranks (one copy of the unit) carry the unit's padding."""
+    plan = _mesh_plan(preset, strategy)
+    padding, updated = {}, {}
+    for line in format_plan(plan).splitlines():
+        if unit := re.match(r"  unit (\d+) .* padding=(\d+)", line):
+            index = int(unit[1])
+            padding[index] = int(unit[2])
+        elif rank := re.match(r"    rank (\d+) .*; updates (.*)$", line):
+            spans = re.findall(r"\[(\d+):(\d+)\]", rank[2])
+            updated[index, int(rank[1])] = sum(int(b) - int(a) for a, b in spans)
+    assert sum(padding.values()) > 0  # the case pads (flat_even: some blocks are all padding)
+    rows = _plot.plot_bars(plan)["optimizer"]
+    for index, unit in enumerate(plan.units):
+        group = plan.mesh.group(0, plan.shardings[index].optimizer.shard)
+        padded = 0
+        for rank in range(plan.world_size):
+            lo, hi = plan.shard_range(index, "optimizer", rank)
+            lengths = {"held": 0, "padding": 0}
+            for bar in rows[rank]:
+                if bar.unit == index:
+                    lengths[bar.fill] += bar.stop - bar.start
+            assert lengths == {"held": updated[index, rank], "padding": hi - lo - lengths["held"]}
+            padded += lengths["padding"] if rank in group else 0
+        assert padded == padding[index], unit.name
+
+
+def test_stage_plan_padding_bars_are_where_format_plan_reports_padding():
+    """A stage plan's rows pad what format_plan's "(+N padding)" says (stage 3 without
+    persistent units: every kind is split, each rank's row its shards)."""
+    plan = fzero.partition.plan(describe(Net()), world_size=3, stage=3)
+    reported = {}
+    for line in format_plan(plan).splitlines():
+        if unit := re.match(r"  unit (\d+) ", line):
+            index = int(unit[1])
+        elif rank := re.match(r"    rank (\d+): .*?(?:\(\+(\d+) padding\))?$", line):
+            reported[index, int(rank[1])] = int(rank[2] or 0)
+    assert any(reported.values())
+    for kind, rows in _plot.plot_bars(plan).items():
+        for (index, rank), expected in reported.items():
+            found = [
+                b.stop - b.start for b in rows[rank] if b.unit == index and b.fill == "padding"
+            ]
+            assert sum(found) == expected, (kind, index, rank)
+
+
+def test_mesh_plan_titles_and_rank_labels():
+    mics, hpz = _mesh_plan(MiCS(("local",))), _mesh_plan(HpZ())
+    assert _plot._title(mics, "grads") == "gradients: split over local, replicated over node"
+    assert _plot._title(mics, "params") == "parameters: mixed (split differs per unit)"
+    assert _plot._title(hpz, "optimizer") == "optimizer state: split over node x local"
+    assert _plot._title(hpz, "params_secondary") == (
+        "parameters, secondary copy (hpZ): split over local, replicated over node"
+    )
+    assert _plot._rank_label(mics, 3) == "rank 3 (node=1, local=1)"
+
+
+def test_plot_plan_draws_a_mesh_plan():
+    """A PNG per mesh plan; hpZ's has a fourth panel (its secondary copy), so it differs."""
+    pytest.importorskip("matplotlib")
+    images = [fzero.partition.plot_plan(_mesh_plan(p)) for p in (MiCS(("local",)), HpZ())]
+    for image in images:
+        assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 5000
+    assert images[0] != images[1]

@@ -1,47 +1,178 @@
 """A picture of a plan: who holds what, per kind of state, with padding shown.
 
-`plot_plan(plan)` returns PNG bytes (it writes no file): one panel per kind —
-parameters, gradients, optimizer state — one row per rank, the units' flat buffers end to
-end along the x axis. A rank's own shard of a unit is drawn in the unit's colour, a
-whole unit every rank keeps (not sharded for that kind at this stage) paler, and
-padding grey. Needs matplotlib (`pip install fzero[bench]`).
+`plot_plan(plan)` returns PNG bytes (it writes no file): one panel per kind of state,
+one row per rank, the units' flat buffers end to end along the x axis. A rank's part of
+a unit is drawn in the unit's colour where it holds real elements, paler where every
+rank keeps the whole unit (the kind is split over no axis), and grey where it is padding.
+
+- A stage `Plan`: parameters, gradients, optimizer state, each titled sharded or
+  replicated at the plan's stage; a row holds the rank's shard of each unit the stage
+  splits, and each unit it keeps whole drawn pale end to end, padding included.
+- A `MeshPlan`: the same panels, and one for hpZ's secondary copy of the parameters
+  when any unit has one; a row is labelled with the rank's mesh coordinate and holds its
+  block `MeshPlan.shard_range(unit, kind, rank)` of each unit (a whole block's padding
+  grey too); a title names the axes the kind is split and replicated over ("mixed"
+  when units differ).
+
+`plot_bars(plan)` is the picture as data, pure and without matplotlib: per kind and
+rank, the rectangles. `plot_plan` needs matplotlib (`pip install fzero[bench]`).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+from typing import Any, Literal, NamedTuple
 
-from fzero.partition._plan import Plan
+from fzero.partition._mesh import KINDS, Sharding
+from fzero.partition._mesh_plan import MeshPlan
+from fzero.partition._plan import Plan, Unit
 
-__all__ = ["plot_plan"]
+__all__ = ["Bar", "plot_bars", "plot_plan"]
 
-KINDS = ("parameters", "gradients", "optimizer state")
+# Panel titles of the kinds in `_mesh.KINDS`.
+LABELS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "params_secondary": "parameters, secondary copy (hpZ)",
+}
+
+Fill = Literal["held", "whole", "padding"]
+GREY = "0.85"  # padding
 
 
-def _sharded(plan: Plan, kind: str, persistent: bool) -> bool:
-    """Whether `kind` of a unit is split over ranks at the plan's stage."""
-    if kind == "optimizer state":
+class Bar(NamedTuple):
+    """One rectangle of a rank's row: elements `[start, stop)` of the unit buffers laid
+    end to end, in unit `unit`, drawn as `fill`: "held" in the unit's colour, "whole"
+    paler (every rank keeps the whole unit), "padding" grey."""
+
+    unit: int
+    start: int
+    stop: int
+    fill: Fill
+
+
+def _stage_split(plan: Plan, kind: str, persistent: bool) -> bool:
+    """Whether `kind` of a unit is split over ranks at the stage plan's stage."""
+    if kind == "optimizer":
         return plan.stage >= 1
-    if kind == "gradients":
+    if kind == "grads":
         return plan.stage >= 2
     return plan.stage == 3 and not persistent
 
 
-def _owned_runs(plan: Plan, unit_index: int, rank: int) -> list[tuple[int, int]]:
-    """(start, stop) offsets in the unit buffer of the real elements in `rank`'s shard."""
-    unit = plan.units[unit_index]
-    lo, hi = unit.shard_range(rank)
-    runs = []
-    for placement in unit.placements:
-        for piece in placement.pieces:
-            start, stop = max(lo, piece.offset), min(hi, piece.offset + piece.numel)
-            if start < stop:
-                runs.append((start, stop))
-    return sorted(runs)
+def _block_bars(unit: Unit, index: int, base: int, lo: int, hi: int, fill: Fill) -> list[Bar]:
+    """Block `[lo, hi)` of unit `index`, whose buffer starts at `base` on the x axis:
+    its real elements (the tensors' pieces) as `fill`, the gaps between them as padding."""
+    runs = sorted(
+        (max(lo, piece.offset), min(hi, piece.offset + piece.numel))
+        for placement in unit.placements
+        for piece in placement.pieces
+    )
+    bars, at = [], lo
+    for start, stop in runs:
+        if start >= stop:
+            continue
+        if at < start:
+            bars.append(Bar(index, base + at, base + start, "padding"))
+        bars.append(Bar(index, base + start, base + stop, fill))
+        at = stop
+    if at < hi:
+        bars.append(Bar(index, base + at, base + hi, "padding"))
+    return bars
 
 
-def plot_plan(plan: Plan, *, width: float = 10.0) -> bytes:
+def _unit_bars(plan: Plan | MeshPlan, kind: str, index: int, rank: int, base: int) -> list[Bar]:
+    """What `rank` holds of `kind` of unit `index` (buffer at `base`) as rectangles."""
+    unit = plan.units[index]
+    if isinstance(plan, Plan):
+        if not _stage_split(plan, kind, unit.persistent):
+            return [Bar(index, base, base + unit.numel, "whole")]
+        return _block_bars(unit, index, base, *unit.shard_range(rank), "held")
+    split = plan.shardings[index].of(kind)
+    if split is None:  # no hpZ secondary copy of this unit
+        return []
+    lo, hi = plan.shard_range(index, kind, rank)
+    return _block_bars(unit, index, base, lo, hi, "held" if split.shard else "whole")
+
+
+def _kinds(plan: Plan | MeshPlan) -> tuple[str, ...]:
+    """The kinds drawn: a stage plan's three; a mesh plan's kinds some unit has."""
+    if isinstance(plan, Plan):
+        return KINDS[:3]
+    return tuple(k for k in KINDS if any(s.of(k) is not None for s in plan.shardings))
+
+
+def plot_bars(plan: Plan | MeshPlan) -> dict[str, tuple[tuple[Bar, ...], ...]]:
+    """The picture `plot_plan` draws, as data: for each kind drawn (a name in
+    `partition.KINDS`), for each rank, its rectangles in buffer order."""
+    if not isinstance(plan, (Plan, MeshPlan)):
+        raise TypeError(f"plan is a {type(plan).__name__}; expected a Plan or a MeshPlan")
+    bases, offset = [], 0
+    for unit in plan.units:
+        bases.append(offset)
+        offset += unit.numel
+    return {
+        kind: tuple(
+            tuple(
+                bar
+                for index, base in enumerate(bases)
+                for bar in _unit_bars(plan, kind, index, rank, base)
+            )
+            for rank in range(plan.world_size)
+        )
+        for kind in _kinds(plan)
+    }
+
+
+def _axes_text(split: Sharding) -> str:
+    """What a kind is split and copied over: "split over local, replicated over node"."""
+    parts = [f"split over {' x '.join(split.shard)}" if split.shard else "not split"]
+    if split.replicate:
+        parts.append(f"replicated over {' x '.join(split.replicate)}")
+    return ", ".join(parts)
+
+
+def _title(plan: Plan | MeshPlan, kind: str) -> str:
+    """A panel's title: the kind, and how it is split."""
+    if isinstance(plan, Plan):
+        split = any(_stage_split(plan, kind, u.persistent) for u in plan.units)
+        return f"{LABELS[kind]} ({'sharded' if split else 'replicated'})"
+    found = {s.of(kind) for s in plan.shardings} - {None}
+    if len(found) > 1:
+        return f"{LABELS[kind]}: mixed (split differs per unit)"
+    return f"{LABELS[kind]}: {_axes_text(found.pop())}"
+
+
+def _rank_label(plan: Plan | MeshPlan, rank: int) -> str:
+    """A row's label: the rank, and on a mesh its coordinate ("rank 3 (node=1, local=1)")."""
+    if isinstance(plan, Plan):
+        return f"rank {rank}"
+    where = ", ".join(f"{axis}={c}" for axis, c in plan.mesh.coordinate(rank).items())
+    return f"rank {rank} ({where})"
+
+
+def _draw_block(ax: Any, block: list[Bar], row: tuple[float, float], colour: Any) -> None:
+    """One unit's bars in one row: the block painted end to end (pale if kept whole, else
+    grey), then the rest over it (real elements, or a whole block's padding), so no seam
+    shows between neighbours."""
+    styles = {
+        "held": {"color": colour},
+        "whole": {"color": colour, "alpha": 0.35},
+        "padding": {"color": GREY},
+    }
+    under = "whole" if any(bar.fill == "whole" for bar in block) else "padding"
+    ax.broken_barh([(block[0].start, block[-1].stop - block[0].start)], row, **styles[under])
+    for fill in ("held", "padding"):
+        over = [(bar.start, bar.stop - bar.start) for bar in block if bar.fill == fill != under]
+        if over:
+            ax.broken_barh(over, row, **styles[fill])
+
+
+def plot_plan(plan: Plan | MeshPlan, *, width: float = 10.0) -> bytes:
     """The plan as a PNG image (bytes): see the module docstring."""
+    panels = plot_bars(plan)
     try:
         import matplotlib
 
@@ -51,32 +182,24 @@ def plot_plan(plan: Plan, *, width: float = 10.0) -> bytes:
         raise ImportError(
             "plot_plan needs matplotlib: pip install fzero[bench] (or matplotlib)"
         ) from error
-    starts, offset = [], 0
-    for unit in plan.units:
-        starts.append(offset)
-        offset += unit.numel
     colours = plt.get_cmap("tab10").colors
-    height = 1.0 + 0.35 * plan.world_size * len(KINDS)
-    figure, axes = plt.subplots(len(KINDS), 1, figsize=(width, height), sharex=True)
-    for ax, kind in zip(axes, KINDS):
-        for rank in range(plan.world_size):
-            row = (rank - 0.4, 0.8)
-            for index, unit in enumerate(plan.units):
-                colour = colours[index % len(colours)]
-                base = starts[index]
-                if not _sharded(plan, kind, unit.persistent):
-                    ax.broken_barh([(base, unit.numel)], row, color=colour, alpha=0.35)
-                    continue
-                lo, hi = unit.shard_range(rank)
-                ax.broken_barh([(base + lo, hi - lo)], row, color="0.85")
-                runs = [(base + a, b - a) for a, b in _owned_runs(plan, index, rank)]
-                ax.broken_barh(runs, row, color=colour)
-        ax.set_yticks(range(plan.world_size), [f"rank {r}" for r in range(plan.world_size)])
+    ranks = range(plan.world_size)
+    height = 1.0 + 0.35 * plan.world_size * len(panels)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(width, height), sharex=True)
+    for ax, (kind, rows) in zip(axes, panels.items()):
+        for rank, bars in enumerate(rows):
+            for unit, block in itertools.groupby(bars, key=lambda bar: bar.unit):
+                colour = colours[unit % len(colours)]
+                _draw_block(ax, list(block), (rank - 0.4, 0.8), colour)
+        ax.set_yticks(ranks, [_rank_label(plan, rank) for rank in ranks])
         ax.invert_yaxis()
-        split = any(_sharded(plan, kind, u.persistent) for u in plan.units)
-        ax.set_title(f"{kind} ({'sharded' if split else 'replicated'})", fontsize=9)
+        ax.set_title(_title(plan, kind), fontsize=9)
+    if isinstance(plan, Plan):
+        layout = f"stage {plan.stage}; "
+    else:  # the mesh makes the line too long for one
+        layout = f"preset {plan.preset}, mesh {plan.mesh})\n("
     axes[-1].set_xlabel(
-        f"element of the unit buffers (strategy {plan.strategy}, stage {plan.stage}; "
+        f"element of the unit buffers (strategy {plan.strategy}, {layout}"
         "pale: kept whole by every rank, grey: padding)"
     )
     figure.tight_layout()
