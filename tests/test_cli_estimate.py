@@ -71,7 +71,7 @@ def test_estimate_on_a_mesh(capsys):
     assert "hpz - 3.98 GB 0.00 MB" in lines
     assert "zero3 - 2.11 GB 0.00 MB" in lines
     assert "mics node 0 B 0 B 6.56 GB" in lines
-    assert "mics local 26.25 GB 26.25 GB 0 B" in lines
+    assert "mics local 26.25 GB 26.25 GB 14 B" in lines  # + the norm, over the shards
     assert "hpz local 13.13 GB 0 B 0 B" in lines  # backward, from the in-node copy
     assert "hpz node+local 14.77 GB 29.53 GB 20 B" in lines  # forward + reduce-scatter
     assert "zero3 node+local 29.53 GB 29.53 GB 20 B" in lines

@@ -534,14 +534,15 @@ def test_comm_volume_on_one_axis_is_todays(stage):
 
 def test_hsdp_reduces_within_the_node_and_all_reduces_across():
     """MiCS/HSDP on 2 x 2, fp32 params, 2 micro-steps: gradients reduce-scattered over
-    `local` every micro-step and their shard all-reduced over `node` once per step
-    (MiCS's 2-hop gradient synchronisation; DeepSpeed at the accumulation boundary);
-    parameters gathered over `local` only."""
+    `local` every micro-step and their shard all-reduced over `node` every micro-step too
+    (MiCS's 2-hop gradient synchronisation as FSDP2's HSDP runs it; DeepSpeed waits for
+    the accumulation boundary); parameters gathered over `local` only."""
     mp = mesh_plan(BIG, MESH, "mics")
     rows = _rows(comm_volume(mp, accumulation_steps=2, regathered=[0, 1, 2]))
     unit_bytes = 1024 * 4
     assert rows[("reduce_scatter", "gradients", ("local",))] == (6, 3 * unit_bytes * 2, 2)
-    assert rows[("all_reduce", "gradients", ("node",))] == (3, 3 * unit_bytes // 2, 2)
+    across = rows[("all_reduce", "gradients across replicas", ("node",))]
+    assert across == (6, 3 * unit_bytes // 2 * 2, 2)
     assert rows[("all_gather", "parameters for forward", ("local",))] == (6, 6 * unit_bytes, 2)
     assert rows[("all_gather", "parameters for backward", ("local",))] == (6, 6 * unit_bytes, 2)
     assert not any("node" in axes and what.startswith("param") for _, what, axes in rows)

@@ -83,10 +83,11 @@ def _rows(rank: int) -> slice:
     return slice(rank * MICRO, (rank + 1) * MICRO)
 
 
-def _engine(preset: str, zero: dict | None = None):
+def _engine(preset: str, zero: dict | None = None, accumulation: int = 1):
     torch.manual_seed(0)
     model = Net()
     config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], **(zero or {})}}
+    config["gradient_accumulation_steps"] = accumulation
     stage = {"hsdp2": 2, "hsdp1": 1}.get(preset, 3)
     return fzero.shard(
         model,
@@ -172,33 +173,42 @@ def test_every_preset_and_mixed_plans_at_2x2_match_torch_optim_through_both_door
             torch.testing.assert_close(state[name], first[name], rtol=1e-6, atol=1e-7)
 
 
-def _traffic_case(rank: int, world: int, preset: str) -> dict:
-    engine = _engine(preset, {"stage": 3, "stage3_max_reuse_distance": 0})
-    _train_engine(engine, rank, range(1))  # the first step records the trace
+def _traffic_case(rank: int, world: int, preset: str, accumulation: int) -> dict:
+    stage = {"hsdp2": 2, "hsdp1": 1}.get(preset, 3)
+    engine = _engine(preset, {"stage": stage, "stage3_max_reuse_distance": 0}, accumulation)
+    rows = range(accumulation)
+    _train_engine(engine, rank, rows)  # the first step records the trace
     before = fzero.comm.traffic_by_group()
-    _train_engine(engine, rank, range(1, 2))
+    _train_engine(engine, rank, rows)
     after = fzero.comm.traffic_by_group()
-    return {
-        group: {op: after[group][op][1] - before.get(group, {}).get(op, (0, 0))[1] for op in ops}
+    sent = {
+        (group, op): after[group][op][1] - before.get(group, {}).get(op, (0, 0))[1]
         for group, ops in after.items()
+        for op in ops
     }
+    predicted: dict = {}
+    for row in engine.comm_volume():
+        group = "world" if row.axes == MESH.names else "+".join(row.axes)
+        predicted[(group, row.operation)] = predicted.get((group, row.operation), 0) + row.bytes
+    return {"sent": {k: v for k, v in sent.items() if v}, "predicted": predicted}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["mics", "hpz"])
-def test_mesh_collectives_run_on_their_axes(preset):
-    """MiCS keeps parameter gathers inside the node and sends one gradient shard per
-    rank across; hpZ's backward gathers stay inside the node (units released after
-    forward: `stage3_max_reuse_distance` 0)."""
-    moved = run_world(_traffic_case, MESH.size, preset)
+@pytest.mark.parametrize("preset", ["mics", "hpz", "hsdp2", "mixed"])
+def test_mesh_collectives_run_on_their_axes_as_comm_volume_predicts(preset):
+    """Bytes per group and operation of a step equal `engine.comm_volume()` (2
+    micro-steps, units released after forward: `stage3_max_reuse_distance` 0). MiCS
+    keeps parameter gathers inside the node and sends gradient shards across; hpZ's
+    backward gathers stay inside the node."""
+    moved = run_world(_traffic_case, MESH.size, preset, 2)
+    assert moved["sent"] == moved["predicted"]
+    sent = moved["sent"]
     if preset == "mics":
-        assert moved["local"]["all_gather"] > 0 and "all_gather" not in moved.get("node", {})
-        assert moved["node"]["all_reduce"] > 0  # gradient shards across nodes
-        assert moved["node"]["all_reduce"] * 2 <= moved["local"]["all_reduce"]
-    else:
-        world_gathers = moved["world"]["all_gather"]
-        assert moved["local"]["all_gather"] > 0  # backward, from the secondary copy
-        assert world_gathers > 0  # forward, from the primary shards
+        assert sent[("local", "all_gather")] > 0 and ("node", "all_gather") not in sent
+        assert 0 < sent[("node", "all_reduce")] * 2 <= sent[("local", "all_reduce")]
+    if preset == "hpz":
+        assert sent[("local", "all_gather")] > 0  # backward, from the secondary copy
+        assert sent[("world", "all_gather")] > 0  # forward, from the primary shards
 
 
 def _resume_case(rank: int, world: int, directory: str, preset: str) -> dict:

@@ -47,6 +47,7 @@ from fzero.partition._plan import validate as _validate_stage_plan
 __all__ = [
     "MESH_FORMAT_VERSION",
     "MeshPlan",
+    "as_mesh_plan",
     "executable",
     "from_plan",
     "mesh_plan_from_bytes",
@@ -321,9 +322,39 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     return _validate_stage_plan(result)
 
 
+def as_mesh_plan(plan: Plan) -> MeshPlan:
+    """The mesh plan a stage plan runs as: `from_plan` for a plan of the whole world, and
+    for one on a mesh (`executable`'s) its units on every process with each kind split
+    over its shard axes or whole, as the stage says, hpZ's secondary where it has one."""
+    _validate_stage_plan(plan)
+    on = plan.mesh
+    if on is None:
+        return from_plan(plan)
+    mesh = Mesh(on.axes)
+    split, whole = mesh.sharding(*on.shard), mesh.replicated
+    secondary = mesh.sharding(*on.secondary) if on.secondary else None
+    units, shardings = [], []
+    for unit in plan.units:
+        params = split if plan.stage == 3 and not unit.persistent else whole
+        shardings.append(
+            UnitSharding(
+                params,
+                split if plan.stage >= 2 else whole,
+                split if plan.stage >= 1 else whole,
+                secondary if params is split else None,
+            )
+        )
+        units.append(replace(unit, shard_numel=unit.numel // mesh.size))
+    return MeshPlan(
+        plan.manifest, mesh, plan.alignment, tuple(units), tuple(shardings), plan.strategy,
+        on.preset,
+    )  # fmt: skip
+
+
 def _shard_group(plan: MeshPlan) -> tuple[str, ...]:
     """The one set of axes (size > 1) any kind of any unit is split over, or a
-    `PlanError` naming two that differ; () when nothing is split."""
+    `PlanError` naming two that differ; when nothing is split (stage 0), every axis: a
+    stage-0 plan of the whole world, as `to_plan` gives."""
     mesh, found = plan.mesh, None
     for unit, sharding in zip(plan.units, plan.shardings):
         for kind in ("optimizer", "grads", "params"):
@@ -338,7 +369,7 @@ def _shard_group(plan: MeshPlan) -> tuple[str, ...]:
                     f"{found[2]} over {found[0]}; {_ONE_GROUP}"
                 )
     if found is None:
-        return ()
+        return _significant(mesh, mesh.names)
     _in_mesh_order(mesh, found[0], f"unit {found[1]!r} {found[2]}")
     return found[0]
 

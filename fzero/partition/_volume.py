@@ -8,10 +8,12 @@ input, an all-reduce's tensor). What one rank puts on the wire with ring algorit
 `wire_bytes`: (W-1)/W of that for an all-gather or reduce-scatter, twice it for an
 all-reduce.
 
-On a mesh (`MeshPlan`) every row also names the `axes` it runs over, and its
-`world_size` is the size of that group: HSDP/MiCS reduce-scatters gradients over the
-shard axes and all-reduces them over the replica axes; hpZ gathers parameters over the
-world for forward and over the node for backward. `volume_by_axes` sums them per axes.
+On a mesh (a `MeshPlan`, or a plan `executable` made from one) every row also names the
+`axes` it runs over, and its `world_size` is the size of that group: HSDP/MiCS
+reduce-scatters gradients over the shard axes and all-reduces the shard over the replica
+axes every micro-step (as FSDP2's HSDP; DeepSpeed's MiCS waits for the accumulation
+boundary); hpZ gathers parameters over the world for forward and over the node for
+backward. `volume_by_axes` sums them per axes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._mesh_plan import MeshPlan
+from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan
 from fzero.partition._plan import Plan, PlanError
 from fzero.partition._queries import reduction_buckets
 
@@ -95,18 +97,20 @@ def comm_volume(
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
 
-    Under a `MeshPlan`, per unit and per axes (see `_mesh_volume`); `quantized_*` and
-    `scatter_as_all_reduce` are not modelled on a mesh yet (a `PlanError`).
+    Under a `MeshPlan` or a plan on a mesh, per unit and per axes (see `_mesh_volume`);
+    `quantized_*` are not modelled on a mesh yet (a `PlanError`).
     """
     if accumulation_steps < 1:
         raise PlanError(f"accumulation_steps is {accumulation_steps}; it must be >= 1")
     if quantized_gradient_bits not in (4, 8):
         raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
+    if isinstance(plan, Plan) and plan.mesh is not None:
+        plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
-        if quantized_weights or quantized_gradients or scatter_as_all_reduce:
+        if quantized_weights or quantized_gradients:
             raise PlanError(
-                "quantized_weights, quantized_gradients and scatter_as_all_reduce are not "
-                "modelled for plans on a mesh yet; leave them False"
+                "quantized_weights and quantized_gradients are not modelled for plans on a "
+                "mesh yet; leave them False"
             )
         return _mesh_volume(
             plan,
@@ -115,6 +119,7 @@ def comm_volume(
             bucket_numel=bucket_numel,
             regathered=sorted(set(regathered)),
             control=_control(plan, loss_scaling, optimizer),
+            scatter_as_all_reduce=scatter_as_all_reduce,
         )
     world, stage, steps = plan.world_size, plan.stage, accumulation_steps
     if world == 1:
@@ -171,13 +176,14 @@ def comm_volume(
     return rows
 
 
-def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int]]:
-    """The control all-reduces of one step over the world: (what, bytes) once each."""
-    rows = [("gradient norm", 8)]
+def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int, bool]]:
+    """The control all-reduces of one step: (what, bytes, over the world) once each; the
+    norms sum each shard once, over the axes the state is split over."""
+    rows = [("gradient norm", 8, False)]
     if loss_scaling:
-        rows.append(("fp16 overflow flag", 4))
+        rows.append(("fp16 overflow flag", 4, True))
     if optimizer == "lamb":
-        rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8))
+        rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8, False))
     return rows
 
 
@@ -188,21 +194,24 @@ def _mesh_volume(
     param_bytes: int,
     bucket_numel: int,
     regathered: list[int],
-    control: list[tuple[str, int]],
+    control: list[tuple[str, int, bool]],
+    scatter_as_all_reduce: bool = False,
 ) -> list[Collective]:
     """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
 
     - gradients whole on every rank (`grads.shard` empty): all-reduced over the world once
       per step, in buckets (stages 0-1); split: reduce-scattered over `grads.shard` every
-      micro-step and the shard all-reduced over `grads.replicate` once per step, at the
-      accumulation boundary (DeepSpeed's MiCS, `allreduce_mics_shard_grads`);
+      micro-step (each bucket all-reduced there with `scatter_as_all_reduce`) and each
+      unit's shard all-reduced over `grads.replicate` every micro-step too (FSDP2's HSDP;
+      DeepSpeed's MiCS all-reduces once, at the accumulation boundary);
     - after the update, the parameter shard gathered from optimizer shards over the
       optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none);
     - forward gathers every unit with split parameters over `params.shard` per
       micro-step (one gather per axis, outermost first, when hierarchical: MiCS's
       hierarchical all-gather); backward re-gathers the units in `regathered`, from hpZ's
       secondary copy over its axes where there is one;
-    - control (norm, flags, the left-over check) over the world.
+    - control: the norms over the axes any state is split over (each shard once), the
+      flags and the left-over check over the world.
     """
     mesh, units = plan.mesh, plan.units
     every = mesh.names
@@ -224,12 +233,19 @@ def _mesh_volume(
         buckets = reduction_buckets(kept, bucket_numel)
         size = sum(units[i].numel for i in whole) * _GRAD_BYTES
         add("all_reduce", "gradients", every, len(buckets), size)
-    for unit, sharding in zip(units, plan.shardings):
-        grads = sharding.grads
-        if grads.shard:
+    split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
+    if split and scatter_as_all_reduce:  # buckets of the units a pass reduces together
+        buckets = reduction_buckets(plan, bucket_numel)
+        for bucket in buckets:
+            axes = plan.shardings[bucket[0]].grads.shard
+            size = sum(units[i].numel for i in bucket) * _GRAD_BYTES * steps
+            add("all_reduce", "gradients", axes, steps, size)
+    for i in split:
+        unit, grads = units[i], plan.shardings[i].grads
+        if not scatter_as_all_reduce:
             add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * _GRAD_BYTES * steps)
-            shard_bytes = unit.numel // mesh.group_size(grads.shard) * _GRAD_BYTES
-            add("all_reduce", "gradients", grads.replicate, 1, shard_bytes)
+        shard_bytes = unit.numel // mesh.group_size(grads.shard) * _GRAD_BYTES
+        add("all_reduce", "gradients across replicas", grads.replicate, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
         params = sharding.params.shard
         publish = sharding.optimizer.shard[len(params) :]
@@ -241,8 +257,12 @@ def _mesh_volume(
     ):
         for index in indices:
             _add_gathers(plan, index, what, steps, param_bytes, add)
-    for what, size in control:
-        add("all_reduce", what, every, 1, size)
+    split_over = (
+        tuple(axis for axis in every if any(axis in s.optimizer.shard for s in plan.shardings))
+        or every
+    )  # stage 0: the whole world's (each rank's norm is of its 1/W slice)
+    for what, size, world in control:
+        add("all_reduce", what, every if world else split_over, 1, size)
     checks = steps if len(whole) < len(units) else 1  # per micro-step once any are split
     add("all_reduce", "left-over gradients check", every, checks, 4 * checks)
     return [
