@@ -239,9 +239,7 @@ def _reshard_case(rank: int, world: int, source: str, target: str, tag: str) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["mics", "hpz"])
-def test_a_mesh_run_resumes_bitwise_and_its_checkpoint_moves_to_world_2_then_1(
-    tmp_path, preset
-):
+def test_a_mesh_run_resumes_bitwise_and_its_checkpoint_moves_to_world_2_then_1(tmp_path, preset):
     out = run_world(_resume_case, MESH.size, str(tmp_path / "mesh"), preset)
     for name, value in out["straight"].items():
         assert torch.equal(value, out["resumed"][name]), name
