@@ -245,6 +245,12 @@ def test_a_mesh_run_resumes_bitwise_and_its_checkpoint_moves_to_world_2_then_1(t
         assert torch.equal(value, out["resumed"][name]), name
     report, intact = fzero.checkpoint.inspect(str(tmp_path / "mesh"))
     assert intact, report
+    described = {
+        "mics": "preset mics on mesh node=2 x local=2, split over local, 2 replicas over node",
+        "hpz": "preset hpz on mesh node=2 x local=2, split over node+local, hpZ secondary over "
+        "local",
+    }
+    assert described[preset] in report, report
     at2 = run_world(_reshard_case, 2, str(tmp_path / "mesh"), str(tmp_path / "w2"), "s2")
     at1 = run_world(_reshard_case, 1, str(tmp_path / "w2"), str(tmp_path / "w1"), "moved")
     saved = fzero.checkpoint.consolidated_state_dict(str(tmp_path / "mesh"), tag="s2")

@@ -242,6 +242,7 @@ def inspect(save_dir: str) -> tuple[str, bool]:
             f"optimizer {index['optimizer']['name']}, fzero {index['fzero_version']}; "
             f"plan: strategy {saving.strategy}, {len(saving.units)} units"
             + (f" ({persistent} persistent)" if persistent else "")
+            + _on_mesh(saving)
         )
         sizes: dict[str, int] = {}
         problems = []
@@ -262,6 +263,18 @@ def inspect(save_dir: str) -> tuple[str, bool]:
         else:
             lines.append(f"    checksums: {len(files)} files ok")
     return "\n".join(lines), intact
+
+
+def _on_mesh(plan: partition.Plan) -> str:
+    """How a plan on a mesh ran: its preset, mesh, shard axes, replicas, hpZ's axes."""
+    on = plan.mesh
+    if on is None:
+        return ""
+    mesh = " x ".join(f"{name}={size}" for name, size in on.axes)
+    text = f"; preset {on.preset} on mesh {mesh}, split over {'+'.join(on.shard) or 'none'}"
+    if plan.replicas > 1:
+        text += f", {plan.replicas} replicas over {'+'.join(on.replicate)}"
+    return text + (f", hpZ secondary over {'+'.join(on.secondary)}" if on.secondary else "")
 
 
 def _verify(path: str, size: int, checksum: int, algorithm: str) -> list[tuple[str, int]]:
