@@ -376,7 +376,9 @@ def test_the_config_and_the_optimizer_registry_share_one_list_of_params():
         load_config({"optimizer": {"type": "SGD", "params": {"fused": True}}})
 
 
-def test_hpz_and_mics_groups_of_every_rank_run_and_smaller_groups_are_refused():
+def test_hpz_and_mics_groups_beside_a_whole_world_plan_agree_with_it_or_are_refused():
+    """A plan of the whole world runs groups of every rank; a smaller group asks for a
+    plan on a mesh (the engine makes one; `fzero.init`/`train_step` are given one)."""
     from fzero.config import load_config
     from fzero.core.init import check_group_keys
 
@@ -389,5 +391,5 @@ def test_hpz_and_mics_groups_of_every_rank_run_and_smaller_groups_are_refused():
         check_group_keys(load_config({"zero_optimization": zero}), 4)
     for key, value in (("zero_hpz_partition_size", 2), ("mics_shard_size", 2)):
         config = load_config({"zero_optimization": {"stage": 3, key: value}})
-        with pytest.raises(ValueError, match=rf"{key} is 2 on 4 ranks; fzero runs"):
+        with pytest.raises(ValueError, match=rf"{key} is 2 on 4 ranks, but the plan is of"):
             check_group_keys(config, 4)

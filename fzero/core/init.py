@@ -186,10 +186,11 @@ def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan)
 
 
 def check_group_keys(config: Config, world_size: int) -> None:
-    """DeepSpeed's hpZ and MiCS group sizes run where they mean one group of every rank
-    (ZeRO-3 exactly); a smaller group needs process subgroups, which fzero does not run
-    yet: refused, naming the key, the value and what is allowed. Below stage 3 they have
-    no effect, as in DeepSpeed."""
+    """A config's hpZ and MiCS group sizes beside a plan of the whole world (not on a
+    mesh): they agree where they mean one group of every rank (ZeRO-3 exactly); a smaller
+    group asks for a plan on a mesh, which the engine makes from them and `fzero.init` /
+    `train_step` take as a plan: refused, naming the key, the value and the plan to
+    give. Below stage 3 they have no effect, as in DeepSpeed."""
     zero = config.zero_optimization
     if zero.stage < 3:
         return
@@ -200,10 +201,10 @@ def check_group_keys(config: Config, world_size: int) -> None:
         if value in (off, world_size) or (off < 0 and value <= 0):
             continue
         raise ValueError(
-            f"zero_optimization.{key} is {value} on {world_size} ranks; fzero runs {off} "
-            f"(off) or {world_size} (one group of every rank: ZeRO-3). Groups of fewer ranks "
-            "need process subgroups, not supported yet (fzero.partition.from_zero_config "
-            "shows the mesh plan it would be)"
+            f"zero_optimization.{key} is {value} on {world_size} ranks, but the plan is of "
+            f"the whole world (one group: {off} (off) or {world_size} agree with it). Give "
+            "the plan on a mesh the key asks for: partition.mesh_plan(manifest, "
+            "*partition.from_zero_config(config['zero_optimization'], world_size))"
         )
 
 

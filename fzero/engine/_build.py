@@ -4,6 +4,7 @@ where the plan, precision and offload say (`fzero.core.layout`), and its hooks."
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,8 @@ from fzero.engine._forward import ForwardHooks
 from fzero.engine.meta_init import MetaInitializer
 from fzero.engine.zero3_attributes import describe_zero3_param
 from fzero.partition import Plan, Unit
+
+log = logging.getLogger("fzero")
 
 __all__ = ["build_unit", "build_units", "cast_module", "install_hooks", "plan_for"]
 
@@ -58,6 +61,12 @@ def plan_for(
     mesh, preset = partition.from_zero_config(
         keys, world_size, ranks_per_node=int(per_node) if per_node else None
     )
+    if zero.mics_hierarchical_params_gather and mesh.size > 1:
+        log.info(
+            "fzero: mics_hierarchical_params_gather: parameters are gathered by one "
+            "all-gather over the shard group (the same values; the two-hop gather is not "
+            "run yet)"
+        )
     if preset.name != f"zero{zero.stage}":  # hpZ or MiCS groups
         laid_out = partition.mesh_plan(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
