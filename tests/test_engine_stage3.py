@@ -46,9 +46,9 @@ def gather_trace_case(rank, world, reuse_distance):
     ahead: list[bool] = []
     all_gather_into = comm.all_gather_into
 
-    def spy(output, shard, *, async_op=False, what=""):
+    def spy(output, shard, *, async_op=False, what="", group=None):
         gathers.append(engine.stage3.phase)
-        return all_gather_into(output, shard, async_op=async_op, what=what)
+        return all_gather_into(output, shard, async_op=async_op, what=what, group=group)
 
     def watch(index):
         def pre_forward(_module, _inputs):

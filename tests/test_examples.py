@@ -18,9 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BERT = ROOT / "examples" / "bert_pretraining"
 
 
-def _fzero_run(script: Path, *args: str, timeout: int = 300, launcher: tuple = ()) -> str:
+def _fzero_run(
+    script: Path, *args: str, timeout: int = 300, launcher: tuple = (), processes: int = 2
+) -> str:
+    command = [sys.executable, "-m", "fzero.cli", "run", *launcher, "-n", str(processes)]
     run = run_launched(
-        [sys.executable, "-m", "fzero.cli", "run", *launcher, "-n", "2", str(script), *args],
+        [*command, str(script), *args],
         timeout=timeout,
         cwd=ROOT,
     )
@@ -162,3 +165,16 @@ def test_readme_functional_api_example_runs_as_written(tmp_path):
     losses = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step30"
+
+
+@pytest.mark.slow
+def test_custom_partitioning_example_trains_a_mesh_plan_through_both_doors(tmp_path):
+    script = ROOT / "examples" / "custom_partitioning.py"
+    out = _fzero_run(script, "--steps", "30", "--out", str(tmp_path), processes=4)
+    assert "preset=mics_small_whole mesh=node=2 x local=2 (4 ranks)" in out
+    assert "params           whole replicate(node, local)" in out  # the small unit
+    assert "gradients across replicas       node" in out
+    match = re.search(r"loss ([\d.]+) -> ([\d.]+) \(train_step\), ([\d.]+) -> ([\d.]+)", out)
+    assert match and float(match[2]) < float(match[1]) / 2, out
+    assert match[2] == match[4] and "weights identical: True" in out
+    assert "restored under preset mics: identical True" in out

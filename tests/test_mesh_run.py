@@ -154,6 +154,20 @@ def _every_case(rank: int, world: int) -> dict:
     return results
 
 
+def _mics_case(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    engine = _engine("from the config", {"stage": 3, "mics_shard_size": 2})
+    return _train_engine(engine, rank, range(STEPS)), engine.state_dict(dtype=torch.float32)
+
+
+def test_mics_from_deepspeed_keys_at_2x2_matches_torch_optim():
+    """The quick case (`make test`); every preset and both doors are the slow test's."""
+    losses, state = run_world(_mics_case, MESH.size)
+    ref_losses, ref_state = reference()
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7)
+    for name, expected in ref_state.items():
+        assert ((state[name] - expected).abs().max() / expected.abs().max()).item() <= 1e-6
+
+
 @pytest.mark.slow
 def test_every_preset_and_mixed_plans_at_2x2_match_torch_optim_through_both_doors():
     results = run_world(_every_case, MESH.size)
