@@ -58,6 +58,7 @@ from fzero.partition._strategies import (
     per_tensor_dim0,
     plan,
     strategy_from_name,
+    whole_tensors,
 )
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
 
@@ -124,4 +125,5 @@ __all__ = [
     "to_plan",
     "validate",
     "volume_by_axes",
+    "whole_tensors",
 ]

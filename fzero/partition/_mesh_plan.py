@@ -110,9 +110,19 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
             f"{len(plan.shardings)} shardings for {len(plan.units)} units; give one per unit"
         )
     _validate_stage_plan(_layout(plan))
+    _check_even(plan.units)
     for unit, sharding in zip(plan.units, plan.shardings):
         _validate_sharding(plan.mesh, unit, sharding)
     return plan
+
+
+def _check_even(units: tuple[Unit, ...]) -> None:
+    uneven = [u.name for u in units if u.bounds]
+    if uneven:
+        raise PlanError(
+            f"unit {uneven[0]!r} has uneven shards (bounds); a plan on a mesh splits each "
+            "kind into equal blocks: use uneven units in a plan of the whole world"
+        )
 
 
 def _layout(plan: MeshPlan) -> Plan:
@@ -198,8 +208,10 @@ def stage_shardings(mesh: Mesh, stage: int, persistent: bool) -> UnitSharding:
 def from_plan(plan: Plan, axis: str = "dp") -> MeshPlan:
     """Today's stage plan as a mesh plan with the one axis `{axis: world_size}`: the same
     units, so the same shard ranges (`MeshPlan.shard_range(i, kind, r) ==
-    Unit.shard_range(r)` for every kind the stage splits)."""
+    Unit.shard_range(r)` for every kind the stage splits). Uneven units have no mesh
+    plan (a `PlanError`)."""
     _validate_stage_plan(plan)
+    _check_even(plan.units)
     mesh = Mesh.single(plan.world_size, axis)
     shardings = tuple(stage_shardings(mesh, plan.stage, u.persistent) for u in plan.units)
     return MeshPlan(

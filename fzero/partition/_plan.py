@@ -2,7 +2,9 @@
 
 A plan groups tensors into units. A unit is one flat buffer of `numel` elements
 (one all-gather / one reduce-scatter); rank `r` owns the contiguous range
-`[r * shard_numel, (r + 1) * shard_numel)` of it. Where each tensor lies in the
+`[r * shard_numel, (r + 1) * shard_numel)` of it, or with uneven shards
+`[bounds[r], bounds[r + 1])` (some maybe empty: whole tensors owned by one rank, no
+padding). Where each tensor lies in the
 buffer is a list of pieces, so a plan can place a tensor in one run (flat split)
 or in one run per rank (dim-0 split). Which states use the split is the stage:
 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (ZeRO, Rajbhandari et
@@ -17,6 +19,7 @@ makes such a plan from a `MeshPlan`.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -68,7 +71,9 @@ class Unit:
 
     `module` is the module path whose forward uses all of the unit's tensors
     ("" is the root): stage 3 gathers the unit when that module runs.
-    `persistent` units keep their parameters whole in stage 3.
+    `persistent` units keep their parameters whole in stage 3. `bounds`: uneven shards,
+    rank r's from `bounds[r]` to `bounds[r + 1]` (world size + 1 offsets from 0 to
+    `numel`; `shard_numel` is then the largest); () for equal shards.
     """
 
     name: str
@@ -79,10 +84,24 @@ class Unit:
     shard_numel: int
     numel: int
     persistent: bool = False
+    bounds: tuple[int, ...] = ()
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
+        if self.bounds:
+            return self.bounds[rank], self.bounds[rank + 1]
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_size(self, rank: int) -> int:
+        """Elements of rank `rank`'s part (`shard_numel` but with uneven shards)."""
+        start, stop = self.shard_range(rank)
+        return stop - start
+
+    def owner(self, offset: int) -> int:
+        """The rank whose part holds buffer element `offset`."""
+        if self.bounds:
+            return bisect.bisect_right(self.bounds, offset, hi=len(self.bounds) - 1) - 1
+        return offset // self.shard_numel
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,9 @@ def validate(plan: Plan) -> Plan:
     - a unit's tensors share its optimizer group and dtype (a unit never mixes
       hyper-parameters);
     - `numel == world_size * shard_numel`, shards a multiple of `alignment`, so
-      every rank's shard has the same size (what the collectives need);
+      every rank's shard has the same size (what the collectives need); or uneven
+      `bounds`: world_size + 1 non-decreasing offsets from 0 to `numel`, the largest
+      shard `shard_numel`;
     - each tensor's pieces cover it exactly once and no two pieces overlap in
       the buffer: every element is owned by exactly one rank;
     - `persistent` units only in stage 3;
@@ -221,12 +242,14 @@ def _validate_mesh(plan: Plan) -> None:
 
 def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed: set[str]) -> None:
     where = f"unit {unit.name!r}"
-    if unit.shard_numel < 0 or unit.shard_numel % plan.alignment:
+    if unit.bounds:
+        _validate_bounds(where, unit, plan.world_size)
+    elif unit.shard_numel < 0 or unit.shard_numel % plan.alignment:
         raise PlanError(
             f"{where}: shard_numel {unit.shard_numel} is not a multiple of "
             f"alignment {plan.alignment}"
         )
-    if unit.numel != unit.shard_numel * plan.world_size:
+    if not unit.bounds and unit.numel != unit.shard_numel * plan.world_size:
         raise PlanError(
             f"{where}: numel {unit.numel} != world_size {plan.world_size} "
             f"x shard_numel {unit.shard_numel}"
@@ -252,6 +275,23 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
     for (_, stop, a), (start, _, b) in itertools.pairwise(spans):
         if start < stop:
             raise PlanError(f"{where}: tensors {a!r} and {b!r} overlap at buffer offset {start}")
+
+
+def _validate_bounds(where: str, unit: Unit, world_size: int) -> None:
+    bounds = unit.bounds
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    if (
+        len(bounds) != world_size + 1
+        or bounds[0] != 0
+        or bounds[-1] != unit.numel
+        or min(sizes) < 0
+        or max(sizes) != unit.shard_numel
+    ):
+        raise PlanError(
+            f"{where}: bounds {list(bounds)} are not {world_size + 1} non-decreasing offsets "
+            f"from 0 to numel {unit.numel} whose largest step is shard_numel "
+            f"{unit.shard_numel}"
+        )
 
 
 def _validate_pieces(where: str, spec: TensorSpec, pieces: tuple[Piece, ...], size: int) -> None:
@@ -295,6 +335,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         "shard_numel": unit.shard_numel,
         "numel": unit.numel,
         "persistent": unit.persistent,
+        **({"bounds": list(unit.bounds)} if unit.bounds else {}),
     }
 
 
@@ -322,6 +363,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         shard_numel=raw["shard_numel"],
         numel=raw["numel"],
         persistent=raw["persistent"],
+        bounds=tuple(raw.get("bounds", ())),
     )
 
 

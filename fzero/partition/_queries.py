@@ -121,7 +121,7 @@ def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
             continue
         for piece in placement.pieces:
             if piece.start <= flat_index < piece.start + piece.numel:
-                return (piece.offset + flat_index - piece.start) // unit.shard_numel
+                return unit.owner(piece.offset + flat_index - piece.start)
     numel = plan.manifest[name].numel
     raise IndexError(f"index {flat_index} is out of range for tensor {fqn!r} of {numel} elements")
 
@@ -223,7 +223,7 @@ def memory_per_rank(
         held = _mesh_numel(plan)
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
     else:
-        params, grads, optimizer_numel = _stage_numel(plan)
+        params, grads, optimizer_numel = _stage_numel(plan, rank)
         secondary = 0
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
@@ -242,11 +242,11 @@ def memory_per_rank(
     )
 
 
-def _stage_numel(plan: Plan) -> tuple[int, int, int]:
-    """Elements one rank holds of params, grads and optimizer state under a stage plan."""
+def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int]:
+    """Elements `rank` holds of params, grads and optimizer state under a stage plan."""
     params = grads = optimizer_numel = 0
     for unit in plan.units:
-        shard, full = unit.shard_numel, unit.numel
+        shard, full = unit.shard_size(rank), unit.numel
         params += shard if plan.shards_params and not unit.persistent else full
         grads += shard if plan.shards_grads else full
         optimizer_numel += shard if plan.shards_optimizer else full
@@ -351,13 +351,15 @@ def format_plan(plan: Plan | MeshPlan) -> str:
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
-            f"{unit.dtype} numel={unit.numel:,} shard={unit.shard_numel:,} "
+            f"{unit.dtype} numel={unit.numel:,} "
+            f"shard={'uneven, at most ' if unit.bounds else ''}{unit.shard_numel:,} "
             f"padding={padding:,}{flags}"
         )
         for rank in range(plan.world_size):
             owned = [s for s in slices[rank] if s.unit == index]
-            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or "(padding only)"
-            pad = unit.shard_numel - sum(s.stop - s.start for s in owned)
+            empty = "(none)" if unit.shard_size(rank) == 0 else "(padding only)"
+            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or empty
+            pad = unit.shard_size(rank) - sum(s.stop - s.start for s in owned)
             lines.append(f"    rank {rank}: {text}" + (f" (+{pad:,} padding)" if pad else ""))
     buffers = sum(u.numel for u in plan.units)
     padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
@@ -403,7 +405,8 @@ def _format_mesh_plan(plan: MeshPlan) -> str:
                 for lo, hi in [plan.shard_range(index, kind, rank)]
             )
             owned = [s for s in updates[rank] if s.unit == index]
-            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or "(padding only)"
+            empty = "(none)" if unit.shard_size(rank) == 0 else "(padding only)"
+            text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or empty
             lines.append(f"    rank {rank} ({where}): {ranges}; updates {text}")
     buffers = sum(u.numel for u in plan.units)
     padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)

@@ -9,10 +9,14 @@ Two are built in:
 - `per_tensor_dim0` (FSDP2-like): every tensor is split along dim 0 into
   `ceil(rows / world_size)`-row chunks and rank r's chunks of all the unit's
   tensors are stored together, so a rank holds whole rows.
+- `whole_tensors`: no tensor is split: each goes whole to one rank (uneven shards,
+  no padding), for optimizers that need whole matrices (Muon) and studies of
+  imbalance.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable
@@ -32,6 +36,7 @@ __all__ = [
     "per_tensor_dim0",
     "plan",
     "strategy_from_name",
+    "whole_tensors",
 ]
 
 # 16 fp32 elements = 64 bytes: one cache line, one AVX-512 register.
@@ -208,6 +213,46 @@ def per_tensor_dim0(
     return Plan(manifest, world_size, stage, alignment, tuple(units), strategy="per_tensor_dim0")
 
 
+def whole_tensors(
+    manifest: Manifest,
+    *,
+    world_size: int,
+    stage: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    persistence_threshold: int = 0,
+    unit_numel: int | None = None,
+) -> Plan:
+    """Every tensor whole on one rank, units grouped as `flat_even` groups them: within a
+    unit the tensors go to ranks largest first, each to the rank holding least so far
+    (ties: the lower rank), and lie in the buffer by rank, so rank r's shard is its
+    tensors end to end (uneven `Unit.bounds`, some maybe empty; no padding). A unit of
+    fewer tensors than ranks leaves ranks without any: `format_plan` shows the
+    imbalance. Muon's Newton-Schulz then runs on whole matrices without a gather."""
+    groups = group_units(
+        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+    )
+    units = []
+    for name, group in zip(_unit_names(groups), groups):
+        load, owned = [0] * world_size, [[] for _ in range(world_size)]
+        for spec in sorted(group.tensors, key=lambda s: -s.numel):
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            owned[rank].append(spec)
+            load[rank] += spec.numel
+        placements, bounds, offset = {}, [0], 0
+        for specs in owned:
+            for spec in sorted(specs, key=group.tensors.index):
+                placements[spec.fqn] = Placement(
+                    spec.fqn, (Piece(0, offset, spec.numel),) if spec.numel else ()
+                )
+                offset += spec.numel
+            bounds.append(offset)
+        unit = _unit(name, group, tuple(placements[s.fqn] for s in group.tensors), 0, world_size)
+        units.append(
+            dataclasses.replace(unit, shard_numel=max(load), numel=offset, bounds=tuple(bounds))
+        )
+    return Plan(manifest, world_size, stage, alignment, tuple(units), strategy="whole_tensors")
+
+
 def _unit(
     name: str,
     group: UnitGroup,
@@ -285,14 +330,18 @@ def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) ->
             )
 
 
-BUILT_IN = ("flat_even", "per_tensor_dim0")
+BUILT_IN = ("flat_even", "per_tensor_dim0", "whole_tensors")
 
 
 def strategy_from_name(name: str, where: str = "config key 'strategy'") -> Callable[..., Plan]:
     """The strategy a config names: a built-in's name (`BUILT_IN`) or `module:function`
     (imported; the function is your strategy). Errors name `where` it came from."""
     if name in BUILT_IN:
-        return {"flat_even": flat_even, "per_tensor_dim0": per_tensor_dim0}[name]
+        return {
+            "flat_even": flat_even,
+            "per_tensor_dim0": per_tensor_dim0,
+            "whole_tensors": whole_tensors,
+        }[name]
     module_name, _, function = name.partition(":")
     if not module_name or not function:
         raise PlanError(

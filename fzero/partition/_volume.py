@@ -102,6 +102,8 @@ def comm_volume(
     """
     if accumulation_steps < 1:
         raise PlanError(f"accumulation_steps is {accumulation_steps}; it must be >= 1")
+    if (quantized_weights or quantized_gradients) and any(u.bounds for u in plan.units):
+        raise PlanError("quantized collectives need equal shards; the plan's are uneven")
     if quantized_gradient_bits not in (4, 8):
         raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
     if isinstance(plan, Plan) and plan.mesh is not None:
@@ -145,15 +147,20 @@ def comm_volume(
         add("all_to_all", what, 2 * len(buckets) * steps, size * steps)
     elif scatter_as_all_reduce:
         add("all_reduce", "gradients", len(buckets) * steps, total * _GRAD_BYTES * steps)
-    else:
-        add("reduce_scatter", "gradients", len(units) * steps, total * _GRAD_BYTES * steps)
+    else:  # uneven shards cannot be reduce-scattered: all-reduced
+        even = [u for u in units if not u.bounds]
+        uneven = [u for u in units if u.bounds]
+        size = sum(u.numel for u in even) * _GRAD_BYTES * steps
+        add("reduce_scatter", "gradients", len(even) * steps, size)
+        size = sum(u.numel for u in uneven) * _GRAD_BYTES * steps
+        add("all_reduce", "gradients", len(uneven) * steps, size)
     sharded = [u for u in units if stage == 3 and not u.persistent]
     whole = [u for u in units if stage in (1, 2) or (stage == 3 and u.persistent)]
     add(
         "all_gather",
         "parameters after the update",
         len(whole),
-        sum(u.numel for u in whole) * param_bytes,
+        sum(world * u.shard_numel for u in whole) * param_bytes,  # uneven: padded
     )
     again = [units[i] for i in sorted(set(regathered))]
     if any(stage != 3 or u.persistent for u in again):
@@ -164,7 +171,7 @@ def comm_volume(
             size = sum(b * (_QUANT_BLOCK + 4) for b in blocks) * steps
             add("all_gather", what + " (int8)", 2 * len(gathered) * steps, size)
         else:
-            size = sum(u.numel for u in gathered) * param_bytes * steps
+            size = sum(world * u.shard_numel for u in gathered) * param_bytes * steps
             add("all_gather", what, len(gathered) * steps, size)
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
