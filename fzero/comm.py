@@ -24,11 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
+
 __all__ = [
     "RankDisagreement",
     "ReduceOp",
     "Watched",
     "all_gather_into",
+    "all_gather_uneven",
     "all_reduce",
     "backend_device",
     "barrier",
@@ -160,66 +163,7 @@ def backend_device() -> torch.device:
     return torch.device("cpu")
 
 
-# ---- what moves: collectives by operation -------------------------------------------------
-
-_traffic: dict[tuple[str, str], list[int]] = {}  # (group's axes, operation) -> [calls, bytes]
-_labels: dict[Any, str] = {}  # a mesh subgroup -> the axes it runs along ("local")
-
-
-def _count(operation: str, tensor: torch.Tensor, group: Any = None) -> None:
-    label = "world" if group is None else _labels.get(group, "other")
-    entry = _traffic.setdefault((label, operation), [0, 0])
-    entry[0] += 1
-    entry[1] += tensor.numel() * tensor.element_size()
-
-
-def traffic() -> dict[str, tuple[int, int]]:
-    """The collectives fzero has issued in this process, by operation (`all_gather`,
-    `reduce_scatter`, `all_reduce`, `all_to_all`): (calls, bytes), a collective's bytes
-    being its whole buffer (an all-gather's output, a reduce-scatter's or an
-    all-to-all's input, an all-reduce's tensor), as
-    `fzero.partition.comm_volume` predicts them. Differences of two calls give a span."""
-    total: dict[str, tuple[int, int]] = {}
-    for (_, name), (calls, size) in _traffic.items():
-        before = total.get(name, (0, 0))
-        total[name] = (before[0] + calls, before[1] + size)
-    return total
-
-
-def traffic_by_group() -> dict[str, dict[str, tuple[int, int]]]:
-    """`traffic()` by the group each collective ran on: "world" for every process, a mesh
-    subgroup by its axes joined with "+" ("local", "node+local"; `mesh_group`)."""
-    found: dict[str, dict[str, tuple[int, int]]] = {}
-    for (label, name), (calls, size) in _traffic.items():
-        found.setdefault(label, {})[name] = (calls, size)
-    return found
-
-
-_mesh_groups: dict[tuple[Any, ...], Any] = {}
-
-
-def mesh_group(axes: tuple[tuple[str, int], ...], along: tuple[str, ...]) -> Any:
-    """This process's subgroup along the axes `along` of the mesh `axes` (names and
-    sizes, row-major, as `fzero.partition.Mesh`): None (the default group) when it is
-    every process. Collective on first use for a pair: every process creates every
-    group along `along`, in one order (`Mesh.groups`). Its collectives are counted under
-    `"+".join(along)` (`traffic_by_group`)."""
-    from fzero.partition import Mesh  # pure data, below this module
-
-    mesh = Mesh(axes)
-    mesh.check_world(get_world_size())
-    key = (mesh.axes, tuple(along))
-    if key not in _mesh_groups:
-        mine = None
-        members = mesh.groups(tuple(along))
-        if len(members) > 1 or len(members[0]) != mesh.size:
-            for ranks in members:
-                group = dist.new_group(list(ranks))
-                if get_rank() in ranks:
-                    mine = group
-            _labels[mine] = "+".join(along) or "self"
-        _mesh_groups[key] = mine
-    return _mesh_groups[key]
+# ---- what moves (`fzero._traffic`): bytes by group and operation, mesh subgroups -----------
 
 
 def all_gather_into(
@@ -242,6 +186,44 @@ def all_gather_into(
         lambda a: gather(output, shard, async_op=a, group=group),
         group,
     )
+
+
+class _Unpadded:
+    """An all-gather of padded parts in flight; `wait()` ends it and moves each rank's
+    part to its place in the output."""
+
+    def __init__(self, work: Any, padded: torch.Tensor, output: torch.Tensor, sizes: list[int]):
+        self.work, self.padded, self.output, self.sizes = work, padded, output, sizes
+
+    def wait(self) -> None:
+        self.work.wait()
+        width, at = max(self.sizes), 0
+        for rank, size in enumerate(self.sizes):
+            self.output[at : at + size].copy_(self.padded[rank * width : rank * width + size])
+            at += size
+
+
+def all_gather_uneven(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    sizes: list[int],
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """`all_gather_into` for parts of `sizes` elements (rank order; this rank's is
+    `shard`): each travels padded to the largest, and lands unpadded in `output`."""
+    width = max(sizes)
+    part = torch.zeros(width, dtype=shard.dtype, device=shard.device)
+    part[: shard.numel()].copy_(shard)
+    padded = torch.empty(width * len(sizes), dtype=output.dtype, device=output.device)
+    work = all_gather_into(padded, part, async_op=True, what=what, group=group)
+    gathered = _Unpadded(work, padded, output, sizes)
+    if async_op:
+        return gathered
+    gathered.wait()
+    return None
 
 
 def reduce_scatter_into(
@@ -310,8 +292,8 @@ def all_reduce(
         if op not in _OPS:
             raise ValueError(f"all_reduce op is {op!r}; allowed: {sorted(_OPS)} or a ReduceOp")
         op = _OPS[op]
-    if group is not None and group not in _labels:  # a caller's group: counted, not watched
-        _count("all_reduce", tensor)
+    if group is not None and group not in labels:  # a caller's group: counted, not watched
+        count("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return _issue(
         "all_reduce",
@@ -499,7 +481,7 @@ def _issue(
 ) -> Any:
     """Start one collective (`start(async_op)`), counted, and watched where gloo runs
     (every process issues the same sequence, a subgroup's included: one count)."""
-    _count(kind, tensor, group)
+    count(kind, tensor, group)
     seconds = _watch_slice()
     _issued[0] += 1
     if _posted:
