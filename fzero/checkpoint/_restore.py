@@ -292,7 +292,7 @@ def _read(
     reads = _reads_by_unit(plan, like.rank, old_plan)
     for i, old in enumerate(like.units):
         if index["mid_accumulation"]:
-            grad = torch.empty(grad_numel(plan, i), dtype=torch.float32)
+            grad = torch.empty(grad_numel(plan, i, like.rank), dtype=torch.float32)
             reader.read_whole(like.rank, f"grad/unit{i}", grad)
             read.grads[i] = grad
         if like.residence is None:
@@ -393,7 +393,7 @@ def _layout(plan: Plan, rank: int, i: int) -> tuple[int, list[tuple[int, int]]]:
             if s.unit == i:
                 base = unit.shard_range(r)[0] if plan.stage == 0 else 0
                 covered.append((base + s.shard_offset, s.numel))
-    numel = unit.numel if plan.stage == 0 else unit.shard_numel
+    numel = unit.numel if plan.stage == 0 else unit.shard_size(rank)
     gaps, at = [], 0
     for start, count in sorted(covered):
         gaps.append((at, start))

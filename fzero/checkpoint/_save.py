@@ -141,9 +141,9 @@ def _partition_start(state: TrainState, index: int) -> int:
     return state.plan.units[index].shard_range(state.rank)[0] if state.plan.stage == 0 else 0
 
 
-def grad_numel(plan: Plan, index: int) -> int:
+def grad_numel(plan: Plan, index: int, rank: int) -> int:
     unit = plan.units[index]
-    return unit.numel if plan.stage < 2 else unit.shard_numel
+    return unit.numel if plan.stage < 2 else unit.shard_size(rank)
 
 
 # One tensor of a rank file: its index record, the unit it belongs to (None: a module
@@ -169,7 +169,7 @@ def _save_entries(
                 get = functools.partial(_slice_of, kind, at, s.numel, dtype)
                 entries.append((record, index, (key, dtype, (s.numel,)), get))
         if mid_accumulation:
-            key, numel = f"grad/unit{index}", grad_numel(state.plan, index)
+            key, numel = f"grad/unit{index}", grad_numel(state.plan, index, state.rank)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
             entries.append((record, index, (key, torch.float32, (numel,)), _grad_of))
     if state.rank == 0:

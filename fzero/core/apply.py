@@ -16,14 +16,15 @@ own, `fzero.train_step` over records of its `TrainState`'s units.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fzero import comm, native
+from fzero import native
 from fzero.core import nvme as _nvme
-from fzero.core.groups import groups_of
+from fzero.core.groups import gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
@@ -48,7 +49,7 @@ from fzero.optim._muon import (
     scaled_overrides,
     uses_muon,
 )
-from fzero.partition import Plan, Unit
+from fzero.partition import Placement, Plan, Unit
 
 __all__ = ["OptimizerApplication", "StepClock"]
 
@@ -250,12 +251,15 @@ class OptimizerApplication:
         """Muon's orthogonalized update over this rank's partition of the unit, from the
         partition's momentum directions (gathered into the whole unit where sharded)."""
         unit, part = rt.unit, self.partition(rt.unit)
+        mine = {fqn for start, stop, fqn in segments if fqn in hidden and stop > start}
+        if part.stop - part.start != unit.numel and owns_whole(unit, hidden):
+            return self._orthogonalized_here(unit, part, direction.to(self.device), mine, hp)
         whole = direction.to(self.device)
         if part.stop - part.start != unit.numel or part.start != 0:
             whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            group = groups_of(self.plan).shard
-            comm.all_gather_into(whole, direction.to(self.device).contiguous(), group=group)
-        mine = {fqn for start, stop, fqn in segments if fqn in hidden and stop > start}
+            group, world = groups_of(self.plan).shard, self.plan.world_size
+            direction = direction.to(self.device).contiguous()
+            gather_unit(whole, direction, unit, world, group=group, async_op=False)
         out = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
         for pl in unit.placements:
             if pl.fqn in mine:
@@ -263,6 +267,23 @@ class OptimizerApplication:
                 value = orthogonalized(gather_pieces(whole, pl, shape), hp)
                 scatter_pieces(out, value.reshape(-1), pl)
         return out[part]
+
+    def _orthogonalized_here(
+        self, unit: Unit, part: slice, local: Tensor, mine: set[str], hp: Any
+    ) -> Tensor:
+        """Muon's update where this rank's partition holds each of its hidden matrices
+        whole (`partition.whole_tensors`): Newton-Schulz on them, no gather."""
+        out = torch.zeros_like(local)
+        for pl in unit.placements:
+            if pl.fqn in mine:
+                here = Placement(
+                    pl.fqn, tuple(replace(p, offset=p.offset - part.start) for p in pl.pieces)
+                )
+                value = orthogonalized(
+                    gather_pieces(local, here, self.plan.manifest[pl.fqn].shape), hp
+                )
+                scatter_pieces(out, value.reshape(-1), here)
+        return out
 
     def lamb_step(self, factor: float, lrs: list[float]) -> None:
         """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
@@ -471,3 +492,15 @@ class OptimizerApplication:
                 f"NVMe offload: a step failed and the parameters could not be restored from "
                 f"{self.residency.nvme.path} ({error}); reload the last checkpoint"
             ) from error
+
+
+def owns_whole(unit: Unit, hidden: set[str]) -> bool:
+    """Whether each of the unit's `hidden` tensors lies within one rank's part (the same
+    answer on every rank: a property of the plan)."""
+    for placement in unit.placements:
+        if placement.fqn not in hidden:
+            continue
+        ends = [(p.offset, p.offset + p.numel - 1) for p in placement.pieces if p.numel]
+        if len({unit.owner(offset) for pair in ends for offset in pair}) > 1:
+            return False
+    return True

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fzero import comm
-from fzero.core.groups import groups_of, secondary_block
+from fzero.core.groups import check_even, gather_unit, groups_of, secondary_block
 from fzero.core.layout import gather_pieces
 from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Placement, Plan
@@ -139,6 +139,7 @@ class PlaceholderGatherer:
         """`quantized`: gathers travel as int8 blocks (qwZ, `fzero.core.quantize`)."""
         self.plan, self.shard, self.dtype, self.device = plan, shard, dtype, device
         self.quantized = quantized
+        check_even(plan, quantized, "zero_quantized_weights (qwZ)")
         self.max_live, self.prefetch_numel, self.max_reuse = max_live, prefetch_numel, max_reuse
         self.trace = trace if trace is not None else UseTrace()
         self.phase = "forward"
@@ -188,9 +189,8 @@ class PlaceholderGatherer:
         if self.quantized:
             return quantized_all_gather(full, shard.contiguous(), group=group)
         if self.plan.world_size > 1:
-            return comm.all_gather_into(
-                full, shard.contiguous(), async_op=True, what=what, group=group
-            )
+            unit, world = self.plan.units[index], self.plan.world_size
+            return gather_unit(full, shard.contiguous(), unit, world, what=what, group=group)
         full.copy_(shard)
         return _Done()
 

@@ -8,6 +8,9 @@ the processes along the other axes hold the same shards, and each reduced gradie
 is averaged over them by one all-reduce (MiCS/HSDP). With hpZ's `secondary` axes,
 backward gathers parameters within that smaller group. Control collectives (the
 overflow flag, join's flag, checkpoint agreement) stay on every process.
+
+`gather_unit` is a unit's all-gather in the plan's group, also for uneven shards
+(`Unit.bounds`: padded to the largest on the wire, never in memory).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.partition import Mesh, Plan
+from fzero.partition import Mesh, Plan, Unit
 
-__all__ = ["Groups", "groups_of", "plan_rank", "secondary_block"]
+__all__ = ["Groups", "check_even", "gather_unit", "groups_of", "plan_rank", "secondary_block"]
 
 
 class Groups(NamedTuple):
@@ -73,3 +76,34 @@ def secondary_block(groups: Groups, full: Tensor) -> Tensor | None:
     size = full.numel() // comm.get_world_size(groups.secondary)
     start = groups.secondary_rank * size
     return full[start : start + size].clone()
+
+
+def gather_unit(
+    full: Tensor,
+    shard: Tensor,
+    unit: Unit,
+    world_size: int,
+    *,
+    group: Any = None,
+    what: str = "",
+    async_op: bool = True,
+) -> Any:
+    """All-gather every rank's part of `unit` (`shard`, this rank's) into `full` over
+    `group` (its `world_size` ranks); the work in flight (`wait()`), or None when not
+    `async_op`. Uneven shards travel padded to the largest."""
+    if not unit.bounds:
+        return comm.all_gather_into(full, shard, async_op=async_op, what=what, group=group)
+    sizes = [unit.shard_size(rank) for rank in range(world_size)]
+    return comm.all_gather_uneven(full, shard, sizes, async_op=async_op, what=what, group=group)
+
+
+def check_even(plan: Plan, quantized: bool, key: str) -> None:
+    """Quantized collectives send equal blocks per rank: refuse a plan with uneven
+    shards (`Unit.bounds`), naming the unit and the key."""
+    uneven = next((u.name for u in plan.units if u.bounds), None)
+    if quantized and uneven is not None and plan.world_size > 1:
+        raise ValueError(
+            f"zero_optimization.{key.split()[0]} is true but unit {uneven!r} of the plan "
+            f"({plan.strategy}) has uneven shards; quantized collectives need equal shards: "
+            "turn it off or use an even strategy (flat_even, per_tensor_dim0)"
+        )

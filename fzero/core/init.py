@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
-from fzero.core.groups import groups_of
+from fzero.core.groups import gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
@@ -108,7 +108,7 @@ def init(
             master = flat[part].to(host, master_dtype, copy=True)
             serves = dtype == master_dtype and host == device and not swapped
             params = None if serves else flat[part].to(dtype, copy=True)
-        grad = torch.zeros(unit.shard_numel, dtype=torch.float32, device=device)
+        grad = torch.zeros(unit.shard_size(rank), dtype=torch.float32, device=device)
         if accumulators is not None:
             grad = accumulators[len(units)]
         units.append(UnitState(master, init_state(optimizer, master, state_dtype), params, grad))
@@ -302,8 +302,9 @@ def full_master(state: TrainState, index: int) -> Tensor:
         numel, dtype = state.plan.units[index].numel, unit.master.dtype
         full = torch.empty(numel, dtype=dtype, device=device)
         if state.plan.world_size > 1:
-            group = groups_of(state.plan).shard
-            comm.all_gather_into(full, unit.master.to(device).contiguous(), group=group)
+            shard, plan = unit.master.to(device).contiguous(), state.plan
+            unit_plan, group = plan.units[index], groups_of(plan).shard
+            gather_unit(full, shard, unit_plan, plan.world_size, group=group, async_op=False)
         else:
             full.copy_(unit.master)
     return full

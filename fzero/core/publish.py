@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero import comm
-from fzero.core.groups import groups_of
+from fzero.core.groups import gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
 from fzero.core.state import TrainState, UnitState, optimizer_partition
 from fzero.partition import Plan, Unit
@@ -113,8 +112,8 @@ class Publisher:
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
         shard = shard.to(self.device, copy=self.swapped and written is None)
-        work = comm.all_gather_into(
-            rt.full, shard, async_op=True, what=_updated(rt), group=self.group
+        work = gather_unit(
+            rt.full, shard, rt.unit, self.world_size, group=self.group, what=_updated(rt)
         )
         self.publishing.append((work, rt, shard))
 
@@ -126,8 +125,8 @@ class Publisher:
             self.publishing.append((None, rt, None))
             return
         shard = rt.full[self.partition(rt.unit)].clone()
-        work = comm.all_gather_into(
-            rt.full, shard, async_op=True, what=_updated(rt), group=self.group
+        work = gather_unit(
+            rt.full, shard, rt.unit, self.world_size, group=self.group, what=_updated(rt)
         )
         self.publishing.append((work, rt, shard))
 

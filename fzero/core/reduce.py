@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.groups import groups_of
+from fzero.core.groups import check_even, groups_of
 from fzero.core.layout import add_pieces
 from fzero.core.quantize import quantized_reduce_scatter
 from fzero.partition import Placement, Plan
@@ -89,6 +89,10 @@ def reduce_bucket(
     pending: Pending = []
     for i, flat in enumerate(flats):
         part = owned[i]
+        if flat.numel() != world_size * (part.stop - part.start):  # uneven shards
+            work = comm.all_reduce(flat, op="avg", async_op=True, what=what, group=group)
+            pending.append((work, functools.partial(keep, i, flat[part])))
+            continue
         shard = torch.empty(part.stop - part.start, dtype=flat.dtype, device=flat.device)
         work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
         pending.append((work, functools.partial(keep, i, shard)))
@@ -198,6 +202,7 @@ class Reduction:
         self.bits = bits
         self.world = plan.world_size
         self.groups = groups_of(plan)
+        check_even(plan, quantized, "zero_quantized_gradients (qgZ)")
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
             offset = 0

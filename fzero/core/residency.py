@@ -54,7 +54,7 @@ class Residency:
         state's buffers)."""
         zero = config.zero_optimization
         self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
-        self.plan, self.partition_numel = plan, partition_numel
+        self.plan, self.partition_numel, self.rank = plan, partition_numel, rank
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
         # device keeps compute-dtype parameters and gradients.
         self.offload = zero.offload_optimizer.on
@@ -109,7 +109,7 @@ class Residency:
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = zero.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
-            sizes += [4 * u.shard_numel for u in self.plan.units]
+            sizes += [4 * u.shard_size(rank) for u in self.plan.units]
         # (bf16 moments: their staging buffers are half-size)
         per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
@@ -297,7 +297,7 @@ class Residency:
         if self._grad_failure:
             return  # this window is dropped at the end of backward
         pooled = self.pool.take()
-        buffer = pooled[: rt.unit.shard_numel]
+        buffer = pooled[: rt.unit.shard_size(self.rank)]
         region = self.grad_region(rt)
         try:
             if rt.grad_on_disk:

@@ -23,7 +23,7 @@ from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.gather import reuse_distance, units_to_prefetch
-from fzero.core.groups import groups_of, secondary_block
+from fzero.core.groups import check_even, gather_unit, groups_of, secondary_block
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.publish import Timer
 from fzero.core.quantize import quantized_all_gather
@@ -47,7 +47,7 @@ class Stage3Gatherer:
         timers: Timer,
     ) -> None:
         zero = config.zero_optimization
-        self.groups = groups_of(plan)
+        self.plan, self.groups, self.rank = plan, groups_of(plan), rank
         self.group = self.groups.shard  # the plan's ranks (a mesh's shard group)
         # ZeRO++ hpZ: what forward gathered, kept split within the secondary group for
         # backward's gathers (unit -> this process's block), until the next forward
@@ -74,6 +74,7 @@ class Stage3Gatherer:
         # units gathered that way, which an exact gather (state dicts, `destroy`,
         # `gathered_parameters`) gathers again
         self._quantized = zero.zero_quantized_weights
+        check_even(plan, self._quantized, "zero_quantized_weights (qwZ)")
         self.approximate: set[int] = set()
         self._params: dict[int, UnitRuntime] = {}
         # stage 3 parameter shards between uses: on the device, the host or NVMe
@@ -85,7 +86,7 @@ class Stage3Gatherer:
             self.param_swap = _nvme.SwapFile(
                 zero.offload_param.nvme_path,
                 rank,
-                [u.shard_numel * compute_dtype.itemsize for u in plan.units],
+                [u.shard_size(rank) * compute_dtype.itemsize for u in plan.units],
                 threads=config.aio.thread_count,
                 block_size=config.aio.block_size,
                 what="param",
@@ -103,7 +104,7 @@ class Stage3Gatherer:
             if value is not rt.param_shard or value.numel():
                 aligned = value
                 if value.dtype != self.compute_dtype or value.data_ptr() % _nvme.ALIGN:
-                    aligned = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+                    aligned = _nvme.aligned_empty(value.numel(), self.compute_dtype)
                     aligned.copy_(value)
                 ticket = self.param_swap.submit(rt.index, aligned, True)
                 self._param_writes.append((ticket, aligned))
@@ -140,7 +141,7 @@ class Stage3Gatherer:
                 rt.gather_input = rt.full
             elif self.param_offload == "nvme":
                 rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
-                shard = _nvme.aligned_empty(rt.unit.shard_numel, self.compute_dtype)
+                shard = _nvme.aligned_empty(rt.unit.shard_size(self.rank), self.compute_dtype)
                 rt.param_read = self.param_swap.submit(rt.index, shard, False)
                 rt.gather_input = shard  # alive until read and all-gathered
             elif self.phase == "backward" and rt.index in self.secondary:  # hpZ
@@ -183,10 +184,11 @@ class Stage3Gatherer:
         if rt.index in self.approximate:
             rt.gather_work = quantized_all_gather(rt.full, shard, group=self.group)
         else:
-            rt.gather_work = comm.all_gather_into(
+            rt.gather_work = gather_unit(
                 rt.full,
                 shard,
-                async_op=True,
+                rt.unit,
+                self.plan.world_size,
                 what=f"parameters of unit {rt.index} {rt.unit.name!r}",
                 group=self.group,
             )
@@ -214,7 +216,7 @@ class Stage3Gatherer:
         return (
             self.device.type == "cpu"
             and comm.get_world_size() == 1
-            and rt.unit.shard_numel == rt.unit.numel
+            and rt.unit.shard_size(self.rank) == rt.unit.numel
         )
 
     def release(self, rt: UnitRuntime) -> None:

@@ -176,7 +176,7 @@ def build_unit(
             param_shard = flat[part].to(engine.compute_dtype, copy=True)
     del flat
     # stages 0-1: a view of its bucket's buffer; NVMe offload: in the swap file
-    grad_numel = 0 if residency.grads_on_disk else unit.shard_numel
+    grad_numel = 0 if residency.grads_on_disk else unit.shard_size(engine.plan_rank)
     if accumulator is None:
         accumulator = torch.zeros(grad_numel, dtype=torch.float32, device=engine.device)
     rt = UnitRuntime(
