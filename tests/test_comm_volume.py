@@ -31,8 +31,9 @@ def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
     """Per case: the traffic of 3 optimizer steps after 2 warm-up steps, per step, and
     the engine's `comm_volume()` (also recomputed from the pure function)."""
     out = {}
-    for stage, precision, reuse, name in cases:
+    for stage, precision, reuse, name, *strategy in cases:
         config = {
+            "strategy": strategy[0] if strategy else "flat_even",
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": ACCUM,
             "steps_per_print": 0,
@@ -77,7 +78,7 @@ def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
             loss_scaling=precision == "fp16",
             optimizer=name.lower(),
         )
-        out[(stage, precision, reuse, name)] = {
+        out[(stage, precision, reuse, name, *strategy)] = {
             "sent": sent,
             "predicted": _by_operation(predicted),
             "same": predicted == pure,
@@ -94,6 +95,8 @@ CASES = [
     (2, "fp16", 0, "AdamW"),
     (3, "fp32", 0, "AdamW"),  # units released after forward are gathered again
     (3, "fp16", 1_000_000_000, "Lamb"),  # every unit kept from forward into backward
+    (1, "fp32", 0, "AdamW", "whole_tensors"),  # uneven shards: gathers padded on the wire
+    (3, "fp32", 0, "AdamW", "whole_tensors"),
 ]
 
 
