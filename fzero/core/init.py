@@ -223,11 +223,12 @@ def check_optimizer(optimizer: Optimizer) -> None:
 def _check_world(plan: Plan) -> None:
     world = dist.get_world_size()
     if plan.processes != world:
-        where = "" if plan.mesh is None else f" (its mesh {plan.mesh.axes})"
+        what = f"plan.world_size is {plan.world_size}"
+        if plan.mesh is not None:
+            what = f"the plan's mesh {plan.mesh.axes} has {plan.processes} processes"
         raise ValueError(
-            f"the plan runs on {plan.processes} processes{where} but torch.distributed runs "
-            f"{world}; plan for the world you run (fzero.partition.plan(..., world_size=W) "
-            "or a mesh of W processes)"
+            f"{what} but torch.distributed runs {world} ranks; plan for the world you run "
+            "(fzero.partition.plan(..., world_size=W), or a mesh of W processes)"
         )
 
 
