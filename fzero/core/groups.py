@@ -30,7 +30,9 @@ class Groups(NamedTuple):
     """`shard`: the group the plan's ranks form (None: every process); `replicate`: the
     processes holding this one's shards (None: no replicas); `secondary`: hpZ's group
     (None: none); `rank`: this process's rank in the plan; `secondary_rank`: its index
-    in `secondary`; `replica`: its index along the replicate axes (0 writes checkpoints)."""
+    in `secondary`; `replica`: its index along the replicate axes (0 writes checkpoints);
+    `hops`: where the shard group spans two or more mesh axes, each axis's group and size
+    in mesh order (qgZ's hierarchical reduction runs one hop per axis)."""
 
     shard: Any = None
     replicate: Any = None
@@ -38,6 +40,7 @@ class Groups(NamedTuple):
     rank: int = 0
     secondary_rank: int = 0
     replica: int = 0
+    hops: tuple[tuple[Any, int], ...] = ()
 
 
 def groups_of(plan: Plan) -> Groups:
@@ -49,6 +52,8 @@ def groups_of(plan: Plan) -> Groups:
         return Groups(rank=process)
     mesh = Mesh(on.axes)
     replicate = on.replicate
+    axes = [axis for axis in on.shard if mesh.axis_size(axis) > 1]
+    hops = tuple((comm.mesh_group(on.axes, (a,)), mesh.axis_size(a)) for a in axes)
     return Groups(
         shard=comm.mesh_group(on.axes, on.shard),
         replicate=comm.mesh_group(on.axes, replicate) if plan.replicas > 1 else None,
@@ -56,6 +61,7 @@ def groups_of(plan: Plan) -> Groups:
         rank=mesh.index_in_group(process, on.shard),
         secondary_rank=mesh.index_in_group(process, on.secondary),
         replica=mesh.index_in_group(process, replicate),
+        hops=hops if len(hops) > 1 else (),
     )
 
 

@@ -64,6 +64,7 @@ def reduce_bucket(
     bits: int = 8,
     group: Any = None,
     replicas: Any = None,
+    hops: Sequence[tuple[Any, int]] = (),
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
@@ -71,7 +72,8 @@ def reduce_bucket(
     of int8 (`bits` 8) or int4 (`bits` 4) blocks instead (`fzero.core.quantize`). `what`
     names the bucket in errors. `group`: the ranks of the plan (None: every process);
     `replicas`: the processes holding the same shards, over which each part is then
-    averaged (None: none). Returns what is in flight, in order, for `finish`."""
+    averaged (None: none); `hops`: with `quantized`, the shard group's axes (group, size),
+    reduced one axis at a time. Returns what is in flight, in order, for `finish`."""
     if replicas is not None:
         keep = functools.partial(_keep_replicated, keep, replicas, what)
 
@@ -82,7 +84,7 @@ def reduce_bucket(
     if world_size == 1:
         return [(None, keep_all)]
     if quantized:
-        return _quantized(flats, owned, keep, world_size, bits, group)
+        return _quantized(flats, owned, keep, world_size, bits, group, hops)
     if scatter_by_all_reduce():
         work = comm.all_reduce(buffer, op="avg", async_op=True, what=what, group=group)
         return [(work, keep_all)]
@@ -114,9 +116,10 @@ def _quantized(
     world_size: int,
     bits: int,
     group: Any,
+    hops: Sequence[tuple[Any, int]] = (),
 ) -> Pending:
     """qgZ over one bucket: rank r's part is every unit's `owned` shard of rank r, in
-    unit order (the shards have one size on every rank)."""
+    unit order (the shards have one size on every rank). With `hops`, hierarchically."""
     sizes = [part.stop - part.start for part in owned]
     parts = torch.cat([flat.view(world_size, size) for flat, size in zip(flats, sizes)], dim=1)
 
@@ -124,7 +127,35 @@ def _quantized(
         for i, piece in enumerate(mine.split(sizes)):
             keep(i, piece)
 
+    if hops:
+        return _hierarchical(parts, list(hops), bits, keep_parts)
     return quantized_reduce_scatter(parts, keep_parts, world=world_size, bits=bits, group=group)
+
+
+def _hierarchical(
+    parts: Tensor, hops: list[tuple[Any, int]], bits: int, keep: Callable[[Tensor], None]
+) -> Pending:
+    """ZeRO++'s hierarchical qgZ (Wang et al. 2023, section 4.2): the quantized
+    reduce-scatter one mesh axis at a time, the innermost (in the node) first, so what
+    crosses the outer axis is already summed over the inner one. `parts` is the world's
+    rows (row b for the rank whose index along the shard axes is b); each hop sends each
+    peer along its axis the rows of the ranks sharing that peer's coordinate, then
+    averages what it receives (fp32 sums at the owner, as the one-hop reduction)."""
+    sizes = [size for _, size in hops]
+
+    def hop(current: Tensor, level: int) -> Pending:
+        group, size = hops[level]
+        rows = current.view(*sizes[:level], size, -1).movedim(level, 0).reshape(size, -1)
+
+        def after(mine: Tensor) -> None:
+            if level == 0:
+                keep(mine)
+            else:
+                finish(hop(mine, level - 1))
+
+        return quantized_reduce_scatter(rows, after, world=size, bits=bits, group=group)
+
+    return hop(parts, len(hops) - 1)
 
 
 def finish(pending: Pending) -> None:
@@ -306,6 +337,7 @@ class Reduction:
             bits=self.bits,
             group=self.groups.shard,
             replicas=self.groups.replicate,
+            hops=self.groups.hops,
         )
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.plan.processes == 1:
