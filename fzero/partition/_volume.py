@@ -97,8 +97,8 @@ def comm_volume(
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
 
-    Under a `MeshPlan` or a plan on a mesh, per unit and per axes (see `_mesh_volume`);
-    `quantized_*` are not modelled on a mesh yet (a `PlanError`).
+    Under a `MeshPlan` or a plan on a mesh, per unit and per axes (see `_mesh_volume`;
+    qgZ over a shard group of several axes is hierarchical: one all-to-all pair per axis).
     """
     if accumulation_steps < 1:
         raise PlanError(f"accumulation_steps is {accumulation_steps}; it must be >= 1")
@@ -109,11 +109,6 @@ def comm_volume(
     if isinstance(plan, Plan) and plan.mesh is not None:
         plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
-        if quantized_weights or quantized_gradients:
-            raise PlanError(
-                "quantized_weights and quantized_gradients are not modelled for plans on a "
-                "mesh yet; leave them False"
-            )
         return _mesh_volume(
             plan,
             steps=accumulation_steps,
@@ -122,6 +117,7 @@ def comm_volume(
             regathered=sorted(set(regathered)),
             control=_control(plan, loss_scaling, optimizer),
             scatter_as_all_reduce=scatter_as_all_reduce,
+            quantized=(quantized_weights, quantized_gradients, quantized_gradient_bits),
         )
     world, stage, steps = plan.world_size, plan.stage, accumulation_steps
     if world == 1:
@@ -203,6 +199,7 @@ def _mesh_volume(
     regathered: list[int],
     control: list[tuple[str, int, bool]],
     scatter_as_all_reduce: bool = False,
+    quantized: tuple[bool, bool, int] = (False, False, 8),
 ) -> list[Collective]:
     """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
 
@@ -210,7 +207,9 @@ def _mesh_volume(
       per step, in buckets (stages 0-1); split: reduce-scattered over `grads.shard` every
       micro-step (each bucket all-reduced there with `scatter_as_all_reduce`) and each
       unit's shard all-reduced over `grads.replicate` every micro-step too (FSDP2's HSDP;
-      DeepSpeed's MiCS all-reduces once, at the accumulation boundary);
+      DeepSpeed's MiCS all-reduces once, at the accumulation boundary); with qgZ each
+      bucket's quantized all-to-alls, one pair per axis of `grads.shard`, innermost first
+      (ZeRO++'s hierarchical reduction);
     - after the update, the parameter shard gathered from optimizer shards over the
       optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none);
     - forward gathers every unit with split parameters over `params.shard` per
@@ -241,7 +240,11 @@ def _mesh_volume(
         size = sum(units[i].numel for i in whole) * _GRAD_BYTES
         add("all_reduce", "gradients", every, len(buckets), size)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
-    if split and scatter_as_all_reduce:  # buckets of the units a pass reduces together
+    weights, gradients, bits = quantized
+    if split and gradients:
+        for bucket in reduction_buckets(plan, bucket_numel):
+            _add_quantized_reduction(plan, bucket, steps, bits, add)
+    elif split and scatter_as_all_reduce:  # buckets of the units a pass reduces together
         buckets = reduction_buckets(plan, bucket_numel)
         for bucket in buckets:
             axes = plan.shardings[bucket[0]].grads.shard
@@ -249,7 +252,7 @@ def _mesh_volume(
             add("all_reduce", "gradients", axes, steps, size)
     for i in split:
         unit, grads = units[i], plan.shardings[i].grads
-        if not scatter_as_all_reduce:
+        if not scatter_as_all_reduce and not gradients:
             add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * _GRAD_BYTES * steps)
         shard_bytes = unit.numel // mesh.group_size(grads.shard) * _GRAD_BYTES
         add("all_reduce", "gradients across replicas", grads.replicate, steps, shard_bytes * steps)
@@ -263,7 +266,7 @@ def _mesh_volume(
         ("parameters for backward", regathered),
     ):
         for index in indices:
-            _add_gathers(plan, index, what, steps, param_bytes, add)
+            _add_gathers(plan, index, what, steps, param_bytes, add, weights)
     split_over = (
         tuple(axis for axis in every if any(axis in s.optimizer.shard for s in plan.shardings))
         or every
@@ -278,6 +281,26 @@ def _mesh_volume(
     ]
 
 
+def _add_quantized_reduction(
+    plan: MeshPlan,
+    bucket: tuple[int, ...],
+    steps: int,
+    bits: int,
+    add: Callable[[str, str, tuple[str, ...], int, int], None],
+) -> None:
+    """qgZ of one bucket, every micro-step: a pair of all-to-alls (codes, scales) per axis
+    of the gradients' shard group, innermost first, each over the rows still to reduce."""
+    mesh = plan.mesh
+    axes = tuple(a for a in plan.shardings[bucket[0]].grads.shard if mesh.axis_size(a) > 1)
+    rows = sum(plan.units[i].numel // mesh.group_size(axes) for i in bucket)
+    block_bytes = _QUANT_BLOCK * bits // 8 + 4
+    hops = [(axis,) for axis in axes] if len(axes) > 1 else [axes]
+    for level in reversed(range(len(hops))):
+        length = rows * mesh.group_size(tuple(a for hop in hops[:level] for a in hop))
+        size = -(-length // _QUANT_BLOCK) * mesh.group_size(hops[level]) * block_bytes
+        add("all_to_all", f"gradients (int{bits})", hops[level], 2 * steps, size * steps)
+
+
 def _add_gathers(
     plan: MeshPlan,
     index: int,
@@ -285,8 +308,10 @@ def _add_gathers(
     steps: int,
     param_bytes: int,
     add: Callable[[str, str, tuple[str, ...], int, int], None],
+    quantized: bool = False,
 ) -> None:
-    """One unit's parameter gathers for forward or backward, every micro-step."""
+    """One unit's parameter gathers for forward or backward, every micro-step (`quantized`:
+    qwZ's int8 blocks, but for hpZ's backward gather from its exact secondary copy)."""
     unit, sharding = plan.units[index], plan.shardings[index]
     params = sharding.params.shard
     backward = what.endswith("backward")
@@ -300,6 +325,10 @@ def _add_gathers(
         return
     if backward and secondary is not None:
         add("all_gather", what, secondary.shard, steps, unit.numel * param_bytes * steps)
+    elif quantized:
+        group = plan.mesh.group_size(params)
+        size = -(-unit.numel // group // _QUANT_BLOCK) * group * (_QUANT_BLOCK + 4)
+        add("all_gather", what + " (int8)", params, 2 * steps, size * steps)
     elif sharding.hierarchical_params_gather:
         gathered = unit.numel // plan.mesh.group_size(params)
         for axis in params:  # outermost first: each gather multiplies what a rank holds
