@@ -209,12 +209,14 @@ def join_case(rank: int, world: int, stage: int, accumulation: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     engine = fzero.shard(model, optimizer=fzero.optim.sgd(lr=0.1), config=config)
-    with engine.join():
-        for x, y in _batches(rank):
+    batches = _batches(rank)
+    replay = (lambda: F.mse_loss(engine(batches[-1][0]), batches[-1][1])) if stage == 3 else None
+    with engine.join(replay=replay):
+        for x, y in batches:
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
     return {"steps": engine.global_steps, "state": engine.state_dict(dtype=torch.float32)}
@@ -240,8 +242,9 @@ def join_reference(world: int, accumulation: int) -> dict:
     return model.state_dict()
 
 
-@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)])
 def test_join_serves_a_rank_with_more_batches_and_equals_the_reference(stage, accumulation):
+    """Stage 3: the rank out of data runs its last batch again, weighted 0 (`replay`)."""
     got = run_world(join_case, 2, stage, accumulation)
     assert got["steps"] == max(BATCHES.values()) // accumulation
     for name, value in join_reference(2, accumulation).items():
@@ -259,8 +262,8 @@ def join_stage3_case(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_join_at_stage_3_is_refused_by_name():
-    assert "engine.join() at ZeRO stage 3" in run_world(join_stage3_case, 2)
+def test_join_at_stage_3_without_replay_is_refused_by_name():
+    assert "engine.join() at ZeRO stage 3 needs replay=" in run_world(join_stage3_case, 2)
 
 
 def train_step_join_case(rank: int, world: int, stage: int, accumulation: int) -> dict:
@@ -282,8 +285,9 @@ def train_step_join_case(rank: int, world: int, stage: int, accumulation: int) -
     return {"steps": state.step, "state": fzero.state_dict(state, module=model)}
 
 
-@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 2)])
+@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 2), (3, 1), (3, 2)])
 def test_train_step_join_equals_the_reference(stage, accumulation):
+    """Stage 3: `step.join` runs `loss_fn` on the rank's last batch again, weighted 0."""
     got = run_world(train_step_join_case, 2, stage, accumulation)
     assert got["steps"] == max(BATCHES.values()) // accumulation
     for name, value in join_reference(2, accumulation).items():

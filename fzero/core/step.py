@@ -102,22 +102,19 @@ def train_step(
     `skipped`, `grad_norm` (None off a boundary), `lr`, `loss_scale`,
     `gathered_peak_numel` and `gathers` (stage 3: unit all-gathers this call), `aux`.
 
-    With `join=True` (uneven inputs, DDP's `Join`; stages 0-2), each call first agrees
-    with the other ranks that this one still trains (one element all-reduced), and a
-    rank out of data calls `state = step.join(state)`, which serves the others'
-    micro-steps with zero gradients until every rank has joined.
+    With `join=True` (uneven inputs, DDP's `Join`), each call first agrees with the other
+    ranks that this one still trains (one element all-reduced), and a rank out of data
+    calls `state = step.join(state)`, which serves the others' micro-steps with zero
+    gradients until every rank has joined. At stage 3 the others' forward and backward
+    gather parameters, so a rank that has joined runs `loss_fn` again on the last batch
+    it trained on, its loss weighted 0: the same gathers in the same order (a model whose
+    program does not depend on its data), no contribution.
     """
     if (loss_fn is None) == (grad_fn is None):
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
     plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
-    if join and plan.stage == 3:
-        raise NotImplementedError(
-            "train_step(join=True) at ZeRO stage 3: a rank out of data cannot serve the "
-            "others' gathers; give every rank the same number of micro-batches, or use "
-            "stages 0-2"
-        )
     cfg = config_for_plan(config, plan)
     optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)
@@ -149,6 +146,7 @@ class _Step:
         )
         self.accumulation = accumulation_steps(config, plan.processes)
         self.uneven = join  # each call first says this rank still trains (`join`)
+        self.last_batch: Any = None  # stage 3 with `join`: what `join` runs again
         self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
         self.buckets = partition.reduction_buckets(plan, bucket_numel)
@@ -194,6 +192,8 @@ class _Step:
         with comm.named_operation(where):
             if self.uneven:
                 any_rank(True, self.plan.processes, _STILL_TRAINING, _device(state))
+                if self.plan.stage == 3:
+                    self.last_batch = batch
             return self._call(state, batch)
 
     def join(self, state: TrainState) -> TrainState:
@@ -210,10 +210,21 @@ class _Step:
         return state
 
     def _shadow(self, state: TrainState) -> TrainState:
-        """A micro-step of the others, with no batch here (zero gradients)."""
+        """A micro-step of the others, with no batch here (zero gradients; stage 3: the
+        last batch again, weighted 0, for the others' gathers)."""
         self._take(state)
         run = _Micro(self, state)
-        run.reduction.finish()
+        if self.plan.stage == 3:
+            if self.last_batch is None:
+                raise ValueError(
+                    "step.join(state) at stage 3 runs loss_fn again on this rank's last "
+                    "batch to serve the others' gathers, but this rank ran no step yet"
+                )
+            run.weight = 0.0
+            with _rng(state.rng):  # drawn from and put back: this rank adds nothing
+                run.gradients(self.last_batch)
+        else:
+            run.reduction.finish()
         counters = state.counters._replace(micro_steps=state.counters.micro_steps + 1)
         metrics: dict[str, Any] = {"lr": self._lrs(counters.lr_steps)}
         units, loss_scale = state.units, state.loss_scale
@@ -318,6 +329,7 @@ class _Micro:
     def __init__(self, step: _Step, state: TrainState) -> None:
         self.step, self.state, self.plan = step, state, step.plan
         self.rank, self.world = state.rank, self.plan.world_size
+        self.weight = 1.0  # of this micro-batch's loss (0: `join`'s stage-3 replay)
         self.device = _device(state)
         # the compute dtype: the parameters', or the master's where it serves as them
         self.dtype = next(
@@ -385,7 +397,7 @@ class _Micro:
             for fqn, leaf in leaves.items()
         ]
         try:
-            (loss.float() * (scale / self.step.accumulation)).backward()
+            (loss.float() * (scale * self.weight / self.step.accumulation)).backward()
         finally:
             for hook in hooks:
                 hook.remove()
@@ -457,7 +469,7 @@ class _Micro:
         loss, grads = _check_grads(out, self.plan)
         for fqn, grad in grads.items():
             index, pl = self.where[fqn]
-            self.reduction.add(index, pl, grad.detach() / self.step.accumulation)
+            self.reduction.add(index, pl, grad.detach() * (self.weight / self.step.accumulation))
         self.reduction.finish()
         return loss, None
 

@@ -419,20 +419,24 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             yield
 
     @contextlib.contextmanager
-    def join(self) -> Iterator[None]:
+    def join(self, replay: Callable[[], Tensor] | None = None) -> Iterator[None]:
         """Uneven inputs (DDP's `Join`): ranks may run different numbers of micro-steps
         inside the block. A rank that leaves it keeps serving the others' gradient
         reductions and steps with zero gradients until every rank has left, so the
         result is a run where a rank out of data contributes nothing (gradients are
         still averaged over the whole world, as DDP's default). Each micro-step's first
         forward inside costs one one-element all-reduce (who still trains). The loop
-        must be forward, backward, `step()` per micro-step; stages 0-2 (stage 3 gathers
-        in forward, which a finished rank cannot follow)."""
-        if self.stage == 3:
+        must be forward, backward, `step()` per micro-step. At stage 3 the others' forward
+        and backward gather parameters, so a rank that has left runs `replay()` — one
+        forward through this engine returning a loss, e.g. on its last batch — and a
+        backward of it weighted 0: the same gathers in the same order (a model whose
+        program does not depend on its data), no contribution."""
+        if self.stage == 3 and replay is None:
             raise NotImplementedError(
-                "engine.join() at ZeRO stage 3: a rank out of data cannot serve the others' "
-                "forward all-gathers; give every rank the same number of micro-batches "
-                "(e.g. a DistributedSampler with drop_last=True), or use stages 0-2"
+                "engine.join() at ZeRO stage 3 needs replay=: a function running one "
+                "forward through the engine and returning its loss (e.g. on the rank's last "
+                "batch), which a rank out of data runs, weighted 0, to serve the others' "
+                "all-gathers; or give every rank the same number of micro-batches"
             )
         if self._joined is not None:
             raise RuntimeError("engine.join() is already active; it cannot be re-entered")
@@ -440,7 +444,11 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         try:
             yield
             while self.reduction.still_training(False):  # out of data: serve the others
-                self.reduction.shadow()
+                if replay is None:
+                    self.reduction.shadow()
+                else:  # stage 3: the others' gathers, by the same program
+                    self._joined = self.micro_steps  # this micro-step's flag is sent
+                    self.backward(replay() * 0.0)
                 self.step()
         finally:
             self._joined = None
