@@ -578,10 +578,25 @@ def test_hierarchical_gather_runs_one_gather_per_axis():
     assert hier[("all_gather", "parameters for forward", ("local",))] == (3, model, 2)
 
 
-def test_comm_volume_refuses_what_it_does_not_model_on_a_mesh():
-    mp = mesh_plan(BIG, MESH, "mics")
-    with pytest.raises(PlanError, match="not modelled for plans on a mesh yet"):
-        comm_volume(mp, quantized_weights=True)
+def test_quantized_collectives_on_a_mesh_and_what_comm_volume_refuses():
+    """ZeRO++ whole on 2 x 2: qwZ's int8 gathers over the world for forward, backward
+    exact from hpZ's in-node copy, qgZ's all-to-alls one pair per axis, the inner first:
+    the outer hop carries the rows the inner one already summed (half as many)."""
+    rows = _rows(
+        comm_volume(
+            mesh_plan(BIG, MESH, "hpz"),
+            regathered=[0],
+            quantized_weights=True,
+            quantized_gradients=True,
+        )
+    )
+    every = ("node", "local")
+    assert rows[("all_gather", "parameters for forward (int8)", every)][0] == 2 * 3
+    assert ("all_gather", "parameters for backward", ("local",)) in rows
+    local = rows[("all_to_all", "gradients (int8)", ("local",))]
+    node = rows[("all_to_all", "gradients (int8)", ("node",))]
+    assert local[0] == node[0] and node[1] * 2 == local[1]
+    assert not any(op == "reduce_scatter" for op, _, _ in rows)
     with pytest.raises(PlanError, match=r"unit 0 \('blocks.0'\), whose parameters are whole"):
         comm_volume(mesh_plan(BIG, MESH, "zero2"), regathered=[0])
 

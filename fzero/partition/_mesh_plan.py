@@ -232,22 +232,33 @@ def to_plan(plan: MeshPlan) -> Plan:
     Equal means every kind of every unit is whole or split over every axis of size > 1
     in mesh order, all units alike but for stage 3's persistent units (params whole)."""
     validate(plan)
-    stages = [_unit_stage(plan.mesh, u, s) for u, s in zip(plan.units, plan.shardings)]
-    stage = max(stages, default=0)
-    for unit, unit_stage in zip(plan.units, stages):
-        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
-            first = plan.units[stages.index(stage)].name
-            raise PlanError(
-                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
-                f"stage {stage}; a stage plan splits every unit alike (but for stage 3's "
-                "persistent units, whose params are whole)"
-            )
+    stage = _common_stage(plan, None, "")
     units = tuple(
         replace(u, persistent=stage == 3 and not s.params.shard)
         for u, s in zip(plan.units, plan.shardings)
     )
     result = Plan(plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy)
     return _validate_stage_plan(result)
+
+
+def _common_stage(plan: MeshPlan, group: tuple[str, ...] | None, why: str) -> int:
+    """The one ZeRO stage every unit is split as (over `group`, default every axis), or a
+    `PlanError` naming two units that differ (stage 3's persistent units count as 3)."""
+    stages = [_unit_stage(plan.mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
+    stage = max(stages, default=0)
+    for unit, unit_stage in zip(plan.units, stages):
+        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
+            first = plan.units[stages.index(stage)].name
+            raise PlanError(
+                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
+                f"stage {stage}"
+                + (
+                    why
+                    or "; a stage plan splits every unit alike (but for stage 3's "
+                    "persistent units, whose params are whole)"
+                )
+            )
+    return stage
 
 
 def _unit_stage(
@@ -313,15 +324,7 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     validate(plan)
     mesh = plan.mesh
     group = _shard_group(plan)
-    stages = [_unit_stage(mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
-    stage = max(stages, default=0)
-    for unit, unit_stage in zip(plan.units, stages):
-        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
-            first = plan.units[stages.index(stage)].name
-            raise PlanError(
-                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
-                f"stage {stage} over {group}; {_ONE_GROUP}"
-            )
+    stage = _common_stage(plan, group, f" over {group}; {_ONE_GROUP}")
     secondary = _secondary(plan, group)
     size = mesh.group_size(group)
     units = tuple(
