@@ -16,20 +16,28 @@ import gc
 import logging
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
+from fzero._watch import (
+    DEFAULT_TIMEOUT_S,
+    RankDisagreement,
+    Watched,
+    agree,
+    issue,
+    named_operation,
+    post_raised,
+    watch_collectives,
+)
 
 __all__ = [
     "RankDisagreement",
     "ReduceOp",
     "Watched",
+    "agree",
     "all_gather_into",
     "all_gather_uneven",
     "all_reduce",
@@ -54,7 +62,6 @@ ReduceOp = dist.ReduceOp
 log = logging.getLogger("fzero")
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT_S = 600.0
 
 
 def init_distributed(
@@ -131,7 +138,7 @@ def _note_failures() -> None:
         global _failing
         _failing = True
         with contextlib.suppress(Exception):
-            _post_raised(f"outside fzero's operations: {info[0].__name__}: {info[1]}")
+            post_raised(f"outside fzero's operations: {info[0].__name__}: {info[1]}")
         previous(*info)
 
     sys.excepthook = hook
@@ -178,7 +185,7 @@ def all_gather_into(
     (here and below): what the collective is for, named if it goes wrong; `group`: a
     subgroup (`mesh_group`) instead of every process."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _issue(
+    return issue(
         "all_gather",
         output,
         what,
@@ -238,7 +245,7 @@ def reduce_scatter_into(
     """Sum (or average) `full` over ranks and leave rank r's equal part in `shard`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    return _issue(
+    return issue(
         "reduce_scatter",
         full,
         what,
@@ -258,7 +265,7 @@ def all_to_all_into(
 ):
     """Rank r's part i of `input` (equal parts, rank order) lands as rank i's part r of
     `output`."""
-    return _issue(
+    return issue(
         "all_to_all",
         input,
         what,
@@ -295,7 +302,7 @@ def all_reduce(
     if group is not None and group not in labels:  # a caller's group: counted, not watched
         count("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return _issue(
+    return issue(
         "all_reduce",
         tensor,
         what,
@@ -346,287 +353,3 @@ def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> lis
         ctypes.string_at(t.data_ptr(), int(n.item())) if int(n.item()) else b""
         for t, n in zip(gathered, lengths)
     ]
-
-
-# ---- a rank that does not arrive is named --------------------------------------------------
-
-_LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
-_ARRIVAL_WAIT_S = 10.0
-_named_now: list[str] = []  # the named operation running now (outermost), if any
-
-
-@contextlib.contextmanager
-def named_operation(name: str) -> Iterator[None]:
-    """Run fzero operation `name` (its collectives). When one times out or loses a peer,
-    the ranks that got here meet in the process group's store and the error names the
-    ranks that never arrived, and what each rank that did was doing. An exception raised
-    inside on this rank is told to the other ranks, which end their waits with it (see
-    `Watched`). Inside another named operation the outer name is the one given
-    (`engine.state_dict` runs `fzero.state_dict`)."""
-    if _named_now:
-        yield
-        return
-    _named_now.append(name)
-    _withdraw_raised()
-    try:
-        yield
-    except RankDisagreement:
-        raise
-    except BaseException as error:
-        _post_raised(f"{name}: {type(error).__name__}: {error}")
-        text = str(error).lower()
-        if not isinstance(error, RuntimeError) or not dist.is_initialized():
-            raise
-        if not any(s in text for s in _LOST_PEER):
-            raise
-        raise RuntimeError(f"fzero {name}: {_missing_ranks(name)}") from error
-    finally:
-        _named_now.pop()
-
-
-def _missing_ranks(name: str) -> str:
-    """Who is not here: each rank that got an error writes its operation to the store,
-    then waits (up to the collective timeout, at most 10 s) for the others."""
-    store = getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if store is None:
-        return "a collective failed; the other ranks could not be asked where they are"
-    wait = min(float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S)), _ARRIVAL_WAIT_S)
-    try:
-        store.set(f"fzero/lost/{rank}", name)
-        keys = [f"fzero/lost/{r}" for r in range(world)]
-        deadline = time.monotonic() + wait
-        here = [r for r in range(world) if store.check([keys[r]])]
-        while len(here) < world and time.monotonic() < deadline:
-            time.sleep(0.1)
-            here = [r for r in range(world) if store.check([keys[r]])]
-        doing = "; ".join(f"rank {r}: {store.get(keys[r]).decode()}" for r in here)
-    except Exception as error:  # the store itself is gone (its host rank died)
-        return f"a collective failed, and the store could not be reached to ask why ({error})"
-    missing = [r for r in range(world) if r not in here]
-    if not missing:
-        return f"a collective failed on every rank ({doing})"
-    return (
-        f"rank(s) {missing} did not arrive in this collective (they are elsewhere: in user "
-        f"code, a data loader, another engine's call, or dead); ranks that did: {doing}"
-    )
-
-
-# ---- ranks that disagree are named within seconds ------------------------------------------
-#
-# Every collective fzero issues on the default group is numbered (the same count on every
-# rank when the ranks agree) and described (`what`, and the named operation it runs in).
-# Its wait is sliced: while it has not completed after `FZERO_WATCH_S` seconds (default
-# 1), this rank writes where it waits to the process group's store and reads where the
-# others are. A rank that raised inside a named operation (or died of an uncaught
-# exception) is named at once; ranks that wait in different collectives twice in a row
-# (a branch one rank skipped, a different number of batches) end with one
-# `RankDisagreement` naming what each rank waits in. A rank that is not in any fzero
-# collective (in user code, a data loader) is waited for up to the collective timeout, as
-# before. A wait that never lasts a slice costs nothing but the count; gloo only (NCCL's
-# waits return before the collective ends; its watchdog covers it).
-
-DEFAULT_WATCH_S = 1.0
-
-
-class RankDisagreement(RuntimeError):
-    """The ranks are in different collectives, or another rank raised: the step cannot
-    complete. The message names what each rank was doing."""
-
-
-@dataclass(frozen=True)
-class _Collective:
-    seq: int
-    kind: str
-    numel: int
-    what: str
-    within: str
-
-    def describe(self) -> str:
-        text = f"collective #{self.seq} {self.kind} of {self.numel:,} elements"
-        text += f" ({self.what})" if self.what else ""
-        return text + (f" in {self.within}" if self.within else "")
-
-
-_issued = [0]  # collectives issued on the default group, watched or not
-_watch: list[Any] = [None, None]  # [the default group it was decided for, seconds or None]
-
-
-def watch_collectives(seconds: float | None) -> None:
-    """Set how long a collective waits before asking the other ranks where they are
-    (`FZERO_WATCH_S`); None or 0: never ask (a hang waits for the collective timeout)."""
-    _watch[:] = [dist.group.WORLD, None]
-    if seconds and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        _watch[1] = float(seconds)
-
-
-def _watch_slice() -> float | None:
-    """Seconds a collective waits before asking the others, or None (not watched: one
-    rank, NCCL, `FZERO_WATCH_S=0`)."""
-    group = dist.group.WORLD
-    if _watch[0] is not group:
-        seconds = float(os.environ.get("FZERO_WATCH_S", DEFAULT_WATCH_S))
-        watched = dist.get_world_size() > 1 and dist.get_backend() == "gloo" and seconds > 0
-        _watch[:] = [group, seconds if watched else None]
-    return _watch[1]
-
-
-def _issue(
-    kind: str,
-    tensor: torch.Tensor,
-    what: str,
-    async_op: bool,
-    start: Callable[[bool], Any],
-    group: Any = None,
-) -> Any:
-    """Start one collective (`start(async_op)`), counted, and watched where gloo runs
-    (every process issues the same sequence, a subgroup's included: one count)."""
-    count(kind, tensor, group)
-    seconds = _watch_slice()
-    _issued[0] += 1
-    if _posted:
-        _withdraw_raised()
-    if seconds is None:
-        return start(async_op)
-    within = _named_now[0] if _named_now else ""
-    collective = _Collective(_issued[0], kind, tensor.numel(), what, within)
-    watched = Watched(start(True), collective, seconds)
-    if async_op:
-        return watched
-    watched.wait()
-    return None
-
-
-class Watched:
-    """A collective in flight (torch's `Work`) whose `wait` asks the other ranks where
-    they are when it takes longer than a slice, and raises `RankDisagreement` when they
-    are somewhere it can never complete."""
-
-    def __init__(self, work: Any, collective: _Collective, seconds: float) -> None:
-        self.work, self.collective, self.seconds = work, collective, seconds
-        self._done = False
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def get_future(self) -> Any:
-        return self.work.get_future()
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self._done:
-            return True
-        if timeout is not None:
-            return bool(self.work.wait(timeout=timeout))
-        seen: dict[int, str] | None = None
-        try:
-            while True:
-                try:
-                    self.work.wait(timeout=datetime.timedelta(seconds=self.seconds))
-                    break
-                except RuntimeError as error:
-                    if self.work.is_completed() or "timed out" not in str(error).lower():
-                        _raise_if_another_raised(self.collective.describe())
-                        raise
-                seen = _ask_peers(self.collective, seen)
-        finally:
-            if seen is not None:  # this rank said where it waits: no longer
-                _set_status("done")
-        self._done = True
-        return True
-
-
-def _store() -> Any:
-    return getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()
-
-
-def _set_status(status: str) -> None:
-    store = _store()
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.set(f"fzero/watch/{dist.get_rank()}", status)
-
-
-def _read(store: Any, key: str) -> str:
-    return store.get(key).decode() if store.check([key]) else ""
-
-
-def _ask_peers(collective: _Collective, seen: dict[int, str] | None) -> dict[int, str]:
-    """Say where this rank waits; raise if another rank said it raised, or ranks wait
-    in different collectives, now and at the previous ask (`seen`: a rank that caught
-    its exception and went on withdraws it at its next collective). Returns what was
-    seen: rank -> where it waits, -1 - rank -> what it raised."""
-    store = _store()
-    if store is None:
-        return {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = collective.describe()
-    try:
-        store.set(f"fzero/watch/{rank}", f"waiting|{mine}")
-        raised = {r: _read(store, f"fzero/raised/{r}") for r in range(world) if r != rank}
-        places = {r: _read(store, f"fzero/watch/{r}") for r in range(world) if r != rank}
-    except Exception:  # the store is gone (its host rank died): the timeout will tell
-        return seen or {}
-    raised = {r: text for r, text in raised.items() if text}
-    for r, text in sorted(raised.items()):  # still so at the previous ask: not a rank
-        if seen is not None and seen.get(-1 - r) == text:  # that caught its exception
-            raise RankDisagreement(_raised_message(r, text, rank, mine))
-    elsewhere = {
-        r: p.removeprefix("waiting|")
-        for r, p in places.items()
-        if p.startswith("waiting|") and p != f"waiting|{mine}"
-    }
-    if elsewhere and seen is not None and all(seen.get(r) == p for r, p in elsewhere.items()):
-        doing = {rank: mine, **elsewhere}
-        lines = "; ".join(f"rank {r} waits in {doing[r]}" for r in sorted(doing))
-        raise RankDisagreement(
-            f"fzero: the ranks are in different collectives and none can complete: {lines}. "
-            "A rank took another path (a branch or module skipped, an unused expert, a "
-            "different number of batches or forwards); every rank must run the same "
-            "fzero operations in the same order"
-        )
-    return {**elsewhere, **{-1 - r: text for r, text in raised.items()}}
-
-
-_posted: list[bool] = []  # this rank has told the store it raised
-
-
-def _raised_message(other: int, text: str, rank: int, doing: str) -> str:
-    return f"fzero: rank {other} raised in {text}; rank {rank} was waiting in {doing}"
-
-
-def _raise_if_another_raised(doing: str) -> None:
-    """A collective failed (a peer is gone): if another rank said it raised, that is the
-    error to give (it may have ended its process group since)."""
-    store = _store()
-    if store is None or not dist.is_initialized():
-        return
-    rank = dist.get_rank()
-    for r in range(dist.get_world_size()):
-        if r == rank:
-            continue
-        try:
-            text = _read(store, f"fzero/raised/{r}")
-        except Exception:
-            return
-        if text:
-            raise RankDisagreement(_raised_message(r, text, rank, doing))
-
-
-def _post_raised(text: str) -> None:
-    """Tell the other ranks this one raised (their waits end with it)."""
-    store = _store() if dist.is_initialized() and dist.get_world_size() > 1 else None
-    if store is None:
-        return
-    with contextlib.suppress(Exception):
-        store.set(f"fzero/raised/{dist.get_rank()}", text[:2000])
-        _posted.append(True)
-
-
-def _withdraw_raised() -> None:
-    """A new named operation on a rank that raised before (and was caught): the old
-    exception no longer stops the others."""
-    if _posted:
-        _posted.clear()
-        store = _store()
-        with contextlib.suppress(Exception):
-            store.delete_key(f"fzero/raised/{dist.get_rank()}")

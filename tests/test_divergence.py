@@ -1,7 +1,7 @@
 """Ranks that take different paths (issue: ranks that disagree never hang). Measured so
 far: parameters one rank leaves unused get zero contributions from it at stages 1-2, as
-DDP with `find_unused_parameters` (below). A stage-3 module one rank skips still ends in
-the named error only after the collective timeout (see the README's "Launching")."""
+DDP with `find_unused_parameters` (below). A stage-3 module one rank skips is named on
+every rank with `FZERO_CHECK_GATHERS=1` (the last tests)."""
 
 from __future__ import annotations
 
@@ -292,3 +292,95 @@ def test_train_step_join_equals_the_reference(stage, accumulation):
     assert got["steps"] == max(BATCHES.values()) // accumulation
     for name, value in join_reference(2, accumulation).items():
         torch.testing.assert_close(got["state"][name], value, rtol=1e-6, atol=1e-6)
+
+
+# ---- a stage-3 module one rank skips: named on every rank with FZERO_CHECK_GATHERS=1 --------
+
+
+def skipped_module_case(rank: int, world: int, directory: str, door: str) -> dict:
+    import os
+
+    os.environ["FZERO_CHECK_GATHERS"] = "1"
+    torch.manual_seed(0)
+    x, y = _data()
+    rows = slice(rank * 2, rank * 2 + 2)
+    if door == "engine":
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine = fzero.shard(Branches(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
+
+        def train() -> None:
+            engine.backward(F.mse_loss(engine(x[rows], rank == 0), y[rows]))  # rank 1: no b
+            engine.step()
+
+        return _both(rank, _run_and_time(rank, train), directory)
+    model = Branches()
+    plan = fzero.partition.plan(
+        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+    )
+    state = fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))
+
+    def loss_fn(params: dict, batch: tuple) -> torch.Tensor:
+        out = torch.func.functional_call(model, params, (batch[0], rank == 0))
+        return F.mse_loss(out, batch[1])
+
+    step = fzero.train_step(loss_fn, plan=plan, optimizer=fzero.optim.sgd(lr=0.1))
+    return _both(rank, _run_and_time(rank, lambda: step(state, (x[rows], y[rows]))), directory)
+
+
+@pytest.mark.parametrize("door", ["engine", "train_step"])
+def test_a_stage3_module_one_rank_skips_is_named_on_every_rank(door, tmp_path):
+    """Debug mode: every stage-3 gather first agrees through the store which unit it is
+    (no collective a rank elsewhere could pair with), so the rank about to gather `b` and
+    the one that skipped it (waiting in the gradient reduction) both get an error naming
+    the unit and what the other waits in, within seconds (without it gloo pairs the next
+    gathers by order: the README's table)."""
+    got = run_world(skipped_module_case, 2, str(tmp_path), door)
+    for rank in ("0", "1"):
+        result = got[rank]
+        assert result["type"] == "RankDisagreement", result
+        assert "the stage-3 unit to gather: unit 1 'b' (module 'b')" in result["error"], result
+        assert "rank 1 waits in collective" in result["error"], result
+        assert result["seconds"] < 20, result
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return (self.b if expert == 0 else self.c)(self.a(x))
+
+
+def different_experts_case(rank: int, world: int, directory: str) -> dict:
+    import os
+
+    os.environ["FZERO_CHECK_GATHERS"] = "1"
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine = fzero.shard(Experts(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    x, y = _data()
+
+    def train() -> None:
+        engine.backward(F.mse_loss(engine(x[:2], rank), y[:2]))  # equal-size experts b, c
+        engine.step()
+
+    return _both(rank, _run_and_time(rank, train), directory)
+
+
+def test_ranks_routing_to_different_experts_of_equal_size_are_named(tmp_path):
+    """Experts `b` and `c` have one size: without the check gloo would pair rank 0's
+    gather of `b` with rank 1's of `c` and train on wrong weights without a word."""
+    got = run_world(different_experts_case, 2, str(tmp_path))
+    for rank in ("0", "1"):
+        result = got[rank]
+        assert result["type"] == "RankDisagreement", result
+        assert "the ranks gather different stage-3 units" in result["error"], result
+        assert "rank 0 gathers unit 1 'b' (module 'b')" in result["error"], result
+        assert "rank 1 gathers unit 2 'c' (module 'c')" in result["error"], result
