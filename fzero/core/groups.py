@@ -34,7 +34,6 @@ __all__ = [
     "check_even",
     "gather_unit",
     "groups_of",
-    "plan_rank",
     "same_unit",
     "secondary_block",
 ]
@@ -77,14 +76,6 @@ def groups_of(plan: Plan) -> Groups:
         replica=mesh.index_in_group(process, replicate),
         hops=hops if len(hops) > 1 else (),
     )
-
-
-def plan_rank(plan: Plan) -> int:
-    """This process's rank in `plan` (its index along the mesh's shard axes)."""
-    on = plan.mesh
-    if on is None:
-        return comm.get_rank()
-    return Mesh(on.axes).index_in_group(comm.get_rank(), on.shard)
 
 
 def secondary_block(groups: Groups, full: Tensor) -> Tensor | None:
