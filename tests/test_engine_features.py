@@ -478,6 +478,7 @@ def test_initialize_and_the_config_name_a_partitioning_strategy():
     assert plans["imported"] == plans["named"]  # the user function ran
     assert plans["argument"] == plans["named"]  # the argument wins over the config key
     assert errors["nope"].startswith(
-        "config key 'strategy' is 'nope'; allowed: flat_even, per_tensor_dim0, whole_tensors or 'module:function'"
+        "config key 'strategy' is 'nope'; allowed: flat_even, per_tensor_dim0, whole_tensors "
+        "or 'module:function'"
     )
     assert "cannot be loaded" in errors["tests.test_engine_features:missing"]
