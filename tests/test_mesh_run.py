@@ -133,7 +133,9 @@ def _train_step(rank: int, preset: str) -> tuple[list[float], dict[str, torch.Te
         total = metrics["loss"].detach().clone().reshape(1)
         dist.all_reduce(total)
         losses.append(total.item() / MESH.size)
-    return losses, fzero.state_dict(state)
+    weights = fzero.state_dict(state)
+    assert bool(weights) == (rank == 0)  # process 2 is plan rank 0 too (MiCS): it gets {}
+    return losses, weights
 
 
 def _every_case(rank: int, world: int) -> dict:

@@ -276,16 +276,17 @@ def _state_dict(
 ) -> dict[str, Tensor]:
     result: dict[str, Tensor] = {}
     plan = state.plan
+    first = comm.get_rank() == 0  # the process's (a mesh's replicas share plan ranks)
     for index, unit in enumerate(plan.units):
         full = full_master(state, index)
-        if state.rank != 0:
+        if not first:
             continue
         for pl in unit.placements:
             spec = plan.manifest[pl.fqn]
             tensor = gather_pieces(full, pl, spec.shape).to(dtype).clone()
             for name in (spec.fqn, *spec.aliases):
                 result[name] = tensor
-    if state.rank != 0:
+    if not first:
         return {}
     if module is None:
         return result
