@@ -437,7 +437,8 @@ def _write(
     reports = comm.all_gather_bytes(msgpack.packb(mine, use_bin_type=True), group=group)
     if comm.get_rank() == 0:
         every = [msgpack.unpackb(r, raw=False) for r in reports]
-        writers = sorted((r for r in every if "file" in r), key=lambda r: r.pop("rank"))
+        by_rank = sorted((r for r in every if "file" in r), key=lambda r: r["rank"])
+        writers = [{k: v for k, v in r.items() if k != "rank"} for r in by_rank]
         if len(writers) != len(every):
             body = {**body, "process_rng": [r["rng"] for r in every]}
         files = {}
