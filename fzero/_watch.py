@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "issue",
     "named_operation",
     "post_raised",
+    "unchecked",
     "watch_collectives",
 ]
 
@@ -40,20 +42,30 @@ _named_now: list[str] = []  # the named operation running now (outermost), if an
 
 
 @contextlib.contextmanager
-def named_operation(name: str) -> Iterator[None]:
+def named_operation(name: str, track: str | None = None) -> Iterator[None]:
     """Run fzero operation `name` (its collectives). When one times out or loses a peer,
     the ranks that got here meet in the process group's store and the error names the
     ranks that never arrived, and what each rank that did was doing. An exception raised
     inside on this rank is told to the other ranks, which end their waits with it (see
     `Watched`). Inside another named operation the outer name is the one given
-    (`engine.state_dict` runs `fzero.state_dict`)."""
+    (`engine.state_dict` runs `fzero.state_dict`).
+
+    Its collectives are checked against the ones this rank issued the last time an
+    operation of key `track` ran (default: `name` up to its first parenthesis, and
+    whether gradients are on): see `_Track`. `track=""`: not checked (a rank serving
+    the others' collectives from another operation, as `join` does)."""
     if _named_now:
         yield
         return
     _named_now.append(name)
     _withdraw_raised()
+    if track is None:
+        track = f"{name.split(' (')[0]}|grad={torch.is_grad_enabled()}"
+    _tracking[:] = [_Track(track, _tracks.get(track))] if track and _checked() else []
     try:
         yield
+        if _tracking:
+            _tracking[0].end()
     except RankDisagreement:
         raise
     except BaseException as error:
@@ -66,6 +78,7 @@ def named_operation(name: str) -> Iterator[None]:
         raise RuntimeError(f"fzero {name}: {_missing_ranks(name)}") from error
     finally:
         _named_now.pop()
+        _tracking.clear()
 
 
 def _missing_ranks(name: str) -> str:
@@ -128,6 +141,8 @@ class _Collective:
 
     def describe(self) -> str:
         text = f"collective #{self.seq} {self.kind} of {self.numel:,} elements"
+        if self.kind == "agreement":  # through the store, among `numel` ranks
+            text = f"an agreement of {self.numel} ranks after collective #{self.seq}"
         text += f" ({self.what})" if self.what else ""
         return text + (f" in {self.within}" if self.within else "")
 
@@ -165,6 +180,8 @@ def issue(
 ) -> Any:
     """Start one collective (`start(async_op)`), counted, and watched where gloo runs
     (every process issues the same sequence, a subgroup's included: one count)."""
+    if _tracking:
+        _tracking[0].next(kind, tensor.numel(), what, group)
     count(kind, tensor, group)
     seconds = _watch_slice()
     _issued[0] += 1
@@ -336,10 +353,18 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
     collective = _Collective(_issued[0], "agreement", len(ranks), what, within)
     seconds, seen = _watch_slice() or 1.0, None
     deadline = time.monotonic() + seconds
+    limit = time.monotonic() + float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     try:
         while not store.check(list(keys.values())):
             if time.monotonic() > deadline:  # a rank is elsewhere: ask where
                 seen, deadline = _ask_peers(collective, seen), time.monotonic() + seconds
+            if time.monotonic() > limit:  # as a collective's timeout
+                missing = [r for r, key in keys.items() if not store.check([key])]
+                raise RankDisagreement(
+                    f"fzero: rank(s) {missing} did not reach {collective.describe()} within "
+                    "the collective timeout (they are elsewhere: user code, a data loader, "
+                    "another operation, or dead)"
+                )
             time.sleep(0.0002)
     finally:
         if seen is not None:
@@ -348,3 +373,110 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
     with contextlib.suppress(Exception):  # every rank has read the previous one: posted here
         store.delete_key(f"fzero/agree/{_agreed[0] - 1}/{rank}")
     return values
+
+
+# ---- every rank issues the collective the others issue --------------------------------------
+#
+# gloo and NCCL pair collectives by order: a stage-3 module one rank skips pairs its
+# neighbours' all-gathers with the wrong units (silently, for units of one size) or
+# aborts the process inside gloo (sizes differ). So inside a named operation each
+# collective is compared with the one this rank issued at the same place the last time
+# an operation of the same key ran. Where it is the same it is issued at once (the
+# steady state: a tuple compare). Where it is not, where the key runs for the first
+# time, or where the operation ends earlier than last time (or after its first run),
+# the ranks first agree through the store what comes next (`agree`, no collective): a
+# rank that differs gets the others' answers, a rank that still follows its last run
+# waits in the collective meanwhile and the watch names both. By induction a collective
+# issued without agreeing is the one every other rank issues there: the ranks raise
+# `RankDisagreement` naming what each was about to do instead of pairing the wrong
+# collectives. `FZERO_CHECK_COLLECTIVES=0` turns the check off.
+
+CHECK_COLLECTIVES = "FZERO_CHECK_COLLECTIVES"
+
+
+@dataclass
+class _Track:
+    """The collectives of one run of a named operation (`key`), against the last run's."""
+
+    key: str
+    expected: tuple[tuple[str, int, str], ...] | None
+    done: list[tuple[str, int, str]] = field(default_factory=list)
+    thread: int = field(default_factory=threading.get_ident)
+
+    def next(self, kind: str, numel: int, what: str, group: Any) -> None:
+        """Before issuing a collective: the same as last time here, or agreed (one from
+        another thread, as a background checkpoint writer's, is not this operation's)."""
+        if threading.get_ident() != self.thread:
+            return
+        at, signature = len(self.done), (kind, numel, what)
+        self.done.append(signature)
+        if self.expected is not None and at < len(self.expected) and self.expected[at] == signature:
+            return
+        self._agree(f"{kind} of {numel:,} elements" + (f" ({what})" if what else ""), group)
+
+    def end(self) -> None:
+        """The operation returned: where it ran fewer collectives than last time, or for
+        the first time, the ranks agree it ended here; then this run is the next one's."""
+        expected, done = self.expected, len(self.done)
+        first = expected is None and done > 0
+        if first or (expected is not None and done < len(expected)):
+            self._agree(f"the end of the operation after {done} collective(s)", None)
+        _tracks[self.key] = tuple(self.done)
+
+    def _agree(self, mine: str, group: Any) -> None:
+        ranks = _ranks_of(group)
+        within = _named_now[0] if _named_now else self.key
+        every = agree(f"what comes next in {within}: {mine}", mine, ranks)
+        if any(value != mine for value in every.values()):
+            doing = "; ".join(f"rank {r}: {value}" for r, value in sorted(every.items()))
+            message = (
+                f"fzero: the ranks are about to issue different collectives in {within} "
+                f"({doing}). A rank took another path: at ZeRO stage 3 a module one rank "
+                "skipped (a branch, an unused expert) or a different number of forwards; "
+                "otherwise a different number of batches. Every rank must run the same "
+                "fzero operations and stage-3 modules in the same order (put a module some "
+                "ranks skip in a unit with one every rank runs, e.g. "
+                "deepspeed.utils.set_z3_leaf_modules; uneven data: engine.join())"
+            )
+            post_raised(f"{within}: RankDisagreement: {message}")
+            raise RankDisagreement(message)
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Collectives inside are not checked against the operation's others: for one that
+    ranks issue from different operations at the same place by construction (`join`'s
+    flag: inside a forward on a rank that trains, between the served steps on one out
+    of data)."""
+    saved = _tracking[:]
+    _tracking.clear()
+    try:
+        yield
+    finally:
+        _tracking[:] = saved
+
+
+_tracks: dict[str, tuple[tuple[str, int, str], ...]] = {}  # key -> its last run's collectives
+_tracking: list[_Track] = []  # the run of the outermost named operation now, if checked
+_checking: list[Any] = [None, False]  # [the default group it was decided for, checked]
+_group_ranks: dict[Any, list[int]] = {}
+
+
+def _checked() -> bool:
+    """Whether collectives are checked: several ranks, `FZERO_CHECK_COLLECTIVES` not 0."""
+    if not dist.is_initialized():
+        return False
+    group = dist.group.WORLD
+    if _checking[0] is not group:
+        on = os.environ.get(CHECK_COLLECTIVES, "1") not in ("0", "")
+        _checking[:] = [group, on and dist.get_world_size() > 1]
+        _tracks.clear()
+        _group_ranks.clear()
+    return bool(_checking[1])
+
+
+def _ranks_of(group: Any) -> list[int]:
+    if group not in _group_ranks:
+        every = range(dist.get_world_size())
+        _group_ranks[group] = list(every if group is None else dist.get_process_group_ranks(group))
+    return _group_ranks[group]

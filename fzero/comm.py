@@ -30,6 +30,7 @@ from fzero._watch import (
     issue,
     named_operation,
     post_raised,
+    unchecked,
     watch_collectives,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "side_group",
     "traffic",
     "traffic_by_group",
+    "unchecked",
     "watch_collectives",
 ]
 

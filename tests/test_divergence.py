@@ -1,7 +1,7 @@
-"""Ranks that take different paths (issue: ranks that disagree never hang). Measured so
-far: parameters one rank leaves unused get zero contributions from it at stages 1-2, as
-DDP with `find_unused_parameters` (below). A stage-3 module one rank skips is named on
-every rank with `FZERO_CHECK_GATHERS=1` (the last tests)."""
+"""Ranks that take different paths (issue: ranks that disagree never hang). Parameters
+one rank leaves unused get zero contributions from it, as DDP with
+`find_unused_parameters` (below). A stage-3 module one rank skips is named on every
+rank before any collective pairs wrong (the last tests)."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_a_rank_that_raises_is_named_on_the_others_within_seconds(case, tmp_path
     assert raiser["type"] == "Boom"
     assert waiter["type"] == "RankDisagreement", waiter
     assert "rank 1 raised in" in waiter["error"] and "Boom: bad batch on rank 1" in waiter["error"]
-    assert "rank 0 was waiting in collective #" in waiter["error"]
+    assert "rank 0 was waiting in " in waiter["error"]
     assert waiter["seconds"] < 20, waiter  # the collective timeout here is 120 s
 
 
@@ -294,56 +294,112 @@ def test_train_step_join_equals_the_reference(stage, accumulation):
         torch.testing.assert_close(got["state"][name], value, rtol=1e-6, atol=1e-6)
 
 
-# ---- a stage-3 module one rank skips: named on every rank with FZERO_CHECK_GATHERS=1 --------
+# ---- a stage-3 module one rank skips: named on every rank before anything pairs wrong --------
+#
+# Every collective inside a named operation is checked against the one the rank issued
+# there last time (`fzero._watch._Track`); where one differs the ranks agree through the
+# store first. `history`: steps every rank runs alike before rank 1 takes another path
+# (0: the first step, where every collective is agreed; 3: the steady state, where none
+# is until one rank differs).
 
 
-def skipped_module_case(rank: int, world: int, directory: str, door: str) -> dict:
-    import os
-
-    os.environ["FZERO_CHECK_GATHERS"] = "1"
+def skipped_module_case(
+    rank: int, world: int, directory: str, door: str, history: int, prefetch: int
+) -> dict:
     torch.manual_seed(0)
     x, y = _data()
     rows = slice(rank * 2, rank * 2 + 2)
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": prefetch,
+    }
     if door == "engine":
-        config = {
-            "train_micro_batch_size_per_gpu": 2,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        }
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
         engine = fzero.shard(Branches(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
 
-        def train() -> None:
-            engine.backward(F.mse_loss(engine(x[rows], rank == 0), y[rows]))  # rank 1: no b
+        def train(use_b: bool) -> None:
+            engine.backward(F.mse_loss(engine(x[rows], use_b), y[rows]))
             engine.step()
 
-        return _both(rank, _run_and_time(rank, train), directory)
+        def weights() -> dict:
+            return engine.state_dict(dtype=torch.float32)
+
+    else:
+        model = Branches()
+        plan = fzero.partition.plan(
+            fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+        )
+        states = [fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))]
+        path = [True]
+
+        def loss_fn(params: dict, batch: tuple) -> torch.Tensor:
+            out = torch.func.functional_call(model, params, (batch[0], path[0]))
+            return F.mse_loss(out, batch[1])
+
+        config = {"zero_optimization": zero}
+        step = fzero.train_step(
+            loss_fn, plan=plan, optimizer=fzero.optim.sgd(lr=0.1), config=config
+        )
+
+        def train(use_b: bool) -> None:
+            path[0] = use_b
+            states[0] = step(states[0], (x[rows], y[rows]))[0]
+
+        def weights() -> dict:
+            return fzero.state_dict(states[0])
+
+    for _ in range(history):
+        train(True)
+    result = _run_and_time(rank, lambda: train(rank == 0))  # rank 1 skips b
+    if result["error"] == "no error":
+        got = weights()  # on rank 0
+        if got:
+            result["max_error"] = max((got[k] - v).abs().max().item() for k, v in _paths().items())
+    return _both(rank, result, directory)
+
+
+def _paths() -> dict:
+    """One process: three steps where both ranks' halves use `b`, then one where only
+    rank 0's does."""
+    torch.manual_seed(0)
     model = Branches()
-    plan = fzero.partition.plan(
-        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
-    )
-    state = fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))
-
-    def loss_fn(params: dict, batch: tuple) -> torch.Tensor:
-        out = torch.func.functional_call(model, params, (batch[0], rank == 0))
-        return F.mse_loss(out, batch[1])
-
-    step = fzero.train_step(loss_fn, plan=plan, optimizer=fzero.optim.sgd(lr=0.1))
-    return _both(rank, _run_and_time(rank, lambda: step(state, (x[rows], y[rows]))), directory)
+    x, y = _data()
+    for second in (True, True, True, False):
+        model.zero_grad()
+        loss = F.mse_loss(model(x[:2], True), y[:2]) + F.mse_loss(model(x[2:], second), y[2:])
+        (loss / 2).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return model.state_dict()
 
 
+@pytest.mark.parametrize(
+    "history, prefetch", [(0, 50_000_000), (3, 0)], ids=["first-step", "steady-no-prefetch"]
+)
 @pytest.mark.parametrize("door", ["engine", "train_step"])
-def test_a_stage3_module_one_rank_skips_is_named_on_every_rank(door, tmp_path):
-    """Debug mode: every stage-3 gather first agrees through the store which unit it is
-    (no collective a rank elsewhere could pair with), so the rank about to gather `b` and
-    the one that skipped it (waiting in the gradient reduction) both get an error naming
-    the unit and what the other waits in, within seconds (without it gloo pairs the next
-    gathers by order: the README's table)."""
-    got = run_world(skipped_module_case, 2, str(tmp_path), door)
+def test_a_stage3_module_one_rank_skips_is_named_on_every_rank(door, history, prefetch, tmp_path):
+    """Rank 0 is about to gather `b`; rank 1 skipped it and is about to do what comes
+    after (or ends its operation): both get one error naming what each was about to
+    issue, within seconds (before, gloo paired the next all-gathers by order: silently
+    for units of one size, an abort inside gloo for others)."""
+    got = run_world(skipped_module_case, 2, str(tmp_path), door, history, prefetch)
     for rank in ("0", "1"):
         result = got[rank]
         assert result["type"] == "RankDisagreement", result
-        assert "the stage-3 unit to gather: unit 1 'b' (module 'b')" in result["error"], result
-        assert "rank 1 waits in collective" in result["error"], result
+        assert "all_gather of 32 elements (parameters of unit 1 'b')" in result["error"], result
         assert result["seconds"] < 20, result
+
+
+@pytest.mark.parametrize("door", ["engine", "train_step"])
+def test_a_stage3_module_one_rank_skips_within_the_prefetch_window_trains_correctly(door, tmp_path):
+    """After steps every rank ran alike, the trace prefetches `b` on every rank, rank 1
+    too: it serves rank 0's gather of `b` and contributes zero gradients to it, so the
+    collectives pair as the check says and the weights equal one process's."""
+    got = run_world(skipped_module_case, 2, str(tmp_path), door, 3, 50_000_000)
+    assert got["0"]["error"] == got["1"]["error"] == "no error", got
+    assert got["0"]["max_error"] < 1e-6, got
 
 
 class Experts(nn.Module):
@@ -355,10 +411,7 @@ class Experts(nn.Module):
         return (self.b if expert == 0 else self.c)(self.a(x))
 
 
-def different_experts_case(rank: int, world: int, directory: str) -> dict:
-    import os
-
-    os.environ["FZERO_CHECK_GATHERS"] = "1"
+def different_experts_case(rank: int, world: int, directory: str, history: int) -> dict:
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -367,20 +420,28 @@ def different_experts_case(rank: int, world: int, directory: str) -> dict:
     engine = fzero.shard(Experts(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
     x, y = _data()
 
-    def train() -> None:
-        engine.backward(F.mse_loss(engine(x[:2], rank), y[:2]))  # equal-size experts b, c
+    def train(expert: int) -> None:
+        engine.backward(F.mse_loss(engine(x[:2], expert), y[:2]))  # equal-size experts b, c
         engine.step()
 
-    return _both(rank, _run_and_time(rank, train), directory)
+    for _ in range(history):
+        train(0)
+    return _both(rank, _run_and_time(rank, lambda: train(rank)), directory)
 
 
-def test_ranks_routing_to_different_experts_of_equal_size_are_named(tmp_path):
-    """Experts `b` and `c` have one size: without the check gloo would pair rank 0's
-    gather of `b` with rank 1's of `c` and train on wrong weights without a word."""
-    got = run_world(different_experts_case, 2, str(tmp_path))
+@pytest.mark.parametrize("history", [0, 3])
+def test_ranks_routing_to_different_experts_of_equal_size_are_named(history, tmp_path):
+    """Experts `b` and `c` have one size: unchecked, gloo would pair rank 0's gather of
+    `b` with rank 1's of `c` and train on wrong weights without a word. On the first
+    step both ranks agree through the store (each names its unit); later rank 0 follows
+    its last step (`b` was prefetched) while rank 1 stops to agree on gathering `c`."""
+    got = run_world(different_experts_case, 2, str(tmp_path), history)
     for rank in ("0", "1"):
         result = got[rank]
         assert result["type"] == "RankDisagreement", result
-        assert "the ranks gather different stage-3 units" in result["error"], result
-        assert "rank 0 gathers unit 1 'b' (module 'b')" in result["error"], result
-        assert "rank 1 gathers unit 2 'c' (module 'c')" in result["error"], result
+        assert "all_gather of 32 elements (parameters of unit 2 'c')" in result["error"], result
+        if history == 0:
+            assert (
+                "rank 0: all_gather of 32 elements (parameters of unit 1 'b')" in (result["error"])
+            ), result
+        assert result["seconds"] < 20, result

@@ -35,7 +35,6 @@ from fzero.core.groups import (
     check_even,
     gather_unit,
     groups_of,
-    same_unit,
     secondary_block,
 )
 from fzero.core.layout import gather_pieces
@@ -188,12 +187,10 @@ class PlaceholderGatherer:
         what = f"parameters of unit {index} {self.plan.units[index].name!r}"
         if self.phase == "backward" and index in self.secondary:  # hpZ: within the group
             block, group = self.secondary[index], self.groups.secondary
-            same_unit(self.plan, index, group, comm.get_world_size(group))
             what += " (hpZ secondary)"
             return comm.all_gather_into(full, block, async_op=True, what=what, group=group)
         shard = self.shard(index).to(self.device, self.dtype)
         group = self.groups.shard
-        same_unit(self.plan, index, group, self.plan.world_size)
         if self.quantized:
             return quantized_all_gather(full, shard.contiguous(), group=group)
         if self.plan.world_size > 1:

@@ -10,31 +10,25 @@ backward gathers parameters within that smaller group. Control collectives (the
 overflow flag, join's flag, checkpoint agreement) stay on every process.
 
 `gather_unit` is a unit's all-gather in the plan's group, also for uneven shards
-(`Unit.bounds`: padded to the largest on the wire, never in memory). With
-`FZERO_CHECK_GATHERS=1` every stage-3 gather first agrees which unit it is
-(`same_unit`: one small all-gather each), so a module one rank skips is named on every
-rank instead of pairing the wrong units.
+(`Unit.bounds`: padded to the largest on the wire, never in memory). That every rank
+gathers the same unit is checked where every collective is (`fzero._watch`).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
 from fzero.partition import Mesh, Plan, Unit
 
 __all__ = [
-    "CHECK_GATHERS",
     "Groups",
     "check_even",
     "gather_unit",
     "groups_of",
-    "same_unit",
     "secondary_block",
 ]
 
@@ -117,28 +111,4 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
             f"zero_optimization.{key.split()[0]} is true but unit {uneven!r} of the plan "
             f"({plan.strategy}) has uneven shards; quantized collectives need equal shards: "
             "turn it off or use an even strategy (flat_even, per_tensor_dim0)"
-        )
-
-
-CHECK_GATHERS = "FZERO_CHECK_GATHERS"  # "1": every stage-3 gather checks its unit first
-
-
-def same_unit(plan: Plan, index: int, group: Any, world_size: int) -> None:
-    """Debug mode (`FZERO_CHECK_GATHERS=1`): the ranks about to gather agree, through the
-    store, that it is unit `index`, or every one of them raises
-    `fzero.comm.RankDisagreement` naming what each rank gathers (or waits in) — gloo pairs
-    collectives by order, so a stage-3 module one rank skips would otherwise pair units of
-    equal size silently, and abort the process on unequal ones."""
-    if world_size == 1 or os.environ.get(CHECK_GATHERS, "0") in ("", "0"):
-        return
-    ranks = range(comm.get_world_size()) if group is None else dist.get_process_group_ranks(group)
-    unit = plan.units[index]
-    mine = f"unit {index} {unit.name!r} (module {unit.module or '<root>'!r})"
-    every = comm.agree(f"the stage-3 unit to gather: {mine}", mine, list(ranks))
-    if any(value != mine for value in every.values()):
-        doing = "; ".join(f"rank {r} gathers {value}" for r, value in sorted(every.items()))
-        raise comm.RankDisagreement(
-            f"fzero: the ranks gather different stage-3 units ({doing}): a module one rank "
-            "skipped (a branch, an unused expert) or a different number of forwards. Every "
-            "rank must run the same modules at stage 3 (Transformers: synced_gpus=True)"
         )

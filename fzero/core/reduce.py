@@ -358,8 +358,10 @@ def _grads_of(indices: Sequence[int]) -> str:
 
 
 def any_rank(flag: bool, world_size: int, what: str, device: torch.device) -> bool:
-    """Whether `flag` holds on any rank (collective; one element on `device`)."""
+    """Whether `flag` holds on any rank (collective; one element on `device`). Join's
+    flag: not checked against the operation around it (`comm.unchecked`)."""
     value = torch.tensor([float(flag)], device=device)
     if world_size > 1:
-        comm.all_reduce(value, op="max", what=what)
+        with comm.unchecked():
+            comm.all_reduce(value, op="max", what=what)
     return bool(value.item())

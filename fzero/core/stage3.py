@@ -27,7 +27,6 @@ from fzero.core.groups import (
     check_even,
     gather_unit,
     groups_of,
-    same_unit,
     secondary_block,
 )
 from fzero.core.layout import UnitRuntime, bind, unbind
@@ -151,8 +150,6 @@ class Stage3Gatherer:
                 rt.param_read = self.param_swap.submit(rt.index, shard, False)
                 rt.gather_input = shard  # alive until read and all-gathered
             elif self.phase == "backward" and rt.index in self.secondary:  # hpZ
-                size = comm.get_world_size(self.groups.secondary)
-                same_unit(self.plan, rt.index, self.groups.secondary, size)
                 rt.full = torch.empty(rt.unit.numel, dtype=self.compute_dtype, device=self.device)
                 rt.gather_input = self.secondary[rt.index]
                 rt.gather_work = comm.all_gather_into(
@@ -189,7 +186,6 @@ class Stage3Gatherer:
         return failure
 
     def _start_gather(self, rt: UnitRuntime, shard: Tensor) -> None:
-        same_unit(self.plan, rt.index, self.group, self.plan.world_size)
         if rt.index in self.approximate:
             rt.gather_work = quantized_all_gather(rt.full, shard, group=self.group)
         else:

@@ -187,9 +187,15 @@ class _Step:
             )
         return self._applications[key]
 
+    def _operation(self, state: TrainState, name: str = "train_step") -> Any:
+        """The named operation of one micro-step (`comm.named_operation`), its collectives
+        checked against the last micro-step's at the same place in the window."""
+        boundary = (state.counters.micro_steps + 1) % self.accumulation == 0
+        track = f"train_step|grad={torch.is_grad_enabled()}|boundary={boundary}"
+        return comm.named_operation(f"{name} (micro-step {state.counters.micro_steps})", track)
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        where = f"train_step (micro-step {state.counters.micro_steps})"
-        with comm.named_operation(where):
+        with self._operation(state):
             if self.uneven:
                 any_rank(True, self.plan.processes, _STILL_TRAINING, _device(state))
                 if self.plan.stage == 3:
@@ -204,10 +210,11 @@ class _Step:
         rank adds nothing from here gives (gradients still averaged over the world)."""
         if not self.uneven:
             raise ValueError("step.join(state) needs the step built with train_step(join=True)")
-        with comm.named_operation(f"train_step.join (micro-step {state.counters.micro_steps})"):
-            while any_rank(False, self.plan.processes, _STILL_TRAINING, _device(state)):
+        while True:  # each of the others' micro-steps is one here, checked as theirs
+            with self._operation(state, "train_step.join"):
+                if not any_rank(False, self.plan.processes, _STILL_TRAINING, _device(state)):
+                    return state
                 state = self._shadow(state)
-        return state
 
     def _shadow(self, state: TrainState) -> TrainState:
         """A micro-step of the others, with no batch here (zero gradients; stage 3: the

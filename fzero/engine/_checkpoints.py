@@ -9,6 +9,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fzero import comm
@@ -24,7 +25,9 @@ def named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         @functools.wraps(method)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             where = f"{operation} of engine {self.name} (micro-step {self.micro_steps})"
-            with comm.named_operation(where):
+            boundary = self.is_gradient_accumulation_boundary()
+            track = f"{operation} of {self.name}|grad={torch.is_grad_enabled()}|{boundary}"
+            with comm.named_operation(where, track):
                 return method(self, *args, **kwargs)
 
         return run
@@ -40,6 +43,7 @@ class CheckpointMethods:
     module: Any
     name: str
     micro_steps: int
+    is_gradient_accumulation_boundary: Callable[[], bool]
     state_dict: Callable[..., dict[str, Tensor]]
 
     @named("save_checkpoint")

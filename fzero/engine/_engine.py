@@ -445,13 +445,19 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             yield
             while self.reduction.still_training(False):  # out of data: serve the others
                 if replay is None:
-                    self.reduction.shadow()
+                    self._serve_backward()
                 else:  # stage 3: the others' gathers, by the same program
                     self._joined = self.micro_steps  # this micro-step's flag is sent
                     self.backward(replay() * 0.0)
                 self.step()
         finally:
             self._joined = None
+
+    @named("backward")
+    def _serve_backward(self) -> None:
+        """Inside `join()`, out of data: the reductions of the others' backward, with zero
+        gradients here (a backward, as the ranks still training run one)."""
+        self.reduction.shadow()
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give
