@@ -261,8 +261,9 @@ def _ask_peers(collective: _Collective, seen: dict[int, str] | None) -> dict[int
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = collective.describe()
+    here = f"{'a' if collective.kind == 'agreement' else 'c'}{collective.seq}"
     try:
-        store.set(f"fzero/watch/{rank}", f"waiting|{mine}")
+        store.set(f"fzero/watch/{rank}", f"waiting|{here}|{mine}")
         raised = {r: _read(store, f"fzero/raised/{r}") for r in range(world) if r != rank}
         places = {r: _read(store, f"fzero/watch/{r}") for r in range(world) if r != rank}
     except Exception:  # the store is gone (its host rank died): the timeout will tell
@@ -272,9 +273,11 @@ def _ask_peers(collective: _Collective, seen: dict[int, str] | None) -> dict[int
         if seen is not None and seen.get(-1 - r) == text:  # that caught its exception
             raise RankDisagreement(_raised_message(r, text, rank, mine))
     elsewhere = {
-        r: p.removeprefix("waiting|")
+        r: p.split("|", 2)[2]
         for r, p in places.items()
-        if p.startswith("waiting|") and p != f"waiting|{mine}"
+        if p.startswith("waiting|")
+        and p != f"waiting|{here}|{mine}"
+        and not _may_complete(here, p.split("|", 2)[1])
     }
     if elsewhere and seen is not None and all(seen.get(r) == p for r, p in elsewhere.items()):
         doing = {rank: mine, **elsewhere}
@@ -288,6 +291,19 @@ def _ask_peers(collective: _Collective, seen: dict[int, str] | None) -> dict[int
         post_raised(f"{collective.within or mine}: RankDisagreement: {message}")  # the
         raise RankDisagreement(message)  # others end with it, whoever saw it first
     return {**elsewhere, **{-1 - r: text for r, text in raised.items()}}
+
+
+def _may_complete(mine: str, other: str) -> bool:
+    """Whether two ranks waiting at `mine` and `other` ("c<seq>": in collective #seq,
+    "a<seq>": in an agreement after collective #seq) may both go on: a rank in an
+    agreement has issued every collective up to its seq, so one waiting in such a
+    collective finishes it (and two in an agreement after the same one wait for a third)."""
+    if "a" not in (mine[0], other[0]):
+        return False  # two collectives: only the same one completes
+    if mine[0] == other[0]:
+        return mine == other
+    agreement, waiting = (mine, other) if mine[0] == "a" else (other, mine)
+    return int(waiting[1:]) <= int(agreement[1:])
 
 
 _posted: list[bool] = []  # this rank has told the store it raised

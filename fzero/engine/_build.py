@@ -50,6 +50,9 @@ def plan_for(
     options: dict[str, Any] = {}
     if zero.stage == 3:
         options["persistence_threshold"] = zero.stage3_param_persistence_threshold
+        leaves = partition.leaf_modules(module)  # DeepSpeed's set_z3_leaf_modules
+        if leaves:
+            options["leaf_modules"] = leaves
     manifest = partition.describe(module, groups)
     keys = {
         "stage": zero.stage,

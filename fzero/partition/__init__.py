@@ -7,7 +7,14 @@ m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zer
 print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
 """
 
-from fzero.partition._manifest import Manifest, TensorSpec, describe, dtype_name, dtype_of
+from fzero.partition._manifest import (
+    Manifest,
+    TensorSpec,
+    describe,
+    dtype_name,
+    dtype_of,
+    leaf_modules,
+)
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._mesh_plan import (
     MeshPlan,
@@ -104,6 +111,7 @@ __all__ = [
     "from_zero_config",
     "group_units",
     "kind_slices",
+    "leaf_modules",
     "local_slices",
     "memory_per_rank",
     "mesh_plan",

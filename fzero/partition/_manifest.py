@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Manifest", "TensorSpec", "describe", "dtype_name", "dtype_of"]
+__all__ = ["Manifest", "TensorSpec", "describe", "dtype_name", "dtype_of", "leaf_modules"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -142,3 +142,10 @@ def _group_index(
                 )
             group_of[id(param)] = index
     return group_of
+
+
+def leaf_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """The paths of `model`'s submodules flagged as ZeRO-3 leaves (DeepSpeed's
+    `deepspeed.utils.set_z3_leaf_modules`, attribute `_z3_leaf`; "" is the model),
+    for a strategy's `leaf_modules` option: each one's parameters share a unit."""
+    return tuple(name for name, m in model.named_modules() if getattr(m, "_z3_leaf", False))

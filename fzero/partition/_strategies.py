@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,6 +81,16 @@ def module_key(fqn: str) -> str:
     return ".".join(path[: start + 1])
 
 
+def _unit_key(fqn: str, leaf_modules: tuple[str, ...]) -> str:
+    """`module_key(fqn)`, or the outermost leaf module holding the tensor where that is
+    larger (DeepSpeed's `set_z3_leaf_modules`: a leaf's parameters are gathered whole)."""
+    key = module_key(fqn)
+    for leaf in leaf_modules:  # outermost first
+        if leaf == "" or fqn.startswith(leaf + "."):
+            return leaf if key == leaf or key.startswith(leaf + ".") or not leaf else key
+    return key
+
+
 def _common_module(keys: list[str]) -> str:
     split = [key.split(".") if key else [] for key in keys]
     common: list[str] = []
@@ -97,24 +107,33 @@ def group_units(
     stage: int,
     persistence_threshold: int = 0,
     unit_numel: int | None = None,
+    leaf_modules: Sequence[str] = (),
 ) -> tuple[UnitGroup, ...]:
     """Group tensors into units, in manifest order of first appearance.
 
     Default: one unit per `module_key` (a tied tensor goes to the common parent
-    of all its names). With `unit_numel`, consecutive tensors are instead packed
+    of all its names); a tensor inside one of `leaf_modules` (module paths, "" the
+    root) goes to that module's unit where it is larger (`leaf_modules(model)` reads
+    DeepSpeed's flags), so ranks that run different submodules of it (experts) gather
+    the same unit. With `unit_numel`, consecutive tensors are instead packed
     up to that many elements per unit (a size budget). Either way a unit holds
     one optimizer group and one dtype, and in stage 3 tensors with fewer than
     `persistence_threshold` elements go to separate persistent units.
     """
     if unit_numel is not None and unit_numel < 1:
         raise PlanError(f"unit_numel is {unit_numel}; it must be >= 1 or None")
+    if isinstance(leaf_modules, str):
+        raise PlanError(f"leaf_modules is {leaf_modules!r}; give a sequence of module paths")
+    leaves = tuple(sorted(set(leaf_modules), key=lambda p: (p.count(".") + bool(p), p)))
     buckets: dict[tuple[object, ...], list[TensorSpec]] = {}
     budget_index = 0
     budget_fill = 0
     for spec in manifest.tensors:
         persistent = stage == 3 and spec.numel < persistence_threshold
         if unit_numel is None:
-            where: object = _common_module([module_key(n) for n in (spec.fqn, *spec.aliases)])
+            where: object = _common_module(
+                [_unit_key(n, leaves) for n in (spec.fqn, *spec.aliases)]
+            )
         else:
             if budget_fill and budget_fill + spec.numel > unit_numel:
                 budget_index, budget_fill = budget_index + 1, 0
@@ -123,7 +142,7 @@ def group_units(
         buckets.setdefault((where, spec.group, spec.dtype, persistent), []).append(spec)
     groups = []
     for (_, group, dtype, persistent), specs in buckets.items():
-        keys = [module_key(n) for s in specs for n in (s.fqn, *s.aliases)]
+        keys = [_unit_key(n, leaves) for s in specs for n in (s.fqn, *s.aliases)]
         groups.append(UnitGroup(_common_module(keys), group, dtype, persistent, tuple(specs)))
     return tuple(groups)
 
@@ -158,10 +177,15 @@ def flat_even(
     alignment: int = DEFAULT_ALIGNMENT,
     persistence_threshold: int = 0,
     unit_numel: int | None = None,
+    leaf_modules: Sequence[str] = (),
 ) -> Plan:
     """DeepSpeed-like plan: each unit's tensors end to end, cut into equal aligned shards."""
     groups = group_units(
-        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+        manifest,
+        stage=stage,
+        persistence_threshold=persistence_threshold,
+        unit_numel=unit_numel,
+        leaf_modules=leaf_modules,
     )
     units = []
     for name, group in zip(_unit_names(groups), groups):
@@ -183,6 +207,7 @@ def per_tensor_dim0(
     alignment: int = DEFAULT_ALIGNMENT,
     persistence_threshold: int = 0,
     unit_numel: int | None = None,
+    leaf_modules: Sequence[str] = (),
 ) -> Plan:
     """FSDP2-like plan: every tensor split on dim 0, rank r's row chunks stored together.
 
@@ -190,7 +215,11 @@ def per_tensor_dim0(
     with `c = ceil(rows / world_size)`; a 0-dim tensor counts as one row.
     """
     groups = group_units(
-        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+        manifest,
+        stage=stage,
+        persistence_threshold=persistence_threshold,
+        unit_numel=unit_numel,
+        leaf_modules=leaf_modules,
     )
     units = []
     for name, group in zip(_unit_names(groups), groups):
@@ -221,6 +250,7 @@ def whole_tensors(
     alignment: int = DEFAULT_ALIGNMENT,
     persistence_threshold: int = 0,
     unit_numel: int | None = None,
+    leaf_modules: Sequence[str] = (),
 ) -> Plan:
     """Every tensor whole on one rank, units grouped as `flat_even` groups them: within a
     unit the tensors go to ranks largest first, each to the rank holding least so far
@@ -229,7 +259,11 @@ def whole_tensors(
     fewer tensors than ranks leaves ranks without any: `format_plan` shows the
     imbalance. Muon's Newton-Schulz then runs on whole matrices without a gather."""
     groups = group_units(
-        manifest, stage=stage, persistence_threshold=persistence_threshold, unit_numel=unit_numel
+        manifest,
+        stage=stage,
+        persistence_threshold=persistence_threshold,
+        unit_numel=unit_numel,
+        leaf_modules=leaf_modules,
     )
     units = []
     for name, group in zip(_unit_names(groups), groups):

@@ -1,9 +1,12 @@
 """DeepSpeed's ZeRO-3 leaf-module flags (`set_z3_leaf_modules`, used for MoE blocks).
 
 DeepSpeed gathers a leaf module's parameters once for its whole forward instead of
-submodule by submodule. fzero's stage 3 gathers by unit (`fzero.partition`), so the
-flag is recorded and read back exactly as DeepSpeed's (`_z3_leaf`) and changes no
-result; it does not change fzero's gathering granularity.
+submodule by submodule, so ranks routing to different experts of an MoE block gather the
+same parameters. fzero's stage 3 gathers by unit (`fzero.partition`): the engine reads
+the flag (`_z3_leaf`, as DeepSpeed's) through `fzero.partition.leaf_modules` and puts a
+leaf's parameters in one unit where its usual unit (the first numbered block: a
+Transformers MoE layer already holds its experts) is smaller. Flag before the engine is
+built, as with DeepSpeed.
 """
 
 from __future__ import annotations
