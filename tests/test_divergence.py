@@ -57,7 +57,7 @@ def reference() -> dict:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameters_one_rank_leaves_unused_get_zero_contributions(stage):
     got = run_world(unused_case, 2, stage)
     for name, value in reference().items():

@@ -57,6 +57,8 @@ def keep_case(rank: int, world: int, eval_live: int) -> dict:
         with torch.no_grad():
             out["reference_after"] = reference(x[rows])
     out["units"] = len(engine.units)
+    out["unit_numel"] = sum(rt.unit.numel for rt in engine.units)
+    out["planned_kept"] = engine.memory_planned().params_kept
     engine.destroy()
     return out
 
@@ -69,6 +71,8 @@ def test_eval_forwards_keep_units_gathered_within_the_bound_and_a_step_refreshes
     torch.testing.assert_close(kept["after"], kept["reference_after"], rtol=0, atol=0)
     released = run_world(keep_case, 2, 0)
     assert released["gathers"] == [3 * units, 3 * units, units]  # the default: per forward
+    # the memory estimate counts the bound where it is paid: the gathered units, fp32
+    assert kept["planned_kept"] == 4 * kept["unit_numel"] and released["planned_kept"] == 0
     assert torch.equal(released["before"], kept["before"])
     assert torch.equal(released["after"], kept["after"])
 

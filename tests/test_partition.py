@@ -355,3 +355,22 @@ def test_reduction_buckets_reject_a_bad_size():
     p = plan(describe(Tied()), world_size=2, stage=2)
     with pytest.raises(PlanError, match="reduce_bucket_size is 0"):
         reduction_buckets(p, 0)
+
+
+def test_memory_per_rank_counts_the_units_kept_gathered_for_generation():
+    """`eval_live_parameters` (stage3_eval_live_parameters) adds the whole units kept
+    gathered between forwards without gradients, up to the bound, at stage 3 only."""
+    manifest = Manifest(
+        (TensorSpec("a.w", (1000,), "float32"), TensorSpec("b.w", (3000,), "float32"))
+    )
+    p3 = plan(manifest, world_size=2, stage=3)
+    numel = sum(u.numel for u in p3.units)
+    assert memory_per_rank(p3, 0, eval_live_parameters=0).params_kept == 0
+    assert memory_per_rank(p3, 0, eval_live_parameters=1500).params_kept == 1500 * 4
+    whole = memory_per_rank(p3, 0, eval_live_parameters=10**9)
+    assert whole.params_kept == numel * 4
+    assert whole.total == memory_per_rank(p3, 0).total + numel * 4
+    p2 = plan(manifest, world_size=2, stage=2)
+    assert memory_per_rank(p2, 0, eval_live_parameters=10**9).params_kept == 0
+    with pytest.raises(PlanError, match="eval_live_parameters is -1"):
+        memory_per_rank(p3, 0, eval_live_parameters=-1)

@@ -55,6 +55,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "master_dtype": _DTYPE_NAMES[args.master_dtype],
         "state_dtype": _DTYPE_NAMES[args.state_dtype],
         "persistence_threshold": args.persistence_threshold,
+        "eval_live_parameters": int(float(args.eval_live_parameters)),
     }
     try:
         strategy = strategy_from_name(args.strategy, where="--strategy")
@@ -101,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         "the last axis); default all",
     )
     est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
+    est.add_argument(
+        "--eval-live-parameters",
+        default="0",
+        help="stage3_eval_live_parameters: elements of whole stage-3 units kept gathered "
+        "across forwards without gradients (fast generation), counted on the device",
+    )
     est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")
     est.add_argument(
         "--grad-dtype",

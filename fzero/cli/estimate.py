@@ -54,6 +54,7 @@ def estimate(
     strategy: Callable[..., Plan] = flat_even,
     master_dtype: str = "float32",
     state_dtype: str = "float32",
+    eval_live_parameters: int = 0,
 ) -> list[EstimateRow]:
     """Rank-0 bytes for stages 0-3 x `world_sizes`, without and with optimizer offload.
     The defaults are the engine's: fp32 gradient accumulators, fp32 masters and
@@ -80,6 +81,7 @@ def estimate(
                     offload_optimizer=offload,
                     master_dtype=master_dtype,
                     state_dtype=state_dtype,
+                    eval_live_parameters=eval_live_parameters,
                 )
                 rows.append(EstimateRow(stage, world_size, offload, mem.device, mem.host))
     return rows
@@ -130,6 +132,7 @@ def estimate_mesh(
     strategy: Callable[..., Plan] = flat_even,
     master_dtype: str = "float32",
     state_dtype: str = "float32",
+    eval_live_parameters: int = 0,
 ) -> list[MeshEstimate]:
     """Rank 0's bytes and each step's wire bytes per axes for every preset (a name in
     `partition.PRESETS`) on `mesh`, with the engine's defaults as `estimate` has them.
@@ -157,6 +160,7 @@ def estimate_mesh(
                 offload_optimizer=offload,
                 master_dtype=master_dtype,
                 state_dtype=state_dtype,
+                eval_live_parameters=eval_live_parameters,
             )
             rows.append(MeshEstimate(name, offload, mem.device, mem.host, wire))
     return rows

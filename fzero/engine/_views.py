@@ -128,6 +128,7 @@ def memory_planned(engine: Engine) -> MemoryEstimate:
         master_dtype=partition.dtype_name(engine.dtypes.master_dtype),
         # NVMe: the moments are in the swap file, not counted here
         state_dtype=partition.dtype_name(engine.dtypes.state_dtype),
+        eval_live_parameters=engine.config.zero_optimization.stage3_eval_live_parameters,
     )
 
 

@@ -176,10 +176,14 @@ class MemoryEstimate:
     offload_optimizer: bool = False
     params_secondary: int = 0
     """ZeRO++ hpZ's secondary parameter copy (plans on a mesh; 0 otherwise)."""
+    params_kept: int = 0
+    """Stage 3: whole units kept gathered between forwards without gradients
+    (generation, evaluation) up to `stage3_eval_live_parameters` elements."""
 
     @property
     def total(self) -> int:
-        return self.params + self.params_secondary + self.master + self.grads + self.optimizer_state
+        kept = self.params_secondary + self.params_kept
+        return self.params + kept + self.master + self.grads + self.optimizer_state
 
     @property
     def host(self) -> int:
@@ -200,6 +204,7 @@ def memory_per_rank(
     offload_optimizer: bool = False,
     master_dtype: str = "float32",
     state_dtype: str = "float32",
+    eval_live_parameters: int = 0,
 ) -> MemoryEstimate:
     """Model-state bytes on `rank`, the ZeRO paper's formula made exact for this plan.
 
@@ -217,8 +222,15 @@ def memory_per_rank(
     et al. 2022, arXiv:2205.00119): every model state over the shard-group size, not the world
     size; ZeRO++ hpZ (Wang et al. 2023, arXiv:2306.10209): ZeRO-3's states plus a parameter copy
     over the ranks of a node.
+
+    `eval_live_parameters` (the config's `stage3_eval_live_parameters`): at stage 3 the
+    whole units kept gathered across forwards without gradients, up to that many
+    elements and at most the gathered units' size, in `params_kept` (the bound that
+    makes ZeRO-3 generation fast, counted where it is paid).
     """
     _check_rank(plan, rank)
+    if eval_live_parameters < 0:
+        raise PlanError(f"eval_live_parameters is {eval_live_parameters}; it must be >= 0")
     if isinstance(plan, MeshPlan):
         held = _mesh_numel(plan)
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
@@ -239,7 +251,18 @@ def memory_per_rank(
         optimizer_state=optimizer_numel * state_size * slots,
         offload_optimizer=offload_optimizer,
         params_secondary=secondary * param_size,
+        params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
     )
+
+
+def _gathered_numel(plan: Plan | MeshPlan) -> int:
+    """Elements of the units stage 3 gathers whole for a forward (not persistent)."""
+    if isinstance(plan, MeshPlan):
+        split = [u for u, s in zip(plan.units, plan.shardings) if s.params.shard]
+        return sum(u.numel for u in split if not u.persistent)
+    if not plan.shards_params:
+        return 0
+    return sum(u.numel for u in plan.units if not u.persistent)
 
 
 def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int]:
