@@ -12,7 +12,9 @@ forward. Every rank is one thread (2 ranks on this 2-core machine; the unsharded
 one process, one thread). Rows: the unsharded model; fzero ZeRO-3 at world 2 releasing
 each unit after use (the default, as in training); fzero with
 `stage3_eval_live_parameters` above the model's size (units stay gathered across
-tokens: each is gathered once per `generate`); DeepSpeed ZeRO-3 at world 2 when
+tokens: each is gathered once per `generate`); with the bound at half the model (the
+units past it are released and gathered again each token, prefetched along the trace
+the first forward recorded); DeepSpeed ZeRO-3 at world 2 when
 `FZERO_DEEPSPEED_PYTHON` names a python where it imports. Each row runs in its own
 processes, the rows interleaved over `--rounds`; the table shows the median over rounds
 with the min-max, and whether the tokens equal the unsharded model's.
@@ -36,6 +38,7 @@ ROWS = {
     "unsharded": "unsharded model, 1 process",
     "release": "fzero ZeRO-3, world 2, release after use",
     "keep": "fzero ZeRO-3, world 2, eval_live_parameters 2e8",
+    "half": "fzero ZeRO-3, world 2, eval_live_parameters 6.2e7 (half)",
     "deepspeed": "DeepSpeed ZeRO-3, world 2",
 }
 
@@ -81,6 +84,8 @@ def run_row(name: str, tokens: int) -> dict[str, Any]:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if name == "keep":
         zero["stage3_eval_live_parameters"] = 200_000_000
+    if name == "half":  # half the model stays gathered; the rest is prefetched per token
+        zero["stage3_eval_live_parameters"] = 62_000_000
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
     if name == "deepspeed":
         import deepspeed
@@ -111,7 +116,7 @@ def main() -> None:
         if _harness.launched_rank() in (None, 0):
             _harness.write_row(args.json, result)
         return
-    names = ["unsharded", "release", "keep"]
+    names = ["unsharded", "release", "keep", "half"]
     deepspeed_python = os.environ.get("FZERO_DEEPSPEED_PYTHON")
     if deepspeed_python:
         names.append("deepspeed")
