@@ -386,9 +386,16 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
         if seen is not None:
             _set_status("done")
     values = {r: store.get(key).decode() for r, key in keys.items()}
-    with contextlib.suppress(Exception):  # every rank has read the previous one: posted here
-        store.delete_key(f"fzero/agree/{_agreed[0] - 1}/{rank}")
+    if _agreed[0] > _KEPT_AGREEMENTS:  # the ranks that read this rank's older posts have
+        with contextlib.suppress(Exception):  # posted (and so read) many since
+            store.delete_key(f"fzero/agree/{_agreed[0] - _KEPT_AGREEMENTS}/{rank}")
     return values
+
+
+# A rank deletes its post of an agreement this many agreements later: a rank of that
+# agreement's group may still be about to read it (a subgroup's agreements interleave
+# with another's; the previous one alone is not safe).
+_KEPT_AGREEMENTS = 64
 
 
 # ---- every rank issues the collective the others issue --------------------------------------
