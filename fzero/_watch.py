@@ -368,24 +368,27 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
     within = _named_now[0] if _named_now else ""
     collective = _Collective(_issued[0], "agreement", len(ranks), what, within)
     seconds, seen = _watch_slice() or 1.0, None
-    deadline = time.monotonic() + seconds
     limit = time.monotonic() + float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    posts = list(keys.values())
     try:
-        while not store.check(list(keys.values())):
-            if time.monotonic() > deadline:  # a rank is elsewhere: ask where
-                seen, deadline = _ask_peers(collective, seen), time.monotonic() + seconds
-            if time.monotonic() > limit:  # as a collective's timeout
-                missing = [r for r, key in keys.items() if not store.check([key])]
-                raise RankDisagreement(
-                    f"fzero: rank(s) {missing} did not reach {collective.describe()} within "
-                    "the collective timeout (they are elsewhere: user code, a data loader, "
-                    "another operation, or dead)"
-                )
-            time.sleep(0.0002)
+        while True:
+            try:  # the store answers when every key is there (no polling)
+                store.wait(posts, datetime.timedelta(seconds=seconds))
+                break
+            except RuntimeError:  # a rank has not posted within a slice: ask where
+                if time.monotonic() > limit:  # as a collective's timeout
+                    missing = [r for r, key in keys.items() if not store.check([key])]
+                    raise RankDisagreement(
+                        f"fzero {within or what}: rank(s) {missing} did not arrive in "
+                        f"{collective.describe()} within the collective timeout (they are "
+                        "elsewhere: in user code, a data loader, another engine's call, or "
+                        "dead)"
+                    ) from None
+                seen = _ask_peers(collective, seen)
     finally:
         if seen is not None:
             _set_status("done")
-    values = {r: store.get(key).decode() for r, key in keys.items()}
+    values = dict(zip(keys, (v.decode() for v in store.multi_get(posts))))
     if _agreed[0] > _KEPT_AGREEMENTS:  # the ranks that read this rank's older posts have
         with contextlib.suppress(Exception):  # posted (and so read) many since
             store.delete_key(f"fzero/agree/{_agreed[0] - _KEPT_AGREEMENTS}/{rank}")
