@@ -479,21 +479,34 @@ def _routes(step: int, rank: int) -> int:
     return 0 if step < 2 else rank
 
 
-def moe_case(rank: int, world: int, door: str) -> dict:
+MODELS = {"MoE": MoE, "Experts": Experts}
+
+
+def routed_case(rank: int, world: int, door: str, name: str, leaf: bool) -> dict:
+    """Four steps at stage 3, rank r's half of the batch routed by `_routes` (`leaf`:
+    the model flagged as a leaf with DeepSpeed's `set_z3_leaf_modules`)."""
+    from fzero.compat.deepspeed.utils import set_z3_leaf_modules
+
     torch.manual_seed(0)
+    model = MODELS[name]()
+    if leaf:
+        set_z3_leaf_modules(model, [MODELS[name]])  # as scripts flag MoE blocks
     x, y = _data()
     rows = slice(rank * 2, rank * 2 + 2)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    model = MoE()
     if door == "engine":
         config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
         engine = fzero.shard(model, optimizer=fzero.optim.sgd(lr=0.1), config=config)
         for step in range(4):
             engine.backward(F.mse_loss(engine(x[rows], _routes(step, rank)), y[rows]))
             engine.step()
-        return engine.state_dict(dtype=torch.float32)
+        return {"units": [u.name for u in engine.plan.units], **engine.state_dict()}
     plan = fzero.partition.plan(
-        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+        fzero.partition.describe(model),
+        world_size=world,
+        stage=3,
+        persistence_threshold=0,
+        leaf_modules=fzero.partition.leaf_modules(model),
     )
     state = fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))
     route = [0]
@@ -506,17 +519,13 @@ def moe_case(rank: int, world: int, door: str) -> dict:
     for step in range(4):
         route[0] = _routes(step, rank)
         state, _ = step_fn(state, (x[rows], y[rows]))
-    return fzero.state_dict(state)
+    return {"units": [u.name for u in plan.units], **fzero.state_dict(state)}
 
 
-@pytest.mark.parametrize("door", ["engine", "train_step"])
-def test_ranks_routing_to_different_experts_of_one_layer_train_correctly(door):
-    """Each layer's experts are one stage-3 unit, gathered whole by every rank: a rank
-    that leaves an expert unused contributes zero gradients to it (as DDP with
-    `find_unused_parameters`), and the weights equal one process's."""
-    got = run_world(moe_case, 2, door)
+def _routed_reference(name: str) -> dict:
+    """One process: the mean of both ranks' losses, each routed as `_routes` says."""
     torch.manual_seed(0)
-    model = MoE()
+    model = MODELS[name]()
     x, y = _data()
     for step in range(4):
         model.zero_grad()
@@ -525,9 +534,19 @@ def test_ranks_routing_to_different_experts_of_one_layer_train_correctly(door):
         ((first + second) / 2).backward()
         with torch.no_grad():
             for p in model.parameters():
-                if p.grad is not None:  # expert 1 before step 2: no rank uses it
+                if p.grad is not None:  # an expert no rank used yet
                     p -= 0.1 * p.grad
-    for key, value in model.state_dict().items():
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("door", ["engine", "train_step"])
+def test_ranks_routing_to_different_experts_of_one_layer_train_correctly(door):
+    """Each layer's experts are one stage-3 unit, gathered whole by every rank: a rank
+    that leaves an expert unused contributes zero gradients to it (as DDP with
+    `find_unused_parameters`), and the weights equal one process's."""
+    got = run_world(routed_case, 2, door, "MoE", False)
+    assert got["units"] == ["layers.0", "layers.1", "head"]
+    for key, value in _routed_reference("MoE").items():
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6)
 
 
@@ -559,63 +578,13 @@ def test_leaf_modules_put_a_leafs_parameters_in_one_unit():
         fzero.partition.plan(manifest, world_size=2, stage=3, leaf_modules="b")
 
 
-def leaf_case(rank: int, world: int, door: str) -> dict:
-    from fzero.compat.deepspeed.utils import set_z3_leaf_modules
-
-    torch.manual_seed(0)
-    model = Experts()
-    set_z3_leaf_modules(model, [Experts])  # as scripts flag MoE blocks for DeepSpeed
-    x, y = _data()
-    rows = slice(rank * 2, rank * 2 + 2)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    if door == "engine":
-        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
-        engine = fzero.shard(model, optimizer=fzero.optim.sgd(lr=0.1), config=config)
-        assert [u.name for u in engine.plan.units] == ["<root>"]
-        for step in range(3):
-            engine.backward(F.mse_loss(engine(x[rows], _routes(step, rank)), y[rows]))
-            engine.step()
-        return engine.state_dict(dtype=torch.float32)
-    leaves = fzero.partition.leaf_modules(model)
-    plan = fzero.partition.plan(
-        fzero.partition.describe(model),
-        world_size=world,
-        stage=3,
-        persistence_threshold=0,
-        leaf_modules=leaves,
-    )
-    state = fzero.init(model, plan, optimizer=fzero.optim.sgd(lr=0.1))
-    route = [0]
-
-    def loss_fn(params: dict, batch: tuple) -> torch.Tensor:
-        out = torch.func.functional_call(model, params, (batch[0], route[0]))
-        return F.mse_loss(out, batch[1])
-
-    step_fn = fzero.train_step(loss_fn, plan=plan, optimizer=fzero.optim.sgd(lr=0.1))
-    for step in range(3):
-        route[0] = _routes(step, rank)
-        state, _ = step_fn(state, (x[rows], y[rows]))
-    return fzero.state_dict(state)
-
-
 @pytest.mark.parametrize("door", ["engine", "train_step"])
 def test_experts_of_a_leaf_module_train_correctly_when_ranks_route_apart(door):
     """The experts `b`, `c` that `test_ranks_routing_to_different_experts_of_equal_size`
     sees named: flagged with DeepSpeed's `set_z3_leaf_modules`, the model is one unit
     that every rank gathers, and routing apart (from the third step) trains as one
     process does."""
-    got = run_world(leaf_case, 2, door)
-    torch.manual_seed(0)
-    model = Experts()
-    x, y = _data()
-    for step in range(3):
-        model.zero_grad()
-        first = F.mse_loss(model(x[:2], _routes(step, 0)), y[:2])
-        second = F.mse_loss(model(x[2:], _routes(step, 1)), y[2:])
-        ((first + second) / 2).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= 0.1 * p.grad
-    for key, value in model.state_dict().items():
+    got = run_world(routed_case, 2, door, "Experts", True)
+    assert got["units"] == ["<root>"]
+    for key, value in _routed_reference("Experts").items():
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6)
