@@ -368,14 +368,12 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
     within = _named_now[0] if _named_now else ""
     collective = _Collective(_issued[0], "agreement", len(ranks), what, within)
     seconds, seen = _watch_slice() or 1.0, None
-    limit = time.monotonic() + float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    posts = list(keys.values())
-    try:
-        while True:
-            try:  # the store answers when every key is there (no polling)
-                store.wait(posts, datetime.timedelta(seconds=seconds))
-                break
-            except RuntimeError:  # a rank has not posted within a slice: ask where
+    timeout = float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    deadline, limit = time.monotonic() + seconds, time.monotonic() + timeout
+    posts, pause = list(keys.values()), 5e-5
+    try:  # polled, the pause doubling to 5 ms (the store's own wait logs each timeout)
+        while not store.check(posts):
+            if time.monotonic() > deadline:  # a rank is elsewhere: ask where
                 if time.monotonic() > limit:  # as a collective's timeout
                     missing = [r for r, key in keys.items() if not store.check([key])]
                     raise RankDisagreement(
@@ -383,8 +381,10 @@ def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
                         f"{collective.describe()} within the collective timeout (they are "
                         "elsewhere: in user code, a data loader, another engine's call, or "
                         "dead)"
-                    ) from None
-                seen = _ask_peers(collective, seen)
+                    )
+                seen, deadline = _ask_peers(collective, seen), time.monotonic() + seconds
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
     finally:
         if seen is not None:
             _set_status("done")
