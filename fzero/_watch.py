@@ -24,6 +24,7 @@ __all__ = [
     "RankDisagreement",
     "Watched",
     "agree",
+    "exempt_thread",
     "issue",
     "named_operation",
     "post_raised",
@@ -427,26 +428,30 @@ class _Track:
     key: str
     expected: tuple[tuple[str, int, str], ...] | None
     done: list[tuple[str, int, str]] = field(default_factory=list)
-    thread: int = field(default_factory=threading.get_ident)
 
     def next(self, kind: str, numel: int, what: str, group: Any) -> None:
-        """Before issuing a collective: the same as last time here, or agreed (one from
-        another thread, as a background checkpoint writer's, is not this operation's)."""
-        if threading.get_ident() != self.thread:
+        """Before issuing a collective: the same as last time here, or agreed (also from
+        autograd's device threads, which run a CUDA backward; not from a thread that
+        `exempt_thread` marked, as a background checkpoint writer)."""
+        if getattr(_thread, "exempt", False):
             return
         at, signature = len(self.done), (kind, numel, what)
         self.done.append(signature)
         if self.expected is not None and at < len(self.expected) and self.expected[at] == signature:
             return
-        self._agree(f"{kind} of {numel:,} elements" + (f" ({what})" if what else ""), group)
+        mine = f"{kind} of {numel:,} elements" + (f" ({what})" if what else "")
+        self._agree(f"{mine} as collective #{_issued[0] + 1}", group)
 
     def end(self) -> None:
         """The operation returned: where it ran fewer collectives than last time, or for
-        the first time, the ranks agree it ended here; then this run is the next one's."""
+        the first time, the ranks agree it ended here; then this run is the next one's.
+        (Agreements carry the collectives issued so far: a rank that issued more without
+        waiting on them cannot agree with one that did not.)"""
         expected, done = self.expected, len(self.done)
         first = expected is None and done > 0
         if first or (expected is not None and done < len(expected)):
-            self._agree(f"the end of the operation after {done} collective(s)", None)
+            text = f"the end of the operation after {done} collective(s), #{_issued[0]} so far"
+            self._agree(text, None)
         _tracks[self.key] = tuple(self.done)
 
     def _agree(self, mine: str, group: Any) -> None:
@@ -466,6 +471,15 @@ class _Track:
             )
             post_raised(f"{within}: RankDisagreement: {message}")
             raise RankDisagreement(message)
+
+
+_thread = threading.local()
+
+
+def exempt_thread() -> None:
+    """The calling thread's collectives are never checked (a background thread that runs
+    beside the operations of the main one, as an asynchronous checkpoint writer)."""
+    _thread.exempt = True
 
 
 @contextlib.contextmanager

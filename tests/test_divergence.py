@@ -576,6 +576,27 @@ def test_leaf_modules_put_a_leafs_parameters_in_one_unit():
     assert [u.name for u in usual.units] == ["layers.0", "layers.1", "head"]
     with pytest.raises(fzero.partition.PlanError, match="leaf_modules is 'b'"):
         fzero.partition.plan(manifest, world_size=2, stage=3, leaf_modules="b")
+    with pytest.raises(fzero.partition.PlanError, match=r"leaf_modules \[''\] with unit_numel=8"):
+        fzero.partition.plan(manifest, world_size=2, stage=3, leaf_modules=("",), unit_numel=8)
+
+
+def _own_strategy(manifest, *, world_size, stage, persistence_threshold=0):
+    return fzero.partition.per_tensor_dim0(manifest, world_size=world_size, stage=stage)
+
+
+def test_a_strategy_that_takes_no_leaf_modules_keeps_its_units():
+    """The engine passes the leaf flags only to a strategy that takes `leaf_modules`; a
+    user's own strategy without it lays out its units as before (the flags recorded)."""
+    from fzero.compat.deepspeed.utils import set_z3_leaf_modules
+
+    model = Experts()
+    set_z3_leaf_modules(model, [Experts])
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine = fzero.shard(model, strategy=_own_strategy, config=config)
+    assert [u.name for u in engine.plan.units] == ["a", "b", "c"]
+    flagged = fzero.shard(Experts(), config=config)  # flat_even takes them: one unit
+    set_z3_leaf_modules(flagged.module, [Experts])
+    assert [u.name for u in flagged.plan.units] == ["a", "b", "c"]  # flagged after: as DeepSpeed
 
 
 @pytest.mark.parametrize("door", ["engine", "train_step"])

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
+from fzero._watch import exempt_thread
 from fzero.checkpoint._checksum import LEGACY_ALGORITHM
 from fzero.checkpoint._files import CheckpointError, SafetensorsFile, tensor_bytes
 from fzero.checkpoint._index import decode_client_state, unpack
@@ -148,6 +149,7 @@ class AsyncSave:
         self.error: BaseException | None = None
 
         def run() -> None:
+            exempt_thread()  # its collectives are not the main thread's operations
             try:
                 target()
             except BaseException as error:  # surfaced by wait()

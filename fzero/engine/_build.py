@@ -4,6 +4,7 @@ where the plan, precision and offload say (`fzero.core.layout`), and its hooks."
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import weakref
@@ -51,8 +52,15 @@ def plan_for(
     if zero.stage == 3:
         options["persistence_threshold"] = zero.stage3_param_persistence_threshold
         leaves = partition.leaf_modules(module)  # DeepSpeed's set_z3_leaf_modules
-        if leaves:
+        if leaves and _takes(strategy or partition.flat_even, "leaf_modules"):
             options["leaf_modules"] = leaves
+        elif leaves:  # a strategy of the user's own decides its units (the flags recorded)
+            log.info(
+                "fzero: strategy %s takes no leaf_modules; the ZeRO-3 leaf flags on %s are "
+                "not applied to its units",
+                getattr(strategy, "__name__", strategy),
+                list(leaves),
+            )
     manifest = partition.describe(module, groups)
     keys = {
         "stage": zero.stage,
@@ -82,6 +90,12 @@ def plan_for(
         strategy=strategy or partition.flat_even,
         **options,
     )
+
+
+def _takes(strategy: Callable[..., Plan], option: str) -> bool:
+    """Whether `strategy`'s signature accepts `option` (by name or `**options`)."""
+    parameters = inspect.signature(strategy).parameters.values()
+    return any(p.name == option or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def cast_module(engine: Engine) -> None:

@@ -124,6 +124,11 @@ def group_units(
         raise PlanError(f"unit_numel is {unit_numel}; it must be >= 1 or None")
     if isinstance(leaf_modules, str):
         raise PlanError(f"leaf_modules is {leaf_modules!r}; give a sequence of module paths")
+    if leaf_modules and unit_numel is not None:
+        raise PlanError(
+            f"leaf_modules {list(leaf_modules)} with unit_numel={unit_numel}: a size budget "
+            "packs tensors across modules and could split a leaf; give one of them"
+        )
     leaves = tuple(sorted(set(leaf_modules), key=lambda p: (p.count(".") + bool(p), p)))
     buckets: dict[tuple[object, ...], list[TensorSpec]] = {}
     budget_index = 0
