@@ -584,19 +584,27 @@ def _own_strategy(manifest, *, world_size, stage, persistence_threshold=0):
     return fzero.partition.per_tensor_dim0(manifest, world_size=world_size, stage=stage)
 
 
+def own_strategy_case(rank: int, world: int) -> dict:
+    from fzero.compat.deepspeed.utils import set_z3_leaf_modules
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    model = Experts()
+    set_z3_leaf_modules(model, [Experts])
+    own = fzero.shard(model, strategy=_own_strategy, config=config)
+    model = Experts()
+    set_z3_leaf_modules(model, [Experts])
+    built_in = fzero.shard(model, config=config)  # flat_even takes them
+    return {
+        "own": [u.name for u in own.plan.units],
+        "built_in": [u.name for u in built_in.plan.units],
+    }
+
+
 def test_a_strategy_that_takes_no_leaf_modules_keeps_its_units():
     """The engine passes the leaf flags only to a strategy that takes `leaf_modules`; a
     user's own strategy without it lays out its units as before (the flags recorded)."""
-    from fzero.compat.deepspeed.utils import set_z3_leaf_modules
-
-    model = Experts()
-    set_z3_leaf_modules(model, [Experts])
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
-    engine = fzero.shard(model, strategy=_own_strategy, config=config)
-    assert [u.name for u in engine.plan.units] == ["a", "b", "c"]
-    flagged = fzero.shard(Experts(), config=config)  # flat_even takes them: one unit
-    set_z3_leaf_modules(flagged.module, [Experts])
-    assert [u.name for u in flagged.plan.units] == ["a", "b", "c"]  # flagged after: as DeepSpeed
+    got = run_world(own_strategy_case, 1)
+    assert got == {"own": ["a", "b", "c"], "built_in": ["<root>"]}
 
 
 @pytest.mark.parametrize("door", ["engine", "train_step"])
