@@ -44,6 +44,7 @@ from fzero.checkpoint._save import (
     state_kinds,
     wait_for_save,
 )
+from fzero.core.groups import check_same_plan
 from fzero.core.precision import init_state
 from fzero.core.publish import Publisher, runtime_of
 from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
@@ -107,6 +108,7 @@ def restore(
     passed (the files changed in between), every rank raises `PartlyRestoredError` and
     `like` must be restored again."""
     wait_for_save(owner)
+    check_same_plan(like.plan, "fzero.checkpoint.restore")
     extras = extras_of(like.plan, module, extras)
     group = side_group(extras)
     found = find(directory, tag)

@@ -14,6 +14,7 @@ from torch import Tensor
 from fzero import comm
 from fzero.config import Config
 from fzero.core.gather import PlaceholderGatherer
+from fzero.core.groups import check_same_plan
 from fzero.core.init import config_for_plan
 from fzero.core.layout import gather_pieces
 from fzero.core.state import TrainState
@@ -37,6 +38,7 @@ def eval_step(
     units stay gathered from one call to the next on the same state (generation calls
     `evaluate` once per token): each unit is gathered once, not once per call. A call
     with another state (a step returns a new one) drops them first."""
+    check_same_plan(plan, "fzero.eval_step")
     cfg = config_for_plan(config, plan)
     zero = cfg.zero_optimization
     max_live, keep = int(zero.stage3_max_live_parameters), int(zero.stage3_eval_live_parameters)

@@ -16,17 +16,19 @@ gathers the same unit is checked where every collective is (`fzero._watch`).
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fzero import comm
-from fzero.partition import Mesh, Plan, Unit
+from fzero import comm, partition
+from fzero.partition import Mesh, MeshPlan, Plan, Unit
 
 __all__ = [
     "Groups",
     "check_even",
+    "check_same_plan",
     "gather_unit",
     "groups_of",
     "secondary_block",
@@ -112,3 +114,57 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
             f"({plan.strategy}) has uneven shards; quantized collectives need equal shards: "
             "turn it off or use an even strategy (flat_even, per_tensor_dim0)"
         )
+
+
+def check_same_plan(plan: Plan | MeshPlan, where: str) -> None:
+    """Raise `comm.RankDisagreement` on every rank unless every process holds a plan equal
+    to `plan` (collective, through the process group's store: no collective a rank with
+    another plan could pair wrongly). Whoever builds a plan for a run calls it before
+    building any state: a strategy whose result depends on the rank (a timing, a profile,
+    a random draw) would otherwise train silently wrong, its padded collectives having
+    equal sizes. The error names the first part that differs (the header, the manifest or
+    a unit), its first differing field and each rank's value of it."""
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return
+    ranks = list(range(comm.get_world_size()))
+    digests = comm.agree(f"the plan of {where}", partition.plan_digest(plan), ranks)
+    if len(set(digests.values())) == 1:
+        return
+    parts = partition.plan_parts(plan)
+    every = comm.agree(f"the plan's parts in {where}", json.dumps([list(p) for p in parts]), ranks)
+    by_rank = {r: [tuple(p) for p in json.loads(text)] for r, text in every.items()}
+    index = _first_difference(list(by_rank.values()))
+    fields = comm.agree(
+        f"part {index} of the plan in {where}",
+        json.dumps(partition.part_fields(plan, index)),
+        ranks,
+    )
+    values = {r: json.loads(text) for r, text in fields.items()}
+    names = {r: by_rank[r][index][0] if index < len(by_rank[r]) else "(none)" for r in ranks}
+    keys = list(dict.fromkeys(k for v in values.values() for k in v))
+    field = next((k for k in keys if len({v.get(k, "(absent)") for v in values.values()}) > 1), "")
+    shown = "; ".join(
+        f"rank {r}: {values[r].get(field, '(absent)') if field else names[r]}" for r in ranks
+    )
+    groups: dict[str, list[int]] = {}
+    for r, digest in digests.items():
+        groups.setdefault(digest, []).append(r)
+    raise comm.RankDisagreement(
+        f"fzero {where}: the ranks hold different plans (plan digests: "
+        + ", ".join(f"ranks {rs} {d[:12]}" for d, rs in groups.items())
+        + f"); the first difference is in {names[ranks[0]]}"
+        + (f", field {field!r}" if field else "")
+        + f": {shown}. Every rank must run the same plan: a strategy must return the same "
+        "value on every rank (decide from what every rank sees, or compute the decision on "
+        "one rank and broadcast it, e.g. torch.distributed.broadcast_object_list, before "
+        "building the plan)"
+    )
+
+
+def _first_difference(parts: list[list[tuple[str, str]]]) -> int:
+    """The index of the first part whose digest differs between the ranks' lists."""
+    longest = max(len(p) for p in parts)
+    for index in range(longest):
+        if len({p[index][1] if index < len(p) else "" for p in parts}) > 1:
+            return index
+    return longest

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
-from fzero.core.groups import gather_unit, groups_of
+from fzero.core.groups import check_same_plan, gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
@@ -71,6 +71,7 @@ def init(
     check_precision(dtypes, cfg)
     comm.init_distributed()
     _check_world(plan)
+    check_same_plan(plan, "fzero.init")
     rank, device, dtype = groups_of(plan).rank, comm.backend_device(), dtypes.compute_dtype
     host = _optimizer_device(cfg, device, plan.stage)
     swapped = cfg.zero_optimization.offload_optimizer.device == "nvme"

@@ -39,7 +39,7 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps
 from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
-from fzero.core.groups import groups_of
+from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import loss_scaler
@@ -115,6 +115,7 @@ def train_step(
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
     plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
+    check_same_plan(plan, "fzero.train_step")
     cfg = config_for_plan(config, plan)
     optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)

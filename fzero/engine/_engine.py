@@ -24,7 +24,7 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import OptimizerApplication
-from fzero.core.groups import groups_of
+from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.layout import (
     UnitRuntime,
 )
@@ -163,6 +163,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             list(param_groups) if param_groups else [{"params": list(module.parameters())}]
         )
         self.plan = plan_for(module, self._groups, config, self.world_size, strategy)
+        check_same_plan(self.plan, f"engine {self.name}")
         # the process's groups and rank in the plan (a mesh's shard group; `rank` is the
         # process's, DeepSpeed's global rank)
         self.groups = groups_of(self.plan)

@@ -7,6 +7,7 @@ m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zer
 print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
 """
 
+from fzero.partition._digest import PlanPart, part_fields, plan_digest, plan_parts
 from fzero.partition._manifest import (
     Manifest,
     TensorSpec,
@@ -89,6 +90,7 @@ __all__ = [
     "Placement",
     "Plan",
     "PlanError",
+    "PlanPart",
     "Preset",
     "Read",
     "Sharding",
@@ -120,8 +122,11 @@ __all__ = [
     "optimizer_state_slots",
     "owned_numel",
     "owner_of",
+    "part_fields",
     "per_tensor_dim0",
     "plan",
+    "plan_digest",
+    "plan_parts",
     "plot_plan",
     "preset_from_name",
     "process_groups",
