@@ -74,7 +74,7 @@ def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
             param_dtype={"fp32": "float32", "fp16": "float16"}[precision],
             bucket_numel=300,
             scatter_as_all_reduce=True,  # gloo
-            regathered=engine.stage3.regathered,
+            regathered=engine.gatherer.regathered,
             loss_scaling=precision == "fp16",
             optimizer=name.lower(),
         )
@@ -82,7 +82,7 @@ def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
             "sent": sent,
             "predicted": _by_operation(predicted),
             "same": predicted == pure,
-            "regathered": sorted(engine.stage3.regathered),
+            "regathered": sorted(engine.gatherer.regathered),
             "persistent": sum(u.persistent for u in engine.plan.units),
         }
         engine.destroy()

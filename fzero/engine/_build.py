@@ -149,8 +149,7 @@ def install_hooks(engine: Engine) -> list[Any]:
             handles.append(p.register_post_accumulate_grad_hook(engine.reduction.on_grad))
             p._fzero_engine = weakref.ref(engine)  # for fzero.gathered_parameters
     handles += ForwardHooks(engine).install()
-    if engine.stage == 3:
-        engine.stage3.install_hooks(engine.module)
+    if engine.stage3 is not None:
         handles += engine.stage3.hooks
     return handles
 
@@ -217,9 +216,8 @@ def build_unit(
             describe_zero3_param(p, shape, persistent=unit.persistent, available=keeps_full)
     if keeps_full:
         bind(rt)
-    else:
+    else:  # where the shard lives between uses: `fzero.core.param_shards`
         unbind(rt, engine.compute_dtype, engine.device)
-        engine.stage3.store_param_shard(rt, rt.param_shard)
     if residency.nvme is not None:  # to the swap file; the host keeps nothing of it
         residency.swap_out(rt, rt.slot, wait=True)
         residency.evict(rt)

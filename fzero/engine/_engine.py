@@ -24,14 +24,14 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import OptimizerApplication
+from fzero.core.gathering import Gatherer, GatherSettings
 from fzero.core.groups import check_same_plan, groups_of
-from fzero.core.layout import (
-    UnitRuntime,
-)
+from fzero.core.layout import UnitRuntime, bind, unbind
+from fzero.core.param_shards import ParamShardStore, PublishedShards
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators, scatter_by_all_reduce
 from fzero.core.residency import Residency
-from fzero.core.stage3 import Stage3Gatherer
+from fzero.core.stage3 import ModuleGathering
 from fzero.core.state import Counters, TrainState, optimizer_partition, partition_numel
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
@@ -176,15 +176,42 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             partition_numel=self.partition_numel,
         )
         cast_module(self)
-        self.stage3 = Stage3Gatherer(
-            config,
+        trainable = self.functional_optimizer is not _NO_OPTIMIZER
+        self.hyperparams = Hyperparams(self, self._groups, trainable)
+        buckets = partition.reduction_buckets(self.plan, int(zero.reduce_bucket_size))
+        accumulators = None  # stages 0-1: one buffer per bucket (one all-reduce each)
+        if self.stage < 2:
+            accumulators = bucket_accumulators(self.plan, buckets, self.device)
+        self.units = build_units(self, param_init_fn, accumulators)
+        self.residency.units = self.units
+        store = ParamShardStore(
+            self.units,
             self.plan,
             rank=self.plan_rank,
-            compute_dtype=self.compute_dtype,
-            device=self.device,
+            process_rank=self.rank,
+            dtype=self.compute_dtype,
+            offload=zero.offload_param,
+            aio=config.aio,
             pin_memory=self.residency.pin,
-            timers=self.timers,
         )
+        units = self.units
+        self.gatherer = Gatherer(
+            self.plan,
+            store,
+            dtype=self.compute_dtype,
+            device=self.device,
+            settings=GatherSettings(
+                max_live=int(zero.stage3_max_live_parameters),
+                prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                max_reuse=int(zero.stage3_max_reuse_distance),
+                eval_live=int(zero.stage3_eval_live_parameters),
+                quantized=zero.zero_quantized_weights,
+            ),
+            timer=self.timers,
+            bind=lambda i, full: bind(units[i], full),
+            unbind=lambda i: unbind(units[i], self.compute_dtype, self.device),
+        )
+        self.param_shards = PublishedShards(store, self.gatherer)
         self.optimizer_application = OptimizerApplication(
             self.plan,
             self.plan_rank,
@@ -193,18 +220,10 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             residency=self.residency,
             compute_dtype=self.compute_dtype,
             device=self.device,
-            param_shards=self.stage3,
+            param_shards=self.param_shards,
             param_offload=self.param_offload,
             timer=self.timers,
         )
-        trainable = self.functional_optimizer is not _NO_OPTIMIZER
-        self.hyperparams = Hyperparams(self, self._groups, trainable)
-        buckets = partition.reduction_buckets(self.plan, int(zero.reduce_bucket_size))
-        accumulators = None  # stages 0-1: one buffer per bucket (one all-reduce each)
-        if self.stage < 2:
-            accumulators = bucket_accumulators(self.plan, buckets, self.device)
-        self.units = build_units(self, param_init_fn, accumulators)
-        self.stage3.units = self.residency.units = self.units
         self.reduction = GradientReduction(
             self,
             self.plan,
@@ -213,14 +232,21 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             buckets,
             device=self.device,
             compute_dtype=self.compute_dtype,
-            stage3=self.stage3,
+            gatherer=self.gatherer,
             residency=self.residency,
             timers=self.timers,
             overlap=self.overlap_comm,
             quantized=zero.zero_quantized_gradients,
             bits=zero.zero_quantized_gradients_bits,
         )
-        self.stage3.on_backward_use = self.reduction.note_backward_use
+        self.stage3 = None
+        if self.stage == 3:
+            self.stage3 = ModuleGathering(
+                self.gatherer,
+                self.units,
+                module,
+                on_backward_use=self.reduction.note_backward_use,
+            )
         self._hooks += install_hooks(self)
         # what the engine steps after each applied step, a plain attribute as DeepSpeed's
         # (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None
@@ -466,7 +492,8 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.wait_for_checkpoint()
         if self.stage == 3:
             for rt in self.units:
-                self.stage3.gather(rt)
+                if not rt.unit.persistent:
+                    self.gatherer.gather(rt.index)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -512,7 +539,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             param_dtype=partition.dtype_name(self.compute_dtype),
             bucket_numel=int(zero.reduce_bucket_size),
             scatter_as_all_reduce=scatter_by_all_reduce(),
-            regathered=self.stage3.regathered,
+            regathered=self.gatherer.regathered,
             loss_scaling=self.loss_scaler is not None and self.loss_scaler.dynamic,
             optimizer=self.functional_optimizer.name,
             quantized_weights=zero.zero_quantized_weights,

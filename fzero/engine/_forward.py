@@ -1,7 +1,7 @@
 """The module's own hooks around its forward (first of all its hooks, so calling the
 module directly trains as calling the engine does): floating inputs cast to the compute
 dtype, DeepSpeed's `torch_autocast`, and in stage 3 the forward phase with its
-saved-tensor hooks (`fzero.core.stage3`)."""
+saved-tensor hooks (`fzero.core.stage3`, over `fzero.core.gathering`)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ class ForwardHooks:
         contexts: list[Any] = []
         if engine.config.torch_autocast.enabled:  # DeepSpeed's torch_autocast (bf16)
             contexts.append(torch.autocast(engine.device.type, dtype=torch.bfloat16))
-        if engine.stage == 3:
+        if engine.stage3 is not None:
             stage3 = engine.stage3
-            stage3.begin_phase("forward")
+            engine.gatherer.begin_phase("forward")
             contexts.append(torch.autograd.graph.saved_tensors_hooks(stage3.pack, stage3.unpack))
         for context in contexts:
             context.__enter__()
@@ -52,5 +52,5 @@ class ForwardHooks:
             return
         for context in reversed(self._contexts.pop()):
             context.__exit__(None, None, None)
-        if self.engine.stage == 3:
-            self.engine.stage3.end_phase()
+        if self.engine.stage3 is not None:
+            self.engine.gatherer.end_phase()

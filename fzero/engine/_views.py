@@ -49,25 +49,31 @@ def gathered_parameters(
     units = [rt for rt in engine.units if any(id(p) in wanted for p, _, _ in rt.params)]
     managed = {id(p) for rt in units for p, _, _ in rt.params}
     others = [p for p in params if id(p) not in managed]  # frozen: whole everywhere
-    gathered_here = [rt for rt in units if rt.full is None]
-    for rt in units:
-        engine.stage3.gather(rt)
+    gatherer = engine.gatherer
+    sharded = [rt for rt in units if rt.full is None]  # stage 3: gathered for the block
+    gathered_here = [rt for rt in sharded if gatherer.units[rt.index].full is None]
+    for rt in sharded:
+        gatherer.gather(rt.index)
     try:
         yield
     except BaseException:
         for rt in gathered_here:
-            engine.stage3.release(rt)
+            gatherer.release(rt.index)
         raise
     if modifier_rank is not None:
         with torch.no_grad():
             for rt in units:
+                full = rt.full if rt.full is not None else gatherer.units[rt.index].full
+                assert full is not None
                 with engine.residency.resident(rt, write_back=True):
-                    accept_edits(rt, engine.plan, engine.plan_rank, modifier_rank, engine.stage3)
+                    accept_edits(
+                        rt, full, engine.plan, engine.plan_rank, modifier_rank, engine.param_shards
+                    )
             for p in others:
                 if engine.world_size > 1:
                     dist.broadcast(p.data, src=modifier_rank)
     for rt in gathered_here:
-        engine.stage3.release(rt)
+        gatherer.release(rt.index)
 
 
 def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
@@ -98,7 +104,7 @@ def memory_held(engine: Engine) -> MemoryEstimate:
 
     params = master = grads = state = 0
     for rt in engine.units:
-        params += size(rt.full) + size(rt.param_shard)
+        params += size(rt.full) + size(rt.param_shard) + size(engine.gatherer.units[rt.index].full)
         if rt.full is None and rt.param_shard is None:
             params += size(rt.master)  # fp32 stage 3: the master is the shard
         for p, _, _ in rt.params:
