@@ -1,10 +1,11 @@
-"""The `Engine`: DeepSpeed's surface (forward, backward, step, accessors, checkpoint
-wrappers) wiring the parts of this package together, and the step's bookkeeping:
-clipping, the fp16 overflow check and loss scale, counters, learning rates.
+"""The `Engine`: a `Runtime` (its parts, built by `fzero.engine._runtime.build_runtime`),
+its counters and loss scale, and DeepSpeed's surface over them (forward, backward,
+step, accessors, checkpoint wrappers).
 
 Everything about layout comes from the plan (`fzero.partition`); every update is a
-functional optimizer's in-place path (`fzero.optim`, applied by `_apply`); whose
-gradient is whose is `_reduction`'s docstring; each unit's buffers are `_units`'.
+functional optimizer's in-place path (`fzero.optim`, applied by `fzero.core.apply`);
+whose gradient is whose is `_reduction`'s docstring; each unit's buffers are built by
+`fzero.core.build`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,26 +25,22 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
-from fzero.core.apply import OptimizerApplication
-from fzero.core.gathering import Gatherer, GatherSettings
+from fzero.core.apply import StepClock
 from fzero.core.groups import check_same_plan, groups_of
-from fzero.core.layout import UnitRuntime, bind, unbind
-from fzero.core.param_shards import ParamShardStore, PublishedShards
+from fzero.core.layout import UnitRuntime
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
-from fzero.core.reduce import bucket_accumulators, scatter_by_all_reduce
-from fzero.core.residency import Residency
-from fzero.core.stage3 import ModuleGathering
-from fzero.core.state import Counters, TrainState, optimizer_partition, partition_numel
+from fzero.core.reduce import scatter_by_all_reduce
+from fzero.core.state import Counters, TrainState, optimizer_partition
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._accessors import DeepSpeedAccessors
-from fzero.engine._build import build_units, cast_module, install_hooks, plan_for
+from fzero.engine._build import plan_for
 from fzero.engine._checkpoints import CheckpointMethods, named
-from fzero.engine._reduction import GradientReduction
-from fzero.engine._scheduler import ConfigScheduler
-from fzero.engine._step import Hyperparams, take_step
+from fzero.engine._runtime import build_runtime
+from fzero.engine._scheduler import ConfigScheduler, step_scheduler
+from fzero.engine._step import take_step
 from fzero.engine.optimizer import EngineOptimizer
-from fzero.engine.telemetry import Telemetry, Timers
+from fzero.engine.telemetry import Telemetry
 from fzero.optim import LossScaleError, Optimizer
 from fzero.partition import MemoryEstimate, Plan, Unit
 
@@ -89,11 +87,17 @@ def _counter(name: str) -> Any:
     return property(get, set_, doc=f"`counters.{name}`")
 
 
+def _part(name: str) -> Any:
+    """The runtime's part `name`, read through the engine (`engine.units`, ...)."""
+    return property(lambda self: getattr(self.runtime, name), doc=f"`runtime.{name}`")
+
+
 class Engine(DeepSpeedAccessors, CheckpointMethods):
     """Executes a ZeRO plan for `module`. Build it with `fzero.shard` or `fzero.initialize`.
 
-    Its state is the units' buffers (`units`, viewed as a `TrainState` by `train_state`
-    without a copy), `counters`, `loss_scale_state` and the process's generator; each
+    An engine is its `runtime` (the parts, `fzero.engine._runtime`), its `counters` and
+    `loss_scale_state`, and DeepSpeed's surface over them. Its training state is the
+    units' buffers (viewed as a `TrainState` by `train_state` without a copy); each
     unit's runtime record is written by the core only."""
 
     global_steps = _counter("global_steps")
@@ -101,6 +105,21 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     micro_steps = _counter("micro_steps")
     skipped_steps = _counter("skipped_steps")
     lr_steps = _counter("lr_steps")
+    units = _part("units")
+    plan = _part("plan")
+    plan_rank = _part("rank")  # this process's rank in the plan (a mesh's shard group)
+    groups = _part("groups")
+    dtypes = _part("precision")  # compute, master and optimizer-state dtypes
+    compute_dtype = _part("compute_dtype")
+    device = _part("device")
+    functional_optimizer = _part("optimizer")  # the update as pure functions
+    schedule = _part("schedule")
+    residency = _part("residency")
+    hyperparams = _part("hyperparams")
+    gatherer = _part("gatherer")
+    param_shards = _part("param_shards")
+    reduction = _part("reduction")
+    timers = _part("timers")
 
     def __init__(
         self,
@@ -118,136 +137,37 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         name: str | None = None,
     ) -> None:
         comm.init_distributed()
-        self.config = check_resolved(config)
-        self.module = module
-        # the update as pure functions; `self.optimizer` is what DeepSpeed scripts hold
-        self.functional_optimizer = optimizer if optimizer is not None else _NO_OPTIMIZER
-        self.optimizer = EngineOptimizer(self)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = comm.backend_device()
-        # compute, master and optimizer-state dtypes; `precision` names the first
-        self.dtypes = precision_of(config, precision)
-        check_precision(self.dtypes, config)
-        self.precision = self.dtypes.compute
-        self.compute_dtype = self.dtypes.compute_dtype
-        zero = config.zero_optimization
-        self.stage = zero.stage
-        # ZeRO-Offload (Ren et al. 2021): fp32 masters, optimizer state and the update
-        # on the host; the device keeps compute-dtype parameters and gradients.
-        self.offload = zero.offload_optimizer.on
-        # stage 3 parameter shards between uses: on the device, the host or NVMe
-        self.param_offload = zero.offload_param.device
-        # fzero's native kernels run the update where the state lives on the CPU
+        self.config, self.module = check_resolved(config), module
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stage, trainable = config.zero_optimization.stage, optimizer is not None
         self.batch = batch_sizes_or_none(config, self.world_size)
         self.accumulation = accumulation_steps(config, self.world_size)
-        self.schedule = schedule
-        self.client_optimizer = client_optimizer
-        self.client_lr_scheduler = lr_scheduler  # DeepSpeed's name for the argument
-        self.overlap_comm = zero.overlap_comm if zero.overlap_comm is not None else self.stage == 3
-        self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
-        self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
-        # steps, samples, micro-steps, skipped steps, the schedule's position: a value,
-        # read and set through DeepSpeed's attribute names below
-        self.counters = Counters()
-        self._skipped_last = False
+        self.counters, self._skipped_last, self._global_grad_norm = Counters(), False, None
         self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._joined: int | None = None  # inside join(): see there
-        self.timers = Timers()
-        self._hooks: list[Any] = []
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
-        self._global_grad_norm: float | None = None
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
-
-        self._groups = (
-            list(param_groups) if param_groups else [{"params": list(module.parameters())}]
-        )
-        self.plan = plan_for(module, self._groups, config, self.world_size, strategy)
-        check_same_plan(self.plan, f"engine {self.name}")
-        # the process's groups and rank in the plan (a mesh's shard group; `rank` is the
-        # process's, DeepSpeed's global rank)
-        self.groups = groups_of(self.plan)
-        self.plan_rank = self.groups.rank
-        self.residency = Residency(
-            config,
-            self.plan,
-            rank=self.plan_rank,
-            optimizer=self.functional_optimizer,
-            partition_numel=self.partition_numel,
-        )
-        cast_module(self)
-        trainable = self.functional_optimizer is not _NO_OPTIMIZER
-        self.hyperparams = Hyperparams(self, self._groups, trainable)
-        buckets = partition.reduction_buckets(self.plan, int(zero.reduce_bucket_size))
-        accumulators = None  # stages 0-1: one buffer per bucket (one all-reduce each)
-        if self.stage < 2:
-            accumulators = bucket_accumulators(self.plan, buckets, self.device)
-        self.units = build_units(self, param_init_fn, accumulators)
-        self.residency.units = self.units
-        store = ParamShardStore(
-            self.units,
-            self.plan,
-            rank=self.plan_rank,
-            process_rank=self.rank,
-            dtype=self.compute_dtype,
-            offload=zero.offload_param,
-            aio=config.aio,
-            pin_memory=self.residency.pin,
-        )
-        units = self.units
-        self.gatherer = Gatherer(
-            self.plan,
-            store,
-            dtype=self.compute_dtype,
-            device=self.device,
-            settings=GatherSettings(
-                max_live=int(zero.stage3_max_live_parameters),
-                prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-                max_reuse=int(zero.stage3_max_reuse_distance),
-                eval_live=int(zero.stage3_eval_live_parameters),
-                quantized=zero.zero_quantized_weights,
-            ),
-            timer=self.timers,
-            bind=lambda i, full: bind(units[i], full),
-            unbind=lambda i: unbind(units[i], self.compute_dtype, self.device),
-        )
-        self.param_shards = PublishedShards(store, self.gatherer)
-        self.optimizer_application = OptimizerApplication(
-            self.plan,
-            self.plan_rank,
-            optimizer=self.functional_optimizer,
-            schedule=schedule,
-            residency=self.residency,
-            compute_dtype=self.compute_dtype,
-            device=self.device,
-            param_shards=self.param_shards,
-            param_offload=self.param_offload,
-            timer=self.timers,
-        )
-        self.reduction = GradientReduction(
-            self,
-            self.plan,
-            self.plan_rank,
-            self.units,
-            buckets,
-            device=self.device,
-            compute_dtype=self.compute_dtype,
-            gatherer=self.gatherer,
-            residency=self.residency,
-            timers=self.timers,
-            overlap=self.overlap_comm,
-            quantized=zero.zero_quantized_gradients,
-            bits=zero.zero_quantized_gradients_bits,
-        )
-        self.stage3 = None
-        if self.stage == 3:
-            self.stage3 = ModuleGathering(
-                self.gatherer,
-                self.units,
-                module,
-                on_backward_use=self.reduction.note_backward_use,
-            )
-        self._hooks += install_hooks(self)
+        self.client_optimizer = client_optimizer
+        self.client_lr_scheduler = lr_scheduler  # DeepSpeed's name for the argument
+        groups = list(param_groups) if param_groups else [{"params": list(module.parameters())}]
+        plan = plan_for(module, groups, config, self.world_size, strategy)
+        check_same_plan(plan, f"engine {self.name}")
+        dtypes = precision_of(config, precision)
+        check_precision(dtypes, config)
+        self.precision = dtypes.compute
+        self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
+        self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
+        self.runtime = build_runtime(
+            module, plan, self.config, optimizer if trainable else _NO_OPTIMIZER,
+            groups=groups_of(plan), precision=dtypes, device=comm.backend_device(),
+            schedule=schedule, param_groups=groups, trainable=trainable,
+            client_optimizer=client_optimizer, param_init_fn=param_init_fn, owner=self,
+        )  # fmt: skip
+        self.optimizer = EngineOptimizer(self)  # what DeepSpeed scripts hold
+        self._hooks = list(self.runtime.hooks)
+        for rt in self.units:  # for fzero.gathered_parameters(params)
+            for p, _, _ in rt.params:
+                p._fzero_engine = weakref.ref(self)
         # what the engine steps after each applied step, a plain attribute as DeepSpeed's
         # (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None
         self.config_scheduler = (
@@ -257,38 +177,29 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         if self.lr_scheduler is None:
             self.lr_scheduler = self.config_scheduler
         self.telemetry = Telemetry(self)
-        log.info(
-            "fzero: stage %d, %s, world %d, %d units, %s params",
-            self.stage,
-            self.precision,
-            self.world_size,
-            len(self.units),
-            f"{self.plan.manifest.numel:,}",
-        )
+        log.info("fzero: stage %d, %s, world %d, %d units, %s params", self.stage, self.precision,
+                 self.world_size, len(self.units), f"{plan.manifest.numel:,}")  # fmt: skip
+
+    @property
+    def offload(self) -> bool:
+        """Whether masters, optimizer state and the update live on the host (ZeRO-Offload,
+        Ren et al. 2021): the device keeps compute-dtype parameters and gradients."""
+        return self.residency.offload
 
     def partition(self, unit: Unit) -> slice:
         """This rank's optimizer partition of the unit buffer (the whole buffer in stage 0)."""
         return optimizer_partition(self.plan, unit, self.plan_rank)
 
-    def owned(self, unit: Unit) -> slice:
-        """This rank's shard of the unit buffer (`plan`'s range)."""
-        start, stop = unit.shard_range(self.plan_rank)
-        return slice(start, stop)
-
     @property
     def train_state(self) -> TrainState:
         """The engine's training state as a `TrainState` over its own buffers (no copy):
         what `save_checkpoint` saves and `load_checkpoint` restores."""
-        return _views.train_state(self)
+        return _views.train_state(self.runtime, self.counters, self.loss_scale_state)
 
     @property
     def nvme(self) -> Any:
         """The optimizer's swap file when offloading to NVMe, else None."""
         return self.residency.nvme
-
-    def partition_numel(self, unit: Unit) -> int:
-        """Elements of this rank's optimizer partition of `unit` (all of it in stage 0)."""
-        return partition_numel(self.plan, unit, self.plan_rank)
 
     # ---- forward / backward / step ------------------------------------------------------
 
@@ -374,14 +285,26 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.micro_steps += 1
         if not boundary:
             return
-        loss_scale_state = self.loss_scale_state
         try:
             with self.timers("step"):
-                decision = take_step(self, lr_kwargs)
+                decision = take_step(
+                    self.units, self.plan, self.groups, residency=self.residency,
+                    application=self.runtime.application, grad_stats=self.grad_stats,
+                    loss_scaler=self.loss_scaler, loss_scale=self.loss_scale_state,
+                    clipping=self.config.gradient_clipping, device=self.device,
+                    lrs=self.hyperparams.current_lrs(), skipped=self.skipped_steps,
+                    clock=StepClock(self.lr_steps, self.global_steps + 1),
+                )  # fmt: skip
         except (OSError, LossScaleError):  # not applied (NVMe I/O, fp16 stuck at the minimum)
             self.micro_steps -= 1
-            self.loss_scale_state = loss_scale_state
             raise
+        self.loss_scale_state = decision.loss_scale
+        if decision.skip:
+            self.skipped_steps += 1
+            log.warning("fzero: step %d skipped: gradient overflow; loss scale now %s",
+                        self.global_steps, self.loss_scale)  # fmt: skip
+        else:
+            step_scheduler(self, lr_kwargs)
         self._global_grad_norm, self._skipped_last = decision.norm, decision.skip
         self.global_steps += 1
         if self.batch is not None:
@@ -403,10 +326,10 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     def publish_master(self, rt: UnitRuntime) -> None:
         """Start writing the unit's fp32 master (edited outside a step: restored state)
         to the parameters; `finish_publish` completes it. Collective."""
-        self.optimizer_application.publish(rt)
+        self.runtime.application.publish(rt)
 
     def finish_publish(self) -> None:
-        self.optimizer_application.finish_publish()
+        self.runtime.application.finish_publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every `param.grad` of the module (DeepSpeed's `engine.zero_grad`): what
@@ -508,25 +431,26 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
         With `modifier_rank`, that rank's edits are broadcast on exit and kept."""
         where = f"gathered_parameters of engine {self.name} (micro-step {self.micro_steps})"
-        with comm.named_operation(where), _views.gathered_parameters(self, params, modifier_rank):
+        gathered = _views.gathered_parameters(self.runtime, params, modifier_rank)
+        with comm.named_operation(where), gathered:
             yield
 
     # ---- whole-model views (fzero.engine._views) ------------------------------------------
 
     def full_master(self, rt: UnitRuntime) -> Tensor:
         """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
-        return _views.full_master(self, rt)
+        return _views.full_master(self.runtime, rt)
 
     @named("state_dict")
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""
         self.residency.check_usable()
-        return _views.state_dict(self, dtype)
+        return _views.state_dict(self.runtime, self.module, self.counters, dtype)
 
     def memory_held(self) -> MemoryEstimate:
         """Bytes of every model-state tensor this rank holds now, by kind."""
-        return _views.memory_held(self)
+        return _views.memory_held(self.runtime)
 
     def comm_volume(self) -> list[partition.Collective]:
         """`fzero.partition.comm_volume` of this engine's plan and settings: the collectives
@@ -549,7 +473,8 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
 
     def memory_planned(self) -> MemoryEstimate:
         """What the plan says this rank holds (`partition.memory_per_rank`)."""
-        return _views.memory_planned(self)
+        eval_live = self.config.zero_optimization.stage3_eval_live_parameters
+        return _views.memory_planned(self.runtime, eval_live)
 
     # ---- telemetry ------------------------------------------------------------------------
 

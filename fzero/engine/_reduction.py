@@ -261,7 +261,7 @@ class GradientReduction:
     def _finish_grad_writes(self) -> None:
         """With gradients on NVMe, a write that failed on any rank drops the window on
         every rank: its micro-steps are to be run again."""
-        messages = self.residency.finish_grad_writes(self.processes)
+        messages = self.residency.finish_grad_writes(self.units, self.processes)
         if messages:
             self.owner.drop_accumulation_window()
             raise OSError(

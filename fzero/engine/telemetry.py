@@ -26,15 +26,36 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fzero import comm
+from fzero.partition import MemoryEstimate, Plan
 
-# An fzero Engine, by duck type: this module sits below the engine and imports nothing
-# from it.
-Engine = Any
+
+class Engine(Protocol):
+    """What the reports read of their engine (`fzero.engine.Engine`; this module sits
+    below it)."""
+
+    name: str
+    rank: int
+    config: Any
+    plan: Plan
+    batch: Any
+    device: torch.device
+    timers: Timers
+    global_steps: int
+    skipped_steps: int
+    loss_scaler: Any
+    loss_scale: float
+
+    def get_lr(self) -> list[float]: ...
+
+    def memory_held(self) -> MemoryEstimate: ...
+
+    def memory_planned(self) -> MemoryEstimate: ...
+
 
 __all__ = ["Telemetry", "Timers", "count_tokens"]
 
