@@ -126,7 +126,9 @@ def train_step(
 
 
 class _Step:
-    """`train_step`'s result: a callable holding only what the caller passed in."""
+    """`train_step`'s result: a callable holding what the caller passed in, and what it
+    keeps between calls: the stage-3 use trace (`UseTrace`), the reduction buckets and
+    the update's host buffer pools (`application`)."""
 
     def __init__(
         self,

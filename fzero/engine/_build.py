@@ -18,6 +18,7 @@ from fzero import partition
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.build import Holding, build_unit_state, unit_values
+from fzero.core.groups import check_same_plan
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
@@ -37,13 +38,15 @@ def plan_for(
     config: Config,
     world_size: int,
     strategy: Callable[..., Plan] | None,
+    where: str,
 ) -> Plan:
     """The engine's plan: the module's trainable tensors by group, split as the config's
     stage (and stage 3's persistence threshold) and `strategy` say (else the config's
     `strategy` key, else `flat_even`). DeepSpeed's `zero_hpz_partition_size` and
     `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
     secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
-    by the same strategy; a strategy may also return a `MeshPlan` itself."""
+    by the same strategy; a strategy may also return a `MeshPlan` itself. Every rank must
+    hold the same plan: checked (`where` names the engine in the error)."""
     zero = config.zero_optimization
     if strategy is None and config.strategy is not None:
         strategy = partition.strategy_from_name(config.strategy)
@@ -81,14 +84,17 @@ def plan_for(
         laid_out = partition.mesh_plan(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
         )
-        return partition.executable(laid_out)
-    return partition.plan(
-        manifest,
-        world_size=world_size,
-        stage=zero.stage,
-        strategy=strategy or partition.flat_even,
-        **options,
-    )
+        plan = partition.executable(laid_out)
+    else:
+        plan = partition.plan(
+            manifest,
+            world_size=world_size,
+            stage=zero.stage,
+            strategy=strategy or partition.flat_even,
+            **options,
+        )
+    check_same_plan(plan, where)  # before any state is built
+    return plan
 
 
 def _takes(strategy: Callable[..., Plan], option: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -26,22 +25,22 @@ from fzero import comm, partition
 from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import StepClock
-from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
-from fzero.core.reduce import scatter_by_all_reduce
+from fzero.core.precision import Precision
 from fzero.core.state import Counters, TrainState, optimizer_partition
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
 from fzero.engine._accessors import DeepSpeedAccessors
 from fzero.engine._build import plan_for
 from fzero.engine._checkpoints import CheckpointMethods, named
+from fzero.engine._join import Join
 from fzero.engine._runtime import build_runtime
 from fzero.engine._scheduler import ConfigScheduler, step_scheduler
 from fzero.engine._step import take_step
 from fzero.engine.optimizer import EngineOptimizer
 from fzero.engine.telemetry import Telemetry
 from fzero.optim import LossScaleError, Optimizer
+from fzero.optim._schedules import Schedule
 from fzero.partition import MemoryEstimate, Plan, Unit
 
 __all__ = ["Engine", "Precision"]
@@ -120,6 +119,10 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     param_shards = _part("param_shards")
     reduction = _part("reduction")
     timers = _part("timers")
+    loss_scaler = _part("loss_scaler")  # fp16's, else None
+    boundary_override: bool | None = None  # set by set_gradient_accumulation_boundary
+    _skipped_last = False
+    _global_grad_norm: float | None = None
 
     def __init__(
         self,
@@ -142,43 +145,32 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.stage, trainable = config.zero_optimization.stage, optimizer is not None
         self.batch = batch_sizes_or_none(config, self.world_size)
         self.accumulation = accumulation_steps(config, self.world_size)
-        self.counters, self._skipped_last, self._global_grad_norm = Counters(), False, None
-        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary
-        self._joined: int | None = None  # inside join(): see there
+        self.counters = Counters()
         self.serial = next(_ENGINES)  # the same on every rank: engines are built in step
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
-        self.client_optimizer = client_optimizer
-        self.client_lr_scheduler = lr_scheduler  # DeepSpeed's name for the argument
+        self.client_optimizer, self.client_lr_scheduler = client_optimizer, lr_scheduler
         groups = list(param_groups) if param_groups else [{"params": list(module.parameters())}]
-        plan = plan_for(module, groups, config, self.world_size, strategy)
-        check_same_plan(plan, f"engine {self.name}")
-        dtypes = precision_of(config, precision)
-        check_precision(dtypes, config)
-        self.precision = dtypes.compute
-        self.loss_scaler = loss_scaler(config) if self.precision == "fp16" else None
-        self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
+        plan = plan_for(module, groups, config, self.world_size, strategy, f"engine {self.name}")
         self.runtime = build_runtime(
             module, plan, self.config, optimizer if trainable else _NO_OPTIMIZER,
-            groups=groups_of(plan), precision=dtypes, device=comm.backend_device(),
-            schedule=schedule, param_groups=groups, trainable=trainable,
+            precision=precision, schedule=schedule, param_groups=groups, trainable=trainable,
             client_optimizer=client_optimizer, param_init_fn=param_init_fn, owner=self,
         )  # fmt: skip
+        self.precision = self.runtime.precision.compute  # "fp32", "bf16" or "fp16"
+        self.loss_scale_state = self.loss_scaler.init() if self.loss_scaler else None
         self.optimizer = EngineOptimizer(self)  # what DeepSpeed scripts hold
-        self._hooks = list(self.runtime.hooks)
-        for rt in self.units:  # for fzero.gathered_parameters(params)
-            for p, _, _ in rt.params:
-                p._fzero_engine = weakref.ref(self)
-        # what the engine steps after each applied step, a plain attribute as DeepSpeed's
-        # (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None
-        self.config_scheduler = (
-            ConfigScheduler(self, schedule) if schedule is not None and trainable else None
-        )
-        self.lr_scheduler: Any = lr_scheduler if trainable else None
+        self._join = Join(self.reduction, self.stage)
+        self._hooks = [*self.runtime.hooks, *_views.mark_engine(self.runtime, self)]
+        self._schedulers(schedule if trainable else None, lr_scheduler if trainable else None)
+        self.telemetry = Telemetry(self)  # it says what was built
+
+    def _schedulers(self, schedule: Schedule | None, lr_scheduler: Any) -> None:
+        """What the engine steps after each applied step, a plain attribute as DeepSpeed's
+        (`fzero.engine._scheduler`): the client's scheduler, else the config's, else None."""
+        self.config_scheduler = ConfigScheduler(self, schedule) if schedule is not None else None
+        self.lr_scheduler: Any = lr_scheduler
         if self.lr_scheduler is None:
             self.lr_scheduler = self.config_scheduler
-        self.telemetry = Telemetry(self)
-        log.info("fzero: stage %d, %s, world %d, %d units, %s params", self.stage, self.precision,
-                 self.world_size, len(self.units), f"{plan.manifest.numel:,}")  # fmt: skip
 
     @property
     def offload(self) -> bool:
@@ -226,9 +218,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         the module's own hooks, so calling the module directly trains the same). A
         plain `loss.backward()` through the returned tensors is this engine's backward."""
         self.residency.check_usable()
-        if self._joined is not None and self._joined != self.micro_steps:
-            self._joined = self.micro_steps  # inside join(): this rank still trains
-            self.reduction.still_training(True)
+        self._join.forward(self.micro_steps)  # inside join(): this rank still trains
         self.telemetry.forward(args, kwargs)
         with self.timers("forward"):
             output = self.module(*args, **kwargs)
@@ -371,37 +361,13 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     @contextlib.contextmanager
     def join(self, replay: Callable[[], Tensor] | None = None) -> Iterator[None]:
         """Uneven inputs (DDP's `Join`): ranks may run different numbers of micro-steps
-        inside the block. A rank that leaves it keeps serving the others' gradient
-        reductions and steps with zero gradients until every rank has left, so the
-        result is a run where a rank out of data contributes nothing (gradients are
-        still averaged over the whole world, as DDP's default). Each micro-step's first
-        forward inside costs one one-element all-reduce (who still trains). The loop
-        must be forward, backward, `step()` per micro-step. At stage 3 the others' forward
-        and backward gather parameters, so a rank that has left runs `replay()` — one
-        forward through this engine returning a loss, e.g. on its last batch — and a
-        backward of it weighted 0: the same gathers in the same order (a model whose
-        program does not depend on its data), no contribution."""
-        if self.stage == 3 and replay is None:
-            raise NotImplementedError(
-                "engine.join() at ZeRO stage 3 needs replay=: a function running one "
-                "forward through the engine and returning its loss (e.g. on the rank's last "
-                "batch), which a rank out of data runs, weighted 0, to serve the others' "
-                "all-gathers; or give every rank the same number of micro-batches"
-            )
-        if self._joined is not None:
-            raise RuntimeError("engine.join() is already active; it cannot be re-entered")
-        self._joined = -1  # the micro-step whose "still training" flag was sent
-        try:
+        inside the block; see `fzero.engine._join`. Stage 3 needs `replay`, a function
+        running one forward through this engine and returning its loss."""
+        with self._join.block(
+            replay, serve=self._serve_backward, backward=self.backward, step=self.step,
+            micro_step=lambda: self.micro_steps,
+        ):  # fmt: skip
             yield
-            while self.reduction.still_training(False):  # out of data: serve the others
-                if replay is None:
-                    self._serve_backward()
-                else:  # stage 3: the others' gathers, by the same program
-                    self._joined = self.micro_steps  # this micro-step's flag is sent
-                    self.backward(replay() * 0.0)
-                self.step()
-        finally:
-            self._joined = None
 
     @named("backward")
     def _serve_backward(self) -> None:
@@ -420,9 +386,6 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for rt in self.units:
-            for p, _, _ in rt.params:
-                p.__dict__.pop("_fzero_engine", None)
 
     @contextlib.contextmanager
     def gathered_parameters(
@@ -456,27 +419,12 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         """`fzero.partition.comm_volume` of this engine's plan and settings: the collectives
         one optimizer step issues (stage 3: with the units its last backward gathered
         again, from its recorded use order)."""
-        zero = self.config.zero_optimization
-        return partition.comm_volume(
-            self.plan,
-            accumulation_steps=self.accumulation,
-            param_dtype=partition.dtype_name(self.compute_dtype),
-            bucket_numel=int(zero.reduce_bucket_size),
-            scatter_as_all_reduce=scatter_by_all_reduce(),
-            regathered=self.gatherer.regathered,
-            loss_scaling=self.loss_scaler is not None and self.loss_scaler.dynamic,
-            optimizer=self.functional_optimizer.name,
-            quantized_weights=zero.zero_quantized_weights,
-            quantized_gradients=zero.zero_quantized_gradients,
-            quantized_gradient_bits=zero.zero_quantized_gradients_bits,
-        )
+        return _views.comm_volume(self.runtime, self.config, self.accumulation, self.loss_scaler)
 
     def memory_planned(self) -> MemoryEstimate:
         """What the plan says this rank holds (`partition.memory_per_rank`)."""
         eval_live = self.config.zero_optimization.stage3_eval_live_parameters
         return _views.memory_planned(self.runtime, eval_live)
-
-    # ---- telemetry ------------------------------------------------------------------------
 
 
 # ---- helpers -----------------------------------------------------------------------------

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from fzero import partition
+from fzero import comm, partition
 from fzero.config import Config
 from fzero.core.apply import OptimizerApplication
 from fzero.core.build import Holding
 from fzero.core.gathering import Gatherer, GatherSettings
-from fzero.core.groups import Groups
+from fzero.core.groups import Groups, groups_of
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.param_shards import ParamShardStore, PublishedShards
-from fzero.core.precision import Precision
+from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency
 from fzero.core.stage3 import ModuleGathering
@@ -37,7 +37,7 @@ from fzero.engine._forward import ForwardHooks
 from fzero.engine._reduction import GradientReduction, Owner
 from fzero.engine._step import Hyperparams
 from fzero.engine.telemetry import Timers
-from fzero.optim import Optimizer
+from fzero.optim import DynamicLossScale, Optimizer, StaticLossScale
 from fzero.optim._schedules import Schedule
 from fzero.partition import Plan
 
@@ -55,6 +55,7 @@ class Runtime:
     device: torch.device
     optimizer: Optimizer
     schedule: Schedule | None
+    loss_scaler: DynamicLossScale | StaticLossScale | None
     residency: Residency
     hyperparams: Hyperparams
     units: list[UnitRuntime]
@@ -83,9 +84,7 @@ def build_runtime(
     config: Config,
     optimizer: Optimizer,
     *,
-    groups: Groups,
-    precision: Precision,
-    device: torch.device,
+    precision: str | Precision | None,
     schedule: Schedule | None,
     param_groups: list[dict[str, Any]],
     trainable: bool,
@@ -94,8 +93,12 @@ def build_runtime(
     owner: Owner,
 ) -> Runtime:
     """The parts that run `plan` for `module` on this rank (collective: every rank starts
-    from rank 0's weights). `owner`: what the reduction reads of the engine's counters."""
+    from rank 0's weights). `precision`: the compute dtype's name or a `Precision` (else
+    the config's); `owner`: what the reduction reads of the engine's counters."""
     zero = config.zero_optimization
+    groups, device = groups_of(plan), comm.backend_device()
+    precision = precision_of(config, precision)
+    check_precision(precision, config)
     rank, compute_dtype, timers = groups.rank, precision.compute_dtype, Timers()
     residency = Residency(
         config,
@@ -214,6 +217,7 @@ def build_runtime(
         device=device,
         optimizer=optimizer,
         schedule=schedule,
+        loss_scaler=loss_scaler(config) if precision.compute == "fp16" else None,
         residency=residency,
         hyperparams=hyperparams,
         units=units,

@@ -6,25 +6,32 @@ shards)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from fzero import partition
+from fzero.config import Config
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
 from fzero.core.publish import accept_edits
+from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.engine._runtime import Runtime
-from fzero.optim import LossScaleState
+from fzero.engine.zero3_attributes import AliasAnswers
+from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale
 from fzero.partition import MemoryEstimate
 
 __all__ = [
+    "comm_volume",
     "full_master",
     "gathered_parameters",
+    "mark_engine",
     "memory_held",
     "memory_planned",
     "state_dict",
@@ -159,3 +166,51 @@ def train_state(
     residency = runtime.residency
     residence = SwapFileUnits(residency, runtime.units) if residency.nvme is not None else None
     return TrainState(runtime.plan, runtime.rank, units, counters, loss_scale, residence=residence)
+
+
+def mark_engine(runtime: Runtime, engine: object) -> list[Any]:
+    """Each managed parameter names its engine (a weak reference), which
+    `fzero.gathered_parameters(params)` finds it by, and at stage 3 re-created tensors
+    answer `ds_*` attributes as their parameter (`zero3_attributes`' Note); returns
+    handles whose `remove()` undoes both (the engine's `destroy`)."""
+    params = [p for rt in runtime.units for p, _, _ in rt.params]
+    for p in params:
+        p._fzero_engine = weakref.ref(engine)
+    handles: list[Any] = [_Unmark(params)]
+    if runtime.stage3 is not None:
+        handles.append(AliasAnswers(engine))
+    return handles
+
+
+class _Unmark:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def remove(self) -> None:
+        for p in self.params:
+            p.__dict__.pop("_fzero_engine", None)
+
+
+def comm_volume(
+    runtime: Runtime,
+    config: Config,
+    accumulation: int,
+    loss_scaler: DynamicLossScale | StaticLossScale | None,
+) -> list[partition.Collective]:
+    """`fzero.partition.comm_volume` of the runtime's plan and the config's settings: the
+    collectives one optimizer step issues (stage 3: with the units its last backward
+    gathered again, from its recorded use order)."""
+    zero = config.zero_optimization
+    return partition.comm_volume(
+        runtime.plan,
+        accumulation_steps=accumulation,
+        param_dtype=partition.dtype_name(runtime.compute_dtype),
+        bucket_numel=int(zero.reduce_bucket_size),
+        scatter_as_all_reduce=scatter_by_all_reduce(),
+        regathered=runtime.gatherer.regathered,
+        loss_scaling=loss_scaler is not None and loss_scaler.dynamic,
+        optimizer=runtime.optimizer.name,
+        quantized_weights=zero.zero_quantized_weights,
+        quantized_gradients=zero.zero_quantized_gradients,
+        quantized_gradient_bits=zero.zero_quantized_gradients_bits,
+    )

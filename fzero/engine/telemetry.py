@@ -40,6 +40,7 @@ class Engine(Protocol):
 
     name: str
     rank: int
+    precision: str
     config: Any
     plan: Plan
     batch: Any
@@ -106,6 +107,14 @@ class Telemetry:
         self.params = engine.plan.manifest.numel
         self.traffic = comm.traffic()  # at the last report
         self._bar: Any = None
+        log.info(
+            "fzero: stage %d, %s, world %d, %d units, %s params",
+            engine.plan.stage,
+            engine.precision,
+            engine.plan.processes,
+            len(engine.plan.units),
+            f"{engine.plan.manifest.numel:,}",
+        )
         config = engine.config
         if engine.rank == 0 and config.progress and sys.stdout.isatty():
             try:
