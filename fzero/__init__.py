@@ -16,6 +16,7 @@ from fzero.compat.initialize import initialize
 from fzero.compat.zero import gathered_parameters
 from fzero.config import Config, load_config
 from fzero.config.auto import resolve_auto
+from fzero.core.construction import init_context
 from fzero.core.evaluate import eval_step
 from fzero.core.init import init, state_dict
 from fzero.core.precision import Precision
@@ -23,7 +24,6 @@ from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.step import train_step
 from fzero.engine import Engine
 from fzero.engine.entry import shard
-from fzero.engine.meta_init import init_context
 
 # DeepSpeed-named modules live in `fzero.compat`; `import fzero.checkpointing` (activation
 # recomputation, DeepSpeed's `deepspeed.checkpointing`), `fzero.zero` and

@@ -44,6 +44,7 @@ __all__ = [
     "all_reduce",
     "backend_device",
     "barrier",
+    "broadcast",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -332,6 +333,26 @@ def get_world_size(group: Any = None) -> int:
 def get_local_rank() -> int:
     """This process's rank on its node (the launcher's LOCAL_RANK; 0 without one)."""
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    what: str = "",
+) -> Any:
+    """Rank `src`'s `tensor` into every rank's `tensor` (`src`: a rank of the default
+    group, as torch's)."""
+    return issue(
+        "broadcast",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
+        group,
+    )
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Any:

@@ -1,15 +1,14 @@
 """DeepSpeed's `deepspeed.zero` names over fzero's own: `Init` and `GatheredParameters`.
 
-`Init` has DeepSpeed's results without its mechanism: the model built inside is built
-whole on the host, as if there were no context, and sharded when the engine is built.
-DeepSpeed partitions each module at the end of its constructor, so what a parent's
-constructor does to its children's tensors acts on placeholders, and Transformers
-initialises and loads such models afterwards through `GatheredParameters(...,
-modifier_rank=0)`; fzero runs those blocks on real tensors, and `GatheredParameters`
-broadcasts rank `modifier_rank`'s edits of parameters no engine holds yet, so every
-rank ends with rank 0's weights as under DeepSpeed. The model is whole in host memory
-until the engine shards it; to never build it whole, use `fzero.init_context()` (the
-meta device, each module initialised by its `reset_parameters()` when sharded).
+`Init` is `fzero.init_context` (`fzero.core.construction`) with DeepSpeed's arguments:
+each module's parameters are partitioned as its constructor returns, carrying
+DeepSpeed's attributes (`ds_tensor`, `ds_shape`, `ds_numel`, `ds_status`, `ds_id`,
+`ds_persist`), so a parent's constructor sees its children's parameters as placeholders,
+and Transformers initialises and loads such a model afterwards through
+`GatheredParameters(..., modifier_rank=0)`: inside it the parameters are whole on every
+rank, and on exit rank `modifier_rank`'s values become the partitions — read by every
+rank from the file where rank 0 copied them from a memory-mapped checkpoint
+(`fzero.core.partitioned`). `initialize` adopts the partitions unit by unit.
 """
 
 from __future__ import annotations
@@ -22,6 +21,14 @@ import torch
 import torch.distributed as dist
 
 from fzero import comm
+from fzero.config import load_config
+from fzero.core.construction import Construction
+from fzero.core.partitioned import (
+    gathered_partitions,
+    is_partitioned,
+    partition_parameters,
+    shape_of,
+)
 from fzero.engine.zero3_attributes import ZeroParamStatus
 
 __all__ = [
@@ -33,16 +40,21 @@ __all__ = [
     "unregister_external_parameter",
 ]
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-class Init(contextlib.ContextDecorator):
-    """DeepSpeed's `deepspeed.zero.Init(...)`: the model built inside is the one built
-    without it (whole, on the host); `fzero.initialize` / `fzero.shard` shards it.
 
-    DeepSpeed's arguments are accepted and change nothing: where shards live is the
-    config's `offload_param`, read when the engine is built; `dtype` (DeepSpeed builds
-    the partitions in it) is not applied, since fzero's fp32 masters start from the
-    values built. `module=` (partition a built model) and `mpu=` are errors.
-    """
+class Init(Construction, contextlib.ContextDecorator):
+    """DeepSpeed's `deepspeed.zero.Init(...)`: modules constructed inside are partitioned
+    over every rank as their constructors return (`fzero.init_context`); starts the
+    process group when none runs, as DeepSpeed's does.
+
+    As DeepSpeed: the config (`config_dict_or_path`, or the deprecated `config`) sets the
+    partitions' `dtype` (bf16 or fp16 when enabled there, else fp32) unless `dtype` is
+    given, and its `offload_param` block (`device`, `nvme_path`, `pin_memory`) overrides
+    `remote_device` and `pin_memory`. Without `dtype` or a config, parameters keep the
+    dtype they are built in (DeepSpeed picks fp16 or bf16 from the accelerator).
+    `module=` partitions an already built model now. `data_parallel_group` other than
+    every rank, and `mpu`, are refused by name."""
 
     def __init__(
         self,
@@ -58,24 +70,63 @@ class Init(contextlib.ContextDecorator):
         mpu: Any = None,
         **_: Any,
     ) -> None:
-        if module is not None:
-            raise ValueError(
-                "zero.Init(module=...) partitions an already built model; fzero shards it "
-                "when the engine is built: pass the model to fzero.initialize instead"
-            )
         if mpu is not None:
             raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
+        if data_parallel_group is not None and (
+            not dist.is_initialized()
+            or dist.get_world_size(data_parallel_group) != dist.get_world_size()
+        ):
+            raise NotImplementedError(
+                "zero.Init(data_parallel_group=...) with a group of fewer than every rank: "
+                "fzero partitions over every rank (use a plan on a mesh for groups)"
+            )
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"zero.Init dtype is {dtype}; allowed: {list(_DTYPES)}")
+        nvme_path, threshold = None, 0
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if source is not None:
+            cfg = load_config(source)
+            if dtype is None:
+                dtype = torch.float32
+                if cfg.bf16.enabled is True:
+                    dtype = torch.bfloat16
+                elif cfg.fp16.enabled is True:
+                    dtype = torch.float16
+            zero = cfg.zero_optimization
+            if zero.offload_param.device != "none" or remote_device is None:
+                remote_device = zero.offload_param.device
+                pin_memory = zero.offload_param.pin_memory
+            nvme_path = zero.offload_param.nvme_path
+            threshold = int(zero.stage3_param_persistence_threshold)
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(
                 f"zero.Init remote_device is {remote_device!r}; allowed: None, 'cpu', 'nvme'"
             )
-        self.enabled = enabled
-
-    def __enter__(self) -> Init:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+        if remote_device == "nvme" and not nvme_path:
+            raise ValueError(
+                "zero.Init remote_device 'nvme' needs the config's "
+                "zero_optimization.offload_param.nvme_path (the partitions' directory)"
+            )
+        super().__init__(
+            dtype=dtype,
+            remote_device=remote_device,
+            pin_memory=pin_memory,
+            nvme_path=nvme_path,
+            persistence_threshold=threshold,
+            enabled=enabled,
+        )
+        if module is not None and enabled:  # DeepSpeed's: partition a built model now
+            with self:
+                pass
+            assert self.store is not None
+            for name, child in module.named_modules():
+                partition_parameters(
+                    [p for p in child._parameters.values() if p is not None],
+                    self.store,
+                    dtype=self.dtype,
+                    persistence_threshold=threshold,
+                    what=f"the parameters of {name or 'the model'}",
+                )
 
 
 @contextlib.contextmanager
@@ -85,7 +136,15 @@ def GatheredParameters(  # DeepSpeed's name
     fwd_module: torch.nn.Module | None = None,
     enabled: bool = True,
 ) -> Iterator[None]:
-    """DeepSpeed's `zero.GatheredParameters`: `fzero.gathered_parameters` under its name."""
+    """DeepSpeed's `zero.GatheredParameters`: `fzero.gathered_parameters` under its name;
+    with `fwd_module`, the parameters are registered as its external parameters (used in
+    its forward), as DeepSpeed does."""
+    if fwd_module is not None and enabled:
+        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in listed:
+            if is_partitioned(p) or "_fzero_engine" not in p.__dict__:
+                register_external_parameter(fwd_module, p)
+        params = listed
     with gathered_parameters(params, modifier_rank=modifier_rank, enabled=enabled):
         yield
 
@@ -98,7 +157,7 @@ def _check_external(module: torch.nn.Module, parameter: Any, verb: str) -> None:
     if engine is not None and engine.stage == 3:
         raise RuntimeError(
             f"{verb}_external_parameter({type(module).__name__}, parameter of shape "
-            f"{tuple(getattr(parameter, 'ds_shape', parameter.shape))}) after the ZeRO-3 engine "
+            f"{shape_of(parameter)}) after the ZeRO-3 engine "
             "was built: fzero reads these registrations when it builds the engine; register "
             "in the module's constructor (as Transformers does) or before fzero.initialize"
         )
@@ -131,23 +190,38 @@ def gathered_parameters(
     modifier_rank: int | None = None,
     enabled: bool = True,
 ) -> contextlib.AbstractContextManager[None]:
-    """DeepSpeed's `zero.GatheredParameters`: inside the block the `params` of an fzero
-    engine are whole on every rank; with `modifier_rank`, that rank's edits are
-    broadcast on exit and kept. Collective. Parameters no engine holds yet (a model
-    built for `fzero.initialize`, as Transformers initialises and loads one under
-    ZeRO-3) are whole already; with `modifier_rank` that rank's values are broadcast to
-    every rank on exit, as DeepSpeed's re-partitioning would leave them.
+    """DeepSpeed's `zero.GatheredParameters`: inside the block `params` are whole on
+    every rank; with `modifier_rank`, that rank's edits are kept on exit (collective).
+    Parameters of an fzero engine are gathered by it; parameters partitioned at
+    construction (`fzero.init_context`, `deepspeed.zero.Init`) are gathered from their
+    partitions, and a modifier's copy of a memory-mapped checkpoint tensor into one is
+    read by every rank from the file, its own part only; other parameters are whole
+    already, and with `modifier_rank` that rank's values are broadcast to every rank on
+    exit, as DeepSpeed's re-partitioning would leave them.
     """
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    refs = {id(ref()): ref() for p in params if (ref := getattr(p, "_fzero_engine", None))}
-    engines = [engine for engine in refs.values() if engine is not None]
     if not enabled:
         return contextlib.nullcontext()
-    if not engines:
-        return _broadcast_on_exit(params, modifier_rank)
+    refs = {id(ref()): ref() for p in params if (ref := getattr(p, "_fzero_engine", None))}
+    engines = [engine for engine in refs.values() if engine is not None]
     if len(engines) > 1:
         raise ValueError("gathered_parameters got parameters of more than one fzero engine")
-    return engines[0].gathered_parameters(params, modifier_rank)
+    return _gathered(params, engines[0] if engines else None, modifier_rank)
+
+
+@contextlib.contextmanager
+def _gathered(params: list[Any], engine: Any, modifier_rank: int | None) -> Iterator[None]:
+    held = {id(p) for p in params if getattr(p, "_fzero_engine", None) is not None}
+    partitioned = [p for p in params if is_partitioned(p)]
+    plain = [p for p in params if id(p) not in held and not is_partitioned(p)]
+    with contextlib.ExitStack() as stack:
+        if engine is not None:  # its frozen parameters too: whole on every rank
+            stack.enter_context(engine.gathered_parameters(params, modifier_rank))
+        if partitioned:
+            stack.enter_context(gathered_partitions(partitioned, modifier_rank))
+        if plain and engine is None:
+            stack.enter_context(_broadcast_on_exit(plain, modifier_rank))
+        yield
 
 
 @contextlib.contextmanager
@@ -158,9 +232,9 @@ def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) ->
     if modifier_rank is not None and meta:
         raise ValueError(
             f"GatheredParameters(modifier_rank={modifier_rank}) got parameter {meta[0]} "
-            f"(shape {tuple(params[meta[0]].shape)}) on the meta device: built inside "
-            "fzero.init_context(), it has no values until the engine builds it; build the "
-            "model without it (deepspeed.zero.Init builds it whole) to edit it before"
+            f"(shape {tuple(params[meta[0]].shape)}) on the meta device: it has no values "
+            "until the engine builds it; build the model inside fzero.init_context() or "
+            "deepspeed.zero.Init (partitioned, with values) to edit it before"
         )
     yield
     if modifier_rank is None or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -168,6 +242,6 @@ def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) ->
     with torch.no_grad():
         for p in params:
             value = p.data.to(comm.backend_device()).contiguous()
-            dist.broadcast(value, src=modifier_rank)
+            comm.broadcast(value, src=modifier_rank, what=f"rank {modifier_rank}'s edits")
             if value.data_ptr() != p.data.data_ptr():
                 p.data.copy_(value)

@@ -1,6 +1,12 @@
 """Building a unit's buffers on this rank: the one builder `fzero.init` and the engine
 use (the engine then binds the module's parameters to them).
 
+A unit's values come from the model's tensors (`values_on_rank`): whole tensors as
+rank 0 holds them (one broadcast per unit), and parameters partitioned at construction
+(`fzero.core.partitioned`) gathered one at a time, assembling only the part this rank
+keeps where that is all it needs (stage 3's shards): nothing larger than a unit and its
+largest tensor exists while a model is adopted, one unit after another.
+
 From the unit's values (its flat fp32 buffer, the same on every rank) a rank keeps:
 
 - stages 0-2 and stage-3 persistent units: the whole buffer in the compute dtype
@@ -24,13 +30,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fzero import comm
 from fzero.core.layout import scatter_pieces
+from fzero.core.partitioned import gather_whole, is_partitioned
 from fzero.core.precision import init_state
 from fzero.core.state import UnitState, optimizer_partition
 from fzero.optim import Optimizer
 from fzero.partition import Plan, Unit
 
-__all__ = ["Holding", "build_unit_state", "unit_values"]
+__all__ = ["Holding", "build_unit_state", "unit_values", "values_on_rank"]
 
 
 class Holding(NamedTuple):
@@ -72,6 +80,40 @@ def unit_values(unit: Unit, tensors: Sequence[Tensor], device: torch.device) -> 
     return flat
 
 
+def values_on_rank(
+    plan: Plan, index: int, tensors: Sequence[Tensor], *, rank: int, device: torch.device
+) -> tuple[Tensor, int]:
+    """What plan rank `rank` needs of unit `index`'s fp32 values, from its `tensors` in
+    placement order, and the element it starts at: the whole buffer, or at stage 3 (not
+    persistent) the rank's shard only. Collective: whole tensors are rank 0's (one
+    broadcast), partitioned ones are gathered one at a time."""
+    unit = plan.units[index]
+    if not any(is_partitioned(t) for t in tensors):
+        values = unit_values(unit, tensors, device)
+        if plan.processes > 1:  # every rank starts from rank 0's weights
+            comm.broadcast(values, src=0, what=f"rank 0's values of unit {unit.name}")
+        return values, 0
+    start, stop = 0, unit.numel
+    if plan.stage == 3 and not unit.persistent:
+        start, stop = unit.shard_range(rank)
+    flat = torch.zeros(stop - start, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for tensor, placement in zip(tensors, unit.placements):
+            if is_partitioned(tensor):
+                whole = gather_whole(tensor, what=placement.fqn).reshape(-1)
+            else:
+                whole = tensor.detach().reshape(-1).to(device, copy=True)
+                if plan.processes > 1:
+                    comm.broadcast(whole, src=0, what=f"rank 0's values of {placement.fqn}")
+            for pc in placement.pieces:
+                low, high = max(pc.offset, start), min(pc.offset + pc.numel, stop)
+                if low < high:
+                    at = pc.start + low - pc.offset
+                    flat[low - start : high - start].copy_(whole[at : at + high - low])
+            del whole
+    return flat, start
+
+
 def _to_host(tensor: Tensor, dtype: torch.dtype, holding: Holding) -> Tensor:
     """A new copy in `dtype` where the optimizer runs (pinned on the host when asked)."""
     if not holding.offload:
@@ -89,14 +131,26 @@ def build_unit_state(
     holding: Holding,
     optimizer: Optimizer,
     grad: Tensor | None = None,
+    values_from: int = 0,
 ) -> UnitState:
     """Unit `index`'s buffers on plan rank `rank` from its flat fp32 `values` (see the
-    module docstring). `grad`: the gradient accumulator to use (a bucket's view at stages
-    0-1, an empty one when it lives in a swap file), else a new zeroed one."""
+    module docstring), which hold the buffer from element `values_from` (0: whole; a
+    stage-3 shard needs only its own part). `grad`: the gradient accumulator to use (a
+    bucket's view at stages 0-1, an empty one when it lives in a swap file), else a new
+    zeroed one."""
     unit = plan.units[index]
     part = optimizer_partition(plan, unit, rank)
     compute, serves = holding.compute_dtype, holding.master_serves
-    if plan.stage < 3 or unit.persistent:
+    whole = plan.stage < 3 or unit.persistent
+    if values_from or values.numel() != unit.numel:
+        if whole or not values_from <= part.start <= part.stop <= values_from + values.numel():
+            raise ValueError(
+                f"unit {unit.name}: values from element {values_from} ({values.numel()} "
+                f"elements) do not hold rank {rank}'s part [{part.start}, {part.stop})"
+                + (" (the whole buffer is needed)" if whole else "")
+            )
+        part = slice(part.start - values_from, part.stop - values_from)
+    if whole:
         params = values if compute == torch.float32 else values.to(compute)
         master = params[part] if serves else _to_host(values[part], holding.master_dtype, holding)
     else:

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
-from fzero.core.build import Holding, build_unit_state, unit_values
+from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan, gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
+from fzero.core.partitioned import is_partitioned, release_partition, shape_of
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
@@ -63,7 +64,9 @@ def init(
     `offload_optimizer.device: cpu` keeps masters and optimizer state in host memory;
     `nvme` keeps them in a swap file under `offload_optimizer.nvme_path`
     (`TrainState.residence`; gradients stay in memory). `seed` seeds the generator the
-    steps draw from (default: the process generator's state now)."""
+    steps draw from (default: the process generator's state now). A model built inside
+    `fzero.init_context()` is adopted from its partitions one unit at a time (they are
+    dropped from the model as they are: read its weights from the state after)."""
     check_optimizer(optimizer)
     plan = partition.executable(plan)
     cfg = config_for_plan(config, plan)
@@ -89,8 +92,9 @@ def init(
     if meta:
         raise ValueError(
             f"fzero.init needs the model's weights, but {len(meta)} parameter(s) are on the "
-            f"meta device (first: {meta[0]!r}); build the model eagerly, or give the "
-            "meta-device model to fzero.shard, which materialises it unit by unit"
+            f"meta device (first: {meta[0]!r}); build the model eagerly or inside "
+            "fzero.init_context() (partitioned as it is built), or give the meta-device "
+            "model to fzero.shard, which materialises it unit by unit"
         )
     accumulators = None  # stages 0-1: views of one buffer per reduction bucket
     if plan.stage < 2:
@@ -98,15 +102,19 @@ def init(
         accumulators = bucket_accumulators(plan, buckets, device)
     units: list[UnitState] = []
     for index, unit in enumerate(plan.units):
-        values = unit_values(unit, [named[pl.fqn] for pl in unit.placements], device)
-        if plan.processes > 1:
-            dist.broadcast(values, src=0)  # every rank starts from rank 0's weights
+        tensors = [named[pl.fqn] for pl in unit.placements]
+        values, start = values_on_rank(plan, index, tensors, rank=rank, device=device)
         grad = accumulators[index] if accumulators is not None else None
         units.append(
             build_unit_state(
-                plan, index, values, rank=rank, holding=holding, optimizer=optimizer, grad=grad
+                plan, index, values, rank=rank, holding=holding, optimizer=optimizer,
+                grad=grad, values_from=start,
             )
-        )
+        )  # fmt: skip
+        del values
+        for tensor in tensors:  # adopted: the state holds them now
+            if is_partitioned(tensor):
+                release_partition(tensor)
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None
     residence = _swap_out(cfg, plan, rank, optimizer, units) if swapped else None
@@ -229,9 +237,9 @@ def _check_world(plan: Plan) -> None:
 def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
     missing = [spec.fqn for spec in plan.manifest.tensors if spec.fqn not in named]
     changed = [
-        f"{spec.fqn}: plan {spec.shape}, model {tuple(named[spec.fqn].shape)}"
+        f"{spec.fqn}: plan {spec.shape}, model {shape_of(named[spec.fqn])}"
         for spec in plan.manifest.tensors
-        if spec.fqn in named and tuple(named[spec.fqn].shape) != spec.shape
+        if spec.fqn in named and shape_of(named[spec.fqn]) != spec.shape
     ]
     if missing or changed:
         raise ValueError(

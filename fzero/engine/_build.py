@@ -1,6 +1,7 @@
 """Building an engine's parts: its plan, the module's floating tensors cast to the
 compute dtype, each unit's buffers filled from the module's parameters (rank 0's,
-broadcast) by the core's unit builder (`fzero.core.build`) and bound to the module."""
+broadcast; or adopted from their construction-time partitions, `fzero.core.partitioned`)
+by the core's unit builder (`fzero.core.build`) and bound to the module."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import partition
 from fzero.config import Config
 from fzero.core import nvme as _nvme
-from fzero.core.build import Holding, build_unit_state, unit_values
+from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan
 from fzero.core.layout import UnitRuntime, bind, unbind
+from fzero.core.partitioned import is_partitioned, materialise, release_partition, shape_of
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
 from fzero.engine.meta_init import MetaInitializer
@@ -29,7 +30,7 @@ from fzero.partition import Plan
 
 log = logging.getLogger("fzero")
 
-__all__ = ["build_units", "cast_module", "plan_for"]
+__all__ = ["build_units", "cast_module", "plan_for", "whole_frozen"]
 
 
 def plan_for(
@@ -103,6 +104,17 @@ def _takes(strategy: Callable[..., Plan], option: str) -> bool:
     return any(p.name == option or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
+def whole_frozen(module: torch.nn.Module, plan: Plan) -> None:
+    """Frozen parameters partitioned at construction made whole (every rank; collective):
+    the engine keeps what it does not train whole, as DeepSpeed's attributes say."""
+    managed = {spec.fqn for spec in plan.manifest.tensors}
+    seen: set[int] = set()
+    for fqn, p in module.named_parameters():
+        if fqn not in managed and id(p) not in seen and is_partitioned(p):
+            materialise(p)
+        seen.add(id(p))
+
+
 def cast_module(module: torch.nn.Module, plan: Plan, compute_dtype: torch.dtype) -> None:
     """Compute dtype for frozen params and floating buffers (trainable ones are rebound)."""
     if compute_dtype == torch.float32:
@@ -131,7 +143,8 @@ def build_units(
 ) -> list[UnitRuntime]:
     """Every unit of the plan on plan rank `rank`, built in order by the core's unit
     builder (`fzero.core.build`) and bound to the module's parameters (a model on the meta
-    device is materialised a few tensors at a time, as the units need them).
+    device is materialised a few tensors at a time, as the units need them; partitions
+    made at construction are adopted one unit at a time and dropped as they are).
     `accumulators`: stages 0-1, each unit's fp32 gradient accumulator (views of the
     reduction's bucket buffers); `group_hparams`: each param group's hyper-parameters."""
     named = dict(module.named_parameters())
@@ -142,16 +155,18 @@ def build_units(
     for index, unit in enumerate(plan.units):
         fqns = [pl.fqn for pl in unit.placements]
         tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
-        values = unit_values(unit, tensors, holding.device)
-        if plan.processes > 1:
-            dist.broadcast(values, src=0)  # every rank starts from rank 0's weights
+        values, start = values_on_rank(plan, index, tensors, rank=rank, device=holding.device)
         grad = accumulators[index] if accumulators else None
         if grad is None and residency.grads_on_disk:  # NVMe: in the swap file
             grad = torch.zeros(0, dtype=torch.float32, device=holding.device)
         state = build_unit_state(
-            plan, index, values, rank=rank, holding=holding, optimizer=optimizer, grad=grad
-        )
+            plan, index, values, rank=rank, holding=holding, optimizer=optimizer, grad=grad,
+            values_from=start,
+        )  # fmt: skip
         del values
+        for tensor in tensors:
+            if is_partitioned(tensor):
+                release_partition(tensor)
         units.append(_bind_unit(plan, index, tensors, state, group_hparams, holding, residency))
     if meta is not None:
         meta.finish()
@@ -177,7 +192,7 @@ def _bind_unit(
     to them (stage 3: left empty until gathered); NVMe: state moved to the swap file."""
     unit = plan.units[index]
     whole = plan.stage < 3 or unit.persistent
-    params = [(p, pl, tuple(p.shape)) for p, pl in zip(tensors, unit.placements)]
+    params = [(p, pl, shape_of(p)) for p, pl in zip(tensors, unit.placements)]
     rt = UnitRuntime(
         index=index,
         unit=unit,

@@ -32,7 +32,7 @@ from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency
 from fzero.core.stage3 import ModuleGathering
 from fzero.core.state import partition_numel
-from fzero.engine._build import build_units, cast_module
+from fzero.engine._build import build_units, cast_module, whole_frozen
 from fzero.engine._forward import ForwardHooks
 from fzero.engine._reduction import GradientReduction, Owner
 from fzero.engine._step import Hyperparams
@@ -107,6 +107,7 @@ def build_runtime(
         optimizer=optimizer,
         partition_numel=lambda unit: partition_numel(plan, unit, rank),
     )
+    whole_frozen(module, plan)
     cast_module(module, plan, compute_dtype)
     hyperparams = Hyperparams(
         optimizer, param_groups, trainable=trainable, client_optimizer=client_optimizer

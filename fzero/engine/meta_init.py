@@ -1,7 +1,8 @@
-"""Models built on the meta device: weights made one module at a time, never whole.
+"""Models built on the meta device (`with torch.device("meta"): ...`): weights made one
+module at a time, never whole. (`fzero.init_context()` partitions a model as it is
+constructed instead: `fzero.core.construction`.)
 
-`fzero.init_context()` builds a model without storage (like DeepSpeed's
-`zero.Init`, by way of PyTorch's meta device). The engine then walks the
+A model built on the meta device has no storage. The engine walks the
 modules in `named_modules()` order — the order their constructors ran — and for
 each module that holds meta tensors gives them storage and initialises them
 with `param_init_fn(module)` or the module's own `reset_parameters()`, then
@@ -12,23 +13,14 @@ not depend on the world size.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MetaInitializer", "init_context"]
+__all__ = ["MetaInitializer"]
 
 ParamInitFn = Callable[[nn.Module], None]
-
-
-@contextlib.contextmanager
-def init_context() -> Iterator[None]:
-    """Modules constructed inside take no memory; `fzero.shard` / `fzero.initialize`
-    materialise them one module at a time, sharded as the plan says."""
-    with torch.device("meta"):
-        yield
 
 
 class MetaInitializer:

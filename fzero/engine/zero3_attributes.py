@@ -1,10 +1,9 @@
-"""The attributes DeepSpeed's ZeRO-3 sets on every parameter (`ds_shape`, `ds_numel`,
-`ds_status`, `ds_id`, `ds_persist`, `ds_active_sub_modules`), which clients read: the
-engine sets them when it builds stage-3 units."""
+"""The attributes DeepSpeed's ZeRO-3 sets on every parameter (`fzero.core.zero3_params`,
+which the engine sets when it builds stage-3 units), and their answer for tensors
+autograd re-creates from a stage-3 parameter."""
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any
 
@@ -12,27 +11,9 @@ import torch
 from torch import Tensor
 
 from fzero.core.layout import ZeroParamStatus
+from fzero.core.zero3_params import DESCRIBED, describe_zero3_param
 
 __all__ = ["AliasAnswers", "ZeroParamStatus", "describe_zero3_param"]
-
-
-_PARAM_IDS = itertools.count()  # DeepSpeed's `ds_id`: one counter for the process
-
-
-def describe_zero3_param(
-    p: torch.nn.Parameter, shape: tuple[int, ...], *, persistent: bool, available: bool
-) -> None:
-    """The attributes DeepSpeed's ZeRO-3 sets on every parameter, which clients read
-    (`ds_shape`/`ds_numel`: the whole tensor's; `ds_status`; `ds_id`; `ds_persist`;
-    `ds_active_sub_modules`): Transformers and Lightning count parameters with
-    `ds_numel`, PEFT sizes adapters with `ds_shape`, TRL gathers by `ds_status`."""
-    p.ds_shape = torch.Size(shape)
-    p.ds_numel = int(torch.Size(shape).numel())
-    p.ds_persist = persistent
-    p.ds_id = next(_PARAM_IDS)
-    p.ds_active_sub_modules = set()
-    p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
-    _DESCRIBED.add(p)
 
 
 # [Note: ds_* attributes of re-created tensors] A custom autograd.Function that saved a
@@ -44,7 +25,6 @@ def describe_zero3_param(
 # failed attribute lookup on a tensor asks `_zero3_attribute_of_alias`: the only patch of
 # torch fzero makes, installed by the first such engine and removed when the last one is
 # destroyed (or collected).
-_DESCRIBED: weakref.WeakSet[torch.nn.Parameter] = weakref.WeakSet()
 _ANSWERING: weakref.WeakSet[object] = weakref.WeakSet()  # the engines that need it
 
 
@@ -84,7 +64,7 @@ def _zero3_attribute_of_alias(tensor: Tensor, name: str) -> Any:
     `weight.ds_status` on it. Such a tensor answers as the parameter whose whole data it
     shares (same address and shape); any other tensor raises AttributeError as before."""
     if name.startswith("ds_") and tensor.numel() > 0:
-        for p in list(_DESCRIBED):
+        for p in list(DESCRIBED):
             if (
                 p is not tensor
                 and name in p.__dict__

@@ -87,7 +87,8 @@ def describe(
 ) -> Manifest:
     """List `model`'s trainable tensors in `named_parameters` order.
 
-    Works on a model on the `meta` device (reads shapes only). A parameter shared
+    Works on a model on the `meta` device (reads shapes only) and on one partitioned at
+    construction (`ds_shape`). A parameter shared
     between modules is listed once, with its other names in `aliases`. Parameters
     with `requires_grad=False` go to `Manifest.frozen`.
 
@@ -114,7 +115,7 @@ def describe(
     tensors = tuple(
         TensorSpec(
             fqn=by_identity[key][0],
-            shape=tuple(params[key].shape),
+            shape=_shape(params[key]),
             dtype=dtype_name(params[key].dtype),
             group=0 if group_of is None else group_of[key],
             aliases=tuple(by_identity[key][1]),
@@ -122,6 +123,13 @@ def describe(
         for key in order
     )
     return Manifest(tensors=tensors, frozen=tuple(frozen))
+
+
+def _shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole tensor's shape: DeepSpeed's `ds_shape` where a ZeRO-3 partition or engine
+    holds it (its own data is then empty), else its own."""
+    shape = param.__dict__.get("ds_shape")
+    return tuple(shape) if shape is not None else tuple(param.shape)
 
 
 def _group_index(
