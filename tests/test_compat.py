@@ -497,8 +497,9 @@ def test_zero3_consolidated_16bit_state_dict_as_transformers_calls_it():
 
 
 def zero_init_before_the_engine(rank, world):
-    """`zero.Init` builds whole; `GatheredParameters(modifier_rank=1)` on parameters no
-    engine holds yet leaves rank 1's edit on every rank; without a modifier nothing moves;
+    """`zero.Init` partitions at construction (rank 0's values where ranks built
+    differently); `GatheredParameters(modifier_rank=1)` leaves rank 1's edit in every
+    rank's partition; without a modifier, edits are dropped (DeepSpeed's re-partition);
     a meta parameter with a modifier is refused by name."""
     from fzero import compat
 
@@ -507,17 +508,22 @@ def zero_init_before_the_engine(rank, world):
     from deepspeed.runtime.zero import partition_parameters as pp
 
     deepspeed.init_distributed()
-    torch.manual_seed(rank)  # different weights on each rank before the broadcast
+    torch.manual_seed(rank)  # different weights on each rank: rank 0's are kept
     with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
         layer = torch.nn.Linear(3, 2)
-    built_whole = not layer.weight.is_meta and layer.weight.shape == (2, 3)
+    partitioned = layer.weight.numel() == 0 and tuple(layer.weight.ds_shape) == (2, 3)
+    status = layer.weight.ds_status.name
     wrapped = pp.zero_wrapper_for_fp_tensor_constructor(pp._orig_torch_arange, torch.bfloat16)
     with torch.no_grad():
+        with deepspeed.zero.GatheredParameters([layer.weight, layer.bias]):
+            built = (layer.weight.tolist(), layer.bias.tolist())
         with deepspeed.zero.GatheredParameters([layer.weight, layer.bias], modifier_rank=1):
             if rank == 1:
                 layer.weight.fill_(7.0)
         with deepspeed.zero.GatheredParameters([layer.bias]):
-            layer.bias.fill_(float(rank))
+            layer.bias.fill_(float(rank) + 5)
+        with deepspeed.zero.GatheredParameters([layer.weight, layer.bias]):
+            after = (layer.weight.tolist(), layer.bias.tolist())
     with torch.device("meta"):
         meta = torch.nn.Linear(3, 2)
     try:
@@ -526,14 +532,19 @@ def zero_init_before_the_engine(rank, world):
         refused = ""
     except ValueError as error:
         refused = str(error)
-    return built_whole, wrapped is torch.arange, layer.weight.tolist(), layer.bias.tolist(), refused
+    return partitioned, status, wrapped is torch.arange, built, after, refused
 
 
-def test_gathered_parameters_before_the_engine_broadcast_the_modifiers_edits():
-    built_whole, unwrapped, weight, bias, refused = run_world(zero_init_before_the_engine, 2)
-    assert built_whole and unwrapped
-    assert weight == [[7.0] * 3] * 2  # rank 1's edit, on rank 0
-    assert bias == [0.0, 0.0]  # no modifier: rank 0 kept its own edit
+def test_gathered_parameters_before_the_engine_keep_the_modifiers_edits():
+    partitioned, status, unwrapped, built, after, refused = run_world(
+        zero_init_before_the_engine, 2
+    )
+    assert partitioned and status == "NOT_AVAILABLE" and unwrapped
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(3, 2)
+    assert built == (plain.weight.tolist(), plain.bias.tolist())  # rank 0's construction
+    assert after[0] == [[7.0] * 3] * 2  # rank 1's edit, on rank 0
+    assert after[1] == plain.bias.tolist()  # no modifier: the edit is dropped
     assert "modifier_rank=0) got parameter 0 (shape (2, 3)) on the meta device" in refused
 
 

@@ -1,5 +1,6 @@
 """Stage 3 specifics (gathering ahead, bounded live parameters, reuse distance), models
-built on the meta device, and gathered_parameters."""
+built on the meta device, and gathered_parameters. (Models partitioned at construction,
+`fzero.init_context`: tests/test_construction.py.)"""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ MODELS = {"Net": Net, "Awkward": Awkward}
 
 def meta_case(rank, world, stage, name):
     torch.manual_seed(0)
-    with fzero.init_context():
+    with torch.device("meta"):
         model = MODELS[name]()
     assert all(p.is_meta for p in model.parameters())
     engine = fzero.shard(
@@ -154,11 +155,11 @@ class NoReset(nn.Module):
 
 
 def test_meta_module_without_reset_parameters_is_named():
-    with fzero.init_context():
+    with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), NoReset())
     with pytest.raises(ValueError, match=r"'1\.scale' is on the meta device.*NoReset"):
         fzero.shard(model, stage=3)
-    with fzero.init_context():
+    with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), NoReset())
     engine = fzero.shard(model, stage=3, param_init_fn=_fill_halves)
     assert torch.equal(engine.state_dict()["1.scale"], torch.full((3,), 0.5))

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from fzero.checkpoint._checksum import digest, digest_bytes, new_hasher
 from fzero.checkpoint._files import (
     CheckpointError,
     SafetensorsFile,
+    Spec,
     tensor_bytes,
     write_safetensors_stream,
 )
@@ -34,7 +35,14 @@ from fzero.checkpoint._format import (
     read_latest,
 )
 
-__all__ = ["consolidate", "consolidated_state_dict", "inspect", "iter_consolidated", "parse_size"]
+__all__ = [
+    "consolidate",
+    "consolidated_state_dict",
+    "inspect",
+    "iter_consolidated",
+    "parse_size",
+    "write_model_files",
+]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -169,43 +177,67 @@ def consolidate(
     parameters when `exclude_frozen`. Returns the files."""
     directory, index = _resolve(save_dir, tag)
     cast = _dtype(dtype)
-    limit = parse_size(max_shard_size)
     entries = _entries(index, directory, exclude_frozen)
     specs = [(e["key"], _out_dtype(e, cast), tuple(e["shape"])) for e in entries]
-    groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
-    filled = 0
-    for spec in specs:
-        size = math.prod(spec[2]) * spec[1].itemsize
-        if groups[-1] and filled + size > limit:
-            groups.append([])
-            filled = 0
-        groups[-1].append(spec)
-        filled += size
-    os.makedirs(out_dir, exist_ok=True)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
     tag = os.path.basename(directory)
     stream = (
         tensor
         for _, tensor in iter_consolidated(save_dir, tag, cast, exclude_frozen=exclude_frozen)
     )
+    return write_model_files(out_dir, specs, stream, max_shard_size)
+
+
+def write_model_files(
+    out_dir: str,
+    specs: list[Spec],
+    tensors: Iterable[Tensor],
+    max_shard_size: str | int | None = "5GB",
+    *,
+    filename: str = "model.safetensors",
+) -> list[str]:
+    """Write a model that arrives one tensor at a time (`tensors`, in the order and of
+    the dtypes and shapes `specs` says) as Transformers saves one: `out_dir/filename`,
+    or, above `max_shard_size` (None: never), shards named after it
+    (`model-00001-of-00003.safetensors`) with `model.safetensors.index.json`. Only one
+    tensor need be in memory. Returns the files written."""
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    groups: list[list[Spec]] = [[]]
+    filled = 0
+    for spec in specs:
+        size = math.prod(spec[2]) * spec[1].itemsize
+        if limit is not None and groups[-1] and filled + size > limit:
+            groups.append([])
+            filled = 0
+        groups[-1].append(spec)
+        filled += size
+    os.makedirs(out_dir, exist_ok=True)
+    stem, suffix = os.path.splitext(filename)
+    names = (
+        [filename]
+        if len(groups) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{suffix}" for i in range(len(groups))]
+    )
+    stream = iter(tensors)
     written = []
     for name, group in zip(names, groups):
         path = os.path.join(out_dir, name)
-        tensors = (next(stream) for _ in group)
-        write_safetensors_stream(path, group, tensors, metadata={"format": "pt"})
+        chunk = (_host(next(stream)) for _ in group)
+        write_safetensors_stream(path, group, chunk, metadata={"format": "pt"})
         written.append(path)
+    for _ in stream:  # the producer runs to its end (it may gather as it goes)
+        raise ValueError(f"{out_dir}: more tensors than the {len(specs)} the specs list")
     if len(groups) > 1:
         weight_map = {key: name for name, group in zip(names, groups) for key, _, _ in group}
         total = sum(math.prod(s) * d.itemsize for _, d, s in specs)
-        path = os.path.join(out_dir, "model.safetensors.index.json")
+        path = os.path.join(out_dir, f"{stem}{suffix}.index.json")
         with open(path, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         written.append(path)
     return written
+
+
+def _host(tensor: Tensor) -> Tensor:
+    return tensor.detach().to("cpu").contiguous()
 
 
 def inspect(save_dir: str) -> tuple[str, bool]:

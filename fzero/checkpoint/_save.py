@@ -22,7 +22,7 @@ import shutil
 import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -32,7 +32,12 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero._version import __version__
 from fzero.checkpoint._checksum import WRITE_ALGORITHM
-from fzero.checkpoint._files import fsync_dir, write_safetensors, write_safetensors_stream
+from fzero.checkpoint._files import (
+    WrittenFile,
+    fsync_dir,
+    write_safetensors,
+    write_safetensors_stream,
+)
 from fzero.checkpoint._format import (
     CLIENT_FILE,
     FAULT_VARIABLE,
@@ -53,6 +58,7 @@ from fzero.partition import Plan
 
 __all__ = [
     "Extras",
+    "WrittenModel",
     "extras_of",
     "grad_numel",
     "module_tensors",
@@ -66,6 +72,14 @@ __all__ = [
 log = logging.getLogger("fzero")
 
 
+class WrittenModel(NamedTuple):
+    """A safetensors file written before the save (`write_safetensors_stream`'s result
+    for `path`), moved into the checkpoint as it commits."""
+
+    path: str
+    written: WrittenFile
+
+
 @dataclass(frozen=True)
 class Extras:
     """What a checkpoint records besides the `TrainState` and how it is written.
@@ -73,7 +87,8 @@ class Extras:
     `module`: frozen parameters and buffers by state_dict key (rank 0 writes them);
     `keys`: the model's state_dict keys in order (default: the plan's names); `config`,
     `precision`, `batch`, `scheduler`: index records for whoever reads it back;
-    `model_16bit`: a consolidated model written beside the shards; `rng`: this rank's
+    `model_16bit`: a consolidated model written beside the shards (its tensors, or a
+    `WrittenModel`: a file written already, one unit at a time); `rng`: this rank's
     random state (default: the state's generator); `group_key`: which side process group
     carries the checkpoint's collectives (`comm.side_group`); `frozen`: the keys of
     `module` that are frozen parameters (the others are buffers)."""
@@ -85,7 +100,7 @@ class Extras:
     precision: str | None = None
     batch: Mapping[str, Any] | None = None
     scheduler: Mapping[str, Any] | None = None
-    model_16bit: Mapping[str, Tensor] = field(default_factory=dict)
+    model_16bit: Mapping[str, Tensor] | WrittenModel = field(default_factory=dict)
     rng: Mapping[str, Any] | None = None
     group_key: int = -1
 
@@ -317,7 +332,9 @@ def save(
     body = _index_body(state, optimizer, extras, tag, mid_accumulation, accumulation)
     body["client_state"] = encoded_client
     rng = dict(extras.rng) if extras.rng is not None else _state_rng(state)
-    model_16bit = {k: v.contiguous() for k, v in extras.model_16bit.items()}
+    model_16bit = extras.model_16bit
+    if not isinstance(model_16bit, WrittenModel):
+        model_16bit = {k: v.contiguous() for k, v in model_16bit.items()}
     dist.barrier(group=group)  # the partial directory exists for everyone
     if async_save:  # host copies of everything (NVMe offload: read back first)
         tensors = [
@@ -420,7 +437,7 @@ def _write(
     records: list[dict[str, Any]],
     rng: dict[str, Any],
     body: dict[str, Any],
-    extra_files: dict[str, dict[str, Tensor]],
+    extra_files: dict[str, dict[str, Tensor] | WrittenModel],
     save_latest: bool,
 ) -> None:
     save_dir, tag, partial, final = paths
@@ -443,13 +460,18 @@ def _write(
             body = {**body, "process_rng": [r["rng"] for r in every]}
         files = {}
         for name, contents in extra_files.items():
-            if contents:
+            if isinstance(contents, WrittenModel):
+                os.replace(contents.path, os.path.join(partial, name))
+                extra = contents.written
+            elif contents:
                 extra = write_safetensors(os.path.join(partial, name), contents.items())
-                files[name] = {
-                    "size": extra.size,
-                    "checksum": extra.checksum,
-                    "crcs": extra.tensor_digests,
-                }
+            else:
+                continue
+            files[name] = {
+                "size": extra.size,
+                "checksum": extra.checksum,
+                "crcs": extra.tensor_digests,
+            }
         body = {**body, "ranks": writers, "files": files}
         write_durably(os.path.join(partial, INDEX), pack(body))
         fsync_dir(partial)

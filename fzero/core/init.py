@@ -7,8 +7,8 @@ and a plan, `state_dict` consolidates the trained weights from one. The step is
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from fzero.config import Config, load_config, read_config
 from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan, gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
-from fzero.core.partitioned import is_partitioned, release_partition, shape_of
+from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
@@ -34,6 +34,7 @@ from fzero.optim._schedules import Schedule
 from fzero.partition import MeshPlan, Plan
 
 __all__ = [
+    "ModelStream",
     "check_optimizer",
     "config_for_plan",
     "full_master",
@@ -41,6 +42,7 @@ __all__ = [
     "optimizer_of",
     "schedule_of",
     "state_dict",
+    "stream_state_dict",
 ]
 
 # ---- init ----------------------------------------------------------------------------------
@@ -268,33 +270,71 @@ def state_dict(
     """The consolidated weights from the masters (in `dtype`), on rank 0 ({} elsewhere);
     collective. Every name of a tied tensor is a key. With `module`, its frozen
     parameters and buffers are added, in its own `state_dict` order. A rank that never
-    arrives is named (`fzero.comm.named_operation`)."""
+    arrives is named (`fzero.comm.named_operation`). (`stream_state_dict` gives the same
+    one tensor at a time.)"""
     where = f"fzero.state_dict (micro-step {state.counters.micro_steps})"
     with comm.named_operation(where):
-        return _state_dict(state, module, dtype)
+        stream = stream_state_dict(state, module=module, dtype=dtype)
+        result = {key: t for (key, _, _), t in zip(stream.specs, stream.tensors, strict=False)}
+        for _ in stream.tensors:  # (other ranks: the collectives only)
+            pass
+    if comm.get_rank() != 0 or module is None:
+        return result
+    return {k: result[k] for k in module.state_dict(keep_vars=True) if k in result}
 
 
-def _state_dict(
-    state: TrainState, module: torch.nn.Module | None, dtype: torch.dtype
-) -> dict[str, Tensor]:
-    result: dict[str, Tensor] = {}
-    plan = state.plan
-    first = comm.get_rank() == 0  # the process's (a mesh's replicas share plan ranks)
-    for index, unit in enumerate(plan.units):
-        full = full_master(state, index)
-        if not first:
-            continue
+class ModelStream(NamedTuple):
+    """A consolidated model one tensor at a time: `specs` (key, dtype, shape) in the
+    order `tensors` yields them. `tensors` yields on rank 0 only, but must be run to its
+    end on every rank (it gathers one unit at a time: collective)."""
+
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    tensors: Iterator[Tensor]
+
+
+def stream_state_dict(
+    state: TrainState,
+    *,
+    module: torch.nn.Module | None = None,
+    dtype: torch.dtype = torch.float32,
+    exclude_frozen: bool = False,
+) -> ModelStream:
+    """`state_dict`'s entries one at a time (see `ModelStream`): the trained tensors unit
+    by unit (every name of a tied one), then `module`'s frozen parameters (unless
+    `exclude_frozen`) and buffers, as they are. No process holds more than one unit
+    gathered, so a model larger than any process's memory can be written out."""
+    plan, first = state.plan, comm.get_rank() == 0
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for unit in plan.units:
         for pl in unit.placements:
             spec = plan.manifest[pl.fqn]
-            tensor = gather_pieces(full, pl, spec.shape).to(dtype).clone()
-            for name in (spec.fqn, *spec.aliases):
-                result[name] = tensor
-    if not first:
-        return {}
-    if module is None:
-        return result
-    own = module.state_dict(keep_vars=True)
-    return {k: result[k] if k in result else v.detach().clone() for k, v in own.items()}
+            specs += [(name, dtype, spec.shape) for name in (spec.fqn, *spec.aliases)]
+    trained = {key for key, _, _ in specs}
+    rest: list[tuple[str, Tensor]] = []
+    if module is not None:
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if key in trained or (exclude_frozen and key in frozen):
+                continue
+            rest.append((key, value))
+            specs.append((key, value.dtype, shape_of(value)))
+
+    def tensors() -> Iterator[Tensor]:
+        for index, unit in enumerate(plan.units):
+            full = full_master(state, index)
+            for pl in unit.placements:
+                spec = plan.manifest[pl.fqn]
+                if first:
+                    tensor = gather_pieces(full, pl, spec.shape).to(dtype).contiguous()
+                    for _ in (spec.fqn, *spec.aliases):
+                        yield tensor
+            del full
+        for _, value in rest:
+            whole = gather_whole(value) if is_partitioned(value) else value.detach().clone()
+            if first:
+                yield whole
+
+    return ModelStream(specs, tensors())
 
 
 def full_master(state: TrainState, index: int) -> Tensor:

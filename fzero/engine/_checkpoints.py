@@ -107,22 +107,32 @@ class CheckpointMethods:
     ) -> dict[str, Tensor] | None:
         """DeepSpeed's name (Accelerate and Transformers call it at save): the whole model's
         state dict in the compute dtype, on rank 0 (None elsewhere); collective. Without
-        the frozen parameters when `exclude_frozen_parameters`."""
-        state = self.state_dict()
-        if self.rank != 0:
-            return None
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
-        the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
-        method, without its pickle file."""
+        the frozen parameters when `exclude_frozen_parameters`. Gathered one unit at a
+        time into a temporary file, the tensors mapped from it
+        (`checkpoint_io.consolidated_16bit_state_dict`)."""
         from fzero.engine import checkpoint_io as _engine_io
 
-        return _engine_io.save_16bit_model(self, save_dir, save_filename)
+        return _engine_io.consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    @named("save_16bit_model")
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+        *,
+        max_shard_size: str | int | None = None,
+    ) -> bool:
+        """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
+        the model's own state_dict keys), written by rank 0 one unit at a time as it is
+        gathered (no process holds more); collective. DeepSpeed's method, without its
+        pickle file; with `max_shard_size` (e.g. "5GB"), Transformers' shards and index
+        above that size."""
+        from fzero.engine import checkpoint_io as _engine_io
+
+        return _engine_io.save_16bit_model(
+            self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
+        )
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written and committed."""

@@ -6,12 +6,19 @@ parameters and buffers, its config, batch sizes, scheduler and client optimizer 
 the process's random-number states, and DeepSpeed's consolidated 16-bit model when
 `stage3_gather_16bit_weights_on_model_save` asks for it. A missing checkpoint warns and
 returns `(None, None)`, as DeepSpeed's does.
+
+Whole-model files (`save_16bit_model`, the checkpoint's 16-bit model, the state dict
+Transformers' Trainer saves) are streamed: gathered one unit at a time
+(`fzero.core.init.stream_state_dict`) and written by rank 0 as they come, so no process
+holds more than one unit gathered.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -20,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from fzero import comm
-from fzero.checkpoint._files import CheckpointError, write_safetensors
+from fzero.checkpoint._consolidate import write_model_files
+from fzero.checkpoint._files import CheckpointError, write_safetensors_stream
 from fzero.checkpoint._format import (
     jsonable,
     process_rng,
@@ -31,12 +39,14 @@ from fzero.checkpoint._format import (
 from fzero.checkpoint._restore import PartlyRestoredError, find, restore
 from fzero.checkpoint._save import (
     Extras,
+    WrittenModel,
     frozen_keys,
     module_tensors,
     same_on_every_rank,
     save,
     wait_for_save,
 )
+from fzero.core.init import ModelStream, stream_state_dict
 from fzero.core.layout import UnitRuntime
 from fzero.core.publish import install, rolled_back
 from fzero.core.residency import Residency
@@ -60,6 +70,7 @@ class Engine(Protocol):
     precision: str
     units: list[UnitRuntime]
     residency: Residency
+    compute_dtype: torch.dtype
     functional_optimizer: Optimizer
     loss_scaler: Any
     loss_scale_state: Any
@@ -87,12 +98,21 @@ class Engine(Protocol):
     def finish_publish(self) -> None: ...
 
 
-__all__ = ["load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_for_save"]
+__all__ = [
+    "consolidated_16bit_state_dict",
+    "load_checkpoint",
+    "save_16bit_model",
+    "save_checkpoint",
+    "stream_model",
+    "wait_for_save",
+]
 
 log = logging.getLogger("fzero")
 
 
-def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Extras:
+def _extras(
+    engine: Engine, for_save: bool, exclude_frozen: bool = False, save_dir: str = ""
+) -> Extras:
     module = engine.module
     tensors = module_tensors(engine.plan, module)
     keys = list(module.state_dict(keep_vars=True))
@@ -105,10 +125,9 @@ def _extras(engine: Engine, for_save: bool, exclude_frozen: bool = False) -> Ext
     if not for_save:
         return extras
     batch = engine.batch
+    model_16bit: Any = {}
     if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-        model_16bit = engine.state_dict()  # DeepSpeed's switch: a whole 16-bit model too
-    else:
-        model_16bit = {}
+        model_16bit = _written_16bit(engine, save_dir)  # DeepSpeed's switch: the model too
     return Extras(
         module=extras.module,
         keys=extras.keys,
@@ -171,7 +190,9 @@ def save_checkpoint(
         accumulation=_accumulation(engine),
         save_latest=save_latest,
         async_save=async_save,
-        extras=_extras(engine, for_save=True, exclude_frozen=exclude_frozen_parameters),
+        extras=_extras(
+            engine, for_save=True, exclude_frozen=exclude_frozen_parameters, save_dir=save_dir
+        ),
         owner=engine,
     )
 
@@ -318,12 +339,76 @@ def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:
     log.warning(message)
 
 
-def save_16bit_model(engine: Engine, save_dir: str, save_filename: str) -> bool:
+def stream_model(
+    engine: Engine, dtype: torch.dtype | None = None, exclude_frozen: bool = False
+) -> ModelStream:
+    """The engine's whole model one tensor at a time (`stream_state_dict`; the masters
+    in `dtype`, default the compute dtype); collective as it is run."""
+    engine.residency.check_usable()
+    return stream_state_dict(
+        engine.train_state,
+        module=engine.module,
+        dtype=dtype or engine.compute_dtype,
+        exclude_frozen=exclude_frozen,
+    )
+
+
+def _drain(stream: ModelStream) -> None:
+    for _ in stream.tensors:  # the other ranks' part of each gather
+        pass
+
+
+def save_16bit_model(
+    engine: Engine,
+    save_dir: str,
+    save_filename: str,
+    exclude_frozen_parameters: bool = False,
+    max_shard_size: str | int | None = None,
+) -> bool:
     """See `Engine.save_16bit_model`."""
-    state = engine.state_dict()
-    if engine.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        items = [(k, v.contiguous()) for k, v in state.items()]
-        write_safetensors(os.path.join(save_dir, save_filename), items, {"format": "pt"})
+    stream = stream_model(engine, exclude_frozen=exclude_frozen_parameters)
+    if comm.get_rank() == 0:
+        specs, tensors = stream.specs, stream.tensors
+        write_model_files(save_dir, specs, tensors, max_shard_size, filename=save_filename)
+    else:
+        _drain(stream)
     dist.barrier()
     return True
+
+
+def _written_16bit(engine: Engine, save_dir: str) -> WrittenModel | dict[str, Any]:
+    """The 16-bit model a checkpoint carries, streamed to a file in `save_dir` on rank 0
+    (the checkpoint moves it in as it commits); {} on the other ranks."""
+    stream = stream_model(engine)
+    if comm.get_rank() != 0:
+        _drain(stream)
+        return {}
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, f".model_16bit.{os.getpid()}.partial")
+    cpu = (t.detach().cpu().contiguous() for t in stream.tensors)
+    written = write_safetensors_stream(path, stream.specs, cpu, {"format": "pt"})
+    return WrittenModel(path, written)
+
+
+def consolidated_16bit_state_dict(
+    engine: Engine, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """DeepSpeed's `_zero3_consolidated_16bit_state_dict` (what Transformers' Trainer and
+    Accelerate save): the model streamed unit by unit into a temporary safetensors file
+    on rank 0 and returned as tensors mapped from it (read from disk as the caller
+    writes them; the file is unlinked at once and its space freed with the tensors);
+    None on the other ranks. Collective."""
+    stream = stream_model(engine, exclude_frozen=exclude_frozen_parameters)
+    if comm.get_rank() != 0:
+        _drain(stream)
+        return None
+    from safetensors import safe_open
+
+    directory = tempfile.mkdtemp(prefix="fzero-16bit-")
+    try:
+        path = write_model_files(directory, stream.specs, stream.tensors, None)[0]
+        with safe_open(path, framework="pt") as f:
+            mapped = {key: f.get_tensor(key) for key, _, _ in stream.specs}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return mapped
