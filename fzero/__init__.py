@@ -19,6 +19,7 @@ from fzero.config.auto import resolve_auto
 from fzero.core.construction import init_context
 from fzero.core.evaluate import eval_step
 from fzero.core.init import init, state_dict
+from fzero.core.load_weights import load_safetensors
 from fzero.core.precision import Precision
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.step import train_step
@@ -58,6 +59,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "load_safetensors",
     "optim",
     "partition",
     "resolve_auto",

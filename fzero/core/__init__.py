@@ -27,7 +27,12 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `precision`: compute dtypes and the fp16 loss scale's setup;
 - `nvme`: the swap file and its host buffer pool (the native async I/O);
 - `groups`: the process groups a plan on a mesh runs on (its shard group, replicas,
-  hpZ's secondary group).
+  hpZ's secondary group);
+- `construction`: `init_context`, partitioning a model as it is constructed;
+  `partitioned`: such parameters (their partitions, where they live, gathering them
+  whole, a modifier's edits and loads by byte range); `zero3_params`: DeepSpeed's `ds_*`
+  attributes; `tensor_files`: safetensors read by byte range, and the file bytes a
+  mapped tensor shows; `load_weights`: `load_safetensors`, each rank reading its bytes.
 
 The core imports nothing from the engine, the DeepSpeed surface or the checkpoint
 package (`tests/test_import_graph.py` holds it to that, package `__init__`s included).

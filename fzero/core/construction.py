@@ -111,6 +111,7 @@ class Construction:
         if kind is None:  # every constructor has returned: the rest is partitioned
             self._partition(list(self._pending.values()))
         self._pending.clear()
+        _nvme.return_free_memory()  # the whole tensors freed among partitions: to the OS
 
     # ---- hooks --------------------------------------------------------------------------
 

@@ -215,7 +215,7 @@ class _Mapping:
     major: int
     inode: int
     path: str
-    dirty_kb: int
+    copied_kb: int
 
 
 def _file_mappings() -> list[_Mapping]:
@@ -242,10 +242,12 @@ def _file_mappings() -> list[_Mapping]:
                     major=int(fields[3].split(":")[0], 16),
                     inode=int(fields[4]),
                     path=fields[5],
-                    dirty_kb=0,
+                    copied_kb=0,
                 )
-        elif current is not None and fields and fields[0] in ("Private_Dirty:", "Shared_Dirty:"):
-            current["dirty_kb"] += int(fields[1])
+        elif current is not None and fields and fields[0] == "Anonymous:":
+            # pages written through a private mapping are copies (anonymous); dirty file
+            # pages (written by write() and not yet flushed) hold the file's bytes
+            current["copied_kb"] += int(fields[1])
     if current is not None:
         found.append(_Mapping(**current))
     return found
@@ -258,7 +260,7 @@ def _mapped(tensor: Tensor, mappings: list[_Mapping]) -> MappedBytes | None:
     end = begin + tensor.numel() * tensor.element_size()
     for m in mappings:
         if m.low <= begin and end <= m.high:
-            if m.dirty_kb:
+            if m.copied_kb:
                 return None
             try:
                 status = os.stat(m.path)

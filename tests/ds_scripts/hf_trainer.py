@@ -2,7 +2,9 @@
 command line (`--deepspeed ds_config.json` switches DeepSpeed on), a model from a config,
 `trainer.train(resume_from_checkpoint=...)`, `trainer.save_model()`. Tiny BERT, data
 made here; `--from_config` builds it with `AutoModelForSequenceClassification.from_config`
-(inside `deepspeed.zero.Init` under ZeRO-3, as Transformers does), else its constructor."""
+(inside `deepspeed.zero.Init` under ZeRO-3, as Transformers does), `--from_pretrained DIR`
+loads it with `from_pretrained` (partitioned, then loaded under ZeRO-3), else its
+constructor."""
 
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from transformers import (
 @dataclass
 class ModelArguments:
     from_config: bool = False
+    from_pretrained: str = ""
     save_init: str = ""  # each rank writes its initial weights to save_init-rank{r}
     init_from: str = ""  # start from these weights
 
@@ -46,7 +49,9 @@ def main() -> None:
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=32,
     )  # fmt: skip
-    if model_args.from_config:
+    if model_args.from_pretrained:
+        model = AutoModelForSequenceClassification.from_pretrained(model_args.from_pretrained)
+    elif model_args.from_config:
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = BertForSequenceClassification(config)
