@@ -1,4 +1,5 @@
-# One command from a fresh clone: `make test` (tests + lint), `make demo` (the main job).
+# One command from a fresh clone: `make test` (tests + lint), `make demo` (the main job),
+# `make docs` (the documentation site, into site/).
 # The virtual environment is created once and refreshed when pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 # CPU build of PyTorch, pinned so CI never pulls a multi-GB CUDA wheel.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-deepspeed lint format demo bench clean
+.PHONY: venv test test-slow test-deepspeed lint format demo bench docs clean
 
 venv: $(VENV)/.stamp
 
@@ -58,5 +59,14 @@ bench: venv
 	$(BIN)/python benchmarks/cpu_adam.py --numel 10000000 --rounds 10 --results $(BENCH_RESULTS)
 	$(BIN)/python benchmarks/plot.py results $(BENCH_RESULTS) -o $(BENCH_RESULTS:.md=.png)
 
+# The documentation site: MkDocs with --strict (a broken link, anchor or API reference
+# fails), the API reference and the configuration keys generated from the code.
+$(VENV)/.docs-stamp: $(VENV)/.stamp
+	$(BIN)/python -m pip install -q -e '.[dev,examples,docs]'
+	touch $@
+
+docs: $(VENV)/.docs-stamp
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) $(DS_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(DS_VENV) build site *.egg-info .pytest_cache .ruff_cache

@@ -206,7 +206,8 @@ def from_zero_config(
     - otherwise `Mesh({"dp": W})` and `Zero(stage)`. Below stage 3 the three keys have no
       effect, as in DeepSpeed, where hpZ and MiCS are parts of stage 3.
 
-    The config parser still refuses these keys: the engine cannot run such plans yet.
+    The engine builds its plan from these keys with this function; `fzero.init` and
+    `train_step` are given the mesh plan itself.
     """
     stage = _int_key(zero, "stage", 0)
     hpz = _int_key(zero, "zero_hpz_partition_size", 1)
