@@ -56,9 +56,9 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
 def _type_name(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
-        return " \\| ".join(repr(a) for a in typing.get_args(hint))
+        return " | ".join(repr(a) for a in typing.get_args(hint))
     if origin in (typing.Union, __import__("types").UnionType):
-        return " \\| ".join(_type_name(a) for a in typing.get_args(hint))
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
     if hint is type(None):
         return "null"
     if dataclasses.is_dataclass(hint):
@@ -98,15 +98,15 @@ def config_keys() -> Iterator[Key]:
                 "off",
                 "DeepSpeed",
                 "refused",
-                "Not supported yet: accepted only while switched off (`false`, `null` or "
-                '`{"enabled": false}`); any other value is an error naming the key.',
+                'accepted only while switched off (`false`, `null` or `{"enabled": false}`); '
+                "any other value is an error naming the key.",
             )
     for section, aliases in sorted(config._ALIASES.items()):
         for old, new in sorted(aliases.items()):
             path = f"{section}.{old}" if section else old
             target = f"{section}.{new}" if section else new
             yield Key(
-                path, "alias", "", "DeepSpeed", "read", f"DeepSpeed's older name of `{target}`."
+                path, "alias", "—", "DeepSpeed", "read", f"DeepSpeed's older name of `{target}`."
             )
 
 
@@ -151,7 +151,7 @@ def config_table() -> str:
         "read": "",
         "no effect": "**Accepted, changes nothing:** ",
         "default only": "**Only the default is accepted:** ",
-        "refused": "**Refused:** ",
+        "refused": "**Not supported yet:** ",
     }
     for key in config_keys():
         lines.append(
