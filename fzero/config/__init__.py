@@ -255,9 +255,10 @@ class FP16Config(_Section):
     initial_scale_power: int = 16
     """Dynamic scaling starts at 2**initial_scale_power."""
     loss_scale_window: int = 1000
-    """Steps without an overflow after which the dynamic scale doubles."""
+    """The dynamic scale doubles after this many steps without an overflow."""
     hysteresis: int = 2
-    """Overflows absorbed before the dynamic scale halves."""
+    """The dynamic scale halves at the hysteresis-th overflow since it last grew (every
+    overflowing step is skipped either way)."""
     consecutive_hysteresis: bool = False
     """Restore the hysteresis budget after every step without an overflow (not only when
     the scale grows)."""
