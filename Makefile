@@ -14,7 +14,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml setup.py native_src/build.py native_src/fzero_kernels.c native_src/fzero_common.h native_src/fzero_aio.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e '.[dev,examples]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples,docs]'
 	touch $@
 
 lint: venv
@@ -61,11 +61,7 @@ bench: venv
 
 # The documentation site: MkDocs with --strict (a broken link, anchor or API reference
 # fails), the API reference and the configuration keys generated from the code.
-$(VENV)/.docs-stamp: $(VENV)/.stamp
-	$(BIN)/python -m pip install -q -e '.[dev,examples,docs]'
-	touch $@
-
-docs: $(VENV)/.docs-stamp
+docs: venv
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
