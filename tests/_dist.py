@@ -1,4 +1,5 @@
-"""Run a function on N local gloo ranks (spawned processes) and collect rank 0's result."""
+"""Run a function on N local gloo ranks and collect rank 0's result: on persistent rank
+processes shared by the run's cases (`tests._workers`), or on new ones (`fresh=True`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ _TENSOR = "__tensor__"
 
 def _encode(value: Any) -> Any:
     """Tensors as raw bytes: nothing shares memory with a process that exits."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        return type(value)(*(_encode(v) for v in value))
     if isinstance(value, torch.Tensor):
         flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
         return (
@@ -37,6 +40,8 @@ def _decode(value: Any) -> Any:
         if not data:
             return torch.empty(shape, dtype=getattr(torch, dtype))
         return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_decode(v) for v in value))
     if isinstance(value, dict):
         return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -51,14 +56,9 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        FZERO_TIMEOUT_S="120",
-    )
+    from tests._workers import rank_environment
+
+    os.environ.update(rank_environment(rank, world, port))
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -74,8 +74,20 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world: int, *args: Any) -> Any:
-    """`fn(rank, world, *args)` on `world` processes; returns rank 0's return value."""
+def run_world(fn: Callable, world: int, *args: Any, fresh: bool = False) -> Any:
+    """`fn(rank, world, *args)` on `world` gloo ranks; returns rank 0's return value and
+    raises AssertionError naming the test and the rank where a rank raised, died or hung.
+
+    The ranks are the run's persistent ones for `world` (`tests._workers`: each case on a
+    new process group, the processes' state put back between cases). `fresh=True`: new
+    processes that end with the case, for a case that kills or exits a rank, leaves its
+    process group broken on purpose, or tests what happens at interpreter exit (also
+    every case under `FZERO_TEST_WORKERS=0`)."""
+    from tests import _workers
+
+    _record(world, fresh)
+    if not fresh and os.environ.get("FZERO_TEST_WORKERS", "1") != "0":
+        return _decode(_workers.run_case(fn, world, _encode(args), _free_port()))
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
@@ -89,8 +101,17 @@ def run_world(fn: Callable, world: int, *args: Any) -> Any:
     for p in procs:
         p.join(timeout=120)
     if status == "error":
-        raise AssertionError(payload)
+        raise AssertionError(f"{_workers.case_name()}: {payload}")
     return _decode(payload)
+
+
+# The kinds of process each test used ("2 ranks", "subprocess"), for tests/DURATIONS.md
+# (conftest.py reads and clears it after each test).
+used: set[str] = set()
+
+
+def _record(world: int, fresh: bool) -> None:
+    used.add(f"{world} rank{'s' if world > 1 else ''}" + (" (fresh)" if fresh else ""))
 
 
 # What torch's gloo teardown prints when a rank aborts at interpreter exit after the

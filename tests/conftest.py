@@ -1,0 +1,51 @@
+"""The test run's plugin: ends the persistent rank groups of `run_world` at the end of the
+run (they exit as processes do, saving coverage data), lists the groups that had to be
+restarted and why, and with `FZERO_TEST_DURATIONS=path` writes each test's duration and
+the kinds of process it used (`tests/durations.py` turns that into tests/DURATIONS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from tests import _dist, _workers
+
+_durations: dict[str, dict[str, Any]] = {}
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":  # not multiprocessing's spawn, which does not go through it
+        _dist.used.add("subprocess")
+
+
+sys.addaudithook(_audit)
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    entry = _durations.setdefault(report.nodeid, {"seconds": 0.0, "kinds": []})
+    entry["seconds"] += report.duration
+    if report.failed:
+        entry["outcome"] = "failed"
+    elif report.skipped:
+        entry["outcome"] = "skipped"
+    entry.setdefault("outcome", "passed")
+    if report.when == "teardown":
+        entry["kinds"] = sorted(set(entry["kinds"]) | _dist.used)
+        _dist.used.clear()
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    _workers.close_all()
+    path = os.environ.get("FZERO_TEST_DURATIONS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_durations, f, indent=0, sort_keys=True)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _workers.restarts:
+        terminalreporter.section("rank groups restarted")
+        for name, why in _workers.restarts:
+            terminalreporter.write_line(f"{name}: {why}")
