@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from tests import _dist, _workers
 
@@ -36,8 +39,15 @@ def pytest_runtest_logreport(report: Any) -> None:
         _dist.used.clear()
 
 
+@pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: ends first
+def pytest_runtestloop(session: Any) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:  # before pytest-cov combines the processes' data at the session's end
+        _workers.close_all()
+
+
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    _workers.close_all()
     path = os.environ.get("FZERO_TEST_DURATIONS")
     if path:
         with open(path, "w") as f:
