@@ -40,6 +40,7 @@ import logging
 import os
 import pickle
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -73,6 +74,11 @@ KEPT_GROUPS = 3
 _LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Groups ended early, and why: listed at the end of the pytest run (conftest.py).
 restarts: list[tuple[str, str]] = []
+# CPU seconds the ranks spent in completed cases, starts included (conftest.py adds them
+# to each test's), and those of ended ranks, which the pytest process's children's
+# resource usage counts again once they are reaped.
+cpu = [0.0]
+reaped = [0.0]
 
 
 def case_name() -> str:
@@ -224,7 +230,7 @@ def serve(rank: int, world: int, conn: Any, directory: str) -> None:
     torch.set_num_threads(1)
     import fzero.compat  # fzero's loggers exist before any case adds a handler
 
-    baseline = _Baseline()
+    baseline, reported = _Baseline(), 0.0
     out, err = f"{directory}/rank{rank}.out", f"{directory}/rank{rank}.err"
     while True:
         message = pickle.loads(conn.recv_bytes())
@@ -260,7 +266,8 @@ def serve(rank: int, world: int, conn: Any, directory: str) -> None:
                         why = f"rank {rank} holds {_resident_mb():,.0f} MiB"
             except BaseException:
                 why = f"cleaning up failed:\n{traceback.format_exc()}"
-        _send(conn, ("clean", why))
+        spent, reported = time.process_time() - reported, time.process_time()
+        _send(conn, ("clean", why, spent))  # the first case's includes the start
 
 
 # ---- the pytest side --------------------------------------------------------------------------
@@ -312,6 +319,7 @@ class _Group:
         for conn in self.conns:
             _send(conn, ("finish",))
         cleaned, lost = self._collect(name, timeout=BARRIER_S + 60)
+        cpu[0] += sum(reply[2] for reply in cleaned.values())
         self._show_output(name, stacks=bool(lost))
         why = "; ".join([cleaned[r][1] for r in sorted(cleaned) if cleaned[r][1]] + lost)
         return replies[0][2], why
@@ -363,6 +371,16 @@ class _Group:
     def close(self, kill: bool = False) -> None:
         """Stop the ranks (they exit as processes do, saving coverage data); kill those
         that do not within a few seconds."""
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._end(kill)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reaped[0] += after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.procs = []
+
+    def _end(self, kill: bool) -> None:
         if not kill:
             for conn in self.conns:
                 with contextlib.suppress(OSError, ValueError):
@@ -373,10 +391,6 @@ class _Group:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
-        for conn in self.conns:
-            conn.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.procs = []
 
 
 _groups: OrderedDict[tuple, _Group] = OrderedDict()

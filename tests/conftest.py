@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -26,17 +27,37 @@ def _audit(event: str, args: tuple) -> None:
 sys.addaudithook(_audit)
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process, of its children that ended, and of the persistent
+    ranks' cases: a test's cost that does not depend on the machine's load."""
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return own - _workers.reaped[0] + _workers.cpu[0]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+    start = _cpu_seconds()
+    _dist.used.clear()  # not what collection or an earlier test launched
+    try:
+        return (yield)
+    finally:
+        entry = _durations.setdefault(item.nodeid, {"seconds": 0.0})
+        entry["cpu"] = _cpu_seconds() - start
+        entry["kinds"] = sorted(_dist.used)
+
+
 def pytest_runtest_logreport(report: Any) -> None:
-    entry = _durations.setdefault(report.nodeid, {"seconds": 0.0, "kinds": []})
+    entry = _durations.setdefault(report.nodeid, {"seconds": 0.0})
     entry["seconds"] += report.duration
     if report.failed:
         entry["outcome"] = "failed"
     elif report.skipped:
         entry["outcome"] = "skipped"
     entry.setdefault("outcome", "passed")
-    if report.when == "teardown":
-        entry["kinds"] = sorted(set(entry["kinds"]) | _dist.used)
-        _dist.used.clear()
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: ends first

@@ -39,18 +39,20 @@ def _load(pairs: list[str]) -> dict[str, dict]:
 
 
 def _sums(runs: dict[str, dict], by) -> dict[str, list[float]]:
-    """key -> [tests, seconds] over every job's tests."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for tests in runs.values():
+    """key -> [tests, seconds, CPU seconds] over every job's tests."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for job, tests in runs.items():
         for nodeid, entry in tests.items():
-            key = by(nodeid, entry)
+            key = by(job, nodeid, entry)
             out[key][0] += 1
             out[key][1] += entry["seconds"]
+            out[key][2] += entry.get("cpu", 0.0)
     return out
 
 
 def _table(title: str, header: str, rows: list[str], before: bool) -> list[str]:
-    columns = "| tests | seconds |" + (" tests before | seconds before |" if before else "")
+    columns = "| tests | seconds | CPU s |"
+    columns += " tests before | seconds before | CPU s before |" if before else ""
     line = "|---" * (columns.count("|")) + "|"
     return [f"### {title}", "", f"| {header} {columns}", line, *rows, ""]
 
@@ -58,11 +60,11 @@ def _table(title: str, header: str, rows: list[str], before: bool) -> list[str]:
 def _rows(after: dict, before: dict | None, keys: list[str]) -> list[str]:
     rows = []
     for key in keys:
-        n, s = after.get(key, (0, 0.0))
-        row = f"| {key} | {n} | {s:,.0f} |"
+        n, s, c = after.get(key, (0, 0.0, 0.0))
+        row = f"| {key} | {n} | {s:,.0f} | {c:,.0f} |"
         if before is not None:
-            bn, bs = before.get(key, (0, 0.0))
-            row += f" {bn} | {bs:,.0f} |"
+            bn, bs, bc = before.get(key, (0, 0.0, 0.0))
+            row += f" {bn} | {bs:,.0f} | {bc:,.0f} |"
         rows.append(row)
     return rows
 
@@ -78,10 +80,10 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
             job: [len(t), sum(e["seconds"] for e in t.values())] for job, t in before.items()
         }
     jobs = list(after) + [j for j in (before or {}) if j not in after]
-    lines += _table("By job (sum of the tests' seconds)", "job |", _rows(by_job, old_job, jobs),
+    lines += _table("By job (sums over the tests)", "job |", _rows(by_job, old_job, jobs),
                     before is not None)  # fmt: skip
 
-    def kind(nodeid: str, entry: dict) -> str:
+    def kind(job: str, nodeid: str, entry: dict) -> str:
         return kind_of(entry["kinds"])
 
     kinds_after = _sums(after, kind)
@@ -89,7 +91,7 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
     lines += _table("By kind", "kind |", _rows(kinds_after, kinds_before, list(KINDS)),
                     before is not None)  # fmt: skip
 
-    def file(nodeid: str, entry: dict) -> str:
+    def file(job: str, nodeid: str, entry: dict) -> str:
         return nodeid.split("::")[0]
 
     files_after = _sums(after, file)
@@ -101,11 +103,15 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
         "By file", "file |", _rows(files_after, files_before, files), before is not None
     )
     slowest = sorted(
-        ((e["seconds"], n, kind_of(e["kinds"])) for t in after.values() for n, e in t.items()),
+        (
+            (e["seconds"], e.get("cpu", 0.0), n, kind_of(e["kinds"]))
+            for t in after.values()
+            for n, e in t.items()
+        ),
         reverse=True,
     )[:30]
-    lines += ["### Slowest tests", "", "| seconds | kind | test |", "|---|---|---|"]
-    lines += [f"| {s:,.1f} | {k} | `{n}` |" for s, n, k in slowest]
+    lines += ["### Slowest tests", "", "| seconds | CPU s | kind | test |", "|---|---|---|---|"]
+    lines += [f"| {s:,.1f} | {c:,.1f} | {k} | `{n}` |" for s, c, n, k in slowest]
     return "\n".join(lines) + "\n"
 
 
