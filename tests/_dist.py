@@ -7,6 +7,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,6 +113,62 @@ used: set[str] = set()
 
 def _record(world: int, fresh: bool) -> None:
     used.add(f"{world} rank{'s' if world > 1 else ''}" + (" (fresh)" if fresh else ""))
+
+
+def _used_script() -> None:
+    used.add("script on ranks")
+
+
+def _script_case(
+    rank: int, world: int, script: str, args: list[str], variables: dict, directory: str
+) -> None:
+    """One process of `fzero run`: what `fzero.cli.launch_entry` does before and while
+    it runs the script, its stdout and stderr into `directory` (run_script reads them)."""
+    from fzero.cli import launch_entry
+    from tests._workers import output_to
+
+    os.environ.update(variables)
+    with output_to(f"{directory}/rank{rank}.out", f"{directory}/rank{rank}.err"):
+        try:
+            launch_entry.main([script, *args])
+        except SystemExit as done:  # a script's sys.exit(0) ends it as a process would
+            if done.code not in (None, 0):
+                raise
+
+
+def run_script(*command: str, cwd: str | os.PathLike | None = None) -> Any:
+    """`fzero run <command>` (e.g. `"--as-deepspeed", "-n", "2", "train.py", "--x"`) with
+    its processes on `run_world`'s ranks: each runs what a process `fzero run` starts
+    runs (`fzero.cli.launch_entry`, given the same environment as the launcher gives it:
+    the DeepSpeed stand-in, `--local_rank`, LOCAL_WORLD_SIZE). Returns a
+    `subprocess.CompletedProcess` whose stdout and stderr are every rank's, in rank
+    order; a rank that raises (or exits non-zero) fails as in `run_world`. What the
+    launcher itself does (torchrun, exit codes, hosts, cores) is tested by launching it."""
+    import subprocess
+    import tempfile
+
+    from fzero.cli import _parser
+    from fzero.cli.launcher import script_environment
+
+    args = _parser().parse_args(["run", *command])
+    world = args.nproc_per_node or 1
+    if args.num_nodes != 1 or args.hostfile or args.launcher != "torchrun" or args.dry_run:
+        raise ValueError(f"run_script runs one node's processes; launch {command} instead")
+    variables = {**script_environment(args, world), "LOCAL_WORLD_SIZE": str(world)}
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="fzero-script-") as directory:
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            run_world(_script_case, world, args.script, args.script_args, variables, directory)
+        finally:
+            os.chdir(here)
+        streams = []
+        for suffix in ("out", "err"):
+            paths = [f"{directory}/rank{r}.{suffix}" for r in range(world)]
+            streams.append("".join(Path(path).read_text() for path in paths))
+    _used_script()
+    return subprocess.CompletedProcess(["fzero", "run", *command], 0, *streams)
 
 
 # What torch's gloo teardown prints when a rank aborts at interpreter exit after the

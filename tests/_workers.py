@@ -157,7 +157,7 @@ def _restore_loggers(saved: dict[str, tuple[int, list[Any], bool, bool]]) -> Non
 
 
 @contextlib.contextmanager
-def _output_to(out: str, err: str) -> Iterator[None]:
+def output_to(out: str, err: str) -> Iterator[None]:
     """The case's stdout and stderr (this process's and its children's) into files the
     caller shows under the test's name."""
     sys.stdout.flush()
@@ -191,6 +191,16 @@ def _reset_libraries(compat_before: bool) -> None:
     hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
     if hf_deepspeed is not None:
         hf_deepspeed.unset_hf_deepspeed_config()
+
+
+def _forget_script_modules(before: set[str], path: list[str]) -> None:
+    """Modules a case imported from directories it put on sys.path (a script's own
+    modules, beside it): the next case's script may have others of the same names."""
+    added = [os.path.abspath(p) + os.sep for p in sys.path if p and p not in path]
+    for name in set(sys.modules) - before:
+        file = getattr(sys.modules[name], "__file__", None) or ""
+        if any(os.path.abspath(file).startswith(p) for p in added):
+            del sys.modules[name]
 
 
 def _end_process_group(world: int) -> str:
@@ -242,8 +252,8 @@ def serve(rank: int, world: int, conn: Any, directory: str) -> None:
         os.environ.update(rank_environment(rank, world, port))
         os.chdir(cwd)
         baseline.restore()
-        loggers, compat_before = _loggers(), fzero.compat.installed()
-        with _output_to(out, err):
+        loggers, compat_before, modules = _loggers(), fzero.compat.installed(), set(sys.modules)
+        with output_to(out, err):
             try:
                 fn, args = pickle.loads(blob)
                 from tests._dist import _decode, _encode
@@ -259,6 +269,7 @@ def serve(rank: int, world: int, conn: Any, directory: str) -> None:
             try:
                 why = _end_process_group(world)
                 if not why:
+                    _forget_script_modules(modules, baseline.path)
                     _reset_libraries(compat_before)
                     _restore_loggers(loggers)
                     gc.collect()
