@@ -136,11 +136,13 @@ def _script_case(
                 raise
 
 
-def run_script(*command: str, cwd: str | os.PathLike | None = None) -> Any:
+def run_script(
+    *command: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> Any:
     """`fzero run <command>` (e.g. `"--as-deepspeed", "-n", "2", "train.py", "--x"`) with
     its processes on `run_world`'s ranks: each runs what a process `fzero run` starts
     runs (`fzero.cli.launch_entry`, given the same environment as the launcher gives it:
-    the DeepSpeed stand-in, `--local_rank`, LOCAL_WORLD_SIZE). Returns a
+    the DeepSpeed stand-in, `--local_rank`, LOCAL_WORLD_SIZE; and `env`). Returns a
     `subprocess.CompletedProcess` whose stdout and stderr are every rank's, in rank
     order; a rank that raises (or exits non-zero) fails as in `run_world`. What the
     launcher itself does (torchrun, exit codes, hosts, cores) is tested by launching it."""
@@ -154,7 +156,7 @@ def run_script(*command: str, cwd: str | os.PathLike | None = None) -> Any:
     world = args.nproc_per_node or 1
     if args.num_nodes != 1 or args.hostfile or args.launcher != "torchrun" or args.dry_run:
         raise ValueError(f"run_script runs one node's processes; launch {command} instead")
-    variables = {**script_environment(args, world), "LOCAL_WORLD_SIZE": str(world)}
+    variables = {**script_environment(args, world), "LOCAL_WORLD_SIZE": str(world), **(env or {})}
     here = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="fzero-script-") as directory:
         try:
