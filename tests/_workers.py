@@ -335,21 +335,25 @@ class _Group:
         why = "; ".join([cleaned[r][1] for r in sorted(cleaned) if cleaned[r][1]] + lost)
         return replies[0][2], why
 
-    def _collect(self, name: str, timeout: float = CASE_TIMEOUT_S) -> tuple[dict, list[str]]:
+    def _collect(self, name: str, timeout: float | None = None) -> tuple[dict, list[str]]:
         """Each rank's reply; and, for a rank that died or did not answer in time (or
         within AFTER_FAILURE_S of another rank's failure), why not."""
+        in_case = timeout is None
+        timeout = CASE_TIMEOUT_S if timeout is None else timeout
         replies: dict[int, tuple] = {}
         lost: list[str] = []
         deadline = time.monotonic() + timeout
+        dead: set[int] = set()
         while len(replies) + len(lost) < self.world:
-            waiting = [r for r in range(self.world) if r not in replies]
+            waiting = [r for r in range(self.world) if r not in replies and r not in dead]
             left = deadline - time.monotonic()
             if left <= 0:
                 for r in waiting:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(self.procs[r].pid, signal.SIGUSR1)  # its stacks, to its err
                 time.sleep(2)
-                seconds = timeout if not any(v[1] for v in replies.values()) else AFTER_FAILURE_S
+                failed = dead or any(v[1] for v in replies.values())
+                seconds = AFTER_FAILURE_S if failed and in_case else timeout
                 lost += [f"rank {r}: no answer within {seconds:.0f} s (hung?)" for r in waiting]
                 break
             ready = wait([self.conns[r] for r in waiting], timeout=min(left, 1.0))
@@ -362,7 +366,8 @@ class _Group:
                         code = self.procs[r].exitcode
                         how = f"signal {-code}" if code is not None and code < 0 else code
                         lost.append(f"rank {r}: the process ended (exit {how})")
-                    if r in replies and replies[r][1] and timeout == CASE_TIMEOUT_S:
+                        dead.add(r)
+                    if (r in dead or replies[r][1]) and in_case:
                         deadline = min(deadline, time.monotonic() + AFTER_FAILURE_S)
         return replies, lost
 
