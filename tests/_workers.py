@@ -135,7 +135,7 @@ class _Baseline:
         torch.set_anomaly_enabled(*self.anomaly)
         torch.set_float32_matmul_precision(self.matmul)
         warnings.filters[:] = self.warnings
-        warnings._filters_mutated()  # type: ignore[attr-defined]
+        getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache
         sys.path[:], sys.meta_path[:], sys.argv[:] = self.path, self.meta_path, self.argv
 
 
