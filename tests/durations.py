@@ -73,14 +73,14 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
     lines = ["# Test durations", "", "Written by `make durations` (tests/durations.py).", ""]
     if note:
         lines += [note, ""]
-    by_job = {job: [len(t), sum(e["seconds"] for e in t.values())] for job, t in after.items()}
-    old_job = None
-    if before is not None:
-        old_job = {
-            job: [len(t), sum(e["seconds"] for e in t.values())] for job, t in before.items()
-        }
+
+    def job(job: str, nodeid: str, entry: dict) -> str:
+        return job
+
+    by_job = _sums(after, job)
+    old_job = _sums(before, job) if before is not None else None
     jobs = list(after) + [j for j in (before or {}) if j not in after]
-    lines += _table("By job (sums over the tests)", "job |", _rows(by_job, old_job, jobs),
+    lines += _table("By job (sums over the tests)", "job", _rows(by_job, old_job, jobs),
                     before is not None)  # fmt: skip
 
     def kind(job: str, nodeid: str, entry: dict) -> str:
@@ -88,7 +88,7 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
 
     kinds_after = _sums(after, kind)
     kinds_before = _sums(before, kind) if before is not None else None
-    lines += _table("By kind", "kind |", _rows(kinds_after, kinds_before, list(KINDS)),
+    lines += _table("By kind", "kind", _rows(kinds_after, kinds_before, list(KINDS)),
                     before is not None)  # fmt: skip
 
     def file(job: str, nodeid: str, entry: dict) -> str:
@@ -99,9 +99,7 @@ def render(after: dict[str, dict], before: dict[str, dict] | None, note: str) ->
     files = sorted(
         set(files_after) | set(files_before or {}), key=lambda f: -files_after.get(f, (0, 0))[1]
     )
-    lines += _table(
-        "By file", "file |", _rows(files_after, files_before, files), before is not None
-    )
+    lines += _table("By file", "file", _rows(files_after, files_before, files), before is not None)
     slowest = sorted(
         (
             (e["seconds"], e.get("cpu", 0.0), n, kind_of(e["kinds"]))
