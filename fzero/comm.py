@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fzero import _traffic, _watch
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
 from fzero._watch import (
     DEFAULT_TIMEOUT_S,
@@ -44,6 +45,7 @@ __all__ = [
     "all_reduce",
     "backend_device",
     "barrier",
+    "forget_process_groups",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -163,6 +165,22 @@ def _destroy() -> None:
             dist.destroy_process_group(group)
         _side_groups.clear()
         dist.destroy_process_group()
+
+
+def forget_process_groups() -> None:
+    """Forget what fzero holds for process groups the caller has destroyed (all of them:
+    `torch.distributed.destroy_process_group()`): side groups, mesh subgroups, traffic
+    counts and the watch's numbering, tracks and posts, so that the next process group
+    starts as it would in a new process. For a harness that runs many worlds one after
+    another in one process (a persistent test worker); a training script never needs it."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "forget_process_groups: the default process group is still running; "
+            "destroy it first (torch.distributed.destroy_process_group())"
+        )
+    _side_groups.clear()
+    _traffic.forget()
+    _watch.forget()
 
 
 def backend_device() -> torch.device:

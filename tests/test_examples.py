@@ -1,4 +1,4 @@
-"""Smoke tests of the examples: a few steps under `fzero run -n 2`, the loss falls, and
+"""Smoke tests of the examples: a few steps as under `fzero run -n 2`, the loss falls, and
 a checkpoint round-trips."""
 
 from __future__ import annotations
@@ -7,28 +7,21 @@ import json
 import math
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import run_launched
+from tests._dist import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BERT = ROOT / "examples" / "bert_pretraining"
 
 
-def _fzero_run(
-    script: Path, *args: str, timeout: int = 300, launcher: tuple = (), processes: int = 2
-) -> str:
-    command = [sys.executable, "-m", "fzero.cli", "run", *launcher, "-n", str(processes)]
-    run = run_launched(
-        [*command, str(script), *args],
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+def _fzero_run(script: Path, *args: str, launcher: tuple = (), processes: int = 2) -> str:
+    """The script as `fzero run -n N` runs each process, on the test ranks
+    (`tests._dist.run_script`; the launcher itself is tested in test_launcher and
+    test_engine_features); returns every rank's stdout."""
+    return run_script(*launcher, "-n", str(processes), str(script), *args, cwd=ROOT).stdout
 
 
 @pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
