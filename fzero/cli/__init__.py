@@ -24,6 +24,20 @@ def _load_factory(spec: str):
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
+def _links(text: str) -> dict[str, str]:
+    """`--links node=25Gbps,local=400GBps` as {axis: bandwidth}."""
+    links = {}
+    for item in text.split(","):
+        axis, sep, bandwidth = item.partition("=")
+        if not sep or not axis.strip() or not bandwidth.strip():
+            raise SystemExit(
+                f"fzero estimate: --links item {item!r} is not axis=bandwidth "
+                "(e.g. node=25Gbps,local=400GBps)"
+            )
+        links[axis.strip()] = bandwidth.strip()
+    return links
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
@@ -56,6 +70,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "state_dtype": _DTYPE_NAMES[args.state_dtype],
         "persistence_threshold": args.persistence_threshold,
         "eval_live_parameters": int(float(args.eval_live_parameters)),
+        "links": _links(args.links) if args.links is not None else None,
     }
     try:
         strategy = strategy_from_name(args.strategy, where="--strategy")
@@ -140,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
         default=100_000,
         help="stage 3 keeps tensors under this many elements whole (default 100000, the "
         "engine's stage3_param_persistence_threshold)",
+    )
+    est.add_argument(
+        "--links",
+        default=None,
+        help="bandwidth of each mesh axis, e.g. node=25Gbps,local=400GBps (optionally "
+        "@latency: node=25Gbps@5us); without --mesh the axis is 'world'. Adds the "
+        "modelled communication time per step",
     )
     est.set_defaults(func=_estimate)
 

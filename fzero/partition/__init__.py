@@ -5,6 +5,7 @@ p = plan(manifest, world_size=4, stage=3)        # or strategy=per_tensor_dim0 /
 local_slices(p, rank=1); memory_per_rank(p, 1, param_dtype="bfloat16")
 m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zero3", Custom
 print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
+comm_time(m, links={"node": "25Gbps", "local": "400GBps"})  # modelled seconds per step
 """
 
 from fzero.partition._digest import PlanPart, part_fields, plan_digest, plan_parts
@@ -68,6 +69,7 @@ from fzero.partition._strategies import (
     strategy_from_name,
     whole_tensors,
 )
+from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
 
 __all__ = [
@@ -75,9 +77,11 @@ __all__ = [
     "DEFAULT_ALIGNMENT",
     "KINDS",
     "PRESETS",
+    "AxisTime",
     "Collective",
     "Custom",
     "HpZ",
+    "Link",
     "LocalSlice",
     "Manifest",
     "MemoryEstimate",
@@ -100,12 +104,14 @@ __all__ = [
     "UnitGroup",
     "UnitSharding",
     "Zero",
+    "comm_time",
     "comm_volume",
     "describe",
     "dtype_name",
     "dtype_of",
     "executable",
     "flat_even",
+    "format_comm_time",
     "format_comm_volume",
     "format_plan",
     "from_bytes",
@@ -122,6 +128,7 @@ __all__ = [
     "optimizer_state_slots",
     "owned_numel",
     "owner_of",
+    "parse_link",
     "part_fields",
     "per_tensor_dim0",
     "plan",
