@@ -113,7 +113,16 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
     _check_even(plan.units)
     for unit, sharding in zip(plan.units, plan.shardings):
         _validate_sharding(plan.mesh, unit, sharding)
+    _check_runs(plan)
     return plan
+
+
+def _check_runs(plan: MeshPlan) -> None:
+    """What both doors run (`executable`), checked here so that a plan `validate`
+    accepts is one they run: the errors name the unit, kind and axes."""
+    group = _shard_group(plan)
+    _common_stage(plan, group, f" over {group}; {_ONE_GROUP}")
+    _secondary(plan, group)
 
 
 def _check_even(units: tuple[Unit, ...]) -> None:
