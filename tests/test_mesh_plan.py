@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 
+from fzero import partition
 from fzero.partition import (
     KINDS,
     Custom,
@@ -670,3 +671,19 @@ def test_format_comm_volume_adds_axes_on_a_mesh():
     assert "  wire bytes over node " in text
     stage_rows = comm_volume(plan(BIG, world_size=4, stage=3))
     assert "axes" not in format_comm_volume(stage_rows)
+
+
+def test_on_mesh_is_the_strategy_an_engine_takes_and_passes_its_options_on():
+    strategy = partition.on_mesh(MESH, "mics")
+    got = partition.plan(
+        MANIFEST, world_size=4, stage=3, strategy=strategy, persistence_threshold=10**9
+    )
+    assert got.mesh is not None and got.mesh.preset == "mics"
+    assert all(u.persistent for u in got.units)  # the option reached the layout
+    assert strategy.__name__ == "on_mesh_mics"
+    with pytest.raises(PlanError, match="the run has 2 ranks, the mesh 4"):
+        partition.plan(MANIFEST, world_size=2, stage=3, strategy=strategy)
+    with pytest.raises(PlanError, match="the run is stage 2, the preset stage 3"):
+        partition.plan(MANIFEST, world_size=4, stage=2, strategy=strategy)
+    with pytest.raises(PlanError, match=r"mesh_plan got stage, world_size.*partition.on_mesh"):
+        mesh_plan(MANIFEST, MESH, "mics", world_size=4, stage=3)

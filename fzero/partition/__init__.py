@@ -40,6 +40,7 @@ from fzero.partition._presets import (
     Zero,
     from_zero_config,
     mesh_plan,
+    on_mesh,
     preset_from_name,
 )
 from fzero.partition._queries import (
@@ -125,6 +126,7 @@ __all__ = [
     "mesh_plan",
     "mesh_plan_from_bytes",
     "module_key",
+    "on_mesh",
     "optimizer_state_slots",
     "owned_numel",
     "owner_of",
