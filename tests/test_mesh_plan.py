@@ -35,16 +35,30 @@ from fzero.partition import (
     kind_slices,
     local_slices,
     memory_per_rank,
-    mesh_plan,
     mesh_plan_from_bytes,
     per_tensor_dim0,
-    plan,
     process_groups,
     to_bytes,
     to_plan,
     validate,
     volume_by_axes,
 )
+
+
+def plan(manifest, **options):
+    """`partition.plan`, sharding every tensor of these tiny models at stage 3 unless a
+    test says otherwise (DeepSpeed's default persistence threshold keeps them whole)."""
+    built_in = (partition.flat_even, partition.per_tensor_dim0, partition.whole_tensors)
+    if options.get("strategy", partition.flat_even) in built_in:
+        options.setdefault("persistence_threshold", 0)
+    return partition.plan(manifest, **options)
+
+
+def mesh_plan(manifest, mesh, preset="zero3", **options):
+    """`partition.mesh_plan`, likewise without persistent units unless asked."""
+    options.setdefault("persistence_threshold", 0)
+    return partition.mesh_plan(manifest, mesh, preset, **options)
+
 
 MANIFEST = Manifest(
     (

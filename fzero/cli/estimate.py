@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fzero.partition import (
+    DEFAULT_PERSISTENCE_THRESHOLD,
     Manifest,
     MemoryEstimate,
     Mesh,
@@ -71,7 +72,7 @@ def estimate(
     param_dtype: str = "float16",
     grad_dtype: str = "float32",
     optimizer: str = "adam",
-    persistence_threshold: int = 100_000,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     strategy: Callable[..., Plan] = flat_even,
     master_dtype: str = "float32",
     state_dtype: str = "float32",
@@ -171,7 +172,7 @@ def estimate_mesh(
     param_dtype: str = "float16",
     grad_dtype: str = "float32",
     optimizer: str = "adam",
-    persistence_threshold: int = 100_000,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     strategy: Callable[..., Plan] = flat_even,
     master_dtype: str = "float32",
     state_dtype: str = "float32",

@@ -60,6 +60,7 @@ from fzero.partition._queries import (
 from fzero.partition._strategies import (
     BUILT_IN,
     DEFAULT_ALIGNMENT,
+    DEFAULT_PERSISTENCE_THRESHOLD,
     Strategy,
     UnitGroup,
     flat_even,
@@ -76,6 +77,7 @@ from fzero.partition._volume import Collective, comm_volume, format_comm_volume,
 __all__ = [
     "BUILT_IN",
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_PERSISTENCE_THRESHOLD",
     "KINDS",
     "PRESETS",
     "AxisTime",
