@@ -144,6 +144,13 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
         help="stage 3 keeps tensors under this many elements whole (default 100000, the "
         "engine's stage3_param_persistence_threshold)",
     )
+    est.add_argument(
+        "--links",
+        default=None,
+        help="bandwidth of each mesh axis, e.g. node=25Gbps,local=400GBps (optionally "
+        "@latency: node=25Gbps@5us); without --mesh the axis is 'world'. Adds the "
+        "modelled communication time per step",
+    )
     est.set_defaults(command="estimate")
 
 

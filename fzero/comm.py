@@ -41,10 +41,10 @@ __all__ = [
     "Watched",
     "agree",
     "all_gather_into",
-    "all_gather_uneven",
     "all_reduce",
     "backend_device",
     "barrier",
+    "broadcast_from",
     "forget_process_groups",
     "get_local_rank",
     "get_rank",
@@ -54,6 +54,7 @@ __all__ = [
     "mesh_group",
     "named_operation",
     "reduce_scatter_into",
+    "reduce_to",
     "side_group",
     "traffic",
     "traffic_by_group",
@@ -215,44 +216,6 @@ def all_gather_into(
     )
 
 
-class _Unpadded:
-    """An all-gather of padded parts in flight; `wait()` ends it and moves each rank's
-    part to its place in the output."""
-
-    def __init__(self, work: Any, padded: torch.Tensor, output: torch.Tensor, sizes: list[int]):
-        self.work, self.padded, self.output, self.sizes = work, padded, output, sizes
-
-    def wait(self) -> None:
-        self.work.wait()
-        width, at = max(self.sizes), 0
-        for rank, size in enumerate(self.sizes):
-            self.output[at : at + size].copy_(self.padded[rank * width : rank * width + size])
-            at += size
-
-
-def all_gather_uneven(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    sizes: list[int],
-    *,
-    async_op: bool = False,
-    what: str = "",
-    group: Any = None,
-):
-    """`all_gather_into` for parts of `sizes` elements (rank order; this rank's is
-    `shard`): each travels padded to the largest, and lands unpadded in `output`."""
-    width = max(sizes)
-    part = torch.zeros(width, dtype=shard.dtype, device=shard.device)
-    part[: shard.numel()].copy_(shard)
-    padded = torch.empty(width * len(sizes), dtype=output.dtype, device=output.device)
-    work = all_gather_into(padded, part, async_op=True, what=what, group=group)
-    gathered = _Unpadded(work, padded, output, sizes)
-    if async_op:
-        return gathered
-    gathered.wait()
-    return None
-
-
 def reduce_scatter_into(
     shard: torch.Tensor,
     full: torch.Tensor,
@@ -328,6 +291,54 @@ def all_reduce(
         what,
         async_op,
         lambda a: dist.all_reduce(tensor, op=op, async_op=a, group=group),
+        group,
+    )
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def broadcast_from(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Rank `src`'s `tensor` (its rank in `group`; every process's without one) into
+    every rank's `tensor`: what a part owned by one rank costs to share (its bytes once,
+    not padded to the largest part)."""
+    root = _global_rank(group, src)
+    return issue(
+        "broadcast",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.broadcast(tensor, src=root, async_op=a, group=group),
+        group,
+    )
+
+
+def reduce_to(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Sum `tensor` over ranks into rank `dst`'s (its rank in `group`): what a gradient
+    owned by one rank costs to reduce (its bytes once; the other ranks' `tensor` is left
+    undefined, as torch's `reduce`)."""
+    root = _global_rank(group, dst)
+    return issue(
+        "reduce",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, async_op=a, group=group),
         group,
     )
 

@@ -87,7 +87,7 @@ def restore(
     load_optimizer_states: bool = True,
     accumulation: int | None = None,
     extras: Extras | None = None,
-    owner: Any = None,
+    owner: object = None,
     install: bool = True,
     strict: bool = True,
 ) -> Restored:

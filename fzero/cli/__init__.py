@@ -32,6 +32,19 @@ def _load_factory(spec: str):
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
+def _links(text: str) -> dict[str, str]:
+    """`--links node=25Gbps,local=400GBps` as {axis: bandwidth}."""
+    links = {}
+    for item in text.split(","):
+        axis, sep, bandwidth = item.partition("=")
+        if not sep or not axis.strip() or not bandwidth.strip():
+            raise ValueError(
+                f"--links item {item!r} is not axis=bandwidth (e.g. node=25Gbps,local=400GBps)"
+            )
+        links[axis.strip()] = bandwidth.strip()
+    return links
+
+
 def _estimate(args: argparse.Namespace) -> int:
     try:
         print(_estimate_table(args))
@@ -73,6 +86,7 @@ def _estimate_table(args: argparse.Namespace) -> str:
         "state_dtype": _DTYPE_NAMES[args.state_dtype],
         "persistence_threshold": args.persistence_threshold,
         "eval_live_parameters": args.eval_live_parameters,
+        "links": _links(args.links) if args.links is not None else None,
     }
     strategy = strategy_from_name(args.strategy, where="--strategy")
     if args.mesh is not None:
