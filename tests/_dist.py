@@ -149,10 +149,10 @@ def run_script(
     import subprocess
     import tempfile
 
-    from fzero.cli import _parser
     from fzero.cli.launcher import script_environment
+    from fzero_cli import parser
 
-    args = _parser().parse_args(["run", *command])
+    args = parser().parse_args(["run", *command])
     world = args.nproc_per_node or 1
     if args.num_nodes != 1 or args.hostfile or args.launcher != "torchrun" or args.dry_run:
         raise ValueError(f"run_script runs one node's processes; launch {command} instead")

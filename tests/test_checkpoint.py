@@ -510,12 +510,16 @@ def async_case(rank, world, root):
     def broken(*_args, **_kwargs):
         raise OSError("disk full (injected)")
 
+    working = _save.write_safetensors_stream
     _save.write_safetensors_stream = broken
-    engine.save_checkpoint(f"{root}/broken", async_save=True)
     try:
-        engine.save_checkpoint(f"{root}/next")
-    except CheckpointError as error:
-        failure = str(error)
+        engine.save_checkpoint(f"{root}/broken", async_save=True)
+        try:
+            engine.save_checkpoint(f"{root}/next")
+        except CheckpointError as error:
+            failure = str(error)
+    finally:  # the rank processes run later cases too
+        _save.write_safetensors_stream = working
     return losses, resumed_losses, failure, os.path.exists(f"{root}/broken/latest")
 
 

@@ -148,15 +148,16 @@ def test_t5_seq2seq_trainer_zero3_generates_and_evaluates_as_plain_pytorch(tmp_p
 
 def test_readme_functional_api_example_runs_as_written(tmp_path):
     """The README's functional example, cut out of the README and run under `fzero run
-    -n 2` as it stands: it trains, saves and consolidates."""
+    -n 2` as it stands (tests/test_docs.py runs it in one process): it trains and saves
+    a checkpoint the engine's loader reads."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Functional API") :]
+    section = readme[readme.index("## The functional door") :]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "train.py"
-    script.write_text(code.replace('"out/functional"', repr(str(tmp_path / "ckpt"))))
+    script.write_text(code.replace('"ckpt"', repr(str(tmp_path / "ckpt"))))
     out = _fzero_run(script)
     losses = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
-    assert len(losses) == 3 and losses[-1] < losses[0], out
+    assert len(losses) == 2 and max(losses) < math.log(4), out  # each rank its own batches
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step30"
 
 

@@ -6,8 +6,11 @@ thin."""
 from __future__ import annotations
 
 import ast
+import gc
+import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,6 +85,7 @@ def test_the_tensor_patch_lives_only_while_a_stage3_engine_needs_it():
     """Re-created tensors answer `ds_*` as their stage-3 parameter (see
     `fzero.engine.zero3_attributes`) only while such an engine lives: installed by the
     first, removed by the last one's `destroy()`; a stage-2 engine never installs it."""
+    gc.collect()  # engines of earlier tests in this process, dropped without destroy()
     assert not _patched()
     plain = fzero.shard(nn.Linear(4, 2), stage=2)
     assert not _patched()
@@ -92,3 +96,19 @@ def test_the_tensor_patch_lives_only_while_a_stage3_engine_needs_it():
     second.destroy()
     assert not _patched()
     plain.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_dropped_engine_is_collected(stage):
+    """Hooks torch keeps from C++ (parameter hooks) hold the engine weakly: an engine
+    dropped without `destroy()` is freed with its buffers, not kept until exit."""
+    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    engine = fzero.shard(
+        nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=stage, config=config
+    )
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None

@@ -79,6 +79,7 @@ def _doors(rank: int, world: int, stage: int, optimizer, strategy: str):
         world_size=world,
         stage=stage,
         strategy=partition.strategy_from_name(strategy),
+        persistence_threshold=0,
     )
     assert plan == engine.plan
     state = fzero.init(model, plan, optimizer, config=config)

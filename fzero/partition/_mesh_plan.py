@@ -156,7 +156,9 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
     if unit.persistent and params.shard:
         raise PlanError(
             f"{where} is persistent (parameters kept whole) but params are split over "
-            f"{params.shard}; split them over no axis or make the unit not persistent"
+            f"{params.shard}; split them over no axis when unit.persistent, or plan with a "
+            "lower persistence_threshold (units under it, DeepSpeed's 100,000 elements by "
+            "default, keep whole parameters)"
         )
     _check_prefix(
         where + " params",
