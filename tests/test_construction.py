@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,8 @@ import torch
 from torch import nn
 
 import fzero
-from tests._dist import run_launched, run_world
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "ds_scripts"
+from tests._dist import run_world
+from tests.test_deepspeed_scripts import _trainer
 
 
 class Late(nn.Module):
@@ -152,7 +149,8 @@ def load_case(rank, world, path):
     with fzero.init_context(dtype=torch.bfloat16):
         model = Net()
     keys = fzero.load_safetensors(model, path)
-    plan = fzero.partition.plan(fzero.partition.describe(model), world_size=world, stage=3)
+    manifest = fzero.partition.describe(model)
+    plan = fzero.partition.plan(manifest, world_size=world, stage=3, persistence_threshold=0)
     state = fzero.init(model, plan, fzero.optim.adamw(lr=1e-3))
     left = [n for n, p in model.named_parameters() if "_fzero_partitions" in p.__dict__]
     return tuple(keys), fzero.state_dict(state, dtype=torch.bfloat16), left
@@ -332,23 +330,6 @@ def test_from_pretrained_under_zero3_reads_each_ranks_bytes_and_saves_stream(tmp
     assert loss > 0
 
 
-def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None) -> Path:
-    """tests/ds_scripts/hf_trainer.py under `fzero run -n 2`: with `deepspeed`, as
-    DeepSpeed runs it (`--as-deepspeed`, `--deepspeed ds_config.json`); else plain DDP."""
-    command = [sys.executable, "-m", "fzero.cli", "run"]
-    extra: list[str] = []
-    if deepspeed is not None:
-        (tmp_path / "ds_config.json").write_text(json.dumps(deepspeed))
-        command.append("--as-deepspeed")
-        extra = ["--deepspeed", str(tmp_path / "ds_config.json")]
-    command += ["-n", "2", str(SCRIPTS / "hf_trainer.py"), "--output_dir", str(tmp_path / out)]
-    command += ["--max_steps", "4", "--per_device_train_batch_size", "4", "--use_cpu"]
-    command += ["--report_to", "none", "--save_strategy", "no", *extra, *args]
-    done = run_launched(command, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return tmp_path / out
-
-
 @pytest.mark.slow  # two 2-rank Trainer launches (as the other Trainer tests)
 def test_trainer_zero3_from_pretrained_trains_as_ddp(tmp_path):
     """`--deepspeed` ZeRO-3 with the model from `from_pretrained` (Transformers' shards
@@ -373,7 +354,7 @@ def test_trainer_zero3_from_pretrained_trains_as_ddp(tmp_path):
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
     }
-    start = ["--from_pretrained", str(tmp_path / "init")]
+    start = ["--from_pretrained", str(tmp_path / "init"), "--save_strategy", "no"]
     zero3 = _trainer(tmp_path, "zero3", *start, deepspeed=ds)
     ddp = _trainer(tmp_path, "ddp", *start)
     # (Transformers' ZeRO-3 load keeps its whole rename table, so its save writes Bert's

@@ -242,6 +242,6 @@ def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) ->
     with torch.no_grad():
         for p in params:
             value = p.data.to(comm.backend_device()).contiguous()
-            comm.broadcast(value, src=modifier_rank, what=f"rank {modifier_rank}'s edits")
+            comm.broadcast_from(value, src=modifier_rank, what=f"rank {modifier_rank}'s edits")
             if value.data_ptr() != p.data.data_ptr():
                 p.data.copy_(value)

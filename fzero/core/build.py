@@ -91,7 +91,7 @@ def values_on_rank(
     if not any(is_partitioned(t) for t in tensors):
         values = unit_values(unit, tensors, device)
         if plan.processes > 1:  # every rank starts from rank 0's weights
-            comm.broadcast(values, src=0, what=f"rank 0's values of unit {unit.name}")
+            comm.broadcast_from(values, src=0, what=f"rank 0's values of unit {unit.name}")
         return values, 0
     start, stop = 0, unit.numel
     if plan.stage == 3 and not unit.persistent:
@@ -104,7 +104,7 @@ def values_on_rank(
             else:
                 whole = tensor.detach().reshape(-1).to(device, copy=True)
                 if plan.processes > 1:
-                    comm.broadcast(whole, src=0, what=f"rank 0's values of {placement.fqn}")
+                    comm.broadcast_from(whole, src=0, what=f"rank 0's values of {placement.fqn}")
             for pc in placement.pieces:
                 low, high = max(pc.offset, start), min(pc.offset + pc.numel, stop)
                 if low < high:

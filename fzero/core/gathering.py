@@ -356,6 +356,8 @@ class Gatherer:
             work = quantized_all_gather(full, shard.contiguous(), group=self.groups.shard)
         elif self.plan.world_size == 1:
             work = _Done(full.copy_(shard))
+        elif self.plan.mesh is not None and self.plan.mesh.hierarchical and self.groups.hops:
+            work = _Done(self._gather_by_axis(g.index, full, shard.contiguous()))
         else:
             work = gather_unit(
                 full,
@@ -366,6 +368,22 @@ class Gatherer:
                 group=self.groups.shard,
             )
         g.gathering(full, shard, work)  # the shard stays alive until the gather lands
+
+    def _gather_by_axis(self, index: int, full: Tensor, shard: Tensor) -> Tensor:
+        """MiCS's hierarchical all-gather: one all-gather per shard axis, the outermost
+        first, each over the blocks gathered so far (rank-order blocks: the block of
+        group index (i_1, ..., i_k) in row-major order), then one copy into `full`."""
+        what = f"parameters of unit {index} {self.plan.units[index].name!r}"
+        held, sizes = shard, []
+        for group, size in self.groups.hops:  # outermost axis first
+            gathered = torch.empty(size * held.numel(), dtype=held.dtype, device=held.device)
+            comm.all_gather_into(gathered, held, what=f"{what} (one axis)", group=group)
+            held, sizes = gathered, [size, *sizes]
+        # `held` is [s_k, ..., s_1, block]: the innermost axis index outermost
+        blocks = held.view(*sizes, shard.numel())
+        order = [*reversed(range(len(sizes))), len(sizes)]
+        full.view(*reversed(sizes), shard.numel()).copy_(blocks.permute(order))
+        return full
 
     def _finish_read(self, g: GatheredUnit) -> None:
         """The shard arrives from the swap file: all-gather it (or, read in place, done)."""

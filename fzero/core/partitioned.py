@@ -220,7 +220,7 @@ def partition_parameters(
     for p, whole, same in zip(params, wholes, agreed):
         if not same:  # built differently on some rank: rank 0's, as DeepSpeed keeps
             whole = whole.to(comm.backend_device())
-            comm.broadcast(whole, src=0, what=f"rank 0's construction of {what}")
+            comm.broadcast_from(whole, src=0, what=f"rank 0's construction of {what}")
         start, stop, size = partition_range(whole.numel(), store.world, store.rank)
         part = torch.zeros(size, dtype=whole.dtype, device=whole.device)
         part[: stop - start].copy_(whole.reshape(-1)[start:stop])
@@ -528,7 +528,7 @@ def _take_edits(
             edits.run_deferred(index)
         if world > 1:
             whole = p.data.contiguous()
-            comm.broadcast(whole, src=modifier_rank, what=f"rank {modifier_rank}'s edits")
+            comm.broadcast_from(whole, src=modifier_rank, what=f"rank {modifier_rank}'s edits")
         else:
             whole = p.data
         start, stop, _ = partition_range(p.ds_numel, world, rank)

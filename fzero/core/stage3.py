@@ -12,6 +12,7 @@ them empty. `train_step` drives the same `Gatherer` through placeholders
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -139,10 +140,13 @@ class ModuleGathering:
 
 def _shape_for_accumulation(p: torch.nn.Parameter, shape: tuple[int, ...]) -> Callable:
     """Before autograd stores a gradient in `p.grad` it matches it to `p`'s layout; a
-    released parameter gets a zero-stride stand-in of the right shape (no memory)."""
+    released parameter gets a zero-stride stand-in of the right shape (no memory). The
+    hook holds `p` weakly: torch keeps it from C++, out of the collector's sight."""
+    ref = weakref.ref(p)
 
     def hook(grad: Tensor) -> None:
-        if p.data.shape != shape:
+        p = ref()
+        if p is not None and p.data.shape != shape:
             p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
 
     return hook

@@ -75,12 +75,6 @@ def plan_for(
     mesh, preset = partition.from_zero_config(
         keys, world_size, ranks_per_node=int(per_node) if per_node else None
     )
-    if zero.mics_hierarchical_params_gather and mesh.size > 1:
-        log.info(
-            "fzero: mics_hierarchical_params_gather: parameters are gathered by one "
-            "all-gather over the shard group (the same values; the two-hop gather is not "
-            "run yet)"
-        )
     if preset.name != f"zero{zero.stage}":  # hpZ or MiCS groups
         laid_out = partition.mesh_plan(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options

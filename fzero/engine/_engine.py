@@ -246,7 +246,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the fp16 loss scale, for a plain `engine.scale(loss).backward()`
         (DeepSpeed's `engine.scale`); the output hooks divide by the accumulation steps."""
-        self.reduction.manual_scale = True
+        self.reduction.scaled_by_caller()
         return loss * (self.loss_scale_state.scale if self.loss_scale_state else 1.0)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -269,8 +269,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.check_trainable()
         if self.reduction.no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
-        self.reduction.take_left_grads()
-        self.reduction.reduced = False
+        self.reduction.before_step()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:

@@ -284,6 +284,17 @@ class GradientReduction:
         """Elements of the bucket buffers of a reduction in progress (stages 2-3)."""
         return self.core.held_numel()
 
+    def scaled_by_caller(self) -> None:
+        """The caller scaled the loss (`engine.scale(loss).backward()`): a plain backward
+        of this micro-step carries the fp16 loss scale."""
+        self.manual_scale = True
+
+    def before_step(self) -> None:
+        """`engine.step()` starts: what other passes left in `param.grad` is taken, and the
+        next micro-step starts unreduced."""
+        self.take_left_grads()
+        self.reduced = False
+
     def take_left_grads(self) -> None:
         """Add what other passes left in managed `param.grad`s (the user did not clear
         it), as `torch.optim` would use it. Where this micro-step has been reduced

@@ -13,6 +13,7 @@ that drive the gatherer, and the root's forward hooks.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -205,7 +206,7 @@ def build_runtime(
         stage3=stage3,
     )
     hooks = [
-        p.register_post_accumulate_grad_hook(reduction.on_grad)
+        p.register_post_accumulate_grad_hook(_weakly(reduction.on_grad))
         for rt in units
         for p, _, _ in rt.params
     ]
@@ -231,3 +232,18 @@ def build_runtime(
         timers=timers,
         hooks=hooks,
     )
+
+
+def _weakly(method: Callable[[torch.nn.Parameter], None]) -> Callable[[torch.nn.Parameter], None]:
+    """`method` as a parameter hook that does not keep its object alive: torch holds a
+    parameter's post-accumulate hooks from C++, where Python's collector cannot see the
+    cycle (parameter → hook → engine → module → parameter), so a strong hook would keep
+    every engine, its buffers and its swap files until the process ends."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
