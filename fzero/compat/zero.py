@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -209,8 +209,18 @@ def gathered_parameters(
     return _gathered(params, engines[0] if engines else None, modifier_rank)
 
 
+class _GathersParameters(Protocol):
+    """What `gathered_parameters` reads of the engine holding parameters."""
+
+    def gathered_parameters(
+        self, params: list[Any], modifier_rank: int | None
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
 @contextlib.contextmanager
-def _gathered(params: list[Any], engine: Any, modifier_rank: int | None) -> Iterator[None]:
+def _gathered(
+    params: list[Any], engine: _GathersParameters | None, modifier_rank: int | None
+) -> Iterator[None]:
     held = {id(p) for p in params if getattr(p, "_fzero_engine", None) is not None}
     partitioned = [p for p in params if is_partitioned(p)]
     plain = [p for p in params if id(p) not in held and not is_partitioned(p)]

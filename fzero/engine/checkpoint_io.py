@@ -404,11 +404,15 @@ def consolidated_16bit_state_dict(
         return None
     from safetensors import safe_open
 
+    # the module's own order, as DeepSpeed's walk of the modules gives it (the stream
+    # comes in the plan's unit order)
+    order = {key: i for i, key in enumerate(engine.module.state_dict(keep_vars=True))}
+    keys = sorted((key for key, _, _ in stream.specs), key=lambda k: order.get(k, len(order)))
     directory = tempfile.mkdtemp(prefix="fzero-16bit-")
     try:
         path = write_model_files(directory, stream.specs, stream.tensors, None)[0]
         with safe_open(path, framework="pt") as f:
-            mapped = {key: f.get_tensor(key) for key, _, _ in stream.specs}
+            mapped = {key: f.get_tensor(key) for key in keys}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return mapped
