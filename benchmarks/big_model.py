@@ -215,18 +215,26 @@ def worker(args: argparse.Namespace) -> None:
     )
     seconds["initialize"] = time.perf_counter() - start
     peaks["initialize"] = _status_kb("VmHWM") - base
-    reset_peak()
+    phases: dict[str, int] = {}  # the steps' peak, by where in a step it was reached
+
+    def phase(name: str, call: Any) -> Any:
+        reset_peak()
+        result = call()
+        phases[name] = max(phases.get(name, 0), _status_kb("VmHWM") - base)
+        return result
+
     start = time.perf_counter()
     losses = []
     for step in range(args.steps):
         x = batch(step, rank, model.config.vocab_size)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
+        loss = phase("forward", lambda x=x: engine(input_ids=x, labels=x).loss)
+        phase("backward", lambda loss=loss: engine.backward(loss))
+        phase("step", engine.step)
         losses.append(loss.item())
     seconds["steps"] = time.perf_counter() - start
-    peaks["steps"] = _status_kb("VmHWM") - base
+    peaks["steps"] = max(phases.values())
     mine: dict[str, Any] = {"peaks_kb": peaks, "seconds": seconds, "losses": losses}
+    mine["phases_kb"] = phases
     if hasattr(engine, "memory_planned"):  # fzero: what its plan says a rank holds
         mine["planned"] = engine.memory_planned().total
         sizes = sorted((u.numel for u in engine.plan.units), reverse=True)[:2]
@@ -511,6 +519,9 @@ def table(
                     if bound is not None
                 ]
                 notes.append(f"{name}:r{rank} against the targets: " + ", ".join(met))
+            if rank == 0 and "phases_kb" in mine:
+                where = ", ".join(f"{k} {v * 1024 / mb:.0f}" for k, v in mine["phases_kb"].items())
+                notes.append(f"{name}:r0 the steps' peak MB by phase: {where}")
             losses = mine["losses"] if rank == 0 else []
             rows.append((f"{name}:r{rank}", (
                 peaks["load"], load_target, peaks["initialize"], peaks["steps"], step_target,
