@@ -35,6 +35,7 @@ __all__ = [
     "BatchSizes",
     "Config",
     "ConfigError",
+    "DataTypesConfig",
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -346,6 +347,28 @@ class AioConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataTypesConfig(_Section):
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = _no_effect(
+        None,
+        "gradients are summed across micro-steps in fp32 at every precision (the "
+        "reduction's fp32 buckets): null and fp32 are what fzero does; fp16 and bf16 are "
+        "refused",
+    )
+    """The dtype gradients are summed in across micro-steps. fzero accumulates them in
+    fp32 at every precision (its accumulators are the reduction's fp32 buckets), so
+    null and "fp32" are accepted and "fp16" / "bf16" are refused by name."""
+
+    def __post_init__(self) -> None:
+        if self.grad_accum_dtype in ("fp16", "bf16"):
+            raise ConfigError(
+                f"config key 'data_types.grad_accum_dtype' is {self.grad_accum_dtype!r}; "
+                "fzero accumulates gradients in fp32 at every precision (allowed: 'fp32' or "
+                "null); for half the gradient bytes on the wire set "
+                "communication_data_type instead"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Section):
     """The optimizer the engine or `train_step` builds (a `type` and its `params`)."""
 
@@ -421,6 +444,15 @@ class Config(_Section):
     )
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """The dtype gradients travel in when reduced over ranks: null or "fp32" (fzero's
+    default: fp32 at every precision, the average rounded once); "bf16" or "fp16" cast each
+    bucket to it for its collectives and back to fp32 after (half the bytes on the wire,
+    the sum rounded to it), as DeepSpeed does."""
+    data_types: DataTypesConfig = field(
+        default_factory=DataTypesConfig,
+        metadata={"no_effect": "a section: its one key, grad_accum_dtype, says why"},
+    )
     metrics_file: str | None = None
     """fzero: append one JSON line per `steps_per_print` (the logged figures) to this file."""
     progress: bool = True
@@ -438,11 +470,9 @@ _NOT_SUPPORTED = {
         "autotuning",
         "checkpoint",
         "comms_logger",
-        "communication_data_type",
         "compression_training",
         "csv_monitor",
         "data_efficiency",
-        "data_types",
         "compile",
         "curriculum_learning",
         "dump_state",
@@ -697,6 +727,12 @@ def _check(config: Config) -> None:
             "'zero_optimization.offload_optimizer.device' is 'nvme': the swap file holds "
             "fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters with "
             "'bf16.bf16_optimizer_states' (bf16 moments in the file)"
+        )
+    if config.communication_data_type in ("fp16", "bf16") and zero.zero_quantized_gradients is True:
+        raise ConfigError(
+            f"config key 'communication_data_type' is {config.communication_data_type!r} "
+            "with 'zero_optimization.zero_quantized_gradients' true: qgZ sends its own int8 "
+            "or int4 codes; set one of them (communication_data_type: null or 'fp32')"
         )
     if config.optimizer is not None:
         kind = config.optimizer.type.lower()

@@ -18,6 +18,7 @@ from fzero import partition
 from fzero.config import Config
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
+from fzero.core.precision import gradient_wire_dtype
 from fzero.core.publish import accept_edits
 from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import SwapFileUnits
@@ -213,4 +214,5 @@ def comm_volume(
         quantized_weights=zero.zero_quantized_weights,
         quantized_gradients=zero.zero_quantized_gradients,
         quantized_gradient_bits=zero.zero_quantized_gradients_bits,
+        grad_wire_dtype=partition.dtype_name(gradient_wire_dtype(config)),
     )
