@@ -292,7 +292,7 @@ class AioConfig(_Section):
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Section):
     type: str
-    """Adam, AdamW, Lamb or SGD (any case)."""
+    """Adam, AdamW, Lamb, SGD, Muon, Adagrad or Lion (any case)."""
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -630,7 +630,7 @@ def _check(config: Config) -> None:
         if kind not in OPTIMIZER_PARAMS:
             raise ConfigError(
                 f"'optimizer.type' is {config.optimizer.type!r}; "
-                "allowed: Adam, AdamW, Lamb, SGD, Muon"
+                "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
             )
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
     if config.scheduler is not None:

@@ -43,7 +43,7 @@ from fzero.engine._scheduler import ConfigScheduler
 from fzero.engine._step import Hyperparams, take_step
 from fzero.engine.optimizer import EngineOptimizer
 from fzero.engine.telemetry import Telemetry, Timers
-from fzero.optim import LossScaleError, Optimizer
+from fzero.optim import LossScaleError, Optimizer, TensorNorms
 from fzero.partition import MemoryEstimate, Plan, Unit
 
 __all__ = ["Engine", "Precision"]
@@ -515,6 +515,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             regathered=self.stage3.regathered,
             loss_scaling=self.loss_scaler is not None and self.loss_scaler.dynamic,
             optimizer=self.functional_optimizer.name,
+            tensor_norms=isinstance(self.functional_optimizer.needs, TensorNorms),
             quantized_weights=zero.zero_quantized_weights,
             quantized_gradients=zero.zero_quantized_gradients,
             quantized_gradient_bits=zero.zero_quantized_gradients_bits,
