@@ -253,8 +253,6 @@ def deepspeed_case(rank: int, world: int, how: str, kind: str, offload: bool) ->
         config["optimizer"] = {"type": kind, "params": params}
     else:  # deepspeed.ops.adagrad / deepspeed.ops.lion as fzero serves them
         params.pop("lr_decay", None), params.pop("initial_accumulator_value", None)
-        if how == "DeepSpeedCPUAdagrad":
-            params.pop("weight_decay")  # refused with decay (see the test below)
         module = ds_adagrad if kind == "Adagrad" else ds_lion
         optimizer = getattr(module, how)(model.parameters(), **params)
     engine, _, _, _ = fzero.initialize(
@@ -300,10 +298,8 @@ def test_deepspeed_config_types_and_ops_train_as_the_reference(how, kind, offloa
     result = run_world(deepspeed_case, 2, how, kind, offload)
     assert result["name"] == kind.lower()
     params = dict(DS_PARAMS[kind])
-    if how != "config":
+    if how != "config":  # not among the ops' arguments
         params.pop("lr_decay", None), params.pop("initial_accumulator_value", None)
-        if how == "DeepSpeedCPUAdagrad":
-            params.pop("weight_decay")
     for name, expected in _single(kind, **params).items():
         error = ((result["state"][name] - expected).abs().max() / expected.abs().max()).item()
         assert error <= 1e-5, (name, error)
@@ -329,14 +325,11 @@ def test_deepspeed_lion_ops_step_alone_as_the_reference():
         assert opt.state[next(ours.parameters())]["step"] == 3
 
 
-def test_deepspeed_cpu_adagrad_refuses_what_it_would_train_differently():
-    params = Net().parameters()
-    with pytest.raises(NotImplementedError, match=r"weight_decay=0\.01: DeepSpeed's CPU kernel"):
-        ds_adagrad.DeepSpeedCPUAdagrad(params, weight_decay=0.01)
-    with pytest.raises(NotImplementedError, match="amsgrad=True: Adagrad has no AMSGrad"):
-        ds_adagrad.DeepSpeedCPUAdagrad(params, amsgrad=True)
-    adagrad = ds_adagrad.DeepSpeedCPUAdagrad(Net().parameters(), lr=0.1)
-    assert isinstance(adagrad, torch.optim.Adagrad) and adagrad.defaults["lr"] == 0.1
+def test_deepspeed_cpu_adagrad_is_torch_adagrad_with_deepspeeds_defaults():
+    adagrad = ds_adagrad.DeepSpeedCPUAdagrad(Net().parameters(), weight_decay=0.1, amsgrad=True)
+    assert isinstance(adagrad, torch.optim.Adagrad)
+    expected = {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.1, "lr_decay": 0}
+    assert {k: adagrad.defaults[k] for k in expected} == expected
 
 
 def test_client_adagrad_groups_must_share_their_initial_accumulator():

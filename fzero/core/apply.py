@@ -7,10 +7,10 @@ coefficient) and the compute-dtype copy fused in. What the update needs across s
 what the optimizer declares (`Optimizer.needs`, see [Note: needs] in `fzero.optim`),
 never its name: per-tensor norms (LAMB's trust ratio) take two halves with one
 all-reduce of norms between them; whole tensors (Muon's Newton-Schulz) are gathered
-where the plan splits them. With NVMe residency the step is transactional: new state goes to the
-other slot, every rank agrees on success, then all commit or all roll back. New masters
-are written back to the compute-dtype parameters by all-gathers that overlap the next
-units' updates (`publish` ... `finish_publish`).
+where the plan splits them. With NVMe residency the step is transactional: new state
+goes to the other slot, every rank agrees on success, then all commit or all roll back.
+New masters are written back to the compute-dtype parameters by all-gathers that overlap
+the next units' updates (`publish` ... `finish_publish`).
 
 Both doors run it over their units' runtime records (`UnitRuntime`): the engine over its
 own, `fzero.train_step` over records of its `TrainState`'s units.

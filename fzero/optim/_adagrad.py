@@ -7,12 +7,9 @@ and Stochastic Optimization"), as `torch.optim.Adagrad` computes it.
     p = p - clr · g / (sqrt(sum) + eps)
 
 The operations follow `torch.optim.adagrad._single_tensor_adagrad` one for one, so a run
-matches `torch.optim` to rounding; the state's `sum` is torch's `state["sum"]`.
-
-DeepSpeed runs its config's `Adagrad` as `torch.optim.Adagrad`, or with
-`offload_optimizer` as `DeepSpeedCPUAdagrad`, whose kernel divides the gradient before
-weight decay (it decays only the accumulated square): the two agree without weight
-decay. fzero follows torch's formula on every device.
+matches `torch.optim` to rounding; the state's `sum` is torch's `state["sum"]`. DeepSpeed
+runs its config's `Adagrad` as `torch.optim.Adagrad`, or with `offload_optimizer` as
+`DeepSpeedCPUAdagrad`, whose kernel computes this formula too (without `lr_decay`).
 """
 
 from __future__ import annotations

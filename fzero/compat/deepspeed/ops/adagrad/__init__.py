@@ -19,26 +19,7 @@ def DeepSpeedCPUAdagrad(  # DeepSpeed's name
     amsgrad: bool = False,
     fp32_optimizer_states: bool = True,
 ) -> torch.optim.Optimizer:
-    """DeepSpeed's CPU Adagrad: `torch.optim.Adagrad`, which fzero's engine runs with
-    its native kernel (`fzero.optim.adagrad`).
-
-    DeepSpeed's CPU kernel divides the gradient before weight decay by the root of the
-    decayed squares' sum; `torch.optim.Adagrad` (what DeepSpeed runs without offload)
-    divides the decayed gradient. With `weight_decay` 0 the two are one formula; with
-    decay this refuses rather than train differently from either (give the decay to
-    `torch.optim.Adagrad` or the config's `Adagrad` block: torch's formula).
-    `amsgrad` has no meaning for Adagrad (DeepSpeed ignores it): True is refused too.
-    """
-    if weight_decay:
-        raise NotImplementedError(
-            f"deepspeed.ops.adagrad.DeepSpeedCPUAdagrad with weight_decay={weight_decay}: "
-            "DeepSpeed's CPU kernel leaves the decay out of the numerator, which fzero does "
-            "not reproduce; allowed: weight_decay=0, or torch.optim.Adagrad / the config's "
-            '{"type": "Adagrad"} block for decay as torch.optim.Adagrad applies it'
-        )
-    if amsgrad:
-        raise NotImplementedError(
-            "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad with amsgrad=True: Adagrad has no "
-            "AMSGrad variant (DeepSpeed ignores the flag); allowed: amsgrad=False"
-        )
+    """DeepSpeed's CPU Adagrad (its arguments and defaults): `torch.optim.Adagrad`,
+    whose formula DeepSpeed's kernel computes, run by fzero's engine with its native
+    kernel (`fzero.optim.adagrad`). `amsgrad` changes nothing, as in DeepSpeed."""
     return torch.optim.Adagrad(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
