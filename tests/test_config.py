@@ -175,7 +175,7 @@ def test_unresolved_key_left_when_value_not_given():
         ),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "no nvme_path"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs stage 3"),
-        ({"optimizer": {"type": "Adagrad"}}, "allowed: Adam, AdamW, Lamb, SGD"),
+        ({"optimizer": {"type": "Adafactor"}}, "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad"),
         ({"optimizer": {"type": "Adam", "params": {"betas1": 0.9}}}, "did you mean 'betas'"),
         ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}}, "total_num_steps"),
         ({"scheduler": {"type": "Cosine"}}, "allowed: WarmupLR"),

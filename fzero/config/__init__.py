@@ -373,7 +373,7 @@ class OptimizerConfig(_Section):
     """The optimizer the engine or `train_step` builds (a `type` and its `params`)."""
 
     type: str
-    """Adam, AdamW, Lamb, SGD or Muon (any case)."""
+    """Adam, AdamW, Lamb, SGD, Muon, Adagrad or Lion (any case)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The optimizer's hyper-parameters (`lr`, `betas`, `weight_decay`, ...; the table of
     allowed names per type is in the configuration guide)."""
@@ -739,7 +739,7 @@ def _check(config: Config) -> None:
         if kind not in OPTIMIZER_PARAMS:
             raise ConfigError(
                 f"'optimizer.type' is {config.optimizer.type!r}; "
-                "allowed: Adam, AdamW, Lamb, SGD, Muon"
+                "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
             )
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
     if config.scheduler is not None:

@@ -68,6 +68,7 @@ def comm_volume(
     regathered: Iterable[int] = (),
     loss_scaling: bool = False,
     optimizer: str = "adam",
+    tensor_norms: bool | None = None,
     quantized_weights: bool = False,
     quantized_gradients: bool = False,
     quantized_gradient_bits: int = 8,
@@ -85,7 +86,8 @@ def comm_volume(
       `stage3_max_reuse_distance` or `stage3_max_live_parameters`; the engine's
       `comm_volume()` fills it from its recorded use order);
     - control: the global gradient norm (8 bytes), the fp16 overflow flag with dynamic
-      `loss_scaling`, LAMB's per-tensor norms (`optimizer="lamb"`), and the engine's check
+      `loss_scaling`, per-tensor norms (`tensor_norms`: an optimizer whose update needs
+      them, `fzero.optim.TensorNorms`; by default `optimizer="lamb"`), and the engine's check
       for gradients left by other passes (4 bytes, per micro-step at stages 2-3, per step
       at 0-1).
 
@@ -112,6 +114,7 @@ def comm_volume(
     if quantized_gradient_bits not in (4, 8):
         raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
     grad_bytes = dtype_of(grad_wire_dtype).itemsize
+    norms = optimizer == "lamb" if tensor_norms is None else tensor_norms
     if isinstance(plan, Plan) and plan.mesh is not None:
         plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
@@ -121,7 +124,7 @@ def comm_volume(
             param_bytes=dtype_of(param_dtype).itemsize,
             bucket_numel=bucket_numel,
             regathered=sorted(set(regathered)),
-            control=_control(plan, loss_scaling, optimizer),
+            control=_control(plan, loss_scaling, norms),
             scatter_as_all_reduce=scatter_as_all_reduce,
             quantized=(quantized_weights, quantized_gradients, quantized_gradient_bits),
             grad_bytes=grad_bytes,
@@ -171,7 +174,7 @@ def comm_volume(
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
         add("all_reduce", "fp16 overflow flag", 1, 4)
-    if optimizer == "lamb":
+    if norms:
         add("all_reduce", "LAMB tensor norms", 1, 2 * len(plan.manifest.tensors) * 8)
     checks = steps if stage >= 2 else 1
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
@@ -226,13 +229,13 @@ def _add_split_reductions(
         add("reduce", "gradients", sum(_owners(u) for u in uneven) * steps, size)
 
 
-def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int, bool]]:
+def _control(plan: MeshPlan, loss_scaling: bool, norms: bool) -> list[tuple[str, int, bool]]:
     """The control all-reduces of one step: (what, bytes, over the world) once each; the
     norms sum each shard once, over the axes the state is split over."""
     rows = [("gradient norm", 8, False)]
     if loss_scaling:
         rows.append(("fp16 overflow flag", 4, True))
-    if optimizer == "lamb":
+    if norms:
         rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8, False))
     return rows
 

@@ -4,10 +4,10 @@ The names DeepSpeed training scripts and the clients built on it (Transformers,
 Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
 `accelerator`, `checkpointing`, `utils` (logger, zero_to_fp32, safe_get_full_*), `ops.adam`,
-`runtime.engine`, `runtime.lr_schedules`, `runtime.base_optimizer`, `moe.utils`,
-`launcher.runner`. What fzero does not do is refused by name: `deepspeed.moe.layer`,
-`deepspeed.pipe` and `runtime.sequence_parallel` on import, `tp_model_init`, the Adagrad
-and Lion ops when called. `tests/test_client_names.py` scans the installed clients for
+`ops.adagrad`, `ops.lion`, `runtime.engine`, `runtime.lr_schedules`,
+`runtime.base_optimizer`, `moe.utils`, `launcher.runner`. What fzero does not do is
+refused by name: `deepspeed.moe.layer`, `deepspeed.pipe` and `runtime.sequence_parallel`
+on import, `tp_model_init` when called. `tests/test_client_names.py` scans the installed clients for
 every `deepspeed.*` name they reference and checks each is one or the other.
 """
 
