@@ -1,5 +1,5 @@
-"""The `fzero` command: `fzero run` (launch on torchrun), `fzero estimate` (memory) and
-`fzero checkpoint consolidate|inspect`."""
+"""The `fzero` command: `fzero run` (launch on torchrun), `fzero estimate` (memory),
+`fzero checkpoint consolidate|inspect` and `fzero plot` (a PNG of runs)."""
 
 from __future__ import annotations
 
@@ -189,10 +189,19 @@ def _parser() -> argparse.ArgumentParser:
         help="pin each local rank to its share of the cores; OMP_NUM_THREADS to match",
     )
     run.add_argument("--bind_core_list", default=None, help="cores to share, e.g. 0-7,16-23")
+    run.add_argument(
+        "--log-all-ranks",
+        action="store_true",
+        help="fzero's INFO lines from every rank (default: rank 0's only)",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
+
+    from fzero.cli import plot  # argparse only: the plot's own imports wait until it runs
+
+    plot.add_parser(sub)
     return parser
 
 
