@@ -418,7 +418,7 @@ def test_the_engine_profiles_the_configured_step(tmp_path):
     result = run_world(profiled_engine_case, 1, str(path))
     text = path.read_text()
     first, second = 2 * B * SIZES[0] * SIZES[1], 2 * B * SIZES[1] * SIZES[2]
-    assert "Profile Summary at step 1:" in text
+    assert "Profile Summary at step 2:" in text  # DeepSpeed's label: global_steps after it
     line = next(x for x in text.splitlines() if x.startswith("fwd flops per GPU:"))
     assert line.split(":")[1].strip() == monitoring.format_number(first + second)
     line = next(x for x in text.splitlines() if x.startswith("bwd flops per GPU (counted):"))
@@ -538,3 +538,52 @@ def test_the_progress_bar_keeps_other_output_above_it(capsys):
     out, err = capsys.readouterr()
     assert out == "a line of the script\nanother line\n"
     assert "fzero Net" in err and "1/4" in err and "loss=2.5000" in err
+
+
+def test_deepspeeds_names_are_served(tmp_path):
+    from fzero import compat
+
+    was = compat.installed()
+    compat.install()
+    try:
+        import deepspeed.comm as dist
+        from deepspeed.monitor.monitor import MonitorMaster, csvMonitor
+        from deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile
+
+        assert FlopsProfiler is monitoring.FlopsProfiler
+        assert get_model_profile is monitoring.get_model_profile
+        assert dist.comms_logger is monitoring.comms_logger()
+        assert callable(dist.log_summary) and callable(dist.configure)
+        config = load_config(
+            {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"}}
+        )
+        master = MonitorMaster(config)
+        assert master.enabled
+        master.write_events([("Train/Samples/custom", 1.5, 8)])
+        csvMonitor(config.csv_monitor).write_events([("Train/Samples/custom", 2.5, 16)])
+        rows = (tmp_path / "j" / "Train_Samples_custom.csv").read_text().splitlines()
+        assert rows == ["step,custom", "8,1.5", "16,2.5"]
+    finally:
+        if not was:
+            compat.uninstall()
+
+
+def test_fzero_run_passes_log_all_ranks():
+    import subprocess
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fzero.cli",
+            "run",
+            "--log-all-ranks",
+            "--dry-run",
+            "-n",
+            "2",
+            "t.py",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("FZERO_LOG_ALL_RANKS=1 ")

@@ -24,6 +24,7 @@ class TensorBoardConfig(Section):
     """Event files through `torch.utils.tensorboard` (the `tensorboard` package)."""
 
     enabled: bool = False
+    """Write the run's events to TensorBoard event files (rank 0)."""
     output_path: str = ""
     """Directory under which the run's folder is made ("" is the working directory)."""
     job_name: str = "DeepSpeedJobName"
@@ -35,6 +36,7 @@ class CSVConfig(Section):
     """One CSV file per event (`step,<name>` rows; the step is the sample count)."""
 
     enabled: bool = False
+    """Write the run's events to CSV files (rank 0)."""
     output_path: str = ""
     """Directory under which the run's folder is made ("" is the working directory)."""
     job_name: str = "DeepSpeedJobName"
@@ -47,10 +49,13 @@ class WandbConfig(Section):
     `WANDB_MODE=offline` it is written to `./wandb/` with no network."""
 
     enabled: bool = False
+    """Log the run's events to a W&B run (rank 0)."""
     group: str | None = None
+    """The W&B group the run joins."""
     team: str | None = None
     """The W&B entity."""
     project: str = "deepspeed"
+    """The W&B project."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +63,19 @@ class CometConfig(Section):
     """A Comet experiment (`comet_ml.start(...)`, comet_ml >= 3.41)."""
 
     enabled: bool = False
+    """Log the run's events to a Comet experiment (rank 0)."""
     samples_log_interval: int = 100
     """An event is sent again only after this many more samples."""
     project: str | None = None
+    """Comet project (else Comet's own settings: COMET_PROJECT_NAME, .comet.config)."""
     workspace: str | None = None
+    """Comet workspace (else COMET_WORKSPACE, .comet.config)."""
     api_key: str | None = None
+    """Comet API key (else COMET_API_KEY, .comet.config)."""
     experiment_name: str | None = None
+    """The experiment's name."""
     experiment_key: str | None = None
+    """The key of an experiment to go on with (32 to 50 alphanumerics)."""
     online: bool | None = None
     """False keeps the experiment on disk (Comet's offline mode)."""
     mode: str | None = None
@@ -78,6 +89,7 @@ class CommsLoggerConfig(Section):
     `fzero.monitor.comms_summary()`) prints the table."""
 
     enabled: bool = False
+    """Time fzero's collectives (each made blocking while profiled, as DeepSpeed's)."""
     verbose: bool = False
     """Print each profiled collective on rank 0 as it completes."""
     prof_all: bool = True
@@ -97,6 +109,7 @@ class FlopsProfilerConfig(Section):
     `torch.utils.flop_counter.FlopCounterMode` on rank 0."""
 
     enabled: bool = False
+    """Profile one step (`profile_step`) on rank 0 and print it."""
     recompute_fwd_factor: float = 0.0
     """Forward passes recomputed in backward (activation checkpointing: 1.0) when the
     backward's FLOPs are estimated from the forward's (DeepSpeed's 2 + factor)."""

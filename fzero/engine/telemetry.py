@@ -127,6 +127,15 @@ class Telemetry:
                 log.info("fzero: no progress bar (tqdm is not installed)")
         self.last = time.perf_counter()  # the first report's interval starts here
 
+    def expect_steps(self, total: int) -> None:
+        """The run will take `total` optimizer steps: the bar and the step lines show it
+        (a config's schedule with `total_num_steps` says so by itself)."""
+        if total < 1:
+            raise ValueError(f"expect_steps({total!r}): the total must be >= 1")
+        self.total_steps = int(total)
+        if self.bar is not None:
+            self.bar.set_total(self.total_steps)
+
     # ---- hooks the engine calls ----------------------------------------------------------
 
     def forward(self, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager[None]:
@@ -152,7 +161,7 @@ class Telemetry:
         """After each optimizer step: monitors, the bar; every `steps_per_print`, report."""
         engine = self.engine
         if self.comms is not None:
-            self.comms.note_step(self._key)
+            self.comms.note_step(self._key, skipped=engine.was_step_skipped())
         if self.flops is not None:
             counted = self.flops.step_done(engine.global_steps - 1)
             if counted is not None:

@@ -178,6 +178,7 @@ class CommsLogger:
         self.records: dict[tuple[str, str, str], _Measured] = {}
         self._models: dict[str, Callable[[], list[Collective]]] = {}
         self._steps: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}  # of them, fp16 overflow skipped
 
     def configure(
         self,
@@ -240,20 +241,25 @@ class CommsLogger:
         optimizer steps (`note_step(key)`) measured."""
         self._models[key] = model
         self._steps.setdefault(key, 0)
+        self._skipped.setdefault(key, 0)
 
     def detach(self, key: str) -> None:
         self._models.pop(key, None)
         self._steps.pop(key, None)
+        self._skipped.pop(key, None)
 
-    def note_step(self, key: str) -> None:
-        """One optimizer step of the engine `key` was taken."""
+    def note_step(self, key: str, skipped: bool = False) -> None:
+        """One optimizer step of the engine `key` was taken (`skipped`: an fp16
+        overflow skipped its update, which sends no norm and no new parameters)."""
         if self.enabled and key in self._steps:
             self._steps[key] += 1
+            self._skipped[key] += int(skipped)
 
     def reset(self) -> None:
         """Forget what was measured and the steps counted (not the settings)."""
         self.records.clear()
         self._steps = dict.fromkeys(self._steps, 0)
+        self._skipped = dict.fromkeys(self._skipped, 0)
 
     # ---- measuring (called by fzero._traffic.profiled) ---------------------------------
 
@@ -320,14 +326,17 @@ class CommsLogger:
         world = comm.get_world_size()
         model: dict[tuple, tuple[int, int]] = {}
         for key, volume in self._models.items():
-            steps = self._steps.get(key, 0)
+            steps, skipped = self._steps.get(key, 0), self._skipped.get(key, 0)
             for row, (calls, size) in modelled_rows(volume(), world).items():
+                taken = steps - skipped if row[1] in _NOT_WHEN_SKIPPED else steps
                 before = model.get(row, (0, 0))
-                model[row] = (before[0] + calls * steps, before[1] + size * steps)
+                model[row] = (before[0] + calls * taken, before[1] + size * taken)
         rows = []
         for key in sorted(set(self.records) | set(model), key=_order):
             entry = self.records.get(key)
             modelled = model.get(key)
+            if modelled is None and self._models and _base_purpose(key[1]) in _MODELLED:
+                modelled = (0, 0)  # a training collective the plan says this step has none of
             if entry is None:
                 if not modelled or not modelled[0]:
                     continue
@@ -339,10 +348,25 @@ class CommsLogger:
         """The table `log_summary` prints (collective when `show_straggler`: every rank
         calls it; the straggler time of a row is the sum over its calls of this rank's
         latency minus the fastest rank's, DeepSpeed's definition)."""
+        if not self.enabled and not self.records:
+            return (
+                "fzero communication summary: the comms logger is off, nothing was timed "
+                "(enable the config's comms_logger block, or deepspeed.comm.configure("
+                "enabled=True))"
+            )
         rows = self.rows()
         if show_straggler:
             rows = _with_stragglers(rows, self.records)
         return format_comms_summary(rows, steps=self.steps())
+
+
+_MODELLED = frozenset(PURPOSES) - {"telemetry"}
+_NOT_WHEN_SKIPPED = ("gradient norm", "parameters after the update")
+
+
+def _base_purpose(purpose: str) -> str:
+    """A purpose without its quantized suffix (" (int8)")."""
+    return purpose.removesuffix(" (int8)").removesuffix(" (int4)")
 
 
 def _order(key: tuple[str, str, str]) -> tuple:

@@ -555,7 +555,7 @@ class ProfiledStep:
             micro_batch_size=self.samples,
         )
         self.profiler.print_model_profile(
-            profile_step=step,
+            profile_step=step + 1,  # DeepSpeed's label: `global_steps` after the step
             module_depth=self.config.module_depth,
             top_modules=self.config.top_modules,
             detailed=self.config.detailed,

@@ -77,16 +77,25 @@ def plot_runs(runs: Sequence[Run], output: str | Path) -> dict[str, list[str]]:
     drawn: dict[str, list[str]] = {}
     for ax, panel in zip(axes.flat, PANELS):
         drawn[panel] = []
+        twin = ax.twinx() if panel == "model FLOPs" else None  # MFU % on its own scale
+        handles = []
         for i, run in enumerate(runs):
+            width = 1.2 + 1.5 * (len(runs) - 1 - i) / max(1, len(runs) - 1)  # overlaps show
             for label, style, points in _lines(panel, run):
                 xs, ys = zip(*points)
-                name = f"{run.name}: {label}" if len(runs) > 1 or panel != "loss" else run.name
-                ax.plot(xs, ys, style, color=colours[i % len(colours)], label=name)
-                drawn[panel].append(f"{run.name}: {label}")
+                target = twin if twin is not None and label.startswith("MFU") else ax
+                name = f"{run.name}: {label}"
+                handles += target.plot(
+                    xs, ys, style, color=colours[i % len(colours)], linewidth=width, label=name
+                )
+                drawn[panel].append(name)
         ax.set_title(panel, loc="left")
         ax.set_xlabel(x_label)
+        if twin is not None:
+            ax.set_ylabel("TFLOP/s (all ranks)")
+            twin.set_ylabel("MFU % (per rank, of its peak)")
         if drawn[panel]:
-            ax.legend(fontsize="small")
+            ax.legend(handles=handles, fontsize="small")
             ax.grid(alpha=0.3)
         else:
             ax.text(0.5, 0.5, "not in these runs", ha="center", va="center", transform=ax.transAxes)

@@ -74,6 +74,10 @@ class ProgressBar:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self.bar.update(steps)
 
+    def set_total(self, total: int) -> None:
+        self.bar.total = total
+        self.bar.refresh()
+
     def write(self, text: str) -> None:
         print(text, flush=True)
 

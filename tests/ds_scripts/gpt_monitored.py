@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import deepspeed
 import torch
@@ -64,7 +65,7 @@ def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=None)
     parser = deepspeed.add_config_arguments(parser)
