@@ -287,9 +287,15 @@ def comms_case(rank: int, world: int, stage: int, precision: str) -> dict:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         from fzero.compat.deepspeed import comm as ds_comm
 
-        summary = ds_comm.log_summary(return_dict=True)
+        summary = ds_comm.log_summary(show_straggler=True, return_dict=True)
     engine.destroy()
-    return {"rows": rows, "printed": out.getvalue(), "summary": summary is not None}
+    gradients = summary["summary"]["all_reduce"]["gradient norm | world"]
+    return {
+        "rows": rows,
+        "printed": out.getvalue(),
+        "summary": gradients["count"] == 3 and gradients["straggler_ms"] >= 0,
+        "stragglers": summary["straggler_analysis"] is not None,
+    }
 
 
 @pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "fp16"), (3, "fp32")])
@@ -306,7 +312,10 @@ def test_the_comms_summary_bytes_equal_comm_volume(stage, precision):
         assert "parameters for forward" in purposes
     else:
         assert "parameters after the update" in purposes
-    assert "fzero communication summary" in result["printed"] and result["summary"]
+    assert (
+        "fzero communication summary" in result["printed"] and "straggler ms" in result["printed"]
+    )
+    assert result["summary"] and result["stragglers"]
 
 
 def test_purposes_are_comm_volumes_words():
@@ -587,3 +596,38 @@ def test_fzero_run_passes_log_all_ranks():
         text=True,
     )
     assert done.returncode == 0 and done.stdout.startswith("FZERO_LOG_ALL_RANKS=1 ")
+
+
+def nvme_case(rank: int, world: int, root: str) -> list[dict]:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1,
+        "metrics_file": f"{root}/metrics.jsonl",
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root},
+        },
+    }
+    engine = fzero.shard(Net(), config=config)
+    built = engine.nvme.bytes_read, engine.nvme.bytes_written
+    with contextlib.redirect_stdout(io.StringIO()):
+        for step in range(2):
+            x, y = global_batch(step, MICRO)
+            engine.backward(nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    moved = engine.nvme.bytes_read - built[0], engine.nvme.bytes_written - built[1]
+    engine.destroy()
+    return [json.loads(line) for line in open(f"{root}/metrics.jsonl")], moved
+
+
+def test_the_report_has_nvme_rates(tmp_path):
+    """The swap file's bytes over each report's wall time: summed back over the reports,
+    what the two steps read and wrote (not what building the engine wrote)."""
+    records, (read, written) = run_world(nvme_case, 1, str(tmp_path))
+    assert read > 0 and written > 0
+    for record in records:
+        assert record["nvme_read_mb_per_s"] > 0 and record["nvme_write_mb_per_s"] > 0
+    for key, moved in (("nvme_read_mb_per_s", read), ("nvme_write_mb_per_s", written)):
+        total = sum(r[key] * r["seconds"] for r in records) * 1e6
+        assert total == pytest.approx(moved, rel=1e-9), key

@@ -344,19 +344,24 @@ class CommsLogger:
             rows.append(_row(key, entry, modelled))
         return rows
 
-    def summary(self, show_straggler: bool = False) -> str:
-        """The table `log_summary` prints (collective when `show_straggler`: every rank
-        calls it; the straggler time of a row is the sum over its calls of this rank's
-        latency minus the fastest rank's, DeepSpeed's definition)."""
+    def with_stragglers(self, rows: list[CommRow]) -> list[CommRow]:
+        """`rows` with each one's straggler time: the sum over its calls of this rank's
+        latency minus the fastest rank's (DeepSpeed's definition). Collective."""
+        return _with_stragglers(rows, self.records)
+
+    def summary(self, show_straggler: bool = False, rows: list[CommRow] | None = None) -> str:
+        """The table `log_summary` prints: of `rows` (default `rows()`, with straggler
+        times when `show_straggler`: collective, every rank calls it)."""
         if not self.enabled and not self.records:
             return (
                 "fzero communication summary: the comms logger is off, nothing was timed "
                 "(enable the config's comms_logger block, or deepspeed.comm.configure("
                 "enabled=True))"
             )
-        rows = self.rows()
-        if show_straggler:
-            rows = _with_stragglers(rows, self.records)
+        if rows is None:
+            rows = self.rows()
+            if show_straggler:
+                rows = self.with_stragglers(rows)
         return format_comms_summary(rows, steps=self.steps())
 
 

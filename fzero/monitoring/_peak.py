@@ -2,7 +2,7 @@
 Chowdhery et al. 2022, appendix B): NVIDIA's dense tensor-core figures for the parts in
 the table, and for anything else (every CPU) the best rate this process measures for a
 square matrix product in the run's dtype — the machine's own attainable peak, at the
-threads the process has."""
+threads the process has (on a machine its ranks share, each rank's share of it)."""
 
 from __future__ import annotations
 
@@ -53,30 +53,40 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
             if part in name:
                 kind = _kind(dtype)
                 return Peak(figures[kind], f"{name}, {kind} dense (datasheet)")
-    flops = measure_matmul_flops(device.type, dtype, torch.get_num_threads())
-    return Peak(flops, f"measured: {_SIZE}x{_SIZE} {dtype} matmul on {device.type}")
+    flops, size = measure_matmul_flops(device.type, dtype, torch.get_num_threads())
+    return Peak(flops, f"measured: {size}x{size} {dtype} matmul on {device.type}")
 
 
-_SIZE = 1024
+_ENOUGH_S = 0.05  # a product this long is timed well; larger ones cost time for nothing
+_LARGEST = 2048
 
 
 @functools.cache
-def measure_matmul_flops(device_type: str, dtype: torch.dtype, threads: int) -> float:
-    """The best rate of five products of two `_SIZE`-square matrices (after one warm-up),
-    2 n^3 FLOPs each, on `device_type` with the process's `threads` (a cache key: a
-    change of threads measures again)."""
+def measure_matmul_flops(device_type: str, dtype: torch.dtype, threads: int) -> tuple[float, int]:
+    """(FLOP/s, n): the best of three products of two n-square matrices, 2 n^3 FLOPs
+    each, on `device_type` with the process's `threads` (a cache key: a change of
+    threads measures again), n doubling from 128 until one product takes 50 ms (or n is
+    2048) — about a second where the kernels are fast, and no minutes where they
+    are slow (bf16 on a CPU without bf16 instructions)."""
     device = torch.device(device_type)
+    size = 128
+    while _best_of(device, dtype, size, 1) < _ENOUGH_S and size < _LARGEST:
+        size *= 2
+    return 2 * size**3 / _best_of(device, dtype, size, 3), size
+
+
+def _best_of(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(_SIZE, _SIZE, generator=generator, device=device).to(dtype)
-    b = torch.randn(_SIZE, _SIZE, generator=generator, device=device).to(dtype)
+    a = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    b = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    torch.mm(a, b)  # warm: first-use costs are not the device's rate
     best = float("inf")
-    for i in range(6):
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         began = time.perf_counter()
         torch.mm(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i:
-            best = min(best, time.perf_counter() - began)
-    return 2 * _SIZE**3 / best
+        best = min(best, time.perf_counter() - began)
+    return best

@@ -4,6 +4,7 @@ fzero's attributable collectives (`fzero.monitoring.CommsLogger`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any
@@ -91,22 +92,41 @@ def configure(
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
     """DeepSpeed's `log_summary`: rank 0 prints the communication logger's table (per
     operation, purpose and mesh axes, beside the plan's `comm_volume`); every rank calls
-    it (a barrier before and after, as DeepSpeed's). `return_dict`: also return the rows,
-    by operation then purpose and axes."""
+    it (a barrier before and after, as DeepSpeed's). `return_dict`: this rank's rows in
+    DeepSpeed's shape, `{"summary": {operation: {"<purpose> | <axes>": {...}}},
+    "straggler_analysis": ..., "metadata": {...}}`, each row's figures as
+    `fzero.monitoring.CommRow`'s fields."""
     logger = _monitoring.comms_logger()
     if _comm.is_initialized():
         _comm.barrier()
-    text = logger.summary(show_straggler=show_straggler)
+    rows = logger.rows()
+    if show_straggler:
+        rows = logger.with_stragglers(rows)
+    text = logger.summary(rows=rows)
     if _comm.get_rank() == 0:
         print(text, flush=True)
     if _comm.is_initialized():
         _comm.barrier()
     if not return_dict:
         return None
-    found: dict[str, dict[str, Any]] = {}
-    for row in logger.rows():
-        found.setdefault(row.operation, {})[f"{row.purpose} | {row.axes}"] = row
-    return found
+    summary: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        summary.setdefault(row.operation, {})[f"{row.purpose} | {row.axes}"] = dataclasses.asdict(
+            row
+        )
+    stragglers = {
+        op: {key: row["straggler_ms"] for key, row in found.items()}
+        for op, found in summary.items()
+    }
+    return {
+        "summary": summary,
+        "straggler_analysis": stragglers if show_straggler else None,
+        "metadata": {
+            "world_size": _comm.get_world_size(),
+            "rank": _comm.get_rank(),
+            "timestamp": datetime.datetime.now().isoformat(),
+        },
+    }
 
 
 def __getattr__(name: str) -> Any:
