@@ -122,3 +122,12 @@ def profiled(
     if profiler is None or not profiler.wants(operation, what, within):
         return start(async_op)
     return profiler.time(operation, tensor, group, what, within, start, async_op)
+
+
+def forget() -> None:
+    """Drop the counts and the mesh subgroups of destroyed process groups
+    (`comm.forget_process_groups`)."""
+    _traffic.clear()
+    labels.clear()
+    _mesh_groups.clear()
+    _profiler.clear()

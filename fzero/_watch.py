@@ -536,3 +536,17 @@ def _ranks_of(group: Any) -> list[int]:
         every = range(dist.get_world_size())
         _group_ranks[group] = list(every if group is None else dist.get_process_group_ranks(group))
     return _group_ranks[group]
+
+
+def forget() -> None:
+    """Start over as in a new process, the process groups being destroyed
+    (`comm.forget_process_groups`): no named operation, collective or agreement counted,
+    no track, no post."""
+    _named_now.clear()
+    _issued[0] = _agreed[0] = 0
+    _watch[:] = [None, None]
+    _posted.clear()
+    _tracks.clear()
+    _tracking.clear()
+    _checking[:] = [None, False]
+    _group_ranks.clear()

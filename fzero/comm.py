@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fzero import _traffic, _watch
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
 from fzero._watch import (
     DEFAULT_TIMEOUT_S,
@@ -40,10 +41,11 @@ __all__ = [
     "Watched",
     "agree",
     "all_gather_into",
-    "all_gather_uneven",
     "all_reduce",
     "backend_device",
     "barrier",
+    "broadcast_from",
+    "forget_process_groups",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -52,6 +54,7 @@ __all__ = [
     "mesh_group",
     "named_operation",
     "reduce_scatter_into",
+    "reduce_to",
     "side_group",
     "traffic",
     "traffic_by_group",
@@ -165,6 +168,22 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+def forget_process_groups() -> None:
+    """Forget what fzero holds for process groups the caller has destroyed (all of them:
+    `torch.distributed.destroy_process_group()`): side groups, mesh subgroups, traffic
+    counts and the watch's numbering, tracks and posts, so that the next process group
+    starts as it would in a new process. For a harness that runs many worlds one after
+    another in one process (a persistent test worker); a training script never needs it."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "forget_process_groups: the default process group is still running; "
+            "destroy it first (torch.distributed.destroy_process_group())"
+        )
+    _side_groups.clear()
+    _traffic.forget()
+    _watch.forget()
+
+
 def backend_device() -> torch.device:
     """The device collectives run on: the local CUDA device under NCCL, else CPU."""
     if dist.get_backend() == "nccl":
@@ -195,44 +214,6 @@ def all_gather_into(
         lambda a: gather(output, shard, async_op=a, group=group),
         group,
     )
-
-
-class _Unpadded:
-    """An all-gather of padded parts in flight; `wait()` ends it and moves each rank's
-    part to its place in the output."""
-
-    def __init__(self, work: Any, padded: torch.Tensor, output: torch.Tensor, sizes: list[int]):
-        self.work, self.padded, self.output, self.sizes = work, padded, output, sizes
-
-    def wait(self) -> None:
-        self.work.wait()
-        width, at = max(self.sizes), 0
-        for rank, size in enumerate(self.sizes):
-            self.output[at : at + size].copy_(self.padded[rank * width : rank * width + size])
-            at += size
-
-
-def all_gather_uneven(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    sizes: list[int],
-    *,
-    async_op: bool = False,
-    what: str = "",
-    group: Any = None,
-):
-    """`all_gather_into` for parts of `sizes` elements (rank order; this rank's is
-    `shard`): each travels padded to the largest, and lands unpadded in `output`."""
-    width = max(sizes)
-    part = torch.zeros(width, dtype=shard.dtype, device=shard.device)
-    part[: shard.numel()].copy_(shard)
-    padded = torch.empty(width * len(sizes), dtype=output.dtype, device=output.device)
-    work = all_gather_into(padded, part, async_op=True, what=what, group=group)
-    gathered = _Unpadded(work, padded, output, sizes)
-    if async_op:
-        return gathered
-    gathered.wait()
-    return None
 
 
 def reduce_scatter_into(
@@ -310,6 +291,54 @@ def all_reduce(
         what,
         async_op,
         lambda a: dist.all_reduce(tensor, op=op, async_op=a, group=group),
+        group,
+    )
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def broadcast_from(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Rank `src`'s `tensor` (its rank in `group`; every process's without one) into
+    every rank's `tensor`: what a part owned by one rank costs to share (its bytes once,
+    not padded to the largest part)."""
+    root = _global_rank(group, src)
+    return issue(
+        "broadcast",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.broadcast(tensor, src=root, async_op=a, group=group),
+        group,
+    )
+
+
+def reduce_to(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Sum `tensor` over ranks into rank `dst`'s (its rank in `group`): what a gradient
+    owned by one rank costs to reduce (its bytes once; the other ranks' `tensor` is left
+    undefined, as torch's `reduce`)."""
+    root = _global_rank(group, dst)
+    return issue(
+        "reduce",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, async_op=a, group=group),
         group,
     )
 

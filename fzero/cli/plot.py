@@ -1,25 +1,15 @@
-"""`fzero plot RUN [RUN ...] -o run.png`: one PNG of loss, learning rate, throughput,
-TFLOP/s and MFU, model-state memory against the plan and communication per mesh axis of
-one run or several to compare. A RUN is a metrics file (`metrics_file`), a TensorBoard
-directory or a CSV monitor's directory (fzero's or DeepSpeed's); `NAME=RUN` names it in
-the legend."""
+"""`fzero plot RUN [RUN ...] -o run.png` (its arguments parsed in `fzero_cli`): one PNG
+of loss, learning rate, throughput, TFLOP/s and MFU, model-state memory against the plan
+and communication per mesh axis of one run or several to compare. A RUN is a metrics
+file (`metrics_file`), a TensorBoard directory or a CSV monitor's directory (fzero's or
+DeepSpeed's); `NAME=RUN` names it in the legend."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-__all__ = ["add_parser", "main"]
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """The `plot` subcommand's arguments (its imports wait until it runs)."""
-    plot = sub.add_parser("plot", help="a PNG of one or more runs (metrics, TensorBoard, CSV)")
-    plot.add_argument(
-        "runs", nargs="+", metavar="RUN", help="metrics file or monitor directory; NAME=RUN"
-    )
-    plot.add_argument("-o", "--output", default="fzero-run.png", help="default fzero-run.png")
-    plot.set_defaults(func=main)
+__all__ = ["main"]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,15 +33,50 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fzero import comm, monitoring
+from fzero.partition import MemoryEstimate, Plan
 
-# An fzero Engine, by duck type: this module sits below the engine and imports nothing
-# from it.
-Engine = Any
+
+class Engine(Protocol):
+    """What the reports, monitors and profilers read of their engine
+    (`fzero.engine.Engine`; this module sits below it)."""
+
+    name: str
+    serial: int
+    rank: int
+    world_size: int
+    stage: int
+    precision: str
+    compute_dtype: torch.dtype
+    config: Any
+    plan: Plan
+    batch: Any
+    device: torch.device
+    module: torch.nn.Module
+    residency: Any
+    timers: Timers
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    loss_scaler: Any
+    loss_scale: float
+
+    def get_lr(self) -> list[float]: ...
+
+    def get_global_grad_norm(self) -> float | None: ...
+
+    def was_step_skipped(self) -> bool: ...
+
+    def comm_volume(self) -> list[Any]: ...
+
+    def memory_held(self) -> MemoryEstimate: ...
+
+    def memory_planned(self) -> MemoryEstimate: ...
+
 
 __all__ = ["Telemetry", "Timers", "count_tokens"]
 
@@ -108,6 +143,14 @@ class Telemetry:
         self.params = engine.plan.manifest.numel
         self.traffic = comm.traffic_by_group()  # at the last report
         self.nvme = self._nvme_bytes()
+        log.info(
+            "fzero: stage %d, %s, world %d, %d units, %s params",
+            engine.plan.stage,
+            engine.precision,
+            engine.plan.processes,
+            len(engine.plan.units),
+            f"{engine.plan.manifest.numel:,}",
+        )
         config = engine.config
         self.monitor = monitoring.Monitor(config, rank=engine.rank)
         self.comms = monitoring.comms_logger_for(config.comms_logger)
