@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from fzero.config._base import AUTO, ConfigError
+from fzero.config._base import Section as _Section
 from fzero.config.batch import BatchSizes, accumulation_steps, batch_sizes, batch_sizes_or_none
+from fzero.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS
 
 __all__ = [
@@ -33,15 +42,21 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "BatchSizes",
+    "CSVConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
     "Config",
     "ConfigError",
     "DataTypesConfig",
     "FP16Config",
+    "FlopsProfilerConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TensorBoardConfig",
     "TorchAutocastConfig",
+    "WandbConfig",
     "ZeroConfig",
     "accumulation_steps",
     "batch_sizes",
@@ -49,16 +64,6 @@ __all__ = [
     "load_config",
     "read_config",
 ]
-
-
-class _Section:
-    """Dict-style reads of a config section, for code written against DeepSpeed's
-    `engine.config` dict (Transformers reads `config.get("zero_optimization", {})
-    .get("stage")`): a field's value, or `default` for a key the section lacks."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        return getattr(self, key) if key in names else default
 
 
 def _no_effect(default: Any, why: str) -> Any:
@@ -453,6 +458,12 @@ class Config(_Section):
         default_factory=DataTypesConfig,
         metadata={"no_effect": "a section: its one key, grad_accum_dtype, says why"},
     )
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = field(default_factory=CSVConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     metrics_file: str | None = None
     """fzero: append one JSON line per `steps_per_print` (the logged figures) to this file."""
     progress: bool = True
@@ -469,9 +480,7 @@ _NOT_SUPPORTED = {
         "amp",
         "autotuning",
         "checkpoint",
-        "comms_logger",
         "compression_training",
-        "csv_monitor",
         "data_efficiency",
         "compile",
         "curriculum_learning",
@@ -479,7 +488,6 @@ _NOT_SUPPORTED = {
         "eigenvalue",
         "elasticity",
         "expert_parallel",
-        "flops_profiler",
         "hybrid_engine",
         "nebula",
         "pipeline",
@@ -488,8 +496,6 @@ _NOT_SUPPORTED = {
         "sparse_attention",
         "sparse_gradients",
         "tensor_parallel",
-        "tensorboard",
-        "wandb",
         "zenflow",
         "zero_force_ds_cpu_optimizer",
     },

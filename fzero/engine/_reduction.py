@@ -310,7 +310,7 @@ class GradientReduction:
             return
         flag = torch.tensor([float(bool(left) or not self.reduced)], device=self.device)
         if self.processes > 1:
-            comm.all_reduce(flag, op="max")
+            comm.all_reduce(flag, op="max", what="left-over gradients check")
         if not flag.item():
             return
         self.begin()
