@@ -110,7 +110,11 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
         help="stage3_eval_live_parameters: elements of whole stage-3 units kept gathered "
         "across forwards without gradients (fast generation), counted on the device",
     )
-    est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd (default adam)")
+    est.add_argument(
+        "--optimizer",
+        default="adam",
+        help="adam, adamw, lamb, muon, sgd, adagrad or lion (default adam)",
+    )
     est.add_argument(
         "--grad-dtype",
         choices=["fp16", "bf16", "fp32"],

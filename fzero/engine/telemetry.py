@@ -58,6 +58,7 @@ class Engine(Protocol):
     device: torch.device
     module: torch.nn.Module
     residency: Any
+    param_shards: Any
     timers: Timers
     global_steps: int
     global_samples: int
@@ -259,7 +260,7 @@ class Telemetry:
         """(read, written) bytes of the engine's swap files so far."""
         files = [
             getattr(self.engine.residency, "nvme", None),
-            getattr(self.engine.stage3, "param_swap", None),
+            self.engine.param_shards.store.swap,
         ]
         files = [f for f in files if f is not None]
         return sum(f.bytes_read for f in files), sum(f.bytes_written for f in files)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -498,6 +498,15 @@ def get_model_profile(
     return flops, macs, params
 
 
+class ProfiledEngine(Protocol):
+    """What a profiled step reads of its engine (`fzero.engine.Engine`)."""
+
+    timers: Any  # fzero.engine.telemetry.Timers: `totals` and `timers(name)`
+    world_size: int
+    compute_dtype: torch.dtype
+    device: torch.device
+
+
 class ProfiledStep:
     """The engine's `flops_profiler` block: at optimizer step `profile_step` (counted
     as `global_steps` before it, from 0, as DeepSpeed's), the first micro-batch is
@@ -505,7 +514,7 @@ class ProfiledStep:
     to `output_file`) when that step ends, with the engine's latencies of that
     micro-step and MFU against the device's peak. Rank 0 only, as DeepSpeed's."""
 
-    def __init__(self, module: nn.Module, config: Any, engine: Any) -> None:
+    def __init__(self, module: nn.Module, config: Any, engine: ProfiledEngine) -> None:
         self.config, self.engine = config, engine
         self.profiler = FlopsProfiler(module, engine, config.recompute_fwd_factor)
         with FlopCounterMode(display=False):  # its first use imports for seconds: not
