@@ -35,7 +35,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 $(DS_VENV)/.stamp: Makefile
 	test -x $(DS_VENV)/bin/python || $(PYTHON) -m venv $(DS_VENV)
 	$(DS_VENV)/bin/python -m pip install -q $(TORCH_PIN)
-	$(DS_VENV)/bin/python -m pip install -q $(DEEPSPEED_PIN) accelerate transformers lightning safetensors
+	$(DS_VENV)/bin/python -m pip install -q $(DEEPSPEED_PIN) accelerate transformers lightning safetensors tensorboard wandb
 	touch $@
 
 test-deepspeed: venv $(DS_VENV)/.stamp

@@ -110,7 +110,11 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
         help="stage3_eval_live_parameters: elements of whole stage-3 units kept gathered "
         "across forwards without gradients (fast generation), counted on the device",
     )
-    est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd (default adam)")
+    est.add_argument(
+        "--optimizer",
+        default="adam",
+        help="adam, adamw, lamb, muon, sgd, adagrad or lion (default adam)",
+    )
     est.add_argument(
         "--grad-dtype",
         choices=["fp16", "bf16", "fp32"],
@@ -203,14 +207,29 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         help="pin each local rank to its share of the cores; OMP_NUM_THREADS to match",
     )
     run.add_argument("--bind_core_list", default=None, help="cores to share, e.g. 0-7,16-23")
+    run.add_argument(
+        "--log-all-ranks",
+        action="store_true",
+        help="fzero's INFO lines from every rank (default: rank 0's only)",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(command="run")
 
 
+def _plot_parser(sub: argparse._SubParsersAction) -> None:
+    plot = sub.add_parser("plot", help="a PNG of one or more runs (metrics, TensorBoard, CSV)")
+    plot.add_argument(
+        "runs", nargs="+", metavar="RUN", help="metrics file or monitor directory; NAME=RUN"
+    )
+    plot.add_argument("-o", "--output", default="fzero-run.png", help="default fzero-run.png")
+    plot.set_defaults(command="plot")
+
+
 def parser() -> argparse.ArgumentParser:
-    """The `fzero` command line: `run`, `estimate`, `checkpoint consolidate|inspect`."""
+    """The `fzero` command line: `run`, `estimate`, `checkpoint consolidate|inspect`,
+    `plot`."""
     root = _Parser(
         prog="fzero",
         description="ZeRO sharded data-parallel training for PyTorch, with sharding plans "
@@ -221,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     _run_parser(sub)
     _estimate_parser(sub)
     _checkpoint_parser(sub)
+    _plot_parser(sub)
     return root
 
 

@@ -150,7 +150,7 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
     "fzero stage 3 compiled model": engine(3, compiled=True),
     **{f"fzero stage {stage} unchecked": unchecked(engine(stage)) for stage in (1, 3)},
-    **{f"fzero.train_step stage {stage}": train_step(stage) for stage in (1, 2, 3)},
+    **{f"fzero.train_step stage {stage}": train_step(stage) for stage in range(4)},
     "fzero.train_step stage 3 unchecked": unchecked(train_step(3)),
     "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }

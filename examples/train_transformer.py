@@ -78,6 +78,7 @@ def main() -> None:
     engine = fzero.shard(
         model, stage=args.stage, optimizer=fzero.optim.adamw(lr=3e-3), config=config
     )
+    engine.telemetry.expect_steps(args.steps)  # the progress bar's total
     rank, world = engine.global_rank, engine.world_size
     data = batches(text, micro=args.micro, length=args.length, rank=rank, world=world, seed=1)
     first = last = None
@@ -109,8 +110,9 @@ def main() -> None:
         tokens_per_s = args.steps * args.micro * world * args.length / elapsed
         print(
             f"ZeRO-{args.stage} on {world} ranks: {engine.plan.manifest.numel:,} "
-            f"params; loss {first:.3f} -> {last:.3f} in {args.steps} steps; "
-            f"{tokens_per_s:,.0f} tokens/s ({elapsed / args.steps:.3f} s/step)"
+            f"params; rank 0's batch loss {first:.3f} at step 1 -> {last:.3f} at step "
+            f"{args.steps}; over all {args.steps} steps (the first included): "
+            f"{tokens_per_s:,.0f} tokens/s, {elapsed / args.steps:.3f} s/step (MB = 10^6 bytes)"
         )
 
 

@@ -7,7 +7,7 @@ left unchanged, `fzero run --as-deepspeed` serves `import deepspeed` (`fzero.com
 
 import sys
 
-from fzero import checkpoint, comm, optim, partition
+from fzero import _logs, checkpoint, comm, monitoring, optim, partition
 from fzero._version import __version__
 from fzero.compat import accelerator, checkpointing, zero
 from fzero.compat.arguments import add_config_arguments
@@ -25,6 +25,9 @@ from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.step import train_step
 from fzero.engine import Engine
 from fzero.engine.entry import shard
+from fzero.monitoring import monitor
+
+_logs.install()  # INFO from rank 0 only, unless FZERO_LOG_ALL_RANKS=1
 
 # DeepSpeed-named modules live in `fzero.compat`; `import fzero.checkpointing` (activation
 # recomputation, DeepSpeed's `deepspeed.checkpointing`), `fzero.zero` and
@@ -60,6 +63,8 @@ __all__ = [
     "initialize",
     "load_config",
     "load_safetensors",
+    "monitor",
+    "monitoring",
     "optim",
     "partition",
     "resolve_auto",

@@ -9,15 +9,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["count", "labels", "mesh_group", "traffic", "traffic_by_group"]
+__all__ = [
+    "count",
+    "label_of",
+    "labels",
+    "mesh_group",
+    "profile_collectives",
+    "profiled",
+    "profiler",
+    "traffic",
+    "traffic_by_group",
+]
 
 
 _traffic: dict[tuple[str, str], list[int]] = {}  # (group's axes, operation) -> [calls, bytes]
 labels: dict[Any, str] = {}  # a mesh subgroup -> the axes it runs along ("local")
 
 
+def label_of(group: Any) -> str:
+    """The axes a group's collectives are counted under: "world" for every process, a
+    mesh subgroup's axes joined with "+", "other" for a group fzero did not make."""
+    return "world" if group is None else labels.get(group, "other")
+
+
 def count(operation: str, tensor: torch.Tensor, group: Any = None) -> None:
-    label = "world" if group is None else labels.get(group, "other")
+    label = label_of(group)
     entry = _traffic.setdefault((label, operation), [0, 0])
     entry[0] += 1
     entry[1] += tensor.numel() * tensor.element_size()
@@ -72,9 +88,46 @@ def mesh_group(axes: tuple[tuple[str, int], ...], along: tuple[str, ...]) -> Any
     return _mesh_groups[key]
 
 
+# ---- timing collectives for a comms logger ------------------------------------------------
+
+_profiler: list[Any] = []  # the comms logger timing this process's collectives, while one is on
+
+
+def profile_collectives(profiler: Any) -> None:
+    """Time fzero's collectives with `profiler` from now on (a
+    `fzero.monitoring.CommsLogger`: `profiled` asks it `wants(...)` and hands it each
+    measurement); None stops."""
+    _profiler[:] = [] if profiler is None else [profiler]
+
+
+def profiler() -> Any:
+    """The comms logger `profile_collectives` installed, or None."""
+    return _profiler[0] if _profiler else None
+
+
+def profiled(
+    operation: str,
+    tensor: torch.Tensor,
+    group: Any,
+    what: str,
+    within: str,
+    start: Any,
+    async_op: bool,
+) -> Any:
+    """Run `start(async_op)` (one collective); while a comms logger wants it, made
+    blocking and timed from its start to its completion (as DeepSpeed's comms logger
+    synchronizes every profiled operation) and its work, complete, returned when
+    `async_op`."""
+    profiler = _profiler[0] if _profiler else None
+    if profiler is None or not profiler.wants(operation, what, within):
+        return start(async_op)
+    return profiler.time(operation, tensor, group, what, within, start, async_op)
+
+
 def forget() -> None:
     """Drop the counts and the mesh subgroups of destroyed process groups
     (`comm.forget_process_groups`)."""
     _traffic.clear()
     labels.clear()
     _mesh_groups.clear()
+    _profiler.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fzero._traffic import count
+from fzero._traffic import count, profiled
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -180,7 +181,22 @@ def issue(
     group: Any = None,
 ) -> Any:
     """Start one collective (`start(async_op)`), counted, and watched where gloo runs
-    (every process issues the same sequence, a subgroup's included: one count)."""
+    (every process issues the same sequence, a subgroup's included: one count); timed
+    while a comms logger is on (`fzero._traffic.profiled`)."""
+    within = _named_now[0] if _named_now else ""
+    run = functools.partial(_issue, kind, tensor, what, start=start, group=group)
+    return profiled(kind, tensor, group, what, within, run, async_op)
+
+
+def _issue(
+    kind: str,
+    tensor: torch.Tensor,
+    what: str,
+    async_op: bool,
+    *,
+    start: Callable[[bool], Any],
+    group: Any,
+) -> Any:
     if _tracking:
         _tracking[0].next(kind, tensor.numel(), what, group)
     count(kind, tensor, group)

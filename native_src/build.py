@@ -36,6 +36,11 @@ void fz_lamb_apply(float *p, const float *u, const int64_t *starts, const int64_
 void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, float wd,
             float momentum, float one_minus_dampening, int first, int nesterov, float neg_lr,
             void *out, int out_kind, int threads);
+void fz_adagrad(float *p, const float *g, float *s, int64_t n, float grad_scale, float wd,
+                float neg_lr, float eps, void *out, int out_kind, int threads);
+void fz_lion(float *p, const float *g, float *m, int64_t n, float grad_scale, float beta1,
+             float one_minus_beta1, float beta2, float one_minus_beta2, int decayed,
+             float decay, float neg_lr, void *out, int out_kind, int threads);
 void fz_sq_sum(const float *g, int64_t n, double *sum, int *nonfinite, int threads);
 void fz_segment_sq_sums(const float *x, const int64_t *starts, const int64_t *stops,
                         int64_t segments, double *out, int threads);

@@ -1,6 +1,6 @@
 /* What the C and CUDA kernels share (fzero_kernels.c, fzero_kernels.cu): the bit formulas
- * of the 16-bit copies and of stochastic rounding, and the per-element bodies of SGD and
- * LAMB's direction, so both devices compute them in the same operations.
+ * of the 16-bit copies and of stochastic rounding, and the per-element bodies of SGD,
+ * Adagrad, Lion and LAMB's direction, so both devices compute them in the same operations.
  *
  * The includer defines first: FZ_FN (the functions' qualifiers), the types fz_u16,
  * fz_u32, fz_u64 and fz_i64, and fz_bits / fz_float (a float's bits and back).
@@ -72,6 +72,38 @@ FZ_FN float fz_sgd_at(float *p, const float *g, float *buf, fz_i64 i, float grad
         d = nesterov ? fmaf(momentum, bi, gi) : bi;
     }
     const float pi = fmaf(neg_lr, d, p[i]);
+    p[i] = pi;
+    return pi;
+}
+
+/* Adagrad for element i (Duchi, Hazan & Singer 2011, as torch.optim.Adagrad's
+ * single-tensor path): g += wd * p; s = s + g * g; p = p + (neg_lr * g) / (sqrt(s) + eps),
+ * neg_lr = -lr / (1 + (step - 1) * lr_decay). The new p[i] is stored and returned. */
+FZ_FN float fz_adagrad_at(float *p, const float *g, float *s, fz_i64 i, float grad_scale,
+                          float wd, float neg_lr, float eps) {
+    float gi = grad_scale != 1.0f ? g[i] * grad_scale : g[i];
+    if (wd != 0.0f) gi = fmaf(wd, p[i], gi);
+    const float si = s[i] + gi * gi;
+    const float pi = p[i] + neg_lr * gi / (sqrtf(si) + eps);
+    s[i] = si;
+    p[i] = pi;
+    return pi;
+}
+
+/* Lion for element i (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+ * c = m * beta1 + (1 - beta1) * g; p = p * decay + neg_lr * sign(c) (decay = 1 - lr * wd,
+ * applied when `decayed`); m = m * beta2 + (1 - beta2) * g. sign(+-0) = 0, sign(NaN) =
+ * NaN (fzero/optim/_lion.py, lion_sign). The new p[i] is stored and returned. */
+FZ_FN float fz_lion_at(float *p, const float *g, float *m, fz_i64 i, float grad_scale,
+                       float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
+                       int decayed, float decay, float neg_lr) {
+    const float gi = grad_scale != 1.0f ? g[i] * grad_scale : g[i];
+    const float mi = m[i];
+    const float c = fmaf(one_minus_beta1, gi, mi * beta1);
+    const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : (c == 0.0f ? 0.0f : c));
+    float pi = decayed ? p[i] * decay : p[i];
+    pi = fmaf(neg_lr, sign, pi);
+    m[i] = fmaf(one_minus_beta2, gi, mi * beta2);
     p[i] = pi;
     return pi;
 }

@@ -7,6 +7,9 @@
  *   LAMB: You et al. 2020, direction and per-tensor trust-ratio apply
  *     (fzero/optim/_lamb.py);
  *   SGD with momentum / Nesterov (fzero/optim/_sgd.py);
+ *   Adagrad: Duchi, Hazan & Singer 2011, as torch.optim.Adagrad (fzero/optim/_adagrad.py);
+ *   Lion: Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"
+ *     (fzero/optim/_lion.py);
  *   sum of squares + non-finite flag of a gradient (fzero/optim/_clip.py);
  *   per-segment sums of squares (fzero/optim/_lamb.py, segment_sq_sums).
  *
@@ -223,6 +226,30 @@ void fz_sgd(float *p, const float *g, float *buf, int64_t n, float grad_scale, f
     for (int64_t i = 0; i < n; i++) {
         const float pi = fz_sgd_at(p, g, buf, i, grad_scale, wd, momentum, one_minus_dampening,
                                    first, nesterov, neg_lr);
+        if (out_kind) fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* Adagrad (fz_adagrad_at), with the 16-bit copy of the new parameters. */
+FZ_CLONES
+void fz_adagrad(float *p, const float *g, float *s, int64_t n, float grad_scale, float wd,
+                float neg_lr, float eps, void *out, int out_kind, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float pi = fz_adagrad_at(p, g, s, i, grad_scale, wd, neg_lr, eps);
+        if (out_kind) fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* Lion (fz_lion_at), with the 16-bit copy of the new parameters. */
+FZ_CLONES
+void fz_lion(float *p, const float *g, float *m, int64_t n, float grad_scale, float beta1,
+             float one_minus_beta1, float beta2, float one_minus_beta2, int decayed,
+             float decay, float neg_lr, void *out, int out_kind, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float pi = fz_lion_at(p, g, m, i, grad_scale, beta1, one_minus_beta1, beta2,
+                                    one_minus_beta2, decayed, decay, neg_lr);
         if (out_kind) fz_copy_out(out, out_kind, i, pi);
     }
 }

@@ -112,6 +112,30 @@ extern "C" __global__ void fz_sgd(float *__restrict__ p, const float *__restrict
     }
 }
 
+/* Adagrad, as fz_adagrad (fz_adagrad_at), with the 16-bit copy of the new parameters. */
+extern "C" __global__ void fz_adagrad(float *__restrict__ p, const float *__restrict__ g,
+                                      float *__restrict__ s, fz_i64 n, float grad_scale,
+                                      float wd, float neg_lr, float eps, void *out,
+                                      int out_kind) {
+    FZ_GRID_STRIDE(i, n) {
+        const float pi = fz_adagrad_at(p, g, s, i, grad_scale, wd, neg_lr, eps);
+        fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
+/* Lion, as fz_lion (fz_lion_at), with the 16-bit copy of the new parameters. */
+extern "C" __global__ void fz_lion(float *__restrict__ p, const float *__restrict__ g,
+                                   float *__restrict__ m, fz_i64 n, float grad_scale,
+                                   float beta1, float one_minus_beta1, float beta2,
+                                   float one_minus_beta2, int decayed, float decay,
+                                   float neg_lr, void *out, int out_kind) {
+    FZ_GRID_STRIDE(i, n) {
+        const float pi = fz_lion_at(p, g, m, i, grad_scale, beta1, one_minus_beta1, beta2,
+                                    one_minus_beta2, decayed, decay, neg_lr);
+        fz_copy_out(out, out_kind, i, pi);
+    }
+}
+
 #define FZ_REDUCE_THREADS 256 /* the launch's block size for both reduction kernels */
 
 /* Block-wide sums (double) and ors (int) into thread 0, in a fixed tree order. */

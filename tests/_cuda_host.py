@@ -41,7 +41,8 @@ extern "C" void fz_host_block_y(unsigned int y) { blockIdx.y = y; }
 """
 # the host build runs these; the reductions need a block of threads (gpu_check.py)
 ELEMENTWISE = (
-    "fz_adam", "fz_lamb_direction", "fz_lamb_apply", "fz_sgd", "fz_bf16_stochastic",
+    "fz_adam", "fz_lamb_direction", "fz_lamb_apply", "fz_sgd", "fz_adagrad", "fz_lion",
+    "fz_bf16_stochastic",
     "fz_dequantize_int8", "fz_dequantize_mean_int8", "fz_dequantize_mean_int4",
 )  # fmt: skip
 _CTYPES = {

@@ -149,8 +149,8 @@ def test_a_good_checkpoint_still_inspects_and_consolidates(capsys, places):
     [
         (["estimate"], 1, "fzero estimate: give exactly one of --model module:factory or "
                           "--params N"),
-        (["estimate", "--params", "7e9", "--optimizer", "adagrad"], 1,
-         "fzero estimate: optimizer 'adagrad' is unknown; allowed: "),
+        (["estimate", "--params", "7e9", "--optimizer", "adafactor"], 1,
+         "fzero estimate: optimizer 'adafactor' is unknown; allowed: "),
         (["estimate", "--params", "7e9", "--strategy", "nope"], 1,
          "fzero estimate: --strategy is 'nope'; allowed: "),
         (["estimate", "--params", "7e9", "--mesh", "node"], 1,

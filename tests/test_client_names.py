@@ -27,8 +27,6 @@ CLIENTS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "trl"
 # served names that refuse when called: the arguments, what the refusal must say
 REFUSED_CALLS = {
     "deepspeed.tp_model_init": ((), "tensor parallelism"),
-    "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad": ((), "Adagrad is not supported by fzero"),
-    "deepspeed.ops.lion.DeepSpeedCPULion": ((), "Lion is not supported by fzero"),
     "deepspeed.utils.zero_to_fp32.get_model_state_file": (("ckpt", 2), "hold no pickle"),
     "deepspeed.utils.zero_to_fp32.get_optim_files": (("ckpt",), "hold no pickle"),
 }

@@ -166,7 +166,10 @@ def test_unresolved_key_left_when_value_not_given():
         ({"fp16": {"enabled": 1}}, "'fp16.enabled' must be true or false, found 1"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
         ({"train_batch_size": 0}, "'train_batch_size' is 0"),
-        ({"tensorboard": {"enabled": True}}, "'tensorboard' is not supported yet"),
+        ({"pipeline": {"stages": 2}}, "'pipeline' is not supported yet"),
+        ({"tensorboard": {"enabled": True, "path": "x"}}, "'tensorboard.path'.*'output_path'"),
+        ({"comms_logger": {"enabled": "yes"}}, "'comms_logger.enabled' must be true or false"),
+        ({"flops_profiler": {"profile_step": 1.5}}, "'flops_profiler.profile_step'.*whole"),
         ({"fp16": {"auto_cast": True}}, "'fp16.auto_cast' is not supported yet"),
         ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "allowed: \\['none'"),
         (
@@ -175,7 +178,7 @@ def test_unresolved_key_left_when_value_not_given():
         ),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "no nvme_path"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs stage 3"),
-        ({"optimizer": {"type": "Adagrad"}}, "allowed: Adam, AdamW, Lamb, SGD"),
+        ({"optimizer": {"type": "Adafactor"}}, "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad"),
         ({"optimizer": {"type": "Adam", "params": {"betas1": 0.9}}}, "did you mean 'betas'"),
         ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 9}}}, "total_num_steps"),
         ({"scheduler": {"type": "Cosine"}}, "allowed: WarmupLR"),
@@ -196,7 +199,7 @@ def test_bad_configs_name_the_key(raw, message):
 
 def test_switched_off_unsupported_blocks_are_accepted():
     config = load_config(
-        {"train_batch_size": 8, "tensorboard": {"enabled": False}, "bfloat16": {"enabled": True}}
+        {"train_batch_size": 8, "pipeline": {"enabled": False}, "bfloat16": {"enabled": True}}
     )
     assert config.bf16.enabled
 

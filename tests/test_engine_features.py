@@ -83,13 +83,14 @@ def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     lines = text.splitlines()
     assert [line.split()[3] for line in lines] == ["2", "4"]
     pattern = (
-        r"\[fzero Net\] step 4 loss \d+\.\d{4} lr \[0\.001\] loss_scale \d+ skipped \d+ "
-        r"samples/s [\d.]+ "
-        r"mem [\d.]+/[\d.]+ MB peak \d+ MB \| "
-        r"backward [\d.]+ms comm [\d.]+ms forward [\d.]+ms step [\d.]+ms"
+        r"\[fzero Net\] step 4 \| steps 3-4: loss (\d+\.\d{4}), [\d.]+ samples/s \| "
+        r"lr 0\.001 loss_scale \d+ skipped \d+ \| "
+        r"model states [\d.]+ MB \(plan [\d.]+ MB, max over ranks\), peak \d+ MB \| "
+        r"ms/step: backward [\d.]+ comm [\d.]+ forward [\d.]+ step [\d.]+"
     )
-    assert re.fullmatch(pattern, lines[1]), lines[1]
-    assert lines[1].split()[5] == f"{(losses[2] + losses[3]) / 2:.4f}"  # mean since last line
+    match = re.fullmatch(pattern, lines[1])
+    assert match, lines[1]
+    assert match[1] == f"{(losses[2] + losses[3]) / 2:.4f}"  # mean since the last line
 
 
 def test_memory_held_equals_plan_for_every_stage():

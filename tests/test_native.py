@@ -26,12 +26,14 @@ import torch
 
 from fzero import native
 from fzero.optim import (
+    adagrad,
     adam,
     adamw,
     bf16_stochastic,
     lamb,
     lamb_apply_,
     lamb_direction_,
+    lion,
     segment_sq_sums,
     sgd,
 )
@@ -125,6 +127,86 @@ def test_sgd_matches_pure(kernels, n, momentum, nesterov, weight_decay):
             buf.copy_(ref.momentum_buffer)
         assert_near(nat_p, ref_p)
         nat_p.copy_(ref_p)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("lr_decay", "weight_decay", "initial", "grad_scale"),
+    [(0.0, 0.0, 0.0, 1.0), (0.01, 0.01, 0.1, 1.0), (0.0, 0.01, 0.0, 0.25)],
+)
+def test_adagrad_matches_pure(kernels, n, threads, lr_decay, weight_decay, initial, grad_scale):
+    torch.set_num_threads(threads)
+    opt = adagrad(lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay,
+                  initial_accumulator_value=initial)  # fmt: skip
+    p, _ = _data(n)
+    ref_p, nat_p = p.clone(), p.clone()
+    ref, nat = opt.init(p), opt.init(p)
+    for step in range(1, 4):
+        g = _data(n, seed=step)[1]
+        ref = opt.update_(g * grad_scale, ref, ref_p)
+        native.adagrad_(
+            nat_p, g, nat.sum, lr=1e-2 / (1 + (step - 1) * lr_decay), eps=1e-10,
+            weight_decay=weight_decay, grad_scale=grad_scale,
+        )  # fmt: skip
+        assert_near(nat.sum, ref.sum)
+        assert_near(nat_p, ref_p)
+        nat_p.copy_(ref_p)  # compare one step at a time from equal inputs
+        nat.sum.copy_(ref.sum)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("betas", "weight_decay", "grad_scale"),
+    [((0.9, 0.99), 0.0, 1.0), ((0.9, 0.999), 0.1, 1.0), ((0.95, 0.98), 0.01, 0.5)],
+)
+def test_lion_matches_pure(kernels, n, threads, betas, weight_decay, grad_scale):
+    torch.set_num_threads(threads)
+    opt = lion(lr=1e-3, betas=betas, weight_decay=weight_decay)
+    p, _ = _data(n)
+    ref_p, nat_p = p.clone(), p.clone()
+    ref, nat = opt.init(p), opt.init(p)
+    for step in range(1, 4):
+        g = _data(n, seed=step)[1]
+        ref = opt.update_(g * grad_scale, ref, ref_p)
+        native.lion_(nat_p, g, nat.exp_avg, lr=1e-3, betas=betas, weight_decay=weight_decay,
+                     grad_scale=grad_scale)  # fmt: skip
+        assert_near(nat.exp_avg, ref.exp_avg)
+        assert_near(nat_p, ref_p)
+        nat_p.copy_(ref_p)
+        nat.exp_avg.copy_(ref.exp_avg)
+
+
+def test_lion_sign_of_zero_and_nan_is_the_papers(kernels):
+    """An exactly zero interpolation (+0 or -0) does not move its element; NaN reaches the
+    parameter. torch.sign itself disagrees on -0 between its vector body and scalar tail,
+    so the pure path spells the sign out (`fzero.optim.lion_sign`)."""
+    n = 37
+    g = torch.zeros(n)
+    g[1], g[2], g[3] = -0.0, float("nan"), 1.0
+    p, m = torch.ones(n), torch.zeros(n)
+    m[1] = -0.0
+    ref_p, ref = p.clone(), lion(lr=0.5).init(p)
+    ref.exp_avg.copy_(m)
+    lion(lr=0.5).update_(g, ref, ref_p)
+    native.lion_(p, g, m, lr=0.5, betas=(0.9, 0.999), weight_decay=0.0)
+    want = torch.ones(n)
+    want[2], want[3] = float("nan"), 0.5
+    assert torch.equal(ref_p.isnan(), want.isnan()) and torch.equal(p.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(ref_p[finite], want[finite]) and torch.equal(p[finite], want[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adagrad_and_lion_copy_out_the_rounded_parameter(kernels, dtype):
+    n = 1000
+    p, g = _data(n)
+    out = torch.empty(n, dtype=dtype)
+    native.adagrad_(p, g, torch.zeros(n), lr=1e-2, eps=1e-10, weight_decay=0.0, out=out)
+    assert torch.equal(out, p.to(dtype))
+    native.lion_(p, g, torch.zeros(n), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, out=out)
+    assert torch.equal(out, p.to(dtype))
 
 
 @pytest.mark.parametrize("n", [1, 17, 1000])
@@ -314,6 +396,19 @@ def test_bad_arguments_are_named(arguments, message):
     with pytest.raises(ValueError, match=message):
         native.adam_(*tensors.values(), step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=0.0, decoupled=True, out=out)  # fmt: skip
+
+
+def test_adagrad_and_lion_name_bad_arguments():
+    four = torch.zeros(4)
+    with pytest.raises(ValueError, match="state_sum has 5 elements; expected 4"):
+        native.adagrad_(four, four.clone(), torch.zeros(5), lr=1e-2, eps=1e-10, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"grad has dtype torch\.float16"):
+        native.lion_(four, four.half(), four.clone(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    with pytest.raises(ValueError, match="exp_avg is not contiguous"):
+        native.lion_(four, four.clone(), torch.zeros(8)[::2], lr=1e-3, betas=(0.9, 0.99),
+                     weight_decay=0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="param and state_sum overlap"):
+        native.adagrad_(four, torch.zeros(4), four, lr=1e-2, eps=1e-10, weight_decay=0.0)
 
 
 def test_aliasing_is_refused():

@@ -171,8 +171,10 @@ def test_optimizer_from_name_follows_deepspeed():
     assert l2.name == "adam" and not l2.hparams.decoupled
     assert fo.optimizer_from_name("lamb", {"max_coeff": 0.3}).hparams.max_coeff == 0.3
     assert fo.optimizer_from_name("sgd", {"momentum": 0.9}).state_slots == 1
-    with pytest.raises(ValueError, match="allowed: Adam, AdamW, Lamb, SGD"):
-        fo.optimizer_from_name("adagrad", {})
+    assert fo.optimizer_from_name("Adagrad", {"lr_decay": 0.1}).hparams.lr_decay == 0.1
+    assert fo.optimizer_from_name("LION", {"betas": [0.9, 0.99]}).hparams.betas == (0.9, 0.99)
+    with pytest.raises(ValueError, match="allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"):
+        fo.optimizer_from_name("adafactor", {})
 
 
 def test_clip_math_matches_torch():

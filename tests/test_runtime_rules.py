@@ -112,3 +112,91 @@ def test_a_dropped_engine_is_collected(stage):
     del engine
     gc.collect()
     assert ref() is None
+
+
+# Module-level state that changes while fzero runs: each entry says why it is process-wide.
+MUTABLE_MODULE_STATE = {
+    "_traffic.py": {
+        "_traffic": "bytes and calls per collective: comm.traffic() is process-wide",
+        "labels": "the names traffic is reported under, per group",
+        "_mesh_groups": "mesh subgroups are created once per process group and reused",
+        "_profiler": "the comms logger timing collectives, while one is configured",
+    },
+    "_watch.py": {
+        "_named_now": "the named operation running now (one per process)",
+        "_issued": "collectives issued on the default group",
+        "_watch": "the watch decided for the default group",
+        "_posted": "this rank told the store it raised",
+        "_agreed": "agreements this process took part in",
+        "_tracks": "each named operation's last run, for the order check",
+        "_tracking": "the run of the outermost named operation now",
+        "_checking": "whether the order check is on for the default group",
+        "_group_ranks": "ranks of each side group, asked once",
+        "_thread": "per thread: a background writer exempt from the watch",
+    },
+    "comm.py": {
+        "_ending": "the exit handler is registered once per process group",
+        "_failing": "an uncaught exception is ending the process: no goodbye barrier",
+        "_side_groups": "side groups fzero created, destroyed with the default group",
+    },
+    "checkpoint/_files.py": {"_HASHING": "one hashing thread per process"},
+    "checkpoint/_save.py": {
+        "_SAVES": "asynchronous saves in flight, by engine",
+        "_WAIT_AT_EXIT": "saves the process waits for at exit",
+    },
+    "compat/accelerator.py": {"_ACCELERATOR": "DeepSpeed's get_accelerator() is a singleton"},
+    "compat/checkpointing.py": {
+        "_settings": "deepspeed.checkpointing.configure() is process-wide in DeepSpeed",
+        "_timings": "its timers, as DeepSpeed's",
+    },
+    "core/gather.py": {"_RUNNING": "placeholders of the train_step running now (nested)"},
+    "core/zero3_params.py": {
+        "DESCRIBED": "parameters carrying ds_* attributes, partitioned or an engine's (weak)"
+    },
+    "core/step.py": {"_DONATED": "states a step consumed, to refuse their reuse"},
+    "engine/_reduction.py": {"_EXPLICIT": "engines inside backward(loss) now"},
+    "engine/zero3_attributes.py": {"_ANSWERING": "engines needing the ds_* answer (weak)"},
+    "native/_cuda.py": {"_state": "NVRTC, the driver and compiled modules, loaded once"},
+}
+_MUTATORS = {
+    "append", "add", "clear", "update", "pop", "popitem", "setdefault", "extend", "insert",
+    "remove", "discard", "appendleft", "popleft",
+}  # fmt: skip
+
+
+def _mutated_module_names(tree: ast.Module) -> set[str]:
+    """Module-level names the module rebinds (`global`) or changes in place (a mutating
+    method, an item or an attribute assigned or deleted)."""
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        names.update(t.id for t in targets if isinstance(t, ast.Name))
+    mutated = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            mutated.update(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and node.func.attr in _MUTATORS:
+                mutated.add(owner.id)
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+            targets = node.target if isinstance(node, ast.AugAssign) else node.targets
+            for target in targets if isinstance(targets, list) else [targets]:
+                inner = target.value if isinstance(target, ast.Subscript | ast.Attribute) else None
+                if isinstance(inner, ast.Name):
+                    mutated.add(inner.id)
+    return mutated & names
+
+
+def test_module_level_state_is_only_what_the_allow_list_names():
+    """No hidden process-wide state: a module-level name fzero changes at run time is in
+    MUTABLE_MODULE_STATE with why it is process-wide (and the list holds nothing stale)."""
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        names = _mutated_module_names(ast.parse(path.read_text()))
+        if names:
+            found[path.relative_to(ROOT).as_posix()] = names
+    allowed = {module: set(names) for module, names in MUTABLE_MODULE_STATE.items()}
+    assert found == allowed

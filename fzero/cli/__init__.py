@@ -1,5 +1,5 @@
 """The `fzero` command's subcommands: `fzero run` (launch on torchrun), `fzero estimate`
-(memory) and `fzero checkpoint consolidate|inspect`.
+(memory), `fzero checkpoint consolidate|inspect` and `fzero plot` (a PNG of runs).
 
 The command line itself is parsed by `fzero_cli` (standard library only, so `--help` and
 `--version` never import torch); it calls `COMMANDS[name](args)` here. Each subcommand
@@ -145,7 +145,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from fzero.cli import plot
+
+    return plot.main(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plot": _plot,
     "consolidate": _consolidate,
     "estimate": _estimate,
     "inspect": _inspect,

@@ -115,12 +115,15 @@ def core_lists(cores: Sequence[int], ranks: int) -> list[list[int]]:
 
 
 def script_environment(args, nproc_per_node: int) -> dict[str, str]:
-    """What `fzero.cli.launch_entry` reads: the DeepSpeed stand-in, `--local_rank`, cores."""
+    """What `fzero.cli.launch_entry` reads: the DeepSpeed stand-in, `--local_rank`, cores;
+    and what fzero's logging reads: `FZERO_LOG_ALL_RANKS` (`fzero._logs`)."""
     env: dict[str, str] = {}
     if getattr(args, "as_deepspeed", False):
         env["FZERO_AS_DEEPSPEED"] = "1"
         if not getattr(args, "no_local_rank", False):
             env["FZERO_LOCAL_RANK_ARG"] = "1"  # DeepSpeed's launcher passes it
+    if getattr(args, "log_all_ranks", False):
+        env["FZERO_LOG_ALL_RANKS"] = "1"
     if getattr(args, "bind_cores_to_rank", False):
         spec = getattr(args, "bind_core_list", None)
         cores = parse_core_list(spec) if spec else sorted(os.sched_getaffinity(0))

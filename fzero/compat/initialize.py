@@ -18,7 +18,7 @@ from fzero.core.init import optimizer_of, schedule_of
 from fzero.engine import Engine
 from fzero.engine.entry import config_of, param_groups_of
 from fzero.engine.optimizer import EngineOptimizer
-from fzero.optim import Optimizer, adam, adamw, sgd
+from fzero.optim import Optimizer, adagrad, adam, adamw, lion, sgd
 from fzero.partition import Plan
 
 __all__ = ["initialize"]
@@ -26,27 +26,46 @@ __all__ = ["initialize"]
 log = logging.getLogger("fzero")
 
 
+# A client optimizer's class -> the functional optimizer fzero runs for it, and the
+# hyper-parameters its groups carry (DeepSpeed's Lion ops are fzero's own classes,
+# `fzero.compat.deepspeed.ops.lion`; its CPU Adam and Adagrad are torch's)
+_CLIENTS: dict[str, tuple[Callable[..., Optimizer], tuple[str, ...]]] = {
+    "Adam": (adam, ("lr", "betas", "eps", "weight_decay")),
+    "AdamW": (adamw, ("lr", "betas", "eps", "weight_decay")),
+    "SGD": (sgd, ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+    "Adagrad": (adagrad, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")),
+    "DeepSpeedCPULion": (lion, ("lr", "betas", "weight_decay")),
+    "FusedLion": (lion, ("lr", "betas", "weight_decay")),
+}
+
+
 def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[str, Any]]]:
     """A functional optimizer equivalent to a `torch.optim` instance, and its groups."""
     kind = type(client).__name__
-    keep = {
-        "Adam": ("lr", "betas", "eps", "weight_decay"),
-        "AdamW": ("lr", "betas", "eps", "weight_decay"),
-        "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-    }
-    if kind not in keep:
+    if kind not in _CLIENTS:
         raise TypeError(
-            f"client optimizer {kind} is not supported; allowed: torch.optim.Adam, AdamW, SGD "
-            "(or configure Adam/AdamW/Lamb/SGD in the config)"
+            f"client optimizer {kind} is not supported; allowed: torch.optim.Adam, AdamW, SGD, "
+            "Adagrad, deepspeed.ops.lion.DeepSpeedCPULion, FusedLion (or configure "
+            "Adam/AdamW/Lamb/SGD/Muon/Adagrad/Lion in the config)"
         )
+    build, keep = _CLIENTS[kind]
     for group in client.param_groups:
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"client optimizer {kind} with {flag}=True is not supported")
-    defaults = {k: client.defaults[k] for k in keep[kind]}
-    base = {"Adam": adam, "AdamW": adamw, "SGD": sgd}[kind](**defaults)
+    fixed = "initial_accumulator_value"  # fills the state at init: one value for all groups
+    if len({g.get(fixed) for g in client.param_groups}) > 1:
+        found = [g.get(fixed) for g in client.param_groups]
+        raise ValueError(
+            f"client optimizer {kind}: param groups with different {fixed} {found}; fzero "
+            "starts every group's sums from one value: allowed: one value for all groups"
+        )
+    defaults = {k: client.defaults[k] for k in keep}
+    if fixed in keep:
+        defaults[fixed] = client.param_groups[0][fixed] if client.param_groups else defaults[fixed]
+    base = build(**defaults)
     groups = [
-        {"params": g["params"], **{k: g[k] for k in keep[kind] if k != "lr"}}
+        {"params": g["params"], **{k: g[k] for k in keep if k not in ("lr", fixed)}}
         for g in client.param_groups
     ]
     return base, groups
@@ -89,8 +108,9 @@ def initialize(
 
     Returns `(engine, optimizer, dataloader, lr_scheduler)`. The config comes
     from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
-    A client `torch.optim` optimizer (Adam, AdamW, SGD) is run as fzero's
-    functional equivalent with its hyper-parameters and param groups.
+    A client `torch.optim` optimizer (Adam, AdamW, SGD, Adagrad, or DeepSpeed's Lion
+    ops) is run as fzero's functional equivalent with its hyper-parameters and param
+    groups.
 
     The scheduler is DeepSpeed's: `lr_scheduler` (an object, or a callable given the
     optimizer) wins over the config's `scheduler` block; with neither it is None, and a

@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from fzero.config._base import AUTO, ConfigError
+from fzero.config._base import Section as _Section
 from fzero.config.batch import BatchSizes, accumulation_steps, batch_sizes, batch_sizes_or_none
+from fzero.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS
 
 __all__ = [
@@ -33,14 +42,21 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "BatchSizes",
+    "CSVConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
     "Config",
     "ConfigError",
+    "DataTypesConfig",
     "FP16Config",
+    "FlopsProfilerConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TensorBoardConfig",
     "TorchAutocastConfig",
+    "WandbConfig",
     "ZeroConfig",
     "accumulation_steps",
     "batch_sizes",
@@ -48,16 +64,6 @@ __all__ = [
     "load_config",
     "read_config",
 ]
-
-
-class _Section:
-    """Dict-style reads of a config section, for code written against DeepSpeed's
-    `engine.config` dict (Transformers reads `config.get("zero_optimization", {})
-    .get("stage")`): a field's value, or `default` for a key the section lacks."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        return getattr(self, key) if key in names else default
 
 
 def _no_effect(default: Any, why: str) -> Any:
@@ -346,11 +352,33 @@ class AioConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataTypesConfig(_Section):
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = _no_effect(
+        None,
+        "gradients are summed across micro-steps in fp32 at every precision (the "
+        "reduction's fp32 buckets): null and fp32 are what fzero does; fp16 and bf16 are "
+        "refused",
+    )
+    """The dtype gradients are summed in across micro-steps. fzero accumulates them in
+    fp32 at every precision (its accumulators are the reduction's fp32 buckets), so
+    null and "fp32" are accepted and "fp16" / "bf16" are refused by name."""
+
+    def __post_init__(self) -> None:
+        if self.grad_accum_dtype in ("fp16", "bf16"):
+            raise ConfigError(
+                f"config key 'data_types.grad_accum_dtype' is {self.grad_accum_dtype!r}; "
+                "fzero accumulates gradients in fp32 at every precision (allowed: 'fp32' or "
+                "null); for half the gradient bytes on the wire set "
+                "communication_data_type instead"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Section):
     """The optimizer the engine or `train_step` builds (a `type` and its `params`)."""
 
     type: str
-    """Adam, AdamW, Lamb, SGD or Muon (any case)."""
+    """Adam, AdamW, Lamb, SGD, Muon, Adagrad or Lion (any case)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The optimizer's hyper-parameters (`lr`, `betas`, `weight_decay`, ...; the table of
     allowed names per type is in the configuration guide)."""
@@ -421,6 +449,21 @@ class Config(_Section):
     )
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """The dtype gradients travel in when reduced over ranks: null or "fp32" (fzero's
+    default: fp32 at every precision, the average rounded once); "bf16" or "fp16" cast each
+    bucket to it for its collectives and back to fp32 after (half the bytes on the wire,
+    the sum rounded to it), as DeepSpeed does."""
+    data_types: DataTypesConfig = field(
+        default_factory=DataTypesConfig,
+        metadata={"no_effect": "a section: its one key, grad_accum_dtype, says why"},
+    )
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = field(default_factory=CSVConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     metrics_file: str | None = None
     """fzero: append one JSON line per `steps_per_print` (the logged figures) to this file."""
     progress: bool = True
@@ -437,19 +480,14 @@ _NOT_SUPPORTED = {
         "amp",
         "autotuning",
         "checkpoint",
-        "comms_logger",
-        "communication_data_type",
         "compression_training",
-        "csv_monitor",
         "data_efficiency",
-        "data_types",
         "compile",
         "curriculum_learning",
         "dump_state",
         "eigenvalue",
         "elasticity",
         "expert_parallel",
-        "flops_profiler",
         "hybrid_engine",
         "nebula",
         "pipeline",
@@ -458,8 +496,6 @@ _NOT_SUPPORTED = {
         "sparse_attention",
         "sparse_gradients",
         "tensor_parallel",
-        "tensorboard",
-        "wandb",
         "zenflow",
         "zero_force_ds_cpu_optimizer",
     },
@@ -698,12 +734,18 @@ def _check(config: Config) -> None:
             "fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters with "
             "'bf16.bf16_optimizer_states' (bf16 moments in the file)"
         )
+    if config.communication_data_type in ("fp16", "bf16") and zero.zero_quantized_gradients is True:
+        raise ConfigError(
+            f"config key 'communication_data_type' is {config.communication_data_type!r} "
+            "with 'zero_optimization.zero_quantized_gradients' true: qgZ sends its own int8 "
+            "or int4 codes; set one of them (communication_data_type: null or 'fp32')"
+        )
     if config.optimizer is not None:
         kind = config.optimizer.type.lower()
         if kind not in OPTIMIZER_PARAMS:
             raise ConfigError(
                 f"'optimizer.type' is {config.optimizer.type!r}; "
-                "allowed: Adam, AdamW, Lamb, SGD, Muon"
+                "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
             )
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
     if config.scheduler is not None:

@@ -1,13 +1,16 @@
 """Applying the optimizer to this rank's shards.
 
 Each unit's update runs the functional optimizer's in-place path over its contiguous
-fp32 partition — through fzero's native kernels where the state is on the CPU, with the
-gradient scale (loss-scale inverse x clip coefficient) and the compute-dtype copy fused
-in — and LAMB's per-tensor trust ratio takes two halves with one all-reduce of norms
-between them. With NVMe residency the step is transactional: new state goes to the
-other slot, every rank agrees on success, then all commit or all roll back. New masters
-are written back to the compute-dtype parameters by all-gathers that overlap the next
-units' updates (`publish` ... `finish_publish`).
+fp32 partition — through the optimizer's native kernel (`Optimizer.native`) where
+fzero's kernels serve the device, with the gradient scale (loss-scale inverse x clip
+coefficient) and the compute-dtype copy fused in. What the update needs across shards is
+what the optimizer declares (`Optimizer.needs`, see [Note: needs] in `fzero.optim`),
+never its name: per-tensor norms (LAMB's trust ratio) take two halves with one
+all-reduce of norms between them; whole tensors (Muon's Newton-Schulz) are gathered
+where the plan splits them. With NVMe residency the step is transactional: new state
+goes to the other slot, every rank agrees on success, then all commit or all roll back.
+New masters are written back to the compute-dtype parameters by all-gathers that overlap
+the next units' updates (`publish` ... `finish_publish`).
 
 Both doors run it over their units' runtime records (`UnitRuntime`): the engine over its
 own, `fzero.train_step` over records of its `TrainState`'s units.
@@ -32,26 +35,18 @@ from fzero.core.residency import Residency
 from fzero.core.state import optimizer_partition, partition_numel
 from fzero.core.update import (
     Segments,
-    add_lamb_squares,
+    add_tensor_squares,
     hparam_fields,
-    lamb_apply,
-    lamb_direction,
-    lamb_norms,
-    lamb_segments,
-    native_update_,
+    norms_apply,
+    norms_direction,
     scheduled_overrides,
+    tensor_norms,
+    tensor_segments,
 )
-from fzero.optim import AdamState, Optimizer, Schedule, adam_update_, with_overrides
-from fzero.optim._muon import (
-    adam_part,
-    muon_direction_,
-    orthogonalized,
-    scaled_overrides,
-    uses_muon,
-)
+from fzero.optim import NativeKernel, Optimizer, Schedule, TensorNorms, WholeTensors
 from fzero.partition import Placement, Plan, Unit
 
-__all__ = ["OptimizerApplication", "StepClock"]
+__all__ = ["OptimizerApplication", "StepClock", "check_needs", "owns_whole", "state_piece"]
 
 
 class StepClock(NamedTuple):
@@ -86,16 +81,23 @@ class OptimizerApplication:
         self.param_shards = param_shards or InMemoryShards()
         self.param_offload, self.timer = param_offload, timer
         self.offload = residency.offload
-        if optimizer.name == "muon" and residency.nvme is not None:
+        check_needs(optimizer)
+        if isinstance(optimizer.needs, WholeTensors) and residency.nvme is not None:
             raise ValueError(
-                "Muon with 'zero_optimization.offload_optimizer.device' 'nvme': its "
-                "Newton-Schulz step needs each matrix's whole momentum direction, which the "
-                "swap file's unit-at-a-time pipeline does not gather; use offload device "
-                "'cpu' or 'none'"
+                "Muon with 'zero_optimization.offload_optimizer.device' 'nvme' is refused, as "
+                f"is any optimizer that needs whole tensors ({optimizer.name!r} declares "
+                "WholeTensors): Muon's Newton-Schulz step needs each matrix's whole momentum "
+                "direction, which the swap file's unit-at-a-time pipeline does not gather; "
+                "use offload device 'cpu' or 'none'"
             )
         # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
         # state lives: on the host with optimizer offload, else on the compute device
-        self.native = native.available("cpu" if self.offload else device)
+        where = torch.device("cpu") if self.offload else torch.device(device)
+        self.native = native.available(where)
+        kernel = optimizer.native
+        self.kernel: NativeKernel | None = (
+            kernel if self.native and kernel is not None and where.type in kernel.devices else None
+        )
         self.tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
         self.publisher = Publisher(
             plan,
@@ -121,16 +123,17 @@ class OptimizerApplication:
         """Update every unit of `units` with gradients scaled by `factor` at the groups'
         `lrs`, and publish the new parameters."""
         self.units, self.clock = units, clock
+        needs = self.optimizer.needs
         if self.residency.nvme is not None:
             self.nvme_updates(factor, lrs)
-        elif self.optimizer.name == "muon":
+        elif isinstance(needs, WholeTensors):
             for rt in units:
                 with self.widened_if_narrow(rt):
-                    self.muon_unit(rt, factor, lrs)
+                    self.whole_tensors_unit(rt, factor, lrs, needs)
                 self.residency.give_back(self.residency.lent)
                 self.publish(rt)
-        elif self.optimizer.name == "lamb":
-            self.lamb_step(factor, lrs)
+        elif isinstance(needs, TensorNorms):
+            self.tensor_norms_step(factor, lrs, needs)
         else:
             for rt in units:
                 self.publish(rt, self.update_unit(rt, factor, lrs))
@@ -156,7 +159,7 @@ class OptimizerApplication:
         self, rt: UnitRuntime, factor: float, lrs: list[float], written: Tensor | None
     ) -> Tensor | None:
         grad = self.step_grad(rt)
-        hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
+        hp = self.step_hparams(rt, lrs)
         if not self.native_update(rt, grad, factor, hp, written):
             written = None
             if factor != 1.0:
@@ -179,19 +182,19 @@ class OptimizerApplication:
     def native_update(
         self, rt: UnitRuntime, grad: Tensor, factor: float, hp: Any, out: Tensor | None
     ) -> bool:
-        """The update through fzero's native kernel (`native_update_`); False when it
-        does not apply."""
-        if not self.native:
+        """The update through the optimizer's native kernel (`NativeKernel.update_`), the
+        gradient scaled by `factor` and the compute-dtype copy written into `out` in the
+        same pass; False when it has none for this device."""
+        if self.kernel is None or self.kernel.update_ is None:
             return False
-        state = native_update_(self.optimizer.name, rt.master, grad, rt.state, hp, factor, out)
-        if state is None:
-            return False
-        rt.state = state
+        rt.state = self.kernel.update_(native, rt.master, grad, rt.state, hp, factor, out)
         return True
 
     def copy_target(self, rt: UnitRuntime) -> Tensor | None:
         """Where a native update writes the compute-dtype copy of the new master."""
-        if not self.native or self.compute_dtype == torch.float32:
+        if self.kernel is None or self.kernel.update_ is None:
+            return None
+        if self.compute_dtype == torch.float32:
             return None
         if rt.full is None and self.param_offload == "nvme":  # written as it is
             return _nvme.aligned_empty(rt.master.numel(), self.compute_dtype)
@@ -205,55 +208,61 @@ class OptimizerApplication:
             return rt.full[self.partition(rt.unit)]
         return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
-    def step_overrides(self, rt: UnitRuntime, lrs: list[float]) -> dict[str, Any]:
-        return scheduled_overrides(
+    def step_hparams(self, rt: UnitRuntime, lrs: list[float]) -> Any:
+        """The unit's hyper-parameters at this step: its group's, with the step's lr (and
+        a schedule's cycled beta1), as the optimizer applies overrides
+        (`Optimizer.override`)."""
+        overrides = scheduled_overrides(
             rt.hparams, self.schedule, self.clock.lr_steps, lrs[rt.unit.group]
         )
+        return self.optimizer.override(rt.hparams, overrides)
 
-    def muon_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> None:
-        """Muon's step for one unit (`fzero.optim.muon`): momentum on this rank's
-        partition; each hidden matrix's direction made whole (one all-gather of the
-        unit's directions where the partition is a shard), orthogonalized where this
-        rank owns part of it, applied to that part; AdamW for the unit's other tensors.
-        Collective when sharded: every rank runs every unit in order."""
+    def whole_tensors_unit(
+        self, rt: UnitRuntime, factor: float, lrs: list[float], needs: WholeTensors
+    ) -> None:
+        """One unit's step for an optimizer that needs whole tensors (`WholeTensors`, e.g.
+        Muon): `direction_` on each taken tensor's piece of this rank's partition; each
+        taken tensor's direction made whole (one all-gather of the unit's directions
+        where the partition is a shard), `whole` on it where this rank owns part of it,
+        `apply_` on that part; `rest_` for the unit's other tensors. Collective when
+        sharded: every rank runs every unit in order."""
         grad = self.step_grad(rt)
         if factor != 1.0:
             grad.mul_(factor)
-        hp = with_overrides(rt.hparams, scaled_overrides(rt.hparams, self.step_overrides(rt, lrs)))
-        shapes = {pl.fqn: self.plan.manifest[pl.fqn].shape for pl in rt.unit.placements}
-        hidden = {fqn for fqn, shape in shapes.items() if uses_muon(fqn, shape, hp)}
-        state, step = rt.state, rt.state.step
-        direction = torch.zeros_like(grad) if hidden else None
-        segments = self.lamb_segments(rt)
+        hp = self.step_hparams(rt, lrs)
+        shapes = {pl.fqn: tuple(self.plan.manifest[pl.fqn].shape) for pl in rt.unit.placements}
+        taken = {fqn for fqn, shape in shapes.items() if needs.takes(fqn, shape, hp)}
+        state = rt.state
+        direction = torch.zeros_like(grad) if taken else None
+        segments = self.segments(rt)
         for start, stop, fqn in segments:
-            g, m = grad[start:stop], state.exp_avg[start:stop]
-            if fqn in hidden:
-                direction[start:stop] = muon_direction_(g, m, hp)  # type: ignore[index]
+            g, p, piece = grad[start:stop], rt.master[start:stop], state_piece(state, start, stop)
+            if fqn in taken:
+                direction[start:stop] = needs.direction_(g, piece, p, hp)  # type: ignore[index]
             else:
-                moments = AdamState(step, m, state.exp_avg_sq[start:stop])
-                adam_update_(g, moments, rt.master[start:stop], adam_part(hp))
+                needs.rest_(g, piece, p, hp)
         if direction is not None:
-            ortho = self.muon_update_of(rt, direction, hidden, segments, hp)
+            update = self.whole_update_of(rt, direction, taken, segments, hp, needs)
             for start, stop, fqn in segments:
-                if fqn in hidden:
-                    p = rt.master[start:stop].mul_(1 - hp.lr * hp.weight_decay)
-                    p.add_(ortho[start:stop].to(p.device), alpha=-hp.lr)
-        rt.state = state._replace(step=step + 1)
+                if fqn in taken:
+                    needs.apply_(rt.master[start:stop], update[start:stop], hp)
+        rt.state = state._replace(step=state.step + 1)
 
-    def muon_update_of(
+    def whole_update_of(
         self,
         rt: UnitRuntime,
         direction: Tensor,
-        hidden: set[str],
+        taken: set[str],
         segments: Segments,
         hp: Any,
+        needs: WholeTensors,
     ) -> Tensor:
-        """Muon's orthogonalized update over this rank's partition of the unit, from the
-        partition's momentum directions (gathered into the whole unit where sharded)."""
+        """`needs.whole`'s update over this rank's partition of the unit, from the
+        partition's directions (gathered into the whole unit where sharded)."""
         unit, part = rt.unit, self.partition(rt.unit)
-        mine = {fqn for start, stop, fqn in segments if fqn in hidden and stop > start}
-        if part.stop - part.start != unit.numel and owns_whole(unit, hidden):
-            return self._orthogonalized_here(unit, part, direction.to(self.device), mine, hp)
+        mine = {fqn for start, stop, fqn in segments if fqn in taken and stop > start}
+        if part.stop - part.start != unit.numel and owns_whole(unit, taken):
+            return self._whole_here(unit, part, direction.to(self.device), mine, hp, needs)
         whole = direction.to(self.device)
         if part.stop - part.start != unit.numel or part.start != 0:
             whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
@@ -264,87 +273,96 @@ class OptimizerApplication:
         for pl in unit.placements:
             if pl.fqn in mine:
                 shape = self.plan.manifest[pl.fqn].shape
-                value = orthogonalized(gather_pieces(whole, pl, shape), hp)
+                value = needs.whole(gather_pieces(whole, pl, shape), hp)
                 scatter_pieces(out, value.reshape(-1), pl)
         return out[part]
 
-    def _orthogonalized_here(
-        self, unit: Unit, part: slice, local: Tensor, mine: set[str], hp: Any
+    def _whole_here(
+        self,
+        unit: Unit,
+        part: slice,
+        local: Tensor,
+        mine: set[str],
+        hp: Any,
+        needs: WholeTensors,
     ) -> Tensor:
-        """Muon's update where this rank's partition holds each of its hidden matrices
-        whole (`partition.whole_tensors`): Newton-Schulz on them, no gather."""
+        """`needs.whole` where this rank's partition holds each of its taken tensors whole
+        (`partition.whole_tensors`): no gather."""
         out = torch.zeros_like(local)
         for pl in unit.placements:
             if pl.fqn in mine:
                 here = Placement(
                     pl.fqn, tuple(replace(p, offset=p.offset - part.start) for p in pl.pieces)
                 )
-                value = orthogonalized(
+                value = needs.whole(
                     gather_pieces(local, here, self.plan.manifest[pl.fqn].shape), hp
                 )
                 scatter_pieces(out, value.reshape(-1), here)
         return out
 
-    def lamb_step(self, factor: float, lrs: list[float]) -> None:
-        """LAMB's trust ratio is per tensor, and a tensor may span ranks: sum each tensor's
-        squares locally, one all-reduce, then apply."""
-        sums = self.lamb_sums()
+    def tensor_norms_step(self, factor: float, lrs: list[float], needs: TensorNorms) -> None:
+        """A trust ratio is per tensor, and a tensor may span ranks: every unit's first
+        half with its tensors' squares summed locally, one all-reduce, then every unit's
+        second half."""
+        sums = self.norm_sums()
         work = []
         for rt in self.units:
             with self.widened_if_narrow(rt):
-                work.append(self.lamb_direction(rt, factor, lrs, sums))
-        norms = self.lamb_norms(sums)
-        for rt, hp, update, segments in work:
+                work.append(self.norms_direction(rt, factor, lrs, sums, needs))
+        norms = self.tensor_norms(sums)
+        for rt, hp, direction, segments in work:
             with self.widened_if_narrow(rt):
-                self.lamb_apply(rt, hp, update, segments, norms)
+                self.norms_apply(rt, hp, direction, segments, norms, needs)
             self.publish(rt)
 
-    def lamb_sums(self) -> Tensor:
-        """Zeroed sums of squares: (parameter, update) x every tensor of the manifest."""
+    def norm_sums(self) -> Tensor:
+        """Zeroed sums of squares: (parameter, direction) x every tensor of the manifest."""
         count = len(self.plan.manifest.tensors)
         return torch.zeros(2, count, dtype=torch.float64, device=self.device)
 
-    def lamb_segments(self, rt: UnitRuntime) -> Segments:
+    def segments(self, rt: UnitRuntime) -> Segments:
         """(start, stop, fqn) of each tensor's piece in the unit's optimizer partition."""
-        return lamb_segments(self.plan, self.rank, rt.index)
+        return tensor_segments(self.plan, self.rank, rt.index)
 
-    def lamb_direction(
+    def norms_direction(
         self,
         rt: UnitRuntime,
         factor: float,
         lrs: list[float],
         sums: Tensor,
-        update: Tensor | None = None,
+        needs: TensorNorms,
+        out: Tensor | None = None,
     ) -> tuple[UnitRuntime, Any, Tensor, Segments]:
-        """LAMB's first half for one unit (`fzero.core.update.lamb_direction`): new
-        moments, the update direction (into `update` when given) and its tensors' squares
-        added to `sums`."""
+        """The first half for one unit (`fzero.core.update.norms_direction`): the state
+        advanced, the direction (into `out` when given) and its tensors' squares added
+        to `sums`."""
         grad = self.step_grad(rt)
-        hp = with_overrides(rt.hparams, self.step_overrides(rt, lrs))
-        rt.state, update = lamb_direction(
-            rt.master, grad, rt.state, hp, factor, use_native=self.native, out=update
+        hp = self.step_hparams(rt, lrs)
+        rt.state, direction = norms_direction(
+            needs, self.kernel, rt.master, grad, rt.state, hp, factor, out=out
         )
         self.residency.give_back(self.residency.lent)
-        segments = self.lamb_segments(rt)
-        add_lamb_squares(
-            sums, self.tensor_index, segments, rt.master, update, use_native=self.native
+        segments = self.segments(rt)
+        add_tensor_squares(
+            sums, self.tensor_index, segments, rt.master, direction, use_native=self.native
         )
-        return rt, hp, update, segments
+        return rt, hp, direction, segments
 
-    def lamb_norms(self, sums: Tensor) -> list[list[float]]:
-        return lamb_norms(sums, self.stage, groups_of(self.plan).shard)
+    def tensor_norms(self, sums: Tensor) -> list[list[float]]:
+        return tensor_norms(sums, self.stage, groups_of(self.plan).shard)
 
-    def lamb_apply(
+    def norms_apply(
         self,
         rt: UnitRuntime,
         hp: Any,
-        update: Tensor,
+        direction: Tensor,
         segments: Segments,
         norms: list[list[float]],
+        needs: TensorNorms,
     ) -> None:
-        """LAMB's second half: each tensor's piece moves by its trust ratio."""
-        lamb_apply(
-            rt.master, hp, update, segments, norms, self.tensor_index, use_native=self.native
+        """The second half: each tensor's piece moves given its whole tensor's norms."""
+        norms_apply(
+            needs, self.kernel, rt.master, hp, direction, segments, norms, self.tensor_index
         )
 
     def publish(
@@ -380,8 +398,9 @@ class OptimizerApplication:
             self.publish(rt, written, exchange=False)
             return tickets
 
-        if self.optimizer.name == "lamb":
-            self.nvme_lamb(factor, lrs, updated, steps)
+        needs = self.optimizer.needs
+        if isinstance(needs, TensorNorms):
+            self.nvme_tensor_norms(factor, lrs, updated, steps, needs)
         else:
             failure = self.residency.step_pass(self.units, self.residency.swap_in, update)
             self.agree(self.settle(failure), updated, steps)
@@ -392,19 +411,24 @@ class OptimizerApplication:
             self.residency.pool.trim(self.residency.write_buffers + 1)
         _nvme.return_free_memory()
 
-    def nvme_lamb(
-        self, factor: float, lrs: list[float], updated: list[UnitRuntime], steps: list[int]
+    def nvme_tensor_norms(
+        self,
+        factor: float,
+        lrs: list[float],
+        updated: list[UnitRuntime],
+        steps: list[int],
+        needs: TensorNorms,
     ) -> None:
-        """LAMB over NVMe in two passes: moments and update direction (the direction
-        parked in the other slot's master region), one all-reduce of the norms, then
-        master += trust ratio x direction into that region."""
-        sums = self.lamb_sums()
+        """An update that needs tensor norms (LAMB) over NVMe in two passes: the state
+        and the direction (the direction parked in the other slot's master region), one
+        all-reduce of the norms, then the second half into that region."""
+        sums = self.norm_sums()
         kept: dict[int, tuple[Any, list[tuple[int, int, str]]]] = {}
 
         def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
             self.residency.bind_swapped(rt, buffers)
             update = buffers[-1][: rt.master.numel()]
-            _, hp, _, segments = self.lamb_direction(rt, factor, lrs, sums, update)
+            _, hp, _, segments = self.norms_direction(rt, factor, lrs, sums, needs, update)
             kept[rt.index] = (hp, segments)
             slot = self.residency.next_slot(rt)
             return [
@@ -434,7 +458,7 @@ class OptimizerApplication:
             numel = self.partition_numel(rt.unit)
             rt.master = buffers[0][:numel]
             hp, segments = kept[rt.index]
-            self.lamb_apply(rt, hp, buffers[-1][:numel], segments, norms)
+            self.norms_apply(rt, hp, buffers[-1][:numel], segments, norms, needs)
             region = self.residency.region(rt, 0, 1 - rt.slot)
             tickets = [(self.residency.nvme.submit(region, rt.master, write=True), rt.master)]
             updated.append(rt)
@@ -446,7 +470,7 @@ class OptimizerApplication:
             updated,
             steps,
         )
-        norms = self.lamb_norms(sums)
+        norms = self.tensor_norms(sums)
         failure = self.residency.step_pass(self.units, read_direction, apply, extra=1)
         self.agree(self.settle(failure), updated, steps)
 
@@ -496,11 +520,31 @@ class OptimizerApplication:
             ) from error
 
 
-def owns_whole(unit: Unit, hidden: set[str]) -> bool:
-    """Whether each of the unit's `hidden` tensors lies within one rank's part (the same
+def check_needs(optimizer: Optimizer) -> None:
+    """An optimizer's declarations are of the kinds the core runs."""
+    if not (optimizer.needs is None or isinstance(optimizer.needs, TensorNorms | WholeTensors)):
+        raise TypeError(
+            f"optimizer {optimizer.name!r} declares needs={optimizer.needs!r}; allowed: None, "
+            "fzero.optim.TensorNorms(...), fzero.optim.WholeTensors(...)"
+        )
+    if not (optimizer.native is None or isinstance(optimizer.native, NativeKernel)):
+        raise TypeError(
+            f"optimizer {optimizer.name!r} declares native={optimizer.native!r}; allowed: "
+            "None or fzero.optim.NativeKernel(...)"
+        )
+
+
+def state_piece(state: Any, start: int, stop: int) -> Any:
+    """`state` with each tensor field sliced to `[start:stop]` (views; `step` as is)."""
+    fields = {k: v[start:stop] for k, v in state._asdict().items() if isinstance(v, Tensor)}
+    return state._replace(**fields)
+
+
+def owns_whole(unit: Unit, taken: set[str]) -> bool:
+    """Whether each of the unit's `taken` tensors lies within one rank's part (the same
     answer on every rank: a property of the plan)."""
     for placement in unit.placements:
-        if placement.fqn not in hidden:
+        if placement.fqn not in taken:
             continue
         ends = [(p.offset, p.offset + p.numel - 1) for p in placement.pieces if p.numel]
         if len({unit.owner(offset) for pair in ends for offset in pair}) > 1:

@@ -220,7 +220,7 @@ def check_optimizer(optimizer: Optimizer) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer is a {type(optimizer).__name__}; expected an fzero.optim optimizer "
-            "(fzero.optim.adam, adamw, lamb, sgd, muon)"
+            "(fzero.optim.adam, adamw, lamb, sgd, muon, adagrad, lion, or your own)"
         )
 
 

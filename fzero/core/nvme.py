@@ -255,9 +255,14 @@ class SwapFile:
                 errno.ENOSPC, f"swap file {self.path} is shorter than the {total:,} bytes needed"
             )
         self.io = AsyncIO(threads, block_size)
+        self.bytes_read = self.bytes_written = 0  # submitted so far (the step report's rates)
 
     def submit(self, region: int, tensor: Tensor, write: bool) -> object:
         nbytes = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        if write:
+            self.bytes_written += nbytes
+        else:
+            self.bytes_read += nbytes
         return self.io.submit(self.fd, tensor, nbytes, self.offsets[region], write)
 
     def wait(self, ticket: object, what: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "Precision",
     "cast_floats",
     "check_precision",
+    "gradient_wire_dtype",
     "init_state",
     "loss_scaler",
     "narrowed",
@@ -202,3 +203,17 @@ def widened(rt: Any, *, step: int, start: int) -> Iterator[None]:
     for kind, k in enumerate(narrow, start=1):
         round_bf16_(new[k], fields[k], rounding_seed(step, rt.index, kind, start))
     rt.master, rt.state = master, rt.state._replace(**{k: fields[k] for k in narrow})
+
+
+_WIRE_DTYPES = {
+    None: torch.float32,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def gradient_wire_dtype(config: Config) -> torch.dtype:
+    """The dtype gradients travel in when reduced over ranks: the config's
+    `communication_data_type` (DeepSpeed's key), fp32 when it is not given."""
+    return _WIRE_DTYPES[config.communication_data_type]

@@ -177,6 +177,9 @@ class _Dequantizing:
         _dequantize_rows(self.out, self.codes, self.scales, self.parts)
 
 
+_PARAMS = "parameters (int8)"  # what a qwZ gather moves, as comm_volume names it
+
+
 def quantized_all_gather(out: Tensor, shard: Tensor, group: Any = None) -> _Dequantizing:
     """Start all-gathering equal `shard`s into `out` as int8 blocks (`wait()` on the
     result finishes and writes `out`, every part dequantized, this rank's included) over
@@ -190,8 +193,12 @@ def quantized_all_gather(out: Tensor, shard: Tensor, group: Any = None) -> _Dequ
         all_scales.copy_(scales)
         return _Dequantizing([], out, all_codes, all_scales, 1)
     works = [
-        comm.all_gather_into(all_codes, codes.to(out.device), async_op=True, group=group),
-        comm.all_gather_into(all_scales, scales.to(out.device), async_op=True, group=group),
+        comm.all_gather_into(
+            all_codes, codes.to(out.device), async_op=True, what=_PARAMS, group=group
+        ),
+        comm.all_gather_into(
+            all_scales, scales.to(out.device), async_op=True, what=_PARAMS, group=group
+        ),
     ]
     return _Dequantizing(works, out, all_codes, all_scales, world)
 
@@ -209,6 +216,7 @@ def quantized_reduce_scatter(
     averaged n elements. Returns the collectives in flight, each with what runs after it
     (`fzero.core.reduce.Pending`)."""
     _check_bits(bits)
+    what = f"gradients (int{bits})"
     n = parts.shape[1]
     rows = [_quantize(row, bits) for row in parts]
     codes = torch.stack([c for c, _ in rows])
@@ -216,8 +224,12 @@ def quantized_reduce_scatter(
     got_codes = torch.empty_like(codes)
     got_scales = torch.empty_like(scales)
     works = [
-        comm.all_to_all_into(got_codes.view(-1), codes.view(-1), async_op=True, group=group),
-        comm.all_to_all_into(got_scales.view(-1), scales.view(-1), async_op=True, group=group),
+        comm.all_to_all_into(
+            got_codes.view(-1), codes.view(-1), async_op=True, what=what, group=group
+        ),
+        comm.all_to_all_into(
+            got_scales.view(-1), scales.view(-1), async_op=True, what=what, group=group
+        ),
     ]
 
     def finish() -> None:

@@ -67,6 +67,7 @@ def reduce_bucket(
     replicas: Any = None,
     hops: Sequence[tuple[Any, int]] = (),
     bounds: Sequence[tuple[int, ...]] = (),
+    wire_dtype: torch.dtype = torch.float32,
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
@@ -77,7 +78,13 @@ def reduce_bucket(
     averaged (None: none); `hops`: with `quantized`, the shard group's axes (group, size),
     reduced one axis at a time; `bounds`: each unit's uneven shard bounds (`Unit.bounds`,
     () for an even unit), whose parts are each reduced to their owner at their exact
-    size. Returns what is in flight, in order, for `finish`."""
+    size; `wire_dtype` (DeepSpeed's `communication_data_type`): the dtype the gradients
+    travel in, cast from fp32 before each collective and back after (the sum rounded to
+    it). Returns what is in flight, in order, for `finish`."""
+    if wire_dtype != buffer.dtype and not quantized and world_size > 1:
+        return _on_the_wire(
+            buffer, flats, owned, keep, wire_dtype, world_size, what, group, replicas, bounds
+        )
     if replicas is not None:
         keep = functools.partial(_keep_replicated, keep, replicas, what)
 
@@ -105,6 +112,43 @@ def reduce_bucket(
         work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
         pending.append((work, functools.partial(keep, i, shard)))
     return pending
+
+
+def _on_the_wire(
+    buffer: Tensor,
+    flats: Sequence[Tensor],
+    owned: Sequence[slice],
+    keep: Callable[[int, Tensor], None],
+    wire_dtype: torch.dtype,
+    world_size: int,
+    what: str,
+    group: Any,
+    replicas: Any,
+    bounds: Sequence[tuple[int, ...]],
+) -> Pending:
+    """`reduce_bucket` in `wire_dtype`: the bucket cast once, reduced as an fp32 bucket
+    is, and each kept part cast back to fp32 (the collectives in the wire dtype)."""
+    wire = buffer.to(wire_dtype)
+    views, offset = [], 0
+    for flat in flats:
+        views.append(wire[offset : offset + flat.numel()])
+        offset += flat.numel()
+
+    def keep_fp32(i: int, part: Tensor) -> None:
+        keep(i, part.to(buffer.dtype))
+
+    return reduce_bucket(
+        wire,
+        views,
+        owned,
+        keep_fp32,
+        world_size=world_size,
+        what=what,
+        group=group,
+        replicas=replicas,
+        bounds=bounds,
+        wire_dtype=wire_dtype,
+    )
 
 
 def _by_unit(
@@ -257,7 +301,8 @@ class Reduction:
     of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; with
     `overlap`, complete buckets launch at once, in bucket order (the same on every
     rank). `finish` launches the rest (units this pass did not use reduce zeros) and
-    waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4.
+    waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
+    `wire_dtype`: the dtype gradients travel in (DeepSpeed's `communication_data_type`).
     """
 
     def __init__(
@@ -273,8 +318,10 @@ class Reduction:
         quantized: bool = False,
         bits: int = 8,
         overlap: bool = True,
+        wire_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.plan, self.rank, self.buckets = plan, rank, [list(b) for b in buckets]
+        self.wire_dtype = wire_dtype
         self.sizes, self.accumulator, self.keep = list(sizes), accumulator, keep
         self.device, self.quantized, self.overlap = device, quantized, overlap
         self.bits = bits
@@ -367,8 +414,10 @@ class Reduction:
             grads = [self.accumulator(i) for i in indices]
             span = _span(grads)
             for tensor in [span] if span is not None else grads:
-                work = comm.all_reduce(tensor, op="avg", async_op=True, what=_grads_of(indices))
-                self._pending.append((work, _nothing))
+                wire = tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
+                work = comm.all_reduce(wire, op="avg", async_op=True, what=_grads_of(indices))
+                after = _nothing if wire is tensor else functools.partial(tensor.copy_, wire)
+                self._pending.append((work, after))
             return
         flats = [self.target(i) for i in indices]  # zeros for units this pass left unused
         buffer = self._buffers.pop(b)
@@ -386,6 +435,7 @@ class Reduction:
             replicas=self.groups.replicate,
             hops=self.groups.hops,
             bounds=[self.plan.units[i].bounds for i in indices],
+            wire_dtype=self.wire_dtype,
         )
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.plan.processes == 1:

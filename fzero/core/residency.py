@@ -30,7 +30,7 @@ from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
 from fzero.core.state import UnitState
-from fzero.optim import bf16_stochastic
+from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
 
 __all__ = ["Residency", "SwapFileUnits"]
@@ -89,11 +89,13 @@ class Residency:
         # Two slots per unit: a step reads the current one and writes the other, and
         # flips them only when every rank has written everything (transactional).
         self.slots = 2 if zero.offload_optimizer.commit == "two_slots" else 1
-        if self.slots == 1 and getattr(optimizer, "name", "") == "lamb":
+        if self.slots == 1 and isinstance(getattr(optimizer, "needs", None), TensorNorms):
             raise ValueError(
                 "zero_optimization.offload_optimizer.commit 'in_place' does not work with "
-                "LAMB (its update direction waits in the second slot between its two "
-                "passes); use commit 'two_slots'"
+                "LAMB or any optimizer that needs tensor norms "
+                f"({getattr(optimizer, 'name', '?')!r} declares TensorNorms: its update "
+                "direction waits in the second slot between its two passes); use commit "
+                "'two_slots'"
             )
         if config.bf16.bf16_optimizer_states is True:
             self.state_dtype = torch.bfloat16

@@ -74,8 +74,9 @@ class ModuleGathering:
                 if rt.index not in indices:
                     indices.append(rt.index)
         for module, indices in by_module.values():
-            self.hooks.append(module.register_forward_pre_hook(self._pre(indices)))
-            self.hooks.append(module.register_forward_hook(self._post(indices), always_call=True))
+            pre, post = _eager(self._pre(indices)), _eager(self._post(indices))
+            self.hooks.append(module.register_forward_pre_hook(pre))
+            self.hooks.append(module.register_forward_hook(post, always_call=True))
         for rt in self.units:
             if not rt.unit.persistent:
                 for p, _, shape in rt.params:
@@ -136,6 +137,13 @@ class ModuleGathering:
             return param
         size, stride, offset = geometry
         return param.detach().as_strided(size, stride, param.storage_offset() + offset)
+
+
+def _eager(hook: Callable[..., None]) -> Callable[..., None]:
+    """`hook` run as Python even inside `torch.compile(model)`: gathering and releasing
+    swap parameters' storage, which a traced graph would bake in (at one rank, with no
+    collective to break the graph, dynamo would otherwise trace it)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _shape_for_accumulation(p: torch.nn.Parameter, shape: tuple[int, ...]) -> Callable:

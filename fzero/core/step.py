@@ -43,7 +43,7 @@ from fzero.core.gathering import GatherSettings, UseTrace
 from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
-from fzero.core.precision import loss_scaler
+from fzero.core.precision import gradient_wire_dtype, loss_scaler
 from fzero.core.publish import attach_params, runtime_of
 from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency, SwapFileUnits
@@ -378,6 +378,7 @@ class _Micro:
             quantized=self.plan.stage >= 2
             and step.config.zero_optimization.zero_quantized_gradients,
             bits=step.config.zero_optimization.zero_quantized_gradients_bits,
+            wire_dtype=gradient_wire_dtype(step.config),
         )
         self.reduction.begin(reduce=self.plan.stage >= 2 or at_boundary)
 

@@ -2,9 +2,9 @@
 `fzero.train_step`): what each unit's gradient says (its squares, whether it is finite);
 from all units together whether the step runs (fp16 overflow), the global norm and the
 factor every gradient is scaled by (loss-scale inverse x clip coefficient, as
-DeepSpeed's `unscale_and_clip_grads`); and each unit's in-place update through the
-native kernels. LAMB's trust ratio is per tensor and a tensor may span ranks, so its
-update takes two halves with one all-reduce of each tensor's squares between them.
+DeepSpeed's `unscale_and_clip_grads`); and the halves of an update that needs each
+tensor's norms (`fzero.optim.TensorNorms`: LAMB's trust ratio is per tensor and a tensor
+may span ranks), with one all-reduce of each tensor's squares between them.
 """
 
 from __future__ import annotations
@@ -19,28 +19,27 @@ from fzero import comm, native, partition
 from fzero.optim import (
     LossScaleError,
     LossScaleState,
+    NativeKernel,
+    TensorNorms,
     clip_coefficient,
-    lamb_apply_,
-    lamb_direction_,
     segment_sq_sums,
-    trust_ratio,
 )
 from fzero.partition import Plan
 
 __all__ = [
     "GradStats",
+    "Segments",
     "StepDecision",
-    "add_lamb_squares",
+    "add_tensor_squares",
     "decide_step",
     "grad_stats",
     "hparam_fields",
-    "lamb_apply",
-    "lamb_direction",
-    "lamb_norms",
-    "lamb_segments",
-    "native_update_",
+    "norms_apply",
+    "norms_direction",
     "scheduled_beta1",
     "scheduled_overrides",
+    "tensor_norms",
+    "tensor_segments",
 ]
 
 GradStats = tuple[Tensor, bool]
@@ -115,37 +114,6 @@ def decide_step(
     return StepDecision(False, factor, norm, loss_scale)
 
 
-def native_update_(
-    name: str,
-    master: Tensor,
-    grad: Tensor,
-    state: Any,
-    hp: Any,
-    factor: float,
-    out: Tensor | None = None,
-) -> Any:
-    """Optimizer `name`'s in-place update of one fp32 partition through fzero's native
-    kernel, the gradient scaled by `factor` and (with `out`) the compute-dtype copy of the
-    new master written in the same pass; the new state, or None when no kernel applies
-    (LAMB, or an optimizer without one). The engine and `fzero.train_step` both use it."""
-    if name in ("adam", "adamw"):
-        native.adam_(
-            master, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1,
-            lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-            decoupled=hp.decoupled, bias_correction=hp.bias_correction, grad_scale=factor,
-            out=out,
-        )  # fmt: skip
-    elif name == "sgd":
-        native.sgd_(
-            master, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
-            momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
-            nesterov=hp.nesterov, grad_scale=factor, out=out,
-        )  # fmt: skip
-    else:
-        return None
-    return state._replace(step=state.step + 1)
-
-
 def hparam_fields(hparams: Any) -> dict[str, Any]:
     """A frozen hyper-parameter dataclass as a dict (`update_`'s keyword arguments)."""
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
@@ -167,12 +135,12 @@ def scheduled_overrides(hparams: Any, schedule: Any, lr_steps: int, lr: float) -
     return overrides
 
 
-# ---- LAMB: two halves per unit, one all-reduce of norms between them ------------------------
+# ---- TensorNorms (LAMB's trust ratio): two halves per unit, one all-reduce between ------
 
 Segments = list[tuple[int, int, str]]
 
 
-def lamb_segments(plan: Plan, rank: int, index: int) -> Segments:
+def tensor_segments(plan: Plan, rank: int, index: int) -> Segments:
     """(start, stop, fqn) of each tensor's piece in unit `index`'s optimizer partition on
     `rank` (the whole unit at stage 0)."""
     unit = plan.units[index]
@@ -187,76 +155,72 @@ def lamb_segments(plan: Plan, rank: int, index: int) -> Segments:
     ]
 
 
-def lamb_direction(
+def norms_direction(
+    needs: TensorNorms,
+    kernel: NativeKernel | None,
     master: Tensor,
     grad: Tensor,
     state: Any,
     hp: Any,
     factor: float,
     *,
-    use_native: bool,
     out: Tensor | None = None,
 ) -> tuple[Any, Tensor]:
-    """LAMB's first half for one partition: the moments advance in place; returns the
-    new state and the update direction (into `out` when given). `grad` is scaled by
-    `factor` (in place on the pure path)."""
-    if use_native:
-        update = torch.empty_like(master) if out is None else out
-        native.lamb_direction_(
-            master, grad, state.exp_avg, state.exp_avg_sq, update,
-            step=state.step + 1, betas=hp.betas, eps=hp.eps,
-            weight_decay=hp.weight_decay, bias_correction=hp.bias_correction,
-            grad_scale=factor,
-        )  # fmt: skip
+    """The first half for one partition (`needs.direction_`, or the `kernel`'s twin): the
+    state advances in place; returns the new state (its step counted) and the direction
+    (into `out` when given). `grad` is scaled by `factor` (in place on the pure path)."""
+    if kernel is not None and kernel.direction_ is not None:
+        direction = torch.empty_like(master) if out is None else out
+        kernel.direction_(native, master, grad, state, hp, factor, direction)
     else:
         if factor != 1.0:
             grad.mul_(factor)
-        direction = lamb_direction_(grad, state, master, hp)
-        update = direction if out is None else out.copy_(direction)
-    return state._replace(step=state.step + 1), update
+        computed = needs.direction_(grad, state, master, hp)
+        direction = computed if out is None else out.copy_(computed)
+    return state._replace(step=state.step + 1), direction
 
 
-def add_lamb_squares(
+def add_tensor_squares(
     sums: Tensor,
     tensor_index: dict[str, int],
     segments: Segments,
     master: Tensor,
-    update: Tensor,
+    direction: Tensor,
     *,
     use_native: bool,
 ) -> None:
-    """Add each tensor piece's squares (parameter, update) into `sums[0 | 1, tensor]`."""
+    """Add each tensor piece's squares (parameter, direction) into `sums[0 | 1, tensor]`."""
     spans = [(a, b) for a, b, _ in segments]
     squares = native.segment_sq_sums if use_native else segment_sq_sums
-    for (_, _, fqn), p_sq, u_sq in zip(segments, squares(master, spans), squares(update, spans)):
+    for (_, _, fqn), p_sq, u_sq in zip(segments, squares(master, spans), squares(direction, spans)):
         sums[0, tensor_index[fqn]] += p_sq
         sums[1, tensor_index[fqn]] += u_sq
 
 
-def lamb_norms(sums: Tensor, stage: int, group: Any = None) -> list[list[float]]:
-    """Every tensor's parameter and update norms over the ranks of `group` (the plan's
+def tensor_norms(sums: Tensor, stage: int, group: Any = None) -> list[list[float]]:
+    """Every tensor's parameter and direction norms over the ranks of `group` (the plan's
     shard group; collective from stage 1)."""
     if stage > 0:
-        comm.all_reduce(sums, op="sum", what="LAMB norms", group=group)
+        comm.all_reduce(sums, op="sum", what="tensor norms", group=group)
     return sums.sqrt().tolist()
 
 
-def lamb_apply(
+def norms_apply(
+    needs: TensorNorms,
+    kernel: NativeKernel | None,
     master: Tensor,
     hp: Any,
-    update: Tensor,
+    direction: Tensor,
     segments: Segments,
     norms: list[list[float]],
     tensor_index: dict[str, int],
-    *,
-    use_native: bool,
 ) -> None:
-    """LAMB's second half: each tensor's piece moves by its trust ratio."""
+    """The second half (`needs.apply_`, or the `kernel`'s twin): each tensor's piece moves
+    given its whole tensor's norms."""
     spans = [(a, b) for a, b, _ in segments]
     p_norms = [norms[0][tensor_index[fqn]] for _, _, fqn in segments]
     u_norms = [norms[1][tensor_index[fqn]] for _, _, fqn in segments]
-    if use_native:
-        scales = [-hp.lr * trust_ratio(p, u, hp) for p, u in zip(p_norms, u_norms)]
-        native.lamb_apply_(master, update, spans, scales)
+    if kernel is not None and kernel.apply_ is not None:
+        kernel.apply_(native, master, direction, spans, p_norms, u_norms, hp)
     else:
-        lamb_apply_(master, update, spans, p_norms, u_norms, hp)
+        needs.apply_(master, direction, spans, p_norms, u_norms, hp)

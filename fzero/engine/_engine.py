@@ -219,8 +219,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         plain `loss.backward()` through the returned tensors is this engine's backward."""
         self.residency.check_usable()
         self._join.forward(self.micro_steps)  # inside join(): this rank still trains
-        self.telemetry.forward(args, kwargs)
-        with self.timers("forward"):
+        with self.telemetry.forward(args, kwargs), self.timers("forward"):
             output = self.module(*args, **kwargs)
         for tensor in _tensors_requiring_grad(output):
             tensor.register_hook(self.reduction.on_output_grad)
@@ -236,11 +235,12 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.check_trainable()
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
-        self.telemetry.losses.append(float(loss.detach().float()))
+        self.telemetry.backward(loss)
         with self.reduction.explicit_backward(), self.timers("backward"):
             (loss.float() * (scale / accumulation)).backward(retain_graph=retain_graph)
         with self.timers("backward"):
             self.reduction.finish()
+        self.telemetry.backward_done()
         return loss
 
     def scale(self, loss: Tensor) -> Tensor:
@@ -378,6 +378,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         """Release the engine (DeepSpeed's `destroy`): wait for an asynchronous save, give
         stage-3 parameters back to the module whole, remove every hook. Collective."""
         self.wait_for_checkpoint()
+        self.telemetry.close()
         if self.stage == 3:
             for rt in self.units:
                 if not rt.unit.persistent:

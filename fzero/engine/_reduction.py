@@ -83,6 +83,7 @@ class GradientReduction:
         overlap: bool,
         quantized: bool,
         bits: int = 8,
+        wire_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.owner, self.plan, self.stage, self.units = owner, plan, plan.stage, list(units)
         self.world_size, self.processes = plan.world_size, plan.processes
@@ -99,6 +100,7 @@ class GradientReduction:
             quantized=quantized and plan.stage >= 2,
             bits=bits,
             overlap=overlap,
+            wire_dtype=wire_dtype,
         )
         self._param_unit = {
             id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
@@ -308,7 +310,7 @@ class GradientReduction:
             return
         flag = torch.tensor([float(bool(left) or not self.reduced)], device=self.device)
         if self.processes > 1:
-            comm.all_reduce(flag, op="max")
+            comm.all_reduce(flag, op="max", what="left-over gradients check")
         if not flag.item():
             return
         self.begin()

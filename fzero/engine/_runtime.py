@@ -28,7 +28,13 @@ from fzero.core.gathering import Gatherer, GatherSettings
 from fzero.core.groups import Groups, groups_of
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.param_shards import ParamShardStore, PublishedShards
-from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
+from fzero.core.precision import (
+    Precision,
+    check_precision,
+    gradient_wire_dtype,
+    loss_scaler,
+    precision_of,
+)
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency
 from fzero.core.stage3 import ModuleGathering
@@ -192,6 +198,7 @@ def build_runtime(
         overlap=overlap,
         quantized=zero.zero_quantized_gradients,
         bits=zero.zero_quantized_gradients_bits,
+        wire_dtype=gradient_wire_dtype(config),
     )
     stage3 = None
     if plan.stage == 3:

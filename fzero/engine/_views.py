@@ -18,13 +18,14 @@ from fzero import partition
 from fzero.config import Config
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
+from fzero.core.precision import gradient_wire_dtype
 from fzero.core.publish import accept_edits
 from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.engine._runtime import Runtime
 from fzero.engine.zero3_attributes import AliasAnswers
-from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale
+from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale, TensorNorms
 from fzero.partition import MemoryEstimate
 
 __all__ = [
@@ -209,8 +210,9 @@ def comm_volume(
         scatter_as_all_reduce=scatter_by_all_reduce(),
         regathered=runtime.gatherer.regathered,
         loss_scaling=loss_scaler is not None and loss_scaler.dynamic,
-        optimizer=runtime.optimizer.name,
+        tensor_norms=isinstance(runtime.optimizer.needs, TensorNorms),
         quantized_weights=zero.zero_quantized_weights,
         quantized_gradients=zero.zero_quantized_gradients,
         quantized_gradient_bits=zero.zero_quantized_gradients_bits,
+        grad_wire_dtype=partition.dtype_name(gradient_wire_dtype(config)),
     )

@@ -28,6 +28,7 @@ from torch import Tensor
 from fzero.native import _cuda
 
 __all__ = [
+    "adagrad_",
     "adam_",
     "available",
     "bf16_stochastic_",
@@ -36,6 +37,7 @@ __all__ = [
     "dequantize_mean_int8_",
     "lamb_apply_",
     "lamb_direction_",
+    "lion_",
     "quantize_int4_",
     "quantize_int8_",
     "segment_sq_sums",
@@ -325,6 +327,62 @@ def sgd_(
         ("float", _f32(-lr)), ("void *", out), ("int", out_kind),
     ]  # fmt: skip
     _run("fz_sgd", device, args, n)
+
+
+def adagrad_(
+    param: Tensor,
+    grad: Tensor,
+    state_sum: Tensor,
+    *,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    out: Tensor | None = None,
+) -> None:
+    """One Adagrad step in place at step size `lr` (torch's `clr`: lr / (1 + (step - 1)
+    x lr_decay)), as `fzero.optim.adagrad_update_`; gradients times `grad_scale` first;
+    `out` (bf16/fp16) gets the updated params."""
+    n = param.numel()
+    device = _buffers(n, param=param, grad=grad, state_sum=state_sum)
+    _require(device)
+    out, out_kind = _out(out, n, device)
+    _no_alias(param=param, grad=grad, state_sum=state_sum, out=out)
+    args = [
+        ("float *", param), ("float *", grad), ("float *", state_sum), ("int64_t", n),
+        ("float", _f32(grad_scale)), ("float", _f32(weight_decay)), ("float", _f32(-lr)),
+        ("float", _f32(eps)), ("void *", out), ("int", out_kind),
+    ]  # fmt: skip
+    _run("fz_adagrad", device, args, n)
+
+
+def lion_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    out: Tensor | None = None,
+) -> None:
+    """One Lion step in place, as `fzero.optim.lion_update_`; gradients times
+    `grad_scale` first; `out` (bf16/fp16) gets the updated params."""
+    n = param.numel()
+    device = _buffers(n, param=param, grad=grad, exp_avg=exp_avg)
+    _require(device)
+    out, out_kind = _out(out, n, device)
+    _no_alias(param=param, grad=grad, exp_avg=exp_avg, out=out)
+    beta1, beta2 = betas
+    args = [
+        ("float *", param), ("float *", grad), ("float *", exp_avg), ("int64_t", n),
+        ("float", _f32(grad_scale)), ("float", _f32(beta1)), ("float", _f32(1 - beta1)),
+        ("float", _f32(beta2)), ("float", _f32(1 - beta2)), ("int", int(weight_decay != 0)),
+        ("float", _f32(1 - lr * weight_decay)), ("float", _f32(-lr)), ("void *", out),
+        ("int", out_kind),
+    ]  # fmt: skip
+    _run("fz_lion", device, args, n)
 
 
 def sq_sum(grad: Tensor) -> tuple[float, bool]:

@@ -55,6 +55,8 @@ KERNELS = (
     "fz_lamb_direction",
     "fz_lamb_apply",
     "fz_sgd",
+    "fz_adagrad",
+    "fz_lion",
     "fz_sq_sum_partial",
     "fz_sq_sum_final",
     "fz_segment_sq_partial",

@@ -3,18 +3,39 @@
 opt = fzero.optim.adamw(lr=1e-3, weight_decay=0.01)
 state = opt.init(params)                     # a tensor, or any pytree of tensors
 params, state = opt.update(grads, state, params, lr=schedule(step, 1e-3))
+
+An optimizer declares what its update needs across shards (`TensorNorms`,
+`WholeTensors`, or nothing) and its native kernels (`NativeKernel`); the core
+dispatches on those, so one written outside fzero is treated as a built-in one.
 """
 
+from fzero.optim._adagrad import (
+    AdagradHParams,
+    AdagradState,
+    adagrad,
+    adagrad_init,
+    adagrad_native,
+    adagrad_update,
+    adagrad_update_,
+)
 from fzero.optim._adam import (
     AdamHParams,
     AdamState,
     adam,
     adam_init,
+    adam_native,
     adam_update,
     adam_update_,
     adamw,
 )
-from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._base import (
+    NativeKernel,
+    Needs,
+    Optimizer,
+    TensorNorms,
+    WholeTensors,
+    with_overrides,
+)
 from fzero.optim._clip import clip_coefficient, global_norm
 from fzero.optim._lamb import (
     LambHParams,
@@ -23,10 +44,21 @@ from fzero.optim._lamb import (
     lamb_apply_,
     lamb_direction_,
     lamb_init,
+    lamb_native,
     lamb_update,
     lamb_update_,
     segment_sq_sums,
     trust_ratio,
+)
+from fzero.optim._lion import (
+    LionHParams,
+    LionState,
+    lion,
+    lion_init,
+    lion_native,
+    lion_sign,
+    lion_update,
+    lion_update_,
 )
 from fzero.optim._loss_scale import (
     DynamicLossScale,
@@ -34,7 +66,7 @@ from fzero.optim._loss_scale import (
     LossScaleState,
     StaticLossScale,
 )
-from fzero.optim._muon import MuonHParams, MuonState, muon
+from fzero.optim._muon import MuonHParams, MuonState, muon, muon_needs
 from fzero.optim._registry import (
     OPTIMIZER_PARAMS,
     OPTIMIZERS,
@@ -54,35 +86,57 @@ from fzero.optim._schedules import (
     WarmupLR,
     constant,
 )
-from fzero.optim._sgd import SgdHParams, SgdState, sgd, sgd_init, sgd_update, sgd_update_
+from fzero.optim._sgd import (
+    SgdHParams,
+    SgdState,
+    sgd,
+    sgd_init,
+    sgd_native,
+    sgd_update,
+    sgd_update_,
+)
 
 __all__ = [
     "OPTIMIZERS",
     "OPTIMIZER_PARAMS",
     "SCHEDULES",
     "SCHEDULE_PARAMS",
+    "AdagradHParams",
+    "AdagradState",
     "AdamHParams",
     "AdamState",
     "DynamicLossScale",
     "LRRangeTest",
     "LambHParams",
     "LambState",
+    "LionHParams",
+    "LionState",
     "LossScaleError",
     "LossScaleState",
     "MuonHParams",
     "MuonState",
+    "NativeKernel",
+    "Needs",
     "OneCycle",
     "Optimizer",
     "Schedule",
     "SgdHParams",
     "SgdState",
     "StaticLossScale",
+    "TensorNorms",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupExpDecayExp",
     "WarmupLR",
+    "WholeTensors",
+    "adagrad",
+    "adagrad_init",
+    "adagrad_native",
+    "adagrad_update",
+    "adagrad_update_",
     "adam",
     "adam_init",
+    "adam_native",
     "adam_update",
     "adam_update_",
     "adamw",
@@ -94,14 +148,23 @@ __all__ = [
     "lamb_apply_",
     "lamb_direction_",
     "lamb_init",
+    "lamb_native",
     "lamb_update",
     "lamb_update_",
+    "lion",
+    "lion_init",
+    "lion_native",
+    "lion_sign",
+    "lion_update",
+    "lion_update_",
     "muon",
+    "muon_needs",
     "optimizer_from_name",
     "schedule_from_name",
     "segment_sq_sums",
     "sgd",
     "sgd_init",
+    "sgd_native",
     "sgd_update",
     "sgd_update_",
     "trust_ratio",

@@ -16,10 +16,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._base import NativeKernel, Optimizer, with_overrides
 from fzero.optim._tree import over_trees
 
-__all__ = ["AdamHParams", "AdamState", "adam", "adam_init", "adam_update", "adam_update_", "adamw"]
+__all__ = [
+    "AdamHParams",
+    "AdamState",
+    "adam",
+    "adam_init",
+    "adam_native",
+    "adam_update",
+    "adam_update_",
+    "adamw",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,29 @@ def adam_update_(grad: Tensor, state: AdamState, param: Tensor, hparams: AdamHPa
     return AdamState(step, state.exp_avg, state.exp_avg_sq)
 
 
+def _native_update_(
+    kernels: Any,
+    param: Tensor,
+    grad: Tensor,
+    state: AdamState,
+    hparams: AdamHParams,
+    grad_scale: float,
+    out: Tensor | None,
+) -> AdamState:
+    """`adam_update_` through `kernels.adam_` (fzero.native)."""
+    hp = hparams
+    kernels.adam_(
+        param, grad, state.exp_avg, state.exp_avg_sq, step=state.step + 1, lr=hp.lr,
+        betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay, decoupled=hp.decoupled,
+        bias_correction=hp.bias_correction, grad_scale=grad_scale, out=out,
+    )  # fmt: skip
+    return state._replace(step=state.step + 1)
+
+
+adam_native = NativeKernel(update_=_native_update_)
+"""Adam(W)'s update through fzero's native kernel (`fzero.native.adam_`)."""
+
+
 def _bundle(name: str, hp: AdamHParams) -> Optimizer:
     def update(grad: Tensor, state: AdamState, param: Tensor, **overrides: Any):
         return adam_update(grad, state, param, with_overrides(hp, overrides))
@@ -91,7 +123,8 @@ def _bundle(name: str, hp: AdamHParams) -> Optimizer:
     def update_(grad: Tensor, state: AdamState, param: Tensor, **overrides: Any):
         return adam_update_(grad, state, param, with_overrides(hp, overrides))
 
-    return over_trees(Optimizer(name, hp, adam_init, update, update_, state_slots=2))
+    leaf = Optimizer(name, hp, adam_init, update, update_, state_slots=2, native=adam_native)
+    return over_trees(leaf)
 
 
 def adam(

@@ -8,9 +8,10 @@
 The trust ratio is per tensor, as in DeepSpeed's FusedLamb (whose clamp bounds
 `max_coeff`/`min_coeff` these are; the BERT tutorial uses 0.3 / 0.01). A flat
 buffer holding several tensors is updated segment by segment. Under sharding a
-tensor's norms span ranks, so the in-place path is split: `lamb_direction_`
-computes u (and the moments), the engine sums `segment_sq_sums` across ranks,
-then `lamb_apply_` applies the trust ratios.
+tensor's norms span ranks, so LAMB declares `TensorNorms` (`fzero.optim.Optimizer`):
+`lamb_direction_` computes u (and the moments), the core sums `segment_sq_sums`
+across ranks, then `lamb_apply_` applies the trust ratios; `lamb_native` runs both
+halves through fzero's native kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._base import NativeKernel, Optimizer, TensorNorms, with_overrides
 from fzero.optim._tree import over_trees
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "lamb_apply_",
     "lamb_direction_",
     "lamb_init",
+    "lamb_native",
     "lamb_update",
     "lamb_update_",
     "segment_sq_sums",
@@ -141,6 +143,43 @@ def lamb_update_(
     return LambState(state.step + 1, state.exp_avg, state.exp_avg_sq)
 
 
+def _native_direction_(
+    kernels: Any,
+    param: Tensor,
+    grad: Tensor,
+    state: LambState,
+    hparams: LambHParams,
+    grad_scale: float,
+    out: Tensor,
+) -> None:
+    """`lamb_direction_` through `kernels.lamb_direction_`, the direction into `out`."""
+    hp = hparams
+    kernels.lamb_direction_(
+        param, grad, state.exp_avg, state.exp_avg_sq, out, step=state.step + 1,
+        betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+        bias_correction=hp.bias_correction, grad_scale=grad_scale,
+    )  # fmt: skip
+
+
+def _native_apply_(
+    kernels: Any,
+    param: Tensor,
+    update: Tensor,
+    segments: Sequence[tuple[int, int]],
+    param_norms: Sequence[float],
+    update_norms: Sequence[float],
+    hparams: LambHParams,
+) -> None:
+    """`lamb_apply_` through `kernels.lamb_apply_` (one scale, -lr x trust, a segment)."""
+    scales = [-hparams.lr * trust_ratio(p, u, hparams) for p, u in zip(param_norms, update_norms)]
+    kernels.lamb_apply_(param, update, segments, scales)
+
+
+lamb_native = NativeKernel(direction_=_native_direction_, apply_=_native_apply_)
+"""LAMB's two halves through fzero's native kernels (`fzero.native.lamb_direction_`,
+`fzero.native.lamb_apply_`)."""
+
+
 def lamb(
     lr: float = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -164,4 +203,8 @@ def lamb(
     def update_(grad: Tensor, state: LambState, param: Tensor, segments=None, **overrides: Any):
         return lamb_update_(grad, state, param, with_overrides(hp, overrides), segments)
 
-    return over_trees(Optimizer("lamb", hp, lamb_init, update, update_, state_slots=2))
+    needs = TensorNorms(direction_=lamb_direction_, apply_=lamb_apply_)
+    leaf = Optimizer(
+        "lamb", hp, lamb_init, update, update_, state_slots=2, needs=needs, native=lamb_native
+    )
+    return over_trees(leaf)

@@ -14,10 +14,11 @@ with the reference's quintic iteration (coefficients 3.4445, -4.7750, 2.0315, fi
 in bf16 unless `ns_dtype="fp32"`). Every other tensor takes an AdamW step (`adam_lr`,
 `betas`, `eps`, the same `weight_decay`). A schedule's lr scales both alike.
 
-Newton-Schulz needs the whole matrix: over a pytree each leaf is one, and the engine
-and `train_step` gather a sharded unit's momentum direction before it
-(`fzero.core.apply`). The state is Adam's shape (`exp_avg` is Muon's momentum buffer
-there; `exp_avg_sq` stays zero for Muon's tensors), so memory never exceeds AdamW's.
+Newton-Schulz needs the whole matrix: over a pytree each leaf is one; under sharding
+Muon declares `WholeTensors` (`muon_needs`), so the core makes each hidden matrix's
+momentum direction whole before it. The state is Adam's shape (`exp_avg` is Muon's
+momentum buffer there; `exp_avg_sq` stays zero for Muon's tensors), so memory never
+exceeds AdamW's.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from fzero.optim._adam import AdamHParams, AdamState, adam_update_
-from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._base import Optimizer, WholeTensors, with_overrides
 
 __all__ = [
     "MuonHParams",
     "MuonState",
     "muon",
     "muon_direction_",
+    "muon_needs",
     "newton_schulz",
     "orthogonalized",
     "scaled_overrides",
+    "scheduled",
     "uses_muon",
 ]
 
@@ -121,16 +124,47 @@ def scaled_overrides(base: MuonHParams, overrides: dict[str, Any]) -> dict[str, 
     return overrides
 
 
+def scheduled(base: MuonHParams, overrides: dict[str, Any]) -> MuonHParams:
+    """`base` with one step's overrides, Adam's lr following a scheduled lr
+    (`scaled_overrides`): Muon's `Optimizer.override`."""
+    return with_overrides(base, scaled_overrides(base, overrides))
+
+
 def _init(param: Tensor) -> MuonState:
     return MuonState(0, torch.zeros_like(param), torch.zeros_like(param))
 
 
+def _momentum_direction_(grad: Tensor, state: MuonState, param: Tensor, hp: MuonHParams) -> Tensor:
+    return muon_direction_(grad, state.exp_avg, hp)
+
+
+def _apply_(param: Tensor, update: Tensor, hp: MuonHParams) -> None:
+    """p = p * (1 - lr * weight_decay) - lr * O."""
+    param.mul_(1 - hp.lr * hp.weight_decay).add_(update.to(param.device), alpha=-hp.lr)
+
+
+def _adam_rest_(grad: Tensor, state: MuonState, param: Tensor, hp: MuonHParams) -> AdamState:
+    return adam_update_(grad, AdamState(*state), param, adam_part(hp))
+
+
+muon_needs = WholeTensors(
+    takes=uses_muon,
+    direction_=_momentum_direction_,
+    whole=orthogonalized,
+    apply_=_apply_,
+    rest_=_adam_rest_,
+)
+"""Muon's hidden matrices whole (`uses_muon`): momentum on each piece, Newton-Schulz on the
+whole direction, the step on each piece; AdamW on the other tensors."""
+
+
 def _update_leaf_(name: str, grad: Tensor, state: MuonState, param: Tensor, hp: MuonHParams):
-    if not uses_muon(name, tuple(param.shape), hp):
-        adam = adam_update_(grad, AdamState(*state), param, adam_part(hp))
-        return MuonState(*adam)
-    direction = muon_direction_(grad, state.exp_avg, hp)
-    param.mul_(1 - hp.lr * hp.weight_decay).add_(orthogonalized(direction, hp), alpha=-hp.lr)
+    """One whole tensor's step, by `muon_needs`' functions."""
+    needs = muon_needs
+    if not needs.takes(name, tuple(param.shape), hp):
+        return MuonState(*needs.rest_(grad, state, param, hp))
+    direction = needs.direction_(grad, state, param, hp)
+    needs.apply_(param, needs.whole(direction, hp), hp)
     return MuonState(state.step + 1, state.exp_avg, state.exp_avg_sq)
 
 
@@ -181,7 +215,7 @@ def muon(
         return pytree.tree_unflatten([_init(p) for _, p in leaves], spec)
 
     def update_(grads: Any, state: Any, params: Any, **overrides: Any) -> Any:
-        h = with_overrides(hp, scaled_overrides(hp, overrides))
+        h = scheduled(hp, overrides)
         if isinstance(params, Tensor):
             return _update_leaf_("", grads, state, params, h)
         leaves, spec = _leaves(params)
@@ -203,7 +237,9 @@ def muon(
         state = pytree.tree_map_only(Tensor, torch.clone, state)
         return params, update_(grads, state, params, **overrides)
 
-    return Optimizer("muon", hp, init, update, update_, state_slots=2)
+    return Optimizer(
+        "muon", hp, init, update, update_, state_slots=2, needs=muon_needs, override=scheduled
+    )
 
 
 def _check(hp: MuonHParams) -> None:

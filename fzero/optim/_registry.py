@@ -7,9 +7,11 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from fzero.optim._adagrad import adagrad
 from fzero.optim._adam import adam
 from fzero.optim._base import Optimizer
 from fzero.optim._lamb import lamb
+from fzero.optim._lion import lion
 from fzero.optim._muon import muon
 from fzero.optim._schedules import (
     LRRangeTest,
@@ -31,7 +33,8 @@ __all__ = [
     "schedule_from_name",
 ]
 
-OPTIMIZERS = ("adam", "adamw", "lamb", "sgd", "muon")
+OPTIMIZERS = ("adam", "adamw", "lamb", "sgd", "muon", "adagrad", "lion")
+_ALLOWED = "Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
 # DeepSpeed's Muon block: `lr` (both groups unless `muon_lr`/`adam_lr`), `momentum`,
 # `weight_decay`, `betas`, `eps`, `ns_method` ("standard" here; DeepSpeed's default
 # "gram" is its own Newton-Schulz variant)
@@ -52,6 +55,10 @@ OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
     "lamb": frozenset(_arguments(lamb)),
     "sgd": frozenset(_arguments(sgd)),
     "muon": frozenset(_arguments(muon) | _MUON_DEEPSPEED),
+    # DeepSpeed hands these to torch.optim.Adagrad (or, offloaded, DeepSpeedCPUAdagrad)
+    # and to FusedLion (or DeepSpeedCPULion): the same names
+    "adagrad": frozenset(_arguments(adagrad)),
+    "lion": frozenset(_arguments(lion)),
 }
 SCHEDULES = {
     "warmuplr": WarmupLR,
@@ -67,7 +74,8 @@ SCHEDULE_PARAMS: dict[str, frozenset[str]] = {
 
 
 def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
-    """Build an optimizer from a DeepSpeed `optimizer` block's `type` and `params`.
+    """Build an optimizer from a DeepSpeed `optimizer` block's `type` and `params`
+    (`type` one of Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion, any case).
 
     As in DeepSpeed, type `Adam` uses decoupled weight decay (AdamW) unless
     `adam_w_mode` is false; `AdamW` is always decoupled; `torch_adam` and
@@ -86,7 +94,11 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
         return sgd(**p)
     if key == "muon":
         return _muon_from(p)
-    raise ValueError(f"optimizer type {name!r} is unknown; allowed: Adam, AdamW, Lamb, SGD, Muon")
+    if key == "adagrad":
+        return adagrad(**p)
+    if key == "lion":
+        return lion(**p)
+    raise ValueError(f"optimizer type {name!r} is unknown; allowed: {_ALLOWED}")
 
 
 def _muon_from(params: dict[str, Any]) -> Optimizer:

@@ -13,10 +13,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero.optim._base import Optimizer, with_overrides
+from fzero.optim._base import NativeKernel, Optimizer, with_overrides
 from fzero.optim._tree import over_trees
 
-__all__ = ["SgdHParams", "SgdState", "sgd", "sgd_init", "sgd_update", "sgd_update_"]
+__all__ = [
+    "SgdHParams",
+    "SgdState",
+    "sgd",
+    "sgd_init",
+    "sgd_native",
+    "sgd_update",
+    "sgd_update_",
+]
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,29 @@ def sgd_update_(grad: Tensor, state: SgdState, param: Tensor, hparams: SgdHParam
     return SgdState(state.step + 1, buf)
 
 
+def _native_update_(
+    kernels: Any,
+    param: Tensor,
+    grad: Tensor,
+    state: SgdState,
+    hparams: SgdHParams,
+    grad_scale: float,
+    out: Tensor | None,
+) -> SgdState:
+    """`sgd_update_` through `kernels.sgd_` (fzero.native)."""
+    hp = hparams
+    kernels.sgd_(
+        param, grad, state.momentum_buffer, first=state.step == 0, lr=hp.lr,
+        momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay,
+        nesterov=hp.nesterov, grad_scale=grad_scale, out=out,
+    )  # fmt: skip
+    return state._replace(step=state.step + 1)
+
+
+sgd_native = NativeKernel(update_=_native_update_)
+"""SGD's update through fzero's native kernel (`fzero.native.sgd_`)."""
+
+
 def sgd(
     lr: float = 1e-3,
     momentum: float = 0.0,
@@ -96,4 +127,5 @@ def sgd(
     def update_(grad: Tensor, state: SgdState, param: Tensor, **overrides: Any):
         return sgd_update_(grad, state, param, with_overrides(hp, overrides))
 
-    return over_trees(Optimizer("sgd", hp, sgd_init, update, update_, state_slots=1))
+    leaf = Optimizer("sgd", hp, sgd_init, update, update_, state_slots=1, native=sgd_native)
+    return over_trees(leaf)

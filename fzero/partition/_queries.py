@@ -142,7 +142,16 @@ def owned_numel(plan: Plan) -> list[int]:
 
 
 # fp32 state tensors per element of each built-in optimizer (Adam: m and v).
-_STATE_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "sgd_nomomentum": 0}
+_STATE_SLOTS = {
+    "adam": 2,
+    "adamw": 2,
+    "lamb": 2,
+    "muon": 2,
+    "sgd": 1,
+    "sgd_nomomentum": 0,
+    "adagrad": 1,
+    "lion": 1,
+}
 
 
 def optimizer_state_slots(optimizer: str | int | object) -> int:

@@ -29,7 +29,7 @@ from fzero.partition._queries import reduction_buckets
 
 __all__ = ["Collective", "comm_volume", "format_comm_volume", "volume_by_axes"]
 
-_GRAD_BYTES = 4  # gradients are reduced in fp32 at every precision
+_GRAD_BYTES = 4  # gradients are reduced in fp32 unless a wire dtype is given
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,11 @@ def comm_volume(
     regathered: Iterable[int] = (),
     loss_scaling: bool = False,
     optimizer: str = "adam",
+    tensor_norms: bool | None = None,
     quantized_weights: bool = False,
     quantized_gradients: bool = False,
     quantized_gradient_bits: int = 8,
+    grad_wire_dtype: str = "float32",
 ) -> list[Collective]:
     """The collectives one optimizer step of the engine issues under `plan`.
 
@@ -84,7 +86,8 @@ def comm_volume(
       `stage3_max_reuse_distance` or `stage3_max_live_parameters`; the engine's
       `comm_volume()` fills it from its recorded use order);
     - control: the global gradient norm (8 bytes), the fp16 overflow flag with dynamic
-      `loss_scaling`, LAMB's per-tensor norms (`optimizer="lamb"`), and the engine's check
+      `loss_scaling`, per-tensor norms (`tensor_norms`: an optimizer whose update needs
+      them, `fzero.optim.TensorNorms`; by default `optimizer="lamb"`), and the engine's check
       for gradients left by other passes (4 bytes, per micro-step at stages 2-3, per step
       at 0-1).
 
@@ -94,6 +97,9 @@ def comm_volume(
     stages 2-3): each bucket's reduction is two all-to-alls (codes and scales) of the
     bucket's blocks, every micro-step: int8 codes, or with `quantized_gradient_bits` 4
     (`zero_quantized_gradients_bits`) int4 codes two to a byte (0.516 bytes per element).
+
+    `grad_wire_dtype` (DeepSpeed's `communication_data_type`): the dtype gradients travel
+    in when reduced (fp32 by default; "bfloat16"/"float16": half the bytes).
 
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
@@ -107,6 +113,8 @@ def comm_volume(
         raise PlanError("quantized collectives need equal shards; the plan's are uneven")
     if quantized_gradient_bits not in (4, 8):
         raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
+    grad_bytes = dtype_of(grad_wire_dtype).itemsize
+    norms = optimizer == "lamb" if tensor_norms is None else tensor_norms
     if isinstance(plan, Plan) and plan.mesh is not None:
         plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
@@ -116,9 +124,10 @@ def comm_volume(
             param_bytes=dtype_of(param_dtype).itemsize,
             bucket_numel=bucket_numel,
             regathered=sorted(set(regathered)),
-            control=_control(plan, loss_scaling, optimizer),
+            control=_control(plan, loss_scaling, norms),
             scatter_as_all_reduce=scatter_as_all_reduce,
             quantized=(quantized_weights, quantized_gradients, quantized_gradient_bits),
+            grad_bytes=grad_bytes,
         )
     world, stage, steps = plan.world_size, plan.stage, accumulation_steps
     if world == 1:
@@ -139,7 +148,7 @@ def comm_volume(
 
     buckets = reduction_buckets(plan, bucket_numel)
     if stage < 2:
-        add("all_reduce", "gradients", len(buckets), total * _GRAD_BYTES)
+        add("all_reduce", "gradients", len(buckets), total * grad_bytes)
     elif quantized_gradients:
         # one row of blocks per rank: every unit's shard of that rank, concatenated
         per_rank = [sum(units[i].shard_numel for i in bucket) for bucket in buckets]
@@ -148,7 +157,7 @@ def comm_volume(
         what = f"gradients (int{quantized_gradient_bits})"
         add("all_to_all", what, 2 * len(buckets) * steps, size * steps)
     else:
-        _add_split_reductions(plan, buckets, steps, scatter_as_all_reduce, add)
+        _add_split_reductions(plan, buckets, steps, scatter_as_all_reduce, add, grad_bytes)
     sharded = [u for u in units if stage == 3 and not u.persistent]
     whole = [u for u in units if stage in (1, 2) or (stage == 3 and u.persistent)]
     _add_gathers_of(whole, world, param_bytes, 1, "parameters after the update", add)
@@ -165,7 +174,7 @@ def comm_volume(
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
         add("all_reduce", "fp16 overflow flag", 1, 4)
-    if optimizer == "lamb":
+    if norms:
         add("all_reduce", "LAMB tensor norms", 1, 2 * len(plan.manifest.tensors) * 8)
     checks = steps if stage >= 2 else 1
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
@@ -201,6 +210,7 @@ def _add_split_reductions(
     steps: int,
     scatter_as_all_reduce: bool,
     add: Callable[[str, str, int, int], None],
+    grad_bytes: int = _GRAD_BYTES,
 ) -> None:
     """Stages 2-3, every micro-step: a bucket of even units all-reduced as one (gloo) or
     each unit reduce-scattered; in a bucket with uneven units, each unit alone: an
@@ -210,22 +220,22 @@ def _add_split_reductions(
         members = [units[i] for i in bucket]
         uneven = [u for u in members if u.bounds]
         even = [u for u in members if not u.bounds]
-        size = sum(u.numel for u in even) * _GRAD_BYTES * steps
+        size = sum(u.numel for u in even) * grad_bytes * steps
         if scatter_as_all_reduce:
             add("all_reduce", "gradients", steps * (1 if not uneven else len(even)), size)
         else:
             add("reduce_scatter", "gradients", len(even) * steps, size)
-        size = sum(u.numel for u in uneven) * _GRAD_BYTES * steps
+        size = sum(u.numel for u in uneven) * grad_bytes * steps
         add("reduce", "gradients", sum(_owners(u) for u in uneven) * steps, size)
 
 
-def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int, bool]]:
+def _control(plan: MeshPlan, loss_scaling: bool, norms: bool) -> list[tuple[str, int, bool]]:
     """The control all-reduces of one step: (what, bytes, over the world) once each; the
     norms sum each shard once, over the axes the state is split over."""
     rows = [("gradient norm", 8, False)]
     if loss_scaling:
         rows.append(("fp16 overflow flag", 4, True))
-    if optimizer == "lamb":
+    if norms:
         rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8, False))
     return rows
 
@@ -240,6 +250,7 @@ def _mesh_volume(
     control: list[tuple[str, int, bool]],
     scatter_as_all_reduce: bool = False,
     quantized: tuple[bool, bool, int] = (False, False, 8),
+    grad_bytes: int = _GRAD_BYTES,
 ) -> list[Collective]:
     """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
 
@@ -277,7 +288,7 @@ def _mesh_volume(
             shardings=tuple(plan.shardings[i] for i in whole),
         )
         buckets = reduction_buckets(kept, bucket_numel)
-        size = sum(units[i].numel for i in whole) * _GRAD_BYTES
+        size = sum(units[i].numel for i in whole) * grad_bytes
         add("all_reduce", "gradients", every, len(buckets), size)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
     weights, gradients, bits = quantized
@@ -288,13 +299,13 @@ def _mesh_volume(
         buckets = reduction_buckets(plan, bucket_numel)
         for bucket in buckets:
             axes = plan.shardings[bucket[0]].grads.shard
-            size = sum(units[i].numel for i in bucket) * _GRAD_BYTES * steps
+            size = sum(units[i].numel for i in bucket) * grad_bytes * steps
             add("all_reduce", "gradients", axes, steps, size)
     for i in split:
         unit, grads = units[i], plan.shardings[i].grads
         if not scatter_as_all_reduce and not gradients:
-            add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * _GRAD_BYTES * steps)
-        shard_bytes = unit.numel // mesh.group_size(grads.shard) * _GRAD_BYTES
+            add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * grad_bytes * steps)
+        shard_bytes = unit.numel // mesh.group_size(grads.shard) * grad_bytes
         add("all_reduce", "gradients across replicas", grads.replicate, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
         params = sharding.params.shard

@@ -4,10 +4,12 @@ The names DeepSpeed training scripts and the clients built on it (Transformers,
 Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
 `accelerator`, `checkpointing`, `utils` (logger, zero_to_fp32, safe_get_full_*), `ops.adam`,
-`runtime.engine`, `runtime.lr_schedules`, `runtime.base_optimizer`, `moe.utils`,
-`launcher.runner`. What fzero does not do is refused by name: `deepspeed.moe.layer`,
-`deepspeed.pipe` and `runtime.sequence_parallel` on import, `tp_model_init`, the Adagrad
-and Lion ops when called. `tests/test_client_names.py` scans the installed clients for
+`ops.adagrad`, `ops.lion`, `runtime.engine`, `runtime.lr_schedules`,
+`runtime.base_optimizer`, `moe.utils`, `launcher.runner`, `comm.log_summary`/`configure`
+(the communication logger), `profiling.flops_profiler` and `monitor.monitor.MonitorMaster`.
+What fzero does not do is refused by name: `deepspeed.moe.layer`, `deepspeed.pipe` and
+`runtime.sequence_parallel` on import, `tp_model_init` when called.
+`tests/test_client_names.py` scans the installed clients for
 every `deepspeed.*` name they reference and checks each is one or the other.
 """
 
@@ -18,7 +20,17 @@ from typing import Any
 from fzero._version import __version__ as _fzero_version
 from fzero.compat import checkpointing, zero
 from fzero.compat.arguments import add_config_arguments
-from fzero.compat.deepspeed import accelerator, comm, launcher, moe, ops, runtime, utils
+from fzero.compat.deepspeed import (
+    accelerator,
+    comm,
+    launcher,
+    moe,
+    monitor,
+    ops,
+    profiling,
+    runtime,
+    utils,
+)
 from fzero.compat.deepspeed.comm import init_distributed
 from fzero.compat.initialize import initialize
 from fzero.engine import Engine as DeepSpeedEngine
@@ -48,7 +60,9 @@ __all__ = [
     "initialize",
     "launcher",
     "moe",
+    "monitor",
     "ops",
+    "profiling",
     "runtime",
     "tp_model_init",
     "utils",

@@ -22,4 +22,5 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
     """Log `message` on the given ranks (all when `ranks` is None or contains -1)."""
     ranks = list(ranks) if ranks is not None else [-1]
     if -1 in ranks or get_rank() in ranks:
-        logger.log(level, f"[Rank {get_rank()}] {message}")
+        # the ranks asked for, not fzero's rank-0 filter (`fzero._logs`), decide
+        logger.log(level, f"[Rank {get_rank()}] {message}", extra={"fzero_any_rank": True})

@@ -1,25 +1,78 @@
-"""`deepspeed.ops.lion`: Lion is not among fzero's optimizers; refused by name."""
+"""`deepspeed.ops.lion`: DeepSpeedCPULion and FusedLion as `torch.optim` optimizers
+that step with `fzero.optim.lion` (standalone), and that fzero's engine runs with its
+own (native) Lion kernel when handed to `initialize`.
+
+Lion's formula is the paper's (Chen et al. 2023), as `fzero.optim.lion` says, where
+DeepSpeed's kernels compute it too: they differ only on an element whose momentum
+interpolation is exactly zero, which DeepSpeed moves by ±lr and the paper (and fzero)
+leaves in place.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
+
+from fzero.optim import LionState, lion
 
 __all__ = ["DeepSpeedCPULion", "FusedLion"]
 
 
-def _refuse(name: str) -> Any:
-    raise NotImplementedError(
-        f"deepspeed.ops.lion.{name}: Lion is not supported by fzero; allowed optimizers: "
-        "Adam, AdamW, Lamb, SGD (torch.optim.Adam/AdamW/SGD as client optimizers, or the "
-        "config's optimizer block)"
-    )
+class DeepSpeedCPULion(torch.optim.Optimizer):
+    """DeepSpeed's CPU Lion (its arguments and defaults): a `torch.optim.Optimizer`
+    whose `step` is `fzero.optim.lion`'s in-place update per parameter; in
+    `fzero.initialize` the engine runs its groups as `fzero.optim.lion`."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        lion(lr, betas, weight_decay)  # the arguments checked, naming a bad one
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
+        super().__init__(model_params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One Lion step of every parameter with a gradient (sparse gradients refused)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            rule = lion(group["lr"], group["betas"], group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise NotImplementedError(f"{type(self).__name__}: sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"], state["exp_avg"] = 0, torch.zeros_like(p)
+                new = rule.update_(p.grad, LionState(state["step"], state["exp_avg"]), p)
+                state["step"] = new.step
+        return loss
 
 
-def DeepSpeedCPULion(*_: Any, **__: Any) -> Any:  # DeepSpeed's name
-    """Refused: fzero's optimizers are Adam, AdamW, LAMB and SGD."""
-    return _refuse("DeepSpeedCPULion")
+class FusedLion(DeepSpeedCPULion):
+    """DeepSpeed's fused (GPU) Lion, its arguments and defaults; as `DeepSpeedCPULion`.
+    `set_grad_none`: `zero_grad` sets gradients to None (DeepSpeed's default)."""
 
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.set_grad_none = set_grad_none
 
-def FusedLion(*_: Any, **__: Any) -> Any:  # DeepSpeed's name
-    """Refused: fzero's optimizers are Adam, AdamW, LAMB and SGD."""
-    return _refuse("FusedLion")
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
