@@ -92,14 +92,14 @@ def init(
         buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
         accumulators = bucket_accumulators(plan, buckets, device)
     units: list[UnitState] = []
-    for unit in plan.units:
+    for index, unit in enumerate(plan.units):
         flat = torch.zeros(unit.numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for placement in unit.placements:
                 value = named[placement.fqn].detach().reshape(-1).float().to(device)
                 scatter_pieces(flat, value, placement)
         if plan.processes > 1:
-            dist.broadcast(flat, src=0)
+            comm.broadcast(flat, 0, what=f"initial weights of unit {index} {unit.name!r}")
         part = optimizer_partition(plan, unit, rank)
         if plan.stage < 3 or unit.persistent:
             params = flat if dtype == torch.float32 else flat.to(dtype)
@@ -266,9 +266,9 @@ def state_dict(
     """The consolidated weights from the masters (in `dtype`), on rank 0 ({} elsewhere);
     collective. Every name of a tied tensor is a key. With `module`, its frozen
     parameters and buffers are added, in its own `state_dict` order. A rank that never
-    arrives is named (`fzero.comm.named_operation`)."""
+    arrives, or that skipped the call, is named (`fzero.comm.named_operation`)."""
     where = f"fzero.state_dict (micro-step {state.counters.micro_steps})"
-    with comm.named_operation(where):
+    with comm.named_operation(where, entry="always"):
         return _state_dict(state, module, dtype)
 
 

@@ -12,10 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from fzero import partition
+from fzero import comm, partition
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces, unbind
@@ -173,7 +172,8 @@ def build_unit(
         for p, placement, _ in params:
             scatter_pieces(flat, p.detach().reshape(-1).float(), placement)
     if engine.world_size > 1:
-        dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights
+        # every rank starts from rank 0's weights
+        comm.broadcast(flat, 0, what=f"initial weights of unit {index} {unit.name!r}")
     keeps_full = engine.stage < 3 or unit.persistent
     part = engine.partition(unit)
     residency = engine.residency

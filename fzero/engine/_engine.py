@@ -119,6 +119,8 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     ) -> None:
         comm.init_distributed()
         self.config = check_resolved(config)
+        if config.collective_report_s is not None:
+            comm.report_waits_after(config.collective_report_s)
         self.module = module
         # the update as pure functions; `self.optimizer` is what DeepSpeed scripts hold
         self.functional_optimizer = optimizer if optimizer is not None else _NO_OPTIMIZER
@@ -490,7 +492,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
         return _views.full_master(self, rt)
 
-    @named("state_dict")
+    @named("state_dict", entry=True)
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""

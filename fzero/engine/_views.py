@@ -9,10 +9,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from fzero import partition
+from fzero import comm, partition
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
 from fzero.core.publish import accept_edits
@@ -65,7 +64,7 @@ def gathered_parameters(
                     accept_edits(rt, engine.plan, engine.plan_rank, modifier_rank, engine.stage3)
             for p in others:
                 if engine.world_size > 1:
-                    dist.broadcast(p.data, src=modifier_rank)
+                    comm.broadcast(p.data, modifier_rank, what="an edited parameter")
     for rt in gathered_here:
         engine.stage3.release(rt)
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fzero import comm
 from fzero.checkpoint._files import CheckpointError, write_safetensors
@@ -272,5 +271,5 @@ def save_16bit_model(engine: Engine, save_dir: str, save_filename: str) -> bool:
         os.makedirs(save_dir, exist_ok=True)
         items = [(k, v.contiguous()) for k, v in state.items()]
         write_safetensors(os.path.join(save_dir, save_filename), items, {"format": "pt"})
-    dist.barrier()
+    comm.barrier(what="the 16-bit model written")
     return True
