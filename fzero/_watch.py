@@ -137,8 +137,10 @@ class WatchSettings:
         """The settings the environment gives (`timeout_s` given wins over
         `FZERO_TIMEOUT_S`); an unparsable variable is an error naming it."""
         env = os.environ if environ is None else environ
+        if not timeout_s and _seconds(env, "FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S) == 0:
+            raise ValueError("FZERO_TIMEOUT_S is '0'; expected a number of seconds > 0")
         return cls(
-            timeout_s=timeout_s or _seconds(env, "FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S) or 1e-3,
+            timeout_s=timeout_s or _seconds(env, "FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S),
             slice_s=_seconds(env, "FZERO_WATCH_S", DEFAULT_WATCH_S),
             report_s=_seconds(env, "FZERO_REPORT_S", DEFAULT_REPORT_S),
             check=env.get(CHECK_COLLECTIVES, "1") not in ("0", ""),
@@ -871,9 +873,10 @@ class Watch:
             "ago": time.monotonic() - self.last_time,
         }
 
-    def notice(self, views: Mapping[int, PeerView], frame: FrameType | None) -> None:
+    def notice(self, store: Any, frame: FrameType | None) -> None:
         """A rank left while this one sits in its own torch.distributed collective that
         needs it (no fzero wait to raise here): say so, once."""
+        views = read_peers(store, self.rank, self.world)
         if self.waiting is not None or not any(v.left for v in views.values()):
             return
         place = whereabouts.whereabouts(frame)

@@ -274,7 +274,7 @@ class Subject(Protocol):
 
     def answer(self, frame: FrameType | None) -> dict[str, Any]: ...
 
-    def notice(self, views: Mapping[int, PeerView], frame: FrameType | None) -> None: ...
+    def notice(self, store: Any, frame: FrameType | None) -> None: ...
 
     def monitor(self, store: Any) -> None: ...
 
@@ -341,5 +341,5 @@ class Responder:
         answer = self.watch.answer(frame)
         self.store.set(key("where", self.watch.rank), f"{news}|{json.dumps(answer)}")
         self.answered = news
-        views = read_peers(self.store, self.watch.rank, self.watch.world)
-        self.watch.notice(views, frame)
+        if answer["call"]:  # in its own collective: a rank it needs may have left
+            self.watch.notice(self.store, frame)

@@ -42,6 +42,10 @@ def test_settings_come_from_the_environment_once_with_errors_that_name_the_varia
     assert WatchSettings.from_environment({"FZERO_TIMEOUT_S": "30"}, timeout_s=7).timeout_s == 7
     with pytest.raises(ValueError, match=r"FZERO_REPORT_S is 'soon'; expected a number"):
         WatchSettings.from_environment({"FZERO_REPORT_S": "soon"})
+    with pytest.raises(
+        ValueError, match="FZERO_TIMEOUT_S is '0'; expected a number of seconds > 0"
+    ):
+        WatchSettings.from_environment({"FZERO_TIMEOUT_S": "0"})
     with pytest.raises(ValueError, match="FZERO_WATCH_S is '-1'"):
         WatchSettings.from_environment({"FZERO_WATCH_S": "-1"})
     with pytest.raises(ValueError, match=r"WatchSettings\.report_s is -2"):
