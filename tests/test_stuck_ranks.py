@@ -25,6 +25,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_ABORT = "EnforceNotMet"  # what gloo throws (and aborts with) on mismatched collectives
+# Each surviving rank names the rank within this many seconds of reaching the point where
+# the ranks part (the issue's bound; 2-5 s on a quiet machine, the peer's own lag included).
+WITHIN_S = 60
 
 HEADER = textwrap.dedent(
     """
@@ -189,14 +192,14 @@ def test_a_step_without_backward_on_one_rank_is_named_on_both(tmp_path, stage):
         assert "backward of engine Net (micro-step 2)" in got["message"], got
         assert "step of engine Net (micro-step 2)" in got["message"], got
         assert "rank 0" in got["message"] and "rank 1" in got["message"], got
-        assert got["seconds"] < 20, got
+        assert got["seconds"] < WITHIN_S, got
 
 
 # ---- a rank that skips an entry point and goes on to its own barrier ------------------------
 
 SKIPPED = {
     "engine.state_dict": "engine.state_dict()",
-    "fzero.state_dict": "fzero.state_dict(engine.train_state())",
+    "fzero.state_dict": "fzero.state_dict(engine.train_state)",
     "save_checkpoint": "engine.save_checkpoint(os.path.join(os.getcwd(), 'ckpt'))",
 }
 
@@ -229,10 +232,10 @@ def test_a_rank_that_skips_an_entry_point_for_its_own_barrier_is_named(tmp_path,
     assert waiter["error"] == "RankDisagreement", waiter
     assert "rank 1 is in its own torch.distributed.barrier (called at" in waiter["message"]
     assert "outside fzero, while rank 0 waits in an agreement" in waiter["message"], waiter
-    assert waiter["seconds"] < 20, waiter
+    assert waiter["seconds"] < WITHIN_S, waiter
     assert "fzero: rank 0 raised in" in skipper.stderr, skipper.stderr[-4000:]
     assert "rank 1 is in its own torch.distributed.barrier" in skipper.stderr
-    assert skipper.result["seconds"] < 30, skipper.result  # its barrier fails as 0 exits
+    assert skipper.result["seconds"] < WITHIN_S, skipper.result  # its barrier fails as 0 exits
 
 
 # ---- a rank slow in its data loader: reported, then the run completes ------------------------
@@ -346,7 +349,7 @@ def test_a_rank_that_calls_sys_exit_is_named_at_once(tmp_path):
         "Net (micro-step 1), collective #"
     ) in got["message"], got
     assert "rank 0 waits in collective #" in got["message"], got
-    assert got["seconds"] < 20, got
+    assert got["seconds"] < WITHIN_S, got
     assert ranks[1].returncode == 0
 
 
@@ -378,7 +381,7 @@ def test_a_rank_killed_by_sigkill_is_named_on_the_survivor(tmp_path, victim, whe
         assert "rank 1's process has ended without a word" in got["message"], got
     else:
         assert "the process that hosts it (rank 0" in got["message"], got
-    assert got["seconds"] < 20, got
+    assert got["seconds"] < WITHIN_S, got
 
 
 def test_a_rank_terminated_by_sigterm_says_so_and_dies_of_it(tmp_path):
@@ -406,7 +409,7 @@ def test_a_rank_terminated_by_sigterm_says_so_and_dies_of_it(tmp_path):
         "rank 1 left the program (terminated by SIGTERM while in its own code at"
         in (got["message"])
     ), got
-    assert got["seconds"] < 20, got
+    assert got["seconds"] < WITHIN_S, got
 
 
 # ---- waits that are not sliced (as NCCL's) ---------------------------------------------------
