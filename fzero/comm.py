@@ -3,7 +3,9 @@
 fzero adds no transport of its own. The process group comes from `torchrun`'s
 environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); with none, a one-process
 group on an in-memory store, so the same script runs under `python` and
-`torchrun`.
+`torchrun`. Every collective fzero issues starts here, through the watch of the
+process group (`fzero._watch.Watch`: numbered, order-checked, watched), which
+`init_distributed` makes (or adopts a running group with) and the group's end drops.
 """
 
 from __future__ import annotations
