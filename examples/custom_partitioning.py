@@ -24,7 +24,8 @@ import fzero
 from fzero import partition
 
 MESH = partition.Mesh({"node": 2, "local": 2})
-SMALL = 2_000  # elements: a unit this small keeps whole parameters
+SMALL = 2_000  # elements: a unit this small keeps whole parameters (this preset's own
+# rule, so plans here say persistence_threshold=0 instead of DeepSpeed's 100,000)
 
 
 def mics_small_whole(mesh: partition.Mesh, unit: partition.Unit) -> partition.UnitSharding:
@@ -40,7 +41,7 @@ PRESET = partition.Custom("mics_small_whole", mics_small_whole)
 def strategy(manifest, *, world_size, stage, **options):
     """A strategy for the engine (`fzero.initialize(strategy=...)` or the config's
     `"strategy": "module:function"`): the same plan, laid out by `flat_even`."""
-    return partition.mesh_plan(manifest, MESH, PRESET)
+    return partition.mesh_plan(manifest, MESH, PRESET, persistence_threshold=0)
 
 
 def make_model() -> nn.Module:
@@ -75,7 +76,7 @@ def main() -> None:
 
     # 1. The plan, as data: what each rank holds of each kind, and what a step sends.
     manifest = partition.describe(make_model())
-    plan = partition.mesh_plan(manifest, MESH, PRESET)
+    plan = partition.mesh_plan(manifest, MESH, PRESET, persistence_threshold=0)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         print(partition.format_plan(plan))

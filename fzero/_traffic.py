@@ -70,3 +70,11 @@ def mesh_group(axes: tuple[tuple[str, int], ...], along: tuple[str, ...]) -> Any
             labels[mine] = "+".join(along) or "self"
         _mesh_groups[key] = mine
     return _mesh_groups[key]
+
+
+def forget() -> None:
+    """Drop the counts and the mesh subgroups of destroyed process groups
+    (`comm.forget_process_groups`)."""
+    _traffic.clear()
+    labels.clear()
+    _mesh_groups.clear()

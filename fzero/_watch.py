@@ -319,7 +319,7 @@ class Watch:
         previous = sys.excepthook
 
         def hook(*info: Any) -> None:
-            if not self.closed:
+            if self.is_current():
                 self.failing = True
                 self.leaving = f"an uncaught {info[0].__name__}: {info[1]}"
                 with contextlib.suppress(Exception):
@@ -410,11 +410,6 @@ class Watch:
             with contextlib.suppress(Exception):
                 undo()
         self._hooks.clear()
-
-    def release(self) -> None:
-        """The group was destroyed under the watch (seen by the answering thread)."""
-        if not self.closed:
-            self.close()
 
     def leave(self) -> None:
         """At exit, before the group is destroyed: post that this rank left (and how),
@@ -1027,3 +1022,14 @@ def replace_settings(watch: Watch, **changes: Any) -> None:
     watch.settings = dataclasses.replace(watch.settings, **changes)
     slice_s = watch.settings.slice_s
     watch.sliced = watch.world > 1 and watch.backend == "gloo" and slice_s > 0
+
+
+def forget() -> None:
+    """Start over as in a new process, the process groups being destroyed
+    (`comm.forget_process_groups`): the old default group's watch is closed (its answering
+    thread stopped; its exit, exception and SIGTERM hooks removed) and dropped, so the
+    next group gets a new one (numbering, order-check tracks, posts and settings afresh)."""
+    for watch in _active:
+        watch.side_groups.clear()  # destroyed with the default group
+        watch.close()
+    _active.clear()

@@ -280,8 +280,6 @@ class Subject(Protocol):
 
     def terminated(self, signum: int, frame: FrameType | None, store: Any = None) -> None: ...
 
-    def release(self) -> None: ...
-
 
 class Responder:
     """The thread that answers the other ranks (see the module's text). `wakeup`: the
@@ -310,9 +308,8 @@ class Responder:
                 self._sleep()
                 if self.stopping.is_set() or self.watch.closed:
                     return
-                if not self.watch.is_current():  # the group was destroyed under the watch
-                    self.watch.release()
-                    return
+                if not self.watch.is_current():  # the group was destroyed under the watch:
+                    return  # the main thread closes it (only it may restore SIGTERM)
                 news = int(self.store.add(NEWS, 0))
                 if news != self.answered:
                     self._answer(news)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from fzero import _watch
+from fzero import _traffic, _watch
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
 from fzero._watch import RankDisagreement, Watch, Watched, WatchSettings
 
@@ -35,13 +36,13 @@ __all__ = [
     "agree",
     "all_gather_bytes",
     "all_gather_into",
-    "all_gather_uneven",
     "all_reduce",
     "all_to_all_into",
     "backend_device",
     "barrier",
-    "broadcast",
+    "broadcast_from",
     "exempt_thread",
+    "forget_process_groups",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -51,6 +52,7 @@ __all__ = [
     "named_operation",
     "post_raised",
     "reduce_scatter_into",
+    "reduce_to",
     "report_waits_after",
     "side_group",
     "traffic",
@@ -67,7 +69,11 @@ _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_distributed(
-    *, backend: str | None = None, timeout_s: float | None = None, required: bool | None = None
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    required: bool | None = None,
+    report_s: float | None = None,
 ) -> None:
     """Start the default process group if it is not running, and fzero's watch of it.
 
@@ -75,14 +81,18 @@ def init_distributed(
     to have started it. Collectives time out after `timeout_s` seconds
     (default: `FZERO_TIMEOUT_S` or 600), so a rank that dies cannot leave the
     others waiting forever. The watch's settings (`WatchSettings`: the timeout,
-    `FZERO_WATCH_S`, `FZERO_REPORT_S`, `FZERO_CHECK_COLLECTIVES`) are read here, once.
+    `FZERO_WATCH_S`, `FZERO_REPORT_S`, `FZERO_CHECK_COLLECTIVES`) are read here, once;
+    `report_s` (a config's `collective_report_s`) sets the report interval over
+    `FZERO_REPORT_S` (`report_waits_after`), on a new or a running group.
     """
     if dist.is_initialized():
         # Started by the caller (Accelerate's CPU path, a test harness): fzero's engines
         # and collectives live on it all the same, so fzero watches it and still ends it
         # before interpreter teardown (a Trainer at ZeRO-2 aborted 1 exit in 10 under load
         # without this)
-        _adopt(timeout_s)
+        watch = _adopt(timeout_s)
+        if report_s is not None:
+            _watch.replace_settings(watch, report_s=float(report_s))
         return
     if required is False:
         raise RuntimeError(
@@ -90,6 +100,8 @@ def init_distributed(
             "call torch.distributed.init_process_group first or pass dist_init_required=None"
         )
     settings = WatchSettings.from_environment(timeout_s=timeout_s)
+    if report_s is not None:
+        settings = dataclasses.replace(settings, report_s=float(report_s))
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if all(name in os.environ for name in _LAUNCHER_VARIABLES):
@@ -247,6 +259,21 @@ def _issue(
     return watch.issue(kind, tensor, what, async_op, start, group, counted)
 
 
+def forget_process_groups() -> None:
+    """Forget what fzero holds for process groups the caller has destroyed (all of them:
+    `torch.distributed.destroy_process_group()`): side groups, mesh subgroups, traffic
+    counts and the watch's numbering, tracks and posts, so that the next process group
+    starts as it would in a new process. For a harness that runs many worlds one after
+    another in one process (a persistent test worker); a training script never needs it."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "forget_process_groups: the default process group is still running; "
+            "destroy it first (torch.distributed.destroy_process_group())"
+        )
+    _traffic.forget()
+    _watch.forget()
+
+
 def backend_device() -> torch.device:
     """The device collectives run on: the local CUDA device under NCCL, else CPU."""
     if dist.get_backend() == "nccl":
@@ -277,44 +304,6 @@ def all_gather_into(
         lambda a: gather(output, shard, async_op=a, group=group),
         group,
     )
-
-
-class _Unpadded:
-    """An all-gather of padded parts in flight; `wait()` ends it and moves each rank's
-    part to its place in the output."""
-
-    def __init__(self, work: Any, padded: torch.Tensor, output: torch.Tensor, sizes: list[int]):
-        self.work, self.padded, self.output, self.sizes = work, padded, output, sizes
-
-    def wait(self) -> None:
-        self.work.wait()
-        width, at = max(self.sizes), 0
-        for rank, size in enumerate(self.sizes):
-            self.output[at : at + size].copy_(self.padded[rank * width : rank * width + size])
-            at += size
-
-
-def all_gather_uneven(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    sizes: list[int],
-    *,
-    async_op: bool = False,
-    what: str = "",
-    group: Any = None,
-):
-    """`all_gather_into` for parts of `sizes` elements (rank order; this rank's is
-    `shard`): each travels padded to the largest, and lands unpadded in `output`."""
-    width = max(sizes)
-    part = torch.zeros(width, dtype=shard.dtype, device=shard.device)
-    part[: shard.numel()].copy_(shard)
-    padded = torch.empty(width * len(sizes), dtype=output.dtype, device=output.device)
-    work = all_gather_into(padded, part, async_op=True, what=what, group=group)
-    gathered = _Unpadded(work, padded, output, sizes)
-    if async_op:
-        return gathered
-    gathered.wait()
-    return None
 
 
 def reduce_scatter_into(
@@ -398,6 +387,54 @@ def all_reduce(
     )
 
 
+def _global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def broadcast_from(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Rank `src`'s `tensor` (its rank in `group`; every process's without one) into
+    every rank's `tensor`: what a part owned by one rank costs to share (its bytes once,
+    not padded to the largest part)."""
+    root = _global_rank(group, src)
+    return _issue(
+        "broadcast",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.broadcast(tensor, src=root, async_op=a, group=group),
+        group,
+    )
+
+
+def reduce_to(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    async_op: bool = False,
+    what: str = "",
+    group: Any = None,
+):
+    """Sum `tensor` over ranks into rank `dst`'s (its rank in `group`): what a gradient
+    owned by one rank costs to reduce (its bytes once; the other ranks' `tensor` is left
+    undefined, as torch's `reduce`)."""
+    root = _global_rank(group, dst)
+    return _issue(
+        "reduce",
+        tensor,
+        what,
+        async_op,
+        lambda a: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, async_op=a, group=group),
+        group,
+    )
+
+
 def is_initialized() -> bool:
     """Whether the default process group is running."""
     return dist.is_initialized()
@@ -416,26 +453,6 @@ def get_world_size(group: Any = None) -> int:
 def get_local_rank() -> int:
     """This process's rank on its node (the launcher's LOCAL_RANK; 0 without one)."""
     return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def broadcast(
-    tensor: torch.Tensor,
-    src: int,
-    *,
-    group: Any = None,
-    async_op: bool = False,
-    what: str = "",
-) -> Any:
-    """Rank `src`'s `tensor` into every rank's `tensor` (`src`: a rank of the default
-    group, as torch's)."""
-    return _issue(
-        "broadcast",
-        tensor,
-        what,
-        async_op,
-        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
-        group,
-    )
 
 
 _NOTHING = torch.empty(0)  # a barrier's "tensor": it moves nothing (and is not counted)

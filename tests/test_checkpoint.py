@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fzero
+from fzero import cli
 from fzero.checkpoint import CheckpointError, consolidate, consolidated_state_dict, inspect
 from tests._dist import run_world
 from tests.models import Awkward, Net, global_batch
@@ -221,7 +222,7 @@ def consolidate_case(rank, world, root):
     return engine.state_dict(dtype=torch.float32)
 
 
-def test_consolidation_gives_the_models_own_state_dict(tmp_path):
+def test_consolidation_gives_the_models_own_state_dict(tmp_path, capsys):
     expected = run_world(consolidate_case, 2, str(tmp_path / "ckpt"))
     state = consolidated_state_dict(str(tmp_path / "ckpt"))
     assert list(state) == list(expected)  # the model's keys, tied weights under both names
@@ -234,15 +235,12 @@ def test_consolidation_gives_the_models_own_state_dict(tmp_path):
     with safe_open(files[0], "pt") as f:
         assert f.metadata() == {"format": "pt"}
     command = ["checkpoint", "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "sharded")]
-    run = subprocess.run(
-        [sys.executable, "-m", "fzero.cli", *command, "--tag", "t1", "--max-shard-size", "200B"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    capsys.readouterr()
+    assert cli.main([*command, "--tag", "t1", "--max-shard-size", "200B"]) == 0  # `fzero ...`
+    printed = capsys.readouterr().out
     index = (tmp_path / "sharded" / "model.safetensors.index.json").read_text()
     shards = sorted((tmp_path / "sharded").glob("model-*-of-*.safetensors"))
-    assert len(shards) > 2 and all(str(s) in run.stdout for s in shards)
+    assert len(shards) > 2 and all(str(s) in printed for s in shards)
     merged = {}
     for shard in shards:
         merged.update(load_file(shard))
@@ -512,12 +510,16 @@ def async_case(rank, world, root):
     def broken(*_args, **_kwargs):
         raise OSError("disk full (injected)")
 
+    working = _save.write_safetensors_stream
     _save.write_safetensors_stream = broken
-    engine.save_checkpoint(f"{root}/broken", async_save=True)
     try:
-        engine.save_checkpoint(f"{root}/next")
-    except CheckpointError as error:
-        failure = str(error)
+        engine.save_checkpoint(f"{root}/broken", async_save=True)
+        try:
+            engine.save_checkpoint(f"{root}/next")
+        except CheckpointError as error:
+            failure = str(error)
+    finally:  # the rank processes run later cases too
+        _save.write_safetensors_stream = working
     return losses, resumed_losses, failure, os.path.exists(f"{root}/broken/latest")
 
 

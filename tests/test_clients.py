@@ -15,7 +15,6 @@ step, an lr schedule restarting on resume) and trained wrong without an error.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 import fzero
-from tests._dist import run_world
+from tests._dist import run_script, run_world
 from tests.models import Net, global_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,19 +206,17 @@ def test_a_config_schedule_resumes_as_deepspeed_does(tmp_path, load_lr_scheduler
 
 def _accelerate(tmp: Path, name: str, stage: int, *args: str) -> tuple[dict, list[dict]]:
     """`tests/client_scripts/accelerate_nlp.py` as `accelerate launch --use_deepspeed`
-    starts it (ACCELERATE_USE_DEEPSPEED), under `fzero run --as-deepspeed`."""
+    starts it (ACCELERATE_USE_DEEPSPEED), as `fzero run --as-deepspeed` runs it (on the
+    test ranks: `tests._dist.run_script`)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    env = {**os.environ, "ACCELERATE_USE_DEEPSPEED": "true" if stage else "false"}
-    command = [
-        sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "--no_local_rank", "-n", "1",
-        str(SCRIPTS / "accelerate_nlp.py"), "--zero_stage", str(stage), "--out",
-        str(tmp / name), *args,
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(
+        "--as-deepspeed", "--no_local_rank", "-n", "1", str(SCRIPTS / "accelerate_nlp.py"),
+        "--zero_stage", str(stage), "--out", str(tmp / name), *args,
+        cwd=ROOT, env={"ACCELERATE_USE_DEEPSPEED": "true" if stage else "false"},
+    )  # fmt: skip
     record = json.loads((tmp / f"{name}.json").read_text())
     return load_file(tmp / f"{name}.safetensors"), record
 
@@ -261,15 +258,13 @@ def _sft(tmp: Path, name: str, deepspeed: dict | None) -> dict:
         "--logging_steps", "1", "--seed", "0", "--bf16", "false", "--max_length", "16",
         "--dataloader_num_workers", "0", "--use_cpu", "true",
     ]  # fmt: skip
-    command = [sys.executable, "-m", "fzero.cli", "run", "-n", "2"]
+    command = ["-n", "2"]
     if deepspeed is not None:
         config = tmp / f"{name}.json"
         config.write_text(json.dumps(deepspeed))
         command += ["--as-deepspeed", "--no_local_rank"]
         flags += ["--deepspeed", str(config)]
-    command += [str(SCRIPTS / "trl_sft.py"), *flags]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_script(*command, str(SCRIPTS / "trl_sft.py"), *flags, cwd=ROOT)
     return load_file(out / "model.safetensors")
 
 

@@ -382,22 +382,18 @@ def test_a_rank_that_skips_a_state_dict_is_named(tmp_path):
 # ---- the launcher -----------------------------------------------------------------------
 
 
-def test_launcher_flags_map_to_the_entry_environment():
-    done = subprocess.run(
-        [sys.executable, "-m", "fzero.cli", "run", "--dry-run", "--as-deepspeed",
-         "--bind_cores_to_rank", "--bind_core_list", "0-3", "-n", "2", "train.py", "--x"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    line = done.stdout.strip()
+def test_launcher_flags_map_to_the_entry_environment(capsys, monkeypatch):
+    from fzero.cli import main  # what `python -m fzero.cli` runs, in this process
+
+    monkeypatch.chdir(ROOT)
+    assert main(["run", "--dry-run", "--as-deepspeed", "--bind_cores_to_rank",
+                 "--bind_core_list", "0-3", "-n", "2", "train.py", "--x"]) == 0  # fmt: skip
+    line = capsys.readouterr().out.strip()
     assert "FZERO_AS_DEEPSPEED=1" in line and "FZERO_LOCAL_RANK_ARG=1" in line
     assert "'FZERO_CORE_LISTS=0,1;2,3'" in line
     assert line.endswith("-m fzero.cli.launch_entry train.py --x")
-    done = subprocess.run(
-        [sys.executable, "-m", "fzero.cli", "run", "--dry-run", "--bind_core_list", "0-3",
-         "train.py"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 2 and "--bind_core_list needs --bind_cores_to_rank" in done.stderr
+    code = main(["run", "--dry-run", "--bind_core_list", "0-3", "train.py"])
+    assert code == 2 and "--bind_core_list needs --bind_cores_to_rank" in capsys.readouterr().err
 
 
 def test_ranks_get_local_rank_and_their_cores(tmp_path):

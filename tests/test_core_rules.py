@@ -4,7 +4,7 @@ along a recorded order, and a unit's reuse distance (DeepSpeed's
 
 from __future__ import annotations
 
-from fzero.core.gather import reuse_distance, units_to_prefetch
+from fzero.core.gathering import reuse_distance, units_to_prefetch
 
 NUMEL = {0: 10, 1: 20, 2: 30, 3: 40}.__getitem__
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._dist import run_launched
+from tests._dist import run_script as run_fzero_script
 
 SCRIPTS = Path(__file__).resolve().parent / "ds_scripts"
 ROOT = SCRIPTS.parent.parent
@@ -44,15 +43,14 @@ def scripts_importable():
 
 
 def run_script(tmp_path: Path, script: str, config: dict, *args: str) -> str:
-    """Run `script` under `fzero run --as-deepspeed -n 2`; returns its stderr."""
+    """Run `script` as `fzero run --as-deepspeed -n 2` runs it, on the test ranks
+    (`tests._dist.run_script`); returns its stderr."""
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(config))
-    command = [
-        sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2",
-        str(SCRIPTS / script), "--deepspeed", "--deepspeed_config", str(config_path), *args,
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_fzero_script(
+        "--as-deepspeed", "-n", "2", str(SCRIPTS / script),
+        "--deepspeed", "--deepspeed_config", str(config_path), *args, cwd=ROOT,
+    )  # fmt: skip
     return done.stderr
 
 
@@ -189,7 +187,7 @@ def test_mlm_zero3_offload_checkpoint_resume_matches_torch(tmp_path, stage):
 def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None) -> Path:
     """The Trainer script under `fzero run -n 2`: with `deepspeed`, as DeepSpeed runs it
     (`--as-deepspeed`, `--deepspeed ds_config.json`); without, plain Trainer DDP."""
-    command = [sys.executable, "-m", "fzero.cli", "run"]
+    command: list[str] = []
     extra: list[str] = []
     if deepspeed is not None:
         (tmp_path / "ds_config.json").write_text(json.dumps(deepspeed))
@@ -198,8 +196,7 @@ def _trainer(tmp_path: Path, out: str, *args: str, deepspeed: dict | None = None
     command += ["-n", "2", str(SCRIPTS / "hf_trainer.py"), "--output_dir", str(tmp_path / out)]
     command += ["--max_steps", "4", "--per_device_train_batch_size", "4", "--use_cpu"]
     command += ["--report_to", "none", "--save_steps", "2", *extra, *args]
-    done = run_launched(command, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_fzero_script(*command, cwd=ROOT)
     return tmp_path / out
 
 
@@ -329,13 +326,11 @@ def test_deepspeed_bf16_master_weight_example_trains_like_its_baseline(tmp_path)
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(config))
         log = tmp_path / f"{name}.csv"
-        command = [
-            sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2",
-            str(SCRIPTS / "bf16_master_weight.py"), "--deepspeed_config", str(path),
-            "--num_steps", "40", "--loss_log_file", str(log),
-        ]  # fmt: skip
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
+        done = run_fzero_script(
+            "--as-deepspeed", "-n", "2", str(SCRIPTS / "bf16_master_weight.py"),
+            "--deepspeed_config", str(path), "--num_steps", "40", "--loss_log_file", str(log),
+            cwd=ROOT,
+        )  # fmt: skip
         assert f"SUMMARY: config={path} params=" in done.stdout
         losses = [float(line.split(",")[1]) for line in log.read_text().splitlines()[1:]]
         assert len(losses) == 40 and sum(losses[-5:]) < 0.5 * sum(losses[:5])

@@ -47,17 +47,17 @@ def gather_trace_case(rank, world, reuse_distance):
     all_gather_into = comm.all_gather_into
 
     def spy(output, shard, *, async_op=False, what="", group=None):
-        gathers.append(engine.stage3.phase)
+        gathers.append(engine.gatherer.phase)
         return all_gather_into(output, shard, async_op=async_op, what=what, group=group)
 
     def watch(index):
         def pre_forward(_module, _inputs):
-            live.append(engine.stage3.live_numel())
+            live.append(engine.gatherer.live_numel)
             if index + 1 < DEPTH:
-                ahead.append(engine.units[index + 1].full is not None)
+                ahead.append(engine.gatherer.units[index + 1].full is not None)
 
         def pre_backward(_module, _grads):
-            live.append(engine.stage3.live_numel())
+            live.append(engine.gatherer.live_numel)
 
         return pre_forward, pre_backward
 
@@ -219,9 +219,9 @@ def submodule_alone_case(rank, world):
     live = []
     with torch.no_grad():
         out = model[2](_batch(1, rank))
-    live.append(engine.stage3.live_numel())
+    live.append(engine.gatherer.live_numel)
     model[3](out).sum().backward()
-    live.append(engine.stage3.live_numel())
+    live.append(engine.gatherer.live_numel)
     return live
 
 

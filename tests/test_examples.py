@@ -1,4 +1,4 @@
-"""Smoke tests of the examples: a few steps under `fzero run -n 2`, the loss falls, and
+"""Smoke tests of the examples: a few steps as under `fzero run -n 2`, the loss falls, and
 a checkpoint round-trips."""
 
 from __future__ import annotations
@@ -7,28 +7,21 @@ import json
 import math
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import run_launched
+from tests._dist import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BERT = ROOT / "examples" / "bert_pretraining"
 
 
-def _fzero_run(
-    script: Path, *args: str, timeout: int = 300, launcher: tuple = (), processes: int = 2
-) -> str:
-    command = [sys.executable, "-m", "fzero.cli", "run", *launcher, "-n", str(processes)]
-    run = run_launched(
-        [*command, str(script), *args],
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+def _fzero_run(script: Path, *args: str, launcher: tuple = (), processes: int = 2) -> str:
+    """The script as `fzero run -n N` runs each process, on the test ranks
+    (`tests._dist.run_script`; the launcher itself is tested in test_launcher and
+    test_engine_features); returns every rank's stdout."""
+    return run_script(*launcher, "-n", str(processes), str(script), *args, cwd=ROOT).stdout
 
 
 @pytest.mark.slow  # in `make test-slow`: keeps `make test` near 8 minutes
@@ -155,15 +148,16 @@ def test_t5_seq2seq_trainer_zero3_generates_and_evaluates_as_plain_pytorch(tmp_p
 
 def test_readme_functional_api_example_runs_as_written(tmp_path):
     """The README's functional example, cut out of the README and run under `fzero run
-    -n 2` as it stands: it trains, saves and consolidates."""
+    -n 2` as it stands (tests/test_docs.py runs it in one process): it trains and saves
+    a checkpoint the engine's loader reads."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Functional API") :]
+    section = readme[readme.index("## The functional door") :]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "train.py"
-    script.write_text(code.replace('"out/functional"', repr(str(tmp_path / "ckpt"))))
+    script.write_text(code.replace('"ckpt"', repr(str(tmp_path / "ckpt"))))
     out = _fzero_run(script)
     losses = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
-    assert len(losses) == 3 and losses[-1] < losses[0], out
+    assert len(losses) == 2 and max(losses) < math.log(4), out  # each rank its own batches
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step30"
 
 

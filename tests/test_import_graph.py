@@ -1,5 +1,5 @@
 """fzero's modules import one another in one direction only: no cycles, eager or lazy,
-and the layers of DESIGN.md point down.
+and the layers of docs/architecture.md ("Layers") point down.
 
 Every `import fzero...` / `from fzero... import ...` in every module counts, including
 those inside functions and under `TYPE_CHECKING`: a cycle hidden in a function is still
@@ -145,7 +145,7 @@ def test_checkpoints_reach_no_engine_and_touch_no_private_engine_attribute():
                 assert not node.attr.startswith("_"), f"{path.name}: engine.{node.attr}"
 
 
-# The layer rule: a layer reaches only layers below it (DESIGN.md, "Layers"); the pure
+# The layer rule: a layer reaches only layers below it (docs/architecture.md, "Layers"); the pure
 # layers (partition, optim) are held to their own test above.
 _NOT_BELOW = {
     "fzero.core": ("fzero.engine", "fzero.compat", "fzero.checkpoint", "fzero.cli"),

@@ -7,6 +7,8 @@ checkpoint restores exactly as plain ZeRO-3 on 2 processes and then on 1.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,6 +53,8 @@ PRESETS = {
     "mics": "mics",
     "hpz": "hpz",
     "mixed": Custom("mixed", _mixed),
+    # MiCS over both axes, gathered one axis at a time (mics_hierarchical_params_gather)
+    "hierarchical": partition.MiCS(("node", "local"), hierarchical_params_gather=True),
     "hsdp2": Custom("hsdp2", _hsdp2, stage=2),
     "hsdp1": Custom("hsdp1", _hsdp1, stage=1),
 }
@@ -156,14 +160,26 @@ def _every_case(rank: int, world: int) -> dict:
     return results
 
 
-def _mics_case(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    engine = _engine("from the config", {"stage": 3, "mics_shard_size": 2})
+def _mics_case(
+    rank: int, world: int, zero: dict | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    if zero is None:
+        engine = _engine("from the config", {"stage": 3, "mics_shard_size": 2})
+    else:  # two nodes of two ranks, as DeepSpeed reads them
+        os.environ["NDEV_PER_NODE"] = "2"
+        engine = _engine("from the config", zero)
     return _train_engine(engine, rank, range(STEPS)), engine.state_dict(dtype=torch.float32)
 
 
-def test_mics_from_deepspeed_keys_at_2x2_matches_torch_optim():
-    """The quick case (`make test`); every preset and both doors are the slow test's."""
-    losses, state = run_world(_mics_case, MESH.size)
+HIERARCHICAL = {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": True}
+
+
+@pytest.mark.parametrize("zero", [None, HIERARCHICAL], ids=["mics", "hierarchical"])
+def test_mics_from_deepspeed_keys_at_2x2_matches_torch_optim(zero):
+    """The quick cases (`make test`): MiCS, and MiCS's hierarchical gather over two nodes
+    of two ranks (one all-gather per axis); every preset and both doors are the slow
+    test's."""
+    losses, state = run_world(_mics_case, MESH.size, zero)
     ref_losses, ref_state = reference()
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7)
     for name, expected in ref_state.items():
@@ -214,7 +230,7 @@ def _traffic_case(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["mics", "hpz", "hsdp2", "mixed"])
+@pytest.mark.parametrize("preset", ["mics", "hpz", "hsdp2", "mixed", "hierarchical"])
 def test_mesh_collectives_run_on_their_axes_as_comm_volume_predicts(preset):
     """Bytes per group and operation of a step equal `engine.comm_volume()` (2
     micro-steps, units released after forward: `stage3_max_reuse_distance` 0). MiCS
@@ -229,6 +245,9 @@ def test_mesh_collectives_run_on_their_axes_as_comm_volume_predicts(preset):
     if preset == "hpz":
         assert sent[("local", "all_gather")] > 0  # backward, from the secondary copy
         assert sent[("world", "all_gather")] > 0  # forward, from the primary shards
+    if preset == "hierarchical":  # one gather per axis, the outermost first
+        assert sent[("node", "all_gather")] * 2 == sent[("local", "all_gather")]
+        assert ("world", "all_gather") not in sent
 
 
 def _resume_case(rank: int, world: int, directory: str, preset: str) -> dict:

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fzero import partition
 from fzero.partition import (
     Manifest,
     Piece,
@@ -25,12 +26,21 @@ from fzero.partition import (
     owned_numel,
     owner_of,
     per_tensor_dim0,
-    plan,
     reduction_buckets,
     reshard_reads,
     to_bytes,
     validate,
 )
+
+
+def plan(manifest, **options):
+    """`partition.plan`, sharding every tensor of these tiny models at stage 3 unless a
+    test says otherwise (DeepSpeed's default persistence threshold keeps them whole)."""
+    built_in = (partition.flat_even, partition.per_tensor_dim0, partition.whole_tensors)
+    if options.get("strategy", partition.flat_even) in built_in:
+        options.setdefault("persistence_threshold", 0)
+    return partition.plan(manifest, **options)
+
 
 STRATEGIES = [flat_even, per_tensor_dim0]
 

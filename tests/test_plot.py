@@ -228,7 +228,7 @@ def test_mesh_plan_padding_bars_are_where_format_plan_reports_padding(preset, st
 def test_stage_plan_padding_bars_are_where_format_plan_reports_padding():
     """A stage plan's rows pad what format_plan's "(+N padding)" says (stage 3 without
     persistent units: every kind is split, each rank's row its shards)."""
-    plan = fzero.partition.plan(describe(Net()), world_size=3, stage=3)
+    plan = fzero.partition.plan(describe(Net()), world_size=3, stage=3, persistence_threshold=0)
     reported = {}
     for line in format_plan(plan).splitlines():
         if unit := re.match(r"  unit (\d+) ", line):

@@ -1,4 +1,4 @@
-"""The pure layers stay pure: no process group, no file I/O (DESIGN.md, STYLE.md rule 1).
+"""The pure layers stay pure: no process group, no file I/O (docs/architecture.md, rule 1).
 An in-memory `io.BytesIO()` is not I/O (`partition.plot_plan` returns PNG bytes)."""
 
 from __future__ import annotations

@@ -249,7 +249,8 @@ def lifecycle_case(rank: int, world: int) -> dict:
     gone = _watch.current() is None and watch.closed
     thread_ended = not watch._responder.thread.is_alive()
     restored = sys.excepthook is before
-    dist.init_process_group("gloo")  # a new group (the harness's environment)
+    # a new group (one rank on its own store: the old port may still be closing)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     comm.init_distributed()
     fresh = _watch.current()
     return {
@@ -264,6 +265,47 @@ def lifecycle_case(rank: int, world: int) -> dict:
 
 def test_the_watch_is_made_with_the_group_and_closed_with_it():
     got = run_world(lifecycle_case, 2)
+    assert got == dict.fromkeys(got, True), got
+
+
+def forget_case(rank: int, world: int) -> dict:
+    """A harness that runs many worlds in one process (`tests._workers`): the group
+    destroyed, `forget_process_groups` closes its watch and puts back what it hooked."""
+    import signal
+
+    import torch.distributed as dist
+
+    from fzero import comm
+
+    dist.init_process_group("gloo")  # torch hooks its excepthook here
+    hook, term = sys.excepthook, signal.getsignal(signal.SIGTERM)
+    comm.init_distributed()  # adopts it
+    watch = _watch.current()
+    comm.all_reduce(torch.ones(1), what="a sum")
+    with comm.named_operation("an operation"):
+        comm.all_reduce(torch.ones(2), what="another")
+    caught = term is not signal.SIG_DFL or signal.getsignal(signal.SIGTERM) is not term
+    dist.destroy_process_group()
+    comm.forget_process_groups()
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    after = {
+        "caught": caught,
+        "closed": watch.closed and _watch.current() is None,
+        "thread_ended": not watch._responder.thread.is_alive(),
+        "hook_back": sys.excepthook is hook,
+        "sigterm_back": signal.getsignal(signal.SIGTERM) is term and wakeup == -1,
+    }
+    # the next world (one rank on its own store: the old port may still be closing)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm.init_distributed()  # adopted: a watch of its own, from the start
+    fresh = _watch.current()
+    after["fresh"] = fresh is not watch and (fresh.issued, fresh.tracks) == (0, {})
+    return after
+
+
+def test_forgetting_the_process_groups_closes_the_watch():
+    got = run_world(forget_case, 2)
     assert got == dict.fromkeys(got, True), got
 
 

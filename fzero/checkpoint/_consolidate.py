@@ -28,6 +28,7 @@ from fzero.checkpoint._files import (
 )
 from fzero.checkpoint._format import (
     CLIENT_FILE,
+    INDEX,
     MODEL_16BIT,
     checksum_algorithm,
     read_index,
@@ -39,14 +40,35 @@ __all__ = ["consolidate", "consolidated_state_dict", "inspect", "iter_consolidat
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _tags(save_dir: str) -> list[str]:
+    """The tag directories under a save directory, sorted; a `save_dir` that is missing or
+    not a directory is an error naming it."""
+    if not os.path.isdir(save_dir):
+        what = "is not a directory" if os.path.exists(save_dir) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {save_dir} {what}")
+    return sorted(
+        name
+        for name in os.listdir(save_dir)
+        if not name.startswith(".") and os.path.isdir(os.path.join(save_dir, name))
+    )
+
+
+def _tags_there(tags: list[str]) -> str:
+    return f"tags there: {', '.join(tags)}" if tags else "it holds no checkpoint"
+
+
 def _resolve(save_dir: str, tag: str | None) -> tuple[str, dict[str, Any]]:
+    tags = _tags(save_dir)
     if tag is None:
         tag = read_latest(save_dir)
         if tag is None:
-            raise CheckpointError(f"{os.path.join(save_dir, 'latest')} does not exist; pass a tag")
+            raise CheckpointError(
+                f"{save_dir} has no 'latest' file naming its newest tag, so pass a tag "
+                f"({_tags_there(tags)})"
+            )
     directory = os.path.join(save_dir, tag)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint {directory} does not exist")
+        raise CheckpointError(f"tag {tag!r} is not in {save_dir} ({_tags_there(tags)})")
     return directory, read_index(directory)
 
 
@@ -210,19 +232,27 @@ def consolidate(
 
 def inspect(save_dir: str) -> tuple[str, bool]:
     """A report of every tag under `save_dir`, verifying every checksum; and whether
-    all of it is intact."""
+    all of it is intact. A `save_dir` that is missing, not a directory or holds no
+    checkpoint at all is a `CheckpointError` naming it."""
+    tags = _tags(save_dir)
+    indexed = [t for t in tags if os.path.isfile(os.path.join(save_dir, t, INDEX))]
+    if not indexed and not os.path.lexists(os.path.join(save_dir, "latest")):
+        within = (
+            f"none of its directories ({', '.join(tags)}) holds an {INDEX}"
+            if tags
+            else ("no tag directory, no 'latest' file")
+        )
+        raise CheckpointError(f"{save_dir} holds no checkpoint: {within}")
     lines = []
     latest = None
     try:
         latest = read_latest(save_dir)
     except CheckpointError as error:
         lines.append(f"latest: DAMAGED ({error})")
-    tags = sorted(
-        name
-        for name in os.listdir(save_dir)
-        if not name.startswith(".") and os.path.isdir(os.path.join(save_dir, name))
-    )
-    if latest is not None:
+    if latest is not None and latest not in tags:
+        lines.append(f"latest: DAMAGED (it names tag {latest!r}, which is not here)")
+        latest = None
+    elif latest is not None:
         lines.append(f"latest: {latest}")
     intact = not lines or latest is not None
     for tag in tags:

@@ -87,7 +87,7 @@ def restore(
     load_optimizer_states: bool = True,
     accumulation: int | None = None,
     extras: Extras | None = None,
-    owner: Any = None,
+    owner: object = None,
     install: bool = True,
     strict: bool = True,
 ) -> Restored:
@@ -124,7 +124,7 @@ def _restore(
     load_optimizer_states: bool,
     accumulation: int | None,
     extras: Extras | None,
-    owner: Any,
+    owner: object,
     install: bool,
     strict: bool,
 ) -> Restored:
@@ -460,10 +460,19 @@ def _check_model(
     )
     if not strict:
         missing = unexpected = []
-    if missing or unexpected or changed:
+    differences = [
+        f"{what} {names}"
+        for what, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape changed", changed),
+        )
+        if names
+    ]
+    if differences:
         raise CheckpointError(
-            f"{directory} does not fit this model's frozen parameters and buffers: missing "
-            f"{missing}, unexpected {unexpected}, shape changed {changed}"
+            f"{directory} does not fit this model's frozen parameters and buffers: "
+            + "; ".join(differences)
         )
 
 

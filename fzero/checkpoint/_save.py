@@ -264,7 +264,7 @@ _SAVES: dict[int, AsyncSave] = {}
 _WAIT_AT_EXIT: set[int] = set()
 
 
-def wait_for_save(owner: Any = None) -> None:
+def wait_for_save(owner: object = None) -> None:
     """Block until `owner`'s asynchronous save (if any) is written; raise its error."""
     pending = _SAVES.pop(id(owner), None)
     if pending is not None:
@@ -283,7 +283,7 @@ def save(
     save_latest: bool = True,
     async_save: bool = False,
     extras: Extras | None = None,
-    owner: Any = None,
+    owner: object = None,
 ) -> str:
     """Save `state` to `directory/tag` (default tag `global_step{N}`) and point
     `directory/latest` at it; collective. `optimizer` is the one the state was built
@@ -315,7 +315,7 @@ def _save(
     save_latest: bool,
     async_save: bool,
     extras: Extras | None,
-    owner: Any,
+    owner: object,
 ) -> str:
     wait_for_save(owner)
     extras = extras_of(state.plan, module, extras)

@@ -1,30 +1,60 @@
-"""The `fzero` command: `fzero run` (launch on torchrun), `fzero estimate` (memory) and
-`fzero checkpoint consolidate|inspect`."""
+"""The `fzero` command's subcommands: `fzero run` (launch on torchrun), `fzero estimate`
+(memory) and `fzero checkpoint consolidate|inspect`.
+
+The command line itself is parsed by `fzero_cli` (standard library only, so `--help` and
+`--version` never import torch); it calls `COMMANDS[name](args)` here. Each subcommand
+turns bad input into one line on stderr and a non-zero exit.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 
-__all__ = ["main"]
+from fzero_cli import main
+
+__all__ = ["COMMANDS", "main"]
 
 
 def _load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"--model {spec!r}: expected 'module:factory'")
+        raise ValueError(f"--model {spec!r}: expected 'module:factory'")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
-        raise SystemExit(f"--model {spec!r}: {error}") from None
+        raise ValueError(f"--model {spec!r}: {error}") from None
 
 
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
+def _links(text: str) -> dict[str, str]:
+    """`--links node=25Gbps,local=400GBps` as {axis: bandwidth}."""
+    links = {}
+    for item in text.split(","):
+        axis, sep, bandwidth = item.partition("=")
+        if not sep or not axis.strip() or not bandwidth.strip():
+            raise ValueError(
+                f"--links item {item!r} is not axis=bandwidth (e.g. node=25Gbps,local=400GBps)"
+            )
+        links[axis.strip()] = bandwidth.strip()
+    return links
+
+
 def _estimate(args: argparse.Namespace) -> int:
+    try:
+        print(_estimate_table(args))
+    except ValueError as error:  # PlanError is one; so are bad names and sizes
+        print(f"fzero estimate: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _estimate_table(args: argparse.Namespace) -> str:
     import torch
 
     from fzero.cli.estimate import (
@@ -34,20 +64,20 @@ def _estimate(args: argparse.Namespace) -> int:
         format_mesh_estimate,
         manifest_of_size,
     )
-    from fzero.partition import PRESETS, Mesh, PlanError, describe, strategy_from_name
+    from fzero.partition import PRESETS, Mesh, describe, strategy_from_name
 
     if (args.model is None) == (args.params is None):
-        raise SystemExit("fzero estimate: give exactly one of --model module:factory or --params N")
+        raise ValueError("give exactly one of --model module:factory or --params N")
+    if args.preset is not None and args.mesh is None:
+        raise ValueError("--preset needs --mesh (e.g. --mesh node=2,local=8)")
+    if args.mesh is not None and args.world_sizes is not None:
+        raise ValueError("give --mesh or --world-sizes, not both")
     if args.model is not None:
         with torch.device("meta"):
             model = _load_factory(args.model)()
         manifest = describe(model)
     else:
-        manifest = manifest_of_size(int(float(args.params)))
-    if args.preset is not None and args.mesh is None:
-        raise SystemExit("fzero estimate: --preset needs --mesh (e.g. --mesh node=2,local=8)")
-    if args.mesh is not None and args.world_sizes is not None:
-        raise SystemExit("fzero estimate: give --mesh or --world-sizes, not both")
+        manifest = manifest_of_size(args.params)
     settings = {
         "param_dtype": _DTYPE_NAMES[args.precision],
         "grad_dtype": _DTYPE_NAMES[args.grad_dtype or args.precision],
@@ -55,145 +85,21 @@ def _estimate(args: argparse.Namespace) -> int:
         "master_dtype": _DTYPE_NAMES[args.master_dtype],
         "state_dtype": _DTYPE_NAMES[args.state_dtype],
         "persistence_threshold": args.persistence_threshold,
-        "eval_live_parameters": int(float(args.eval_live_parameters)),
+        "eval_live_parameters": args.eval_live_parameters,
+        "links": _links(args.links) if args.links is not None else None,
     }
-    try:
-        strategy = strategy_from_name(args.strategy, where="--strategy")
-        if args.mesh is not None:
-            mesh = Mesh.parse(args.mesh)
-            presets = args.preset.split(",") if args.preset else list(PRESETS)
-            unknown = [p for p in presets if p not in PRESETS]
-            if unknown:
-                raise PlanError(
-                    f"--preset {unknown[0]!r} is unknown; allowed: {', '.join(PRESETS)}"
-                )
-            rows = estimate_mesh(manifest, mesh, presets, strategy=strategy, **settings)
-            print(format_mesh_estimate(rows, manifest.numel, mesh))
-            return 0
-    except PlanError as error:
-        raise SystemExit(f"fzero estimate: {error}") from None
+    strategy = strategy_from_name(args.strategy, where="--strategy")
+    if args.mesh is not None:
+        mesh = Mesh.parse(args.mesh)
+        presets = args.preset.split(",") if args.preset else list(PRESETS)
+        unknown = [p for p in presets if p not in PRESETS]
+        if unknown:
+            raise ValueError(f"--preset {unknown[0]!r} is unknown; allowed: {', '.join(PRESETS)}")
+        rows = estimate_mesh(manifest, mesh, presets, strategy=strategy, **settings)
+        return format_mesh_estimate(rows, manifest.numel, mesh)
     world_sizes = args.world_sizes if args.world_sizes is not None else [1, 8, 64]
     rows = estimate(manifest, world_sizes, strategy=strategy, **settings)
-    print(format_estimate(rows, manifest.numel))
-    return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fzero", description="ZeRO training for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    est = sub.add_parser("estimate", help="model-state memory per rank for ZeRO stages 0-3")
-    est.add_argument("--model", help="module:factory building the model (built on meta)")
-    est.add_argument("--params", help="number of parameters instead of a model, e.g. 7.5e9")
-    est.add_argument(
-        "--world-sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=None,
-        help="comma-separated data-parallel sizes (default 1,8,64)",
-    )
-    est.add_argument(
-        "--mesh",
-        help="a mesh of named axes instead of world sizes, e.g. node=2,local=8 (rank-major, "
-        "the last axis fastest): memory and wire bytes per axis for each --preset",
-    )
-    est.add_argument(
-        "--preset",
-        help="with --mesh: comma-separated presets among zero0..zero3, mics (split within the "
-        "last axis, replicated across the others), hpz (zero3 + a secondary copy split within "
-        "the last axis); default all",
-    )
-    est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
-    est.add_argument(
-        "--eval-live-parameters",
-        default="0",
-        help="stage3_eval_live_parameters: elements of whole stage-3 units kept gathered "
-        "across forwards without gradients (fast generation), counted on the device",
-    )
-    est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb or sgd")
-    est.add_argument(
-        "--grad-dtype",
-        choices=["fp16", "bf16", "fp32"],
-        default="fp32",
-        help="gradient accumulators' dtype (default fp32, what fzero keeps; the ZeRO paper's "
-        "figures have them in --precision)",
-    )
-    est.add_argument(
-        "--master-dtype",
-        choices=["fp32", "bf16"],
-        default="fp32",
-        help="master weights' dtype (bf16: bf16.bf16_master_weights_and_grads; with "
-        "--precision bf16 the parameters are the masters)",
-    )
-    est.add_argument(
-        "--state-dtype",
-        choices=["fp32", "bf16"],
-        default="fp32",
-        help="optimizer moments' dtype (bf16: bf16.bf16_optimizer_states)",
-    )
-    est.add_argument(
-        "--strategy",
-        default="flat_even",
-        help="partitioning strategy: flat_even (default), per_tensor_dim0 or module:function",
-    )
-    est.add_argument(
-        "--persistence-threshold",
-        type=int,
-        default=100_000,
-        help="stage 3 keeps tensors under this many elements whole (default 100000, the "
-        "engine's stage3_param_persistence_threshold)",
-    )
-    est.set_defaults(func=_estimate)
-
-    ckpt = sub.add_parser("checkpoint", help="consolidate or inspect a sharded checkpoint")
-    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
-    cons = ckpt_sub.add_parser(
-        "consolidate", help="write model.safetensors (or HF-style shards) from a checkpoint"
-    )
-    cons.add_argument("save_dir")
-    cons.add_argument("out_dir")
-    cons.add_argument("--tag", default=None, help="default: the tag in SAVE_DIR/latest")
-    cons.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    cons.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    cons.set_defaults(func=_consolidate)
-    insp = ckpt_sub.add_parser("inspect", help="tags, sizes, and every checksum verified")
-    insp.add_argument("save_dir")
-    insp.set_defaults(func=_inspect)
-
-    run = sub.add_parser("run", help="run a training script on N local processes via torchrun")
-    run.add_argument(
-        "-n",
-        "--nproc_per_node",
-        "--num_gpus",
-        type=int,
-        default=None,
-        help="processes per node (default: one per visible GPU, else 1)",
-    )
-    run.add_argument("--num_nodes", type=int, default=1)
-    run.add_argument("--node_rank", type=int, default=0)
-    run.add_argument("--master_addr", default=None)
-    run.add_argument("--master_port", type=int, default=29500)
-    run.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'host slots=N' lines")
-    run.add_argument("--include", default="", help="hosts/slots to use, e.g. worker-0:0,1@worker-1")
-    run.add_argument("--exclude", default="", help="hosts/slots to leave out, same format")
-    run.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun")
-    run.add_argument(
-        "--as-deepspeed",
-        action="store_true",
-        help="`import deepspeed` in the script resolves to fzero (passes --local_rank=N)",
-    )
-    run.add_argument(
-        "--no_local_rank", action="store_true", help="with --as-deepspeed: no --local_rank"
-    )
-    run.add_argument(
-        "--bind_cores_to_rank",
-        action="store_true",
-        help="pin each local rank to its share of the cores; OMP_NUM_THREADS to match",
-    )
-    run.add_argument("--bind_core_list", default=None, help="cores to share, e.g. 0-7,16-23")
-    run.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.set_defaults(func=_run)
-    return parser
+    return format_estimate(rows, manifest.numel)
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -201,7 +107,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     try:
         files = consolidate(args.save_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
-    except (CheckpointError, ValueError) as error:
+    except (CheckpointError, ValueError, OSError) as error:
         print(f"fzero checkpoint consolidate: {error}", file=sys.stderr)
         return 1
     for path in files:
@@ -210,9 +116,13 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from fzero.checkpoint import inspect
+    from fzero.checkpoint import CheckpointError, inspect
 
-    report, intact = inspect(args.save_dir)
+    try:
+        report, intact = inspect(args.save_dir)
+    except (CheckpointError, OSError) as error:
+        print(f"fzero checkpoint inspect: {error}", file=sys.stderr)
+        return 1
     print(report)
     return 0 if intact else 1
 
@@ -220,6 +130,14 @@ def _inspect(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fzero.cli.launcher import run
 
+    if args.launcher == "torchrun" and not args.dry_run and not os.path.isfile(args.script):
+        # torchrun would start every process only for each to fail on the missing file
+        # (a slurm job may run a path that exists only on the nodes it lands on)
+        print(f"fzero run: script {args.script!r} is not a file", file=sys.stderr)
+        return 2
+    if args.hostfile is not None and not os.path.isfile(args.hostfile):
+        print(f"fzero run: --hostfile {args.hostfile!r} is not a file", file=sys.stderr)
+        return 2
     try:
         return run(args, args.script_args)
     except (ValueError, OSError) as error:
@@ -227,7 +145,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `fzero` console script."""
-    args = _parser().parse_args(argv)
-    return args.func(args)
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "consolidate": _consolidate,
+    "estimate": _estimate,
+    "inspect": _inspect,
+    "run": _run,
+}

@@ -1,5 +1,5 @@
 """`python -m fzero.cli ...`: the `fzero` command."""
 
-from fzero.cli import main
+from fzero_cli import main
 
 raise SystemExit(main())

@@ -168,6 +168,6 @@ def _broadcast_on_exit(params: list[torch.Tensor], modifier_rank: int | None) ->
     with torch.no_grad():
         for p in params:
             value = p.data.to(comm.backend_device()).contiguous()
-            comm.broadcast(value, modifier_rank, what="an edited parameter")
+            comm.broadcast_from(value, modifier_rank, what="an edited parameter")
             if value.data_ptr() != p.data.data_ptr():
                 p.data.copy_(value)

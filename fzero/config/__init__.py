@@ -74,6 +74,9 @@ def _only_default(default: Any, why: str) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadOptimizerConfig(_Section):
+    """Where fp32 master weights and optimizer state live, and where the update runs:
+    host memory (ZeRO-Offload) or a swap file on disk (ZeRO-Infinity). Stages 1-3."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     """Where fp32 master weights and optimizer state live (ZeRO-Offload / ZeRO-Infinity)."""
     nvme_path: str | None = None
@@ -110,11 +113,17 @@ class OffloadOptimizerConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadParamConfig(_Section):
+    """Where stage 3's compute-dtype parameter shards live between uses (stage 3 only)."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     """Where stage-3 parameter shards live between uses."""
     nvme_path: str | None = None
+    """Directory for the parameter swap file when `device` is `nvme`."""
     pin_memory: bool = False
+    """Page-lock the host copies (CUDA only). fzero pins host parameter shards when
+    `offload_optimizer.pin_memory` is on; this key itself is not read yet."""
     buffer_count: int = 5
+    """NVMe: parameter shard writes kept in flight after a step."""
     buffer_size: int = _no_effect(
         100_000_000,
         "DeepSpeed's elements per parameter swap buffer; fzero sizes each buffer to one "
@@ -129,6 +138,9 @@ class OffloadParamConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig(_Section):
+    """ZeRO: which state is split across ranks (`stage`), how gradients are reduced and
+    stage 3's parameters gathered, offload, ZeRO++ and MiCS."""
+
     stage: int = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     allgather_partitions: bool = _no_effect(
@@ -164,16 +176,24 @@ class ZeroConfig(_Section):
         "one plan unit at a time",
     )
     stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of the next units (in the order the first step recorded) kept
+    in flight, gathered ahead of their use."""
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3 keeps tensors with fewer elements than this whole on every rank."""
     stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: at most this many gathered parameter elements at once (prefetched and
+    kept units count)."""
     stage3_max_reuse_distance: int = 1_000_000_000
+    """Stage 3: a unit whose next use comes within this many elements of other units
+    stays gathered (from forward into backward); 0 releases every unit after use."""
     stage3_eval_live_parameters: int = 0
     """fzero: elements stage 3 keeps gathered across forwards run without gradients
     (generation, evaluation), so decoding gathers each unit once rather than once per
     token; 0 (the default) releases them after each use as in training. Kept units go at
     the next backward, step or checkpoint load."""
     stage3_gather_16bit_weights_on_model_save: bool = False
+    """Each `save_checkpoint` also writes the whole model in the compute dtype to
+    `<tag>/model.safetensors` (`engine.save_16bit_model` writes one on demand)."""
     zero_quantized_weights: bool = False
     """ZeRO++'s qwZ: stage 3's parameter all-gathers travel as blockwise int8 (256
     elements per fp32 scale, `fzero.core.quantize`); the gathered copies forward and
@@ -190,11 +210,18 @@ class ZeroConfig(_Section):
     (`all_to_all_quant_reduce`), so 4 is its wire size; fzero keeps int8 by default for
     accuracy. No effect without `zero_quantized_gradients`."""
     zero_hpz_partition_size: int = 1
-    """ZeRO++'s hpZ group: 1 (off) or the world size (the secondary copy is the primary:
-    ZeRO-3 exactly). A node's ranks out of several needs process subgroups (refused)."""
+    """ZeRO++'s hpZ: at stage 3, what forward gathered stays split within groups of this
+    many ranks (a node), and backward gathers from that secondary copy; 1 is off. The
+    engine runs it as a plan on a mesh (`partition.from_zero_config`); `fzero.init` and
+    `train_step` are given one (`partition.mesh_plan(..., "hpz")`). No effect below
+    stage 3."""
     mics_shard_size: int = -1
-    """MiCS's shard group: -1 (off) or the world size (ZeRO-3 exactly); as hpZ."""
+    """MiCS: at stage 3, every kind of state split within groups of this many ranks and
+    replicated across the groups (each reduced gradient shard averaged over the
+    replicas); -1 is off. Run as a plan on a mesh, as `zero_hpz_partition_size` is."""
     mics_hierarchical_params_gather: bool = False
+    """MiCS's two-hop parameter gather across nodes: fzero gathers by one all-gather over
+    the shard group (the same values) and says so in the log."""
     round_robin_gradients: bool = _no_effect(
         False,
         "the order DeepSpeed copies offloaded gradients in; the values are the same",
@@ -218,20 +245,34 @@ class ZeroConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class FP16Config(_Section):
+    """fp16 compute over fp32 masters, with a loss scale: a step whose gradients overflow
+    is skipped and the dynamic scale lowered (DeepSpeed's `DynamicLossScaler`)."""
+
     enabled: bool = False
+    """Compute in fp16."""
     loss_scale: float = 0.0
     """0 means dynamic loss scaling; any other value is a static scale."""
     initial_scale_power: int = 16
     """Dynamic scaling starts at 2**initial_scale_power."""
     loss_scale_window: int = 1000
+    """The dynamic scale doubles after this many steps without an overflow."""
     hysteresis: int = 2
+    """The dynamic scale halves at the hysteresis-th overflow since it last grew (every
+    overflowing step is skipped either way)."""
     consecutive_hysteresis: bool = False
+    """Restore the hysteresis budget after every step without an overflow (not only when
+    the scale grows)."""
     min_loss_scale: float = 1.0
+    """The dynamic scale never goes below this; an overflow there, with the hysteresis
+    spent, stops training with `LossScaleError`."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class BF16Config(_Section):
+    """bf16 compute over fp32 masters, or bf16 masters and optimizer states."""
+
     enabled: bool = False
+    """Compute in bf16 (no loss scale needed)."""
     bf16_master_weights_and_grads: bool = False
     """Master weights in bf16: in memory they are the bf16 parameters themselves (held
     once, no fp32 copy); each update runs in fp32 and rounds the new weights back
@@ -251,6 +292,7 @@ class TorchAutocastConfig(_Section):
     parameters, or with `bf16` enabled over bf16 ones, as DeepSpeed allows)."""
 
     enabled: bool = False
+    """Run the forward under `torch.autocast`."""
     dtype: Literal[
         "bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half", "torch.float16"
     ] = "bfloat16"
@@ -264,16 +306,30 @@ class TorchAutocastConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig(_Section):
+    """DeepSpeed's activation checkpointing settings, read by
+    `fzero.checkpointing.configure(None, deepspeed_config=...)` (`deepspeed.checkpointing`)."""
+
     partition_activations: bool = False
+    """Splits saved activations across model-parallel ranks; fzero has none, so `true`
+    is refused when `configure` reads it."""
     cpu_checkpointing: bool = False
+    """Keep the saved block inputs in host memory."""
     contiguous_memory_optimization: bool = False
+    """Model-parallel buffers for saved activations; `true` is refused, as
+    `partition_activations`."""
     number_checkpoints: int | None = None
+    """The number of checkpointed blocks DeepSpeed preallocates for; recorded (>= 1)."""
     synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device around each checkpointed block (for timing)."""
     profile: bool = False
+    """Time each checkpointed block's forward and recomputation (`checkpointing.timings()`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class AioConfig(_Section):
+    """The native I/O pool that reads and writes NVMe swap files (DeepSpeed's libaio
+    settings)."""
+
     block_size: int = 1_048_576
     """Bytes per pread/pwrite of a swap transfer."""
     queue_depth: int = _no_effect(
@@ -291,16 +347,24 @@ class AioConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig(_Section):
+    """The optimizer the engine or `train_step` builds (a `type` and its `params`)."""
+
     type: str
-    """Adam, AdamW, Lamb or SGD (any case)."""
+    """Adam, AdamW, Lamb, SGD or Muon (any case)."""
     params: dict[str, Any] = field(default_factory=dict)
+    """The optimizer's hyper-parameters (`lr`, `betas`, `weight_decay`, ...; the table of
+    allowed names per type is in the configuration guide)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig(_Section):
+    """The learning-rate schedule (a `type` and its `params`), stepped after each applied
+    optimizer step."""
+
     type: str
     """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or WarmupExpDecayExp."""
     params: dict[str, Any] = field(default_factory=dict)
+    """The schedule's settings (`warmup_num_steps`, `total_num_steps`, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,9 +372,17 @@ class Config(_Section):
     train_batch_size: int | None = None
     """Global batch: micro batch x accumulation steps x data-parallel world size."""
     train_micro_batch_size_per_gpu: int | None = None
+    """Samples per rank in one forward and backward (a micro-step); any two of the three
+    batch keys give the third, and all three given must agree."""
     gradient_accumulation_steps: int | None = None
+    """Micro-steps per optimizer step: `backward` divides by it and `step` updates at
+    every this-many-th call."""
     optimizer: OptimizerConfig | None = None
+    """The optimizer. Without it (and without one passed), `fzero.initialize` builds a
+    forward-only engine, as DeepSpeed does; `fzero.shard` and `train_step` run AdamW's
+    defaults."""
     scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule; without it the learning rate stays the optimizer's."""
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
@@ -320,6 +392,7 @@ class Config(_Section):
     """Report every this many optimizer steps; 0 never (so does `inf`, which the
     Transformers integration writes, as DeepSpeed reads it)."""
     wall_clock_breakdown: bool = False
+    """The step report adds forward, backward, step and communication times."""
     memory_breakdown: bool = _no_effect(
         False,
         "DeepSpeed logs memory use when true; fzero's step report (every "

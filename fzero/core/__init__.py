@@ -6,10 +6,15 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
   call and the config name no optimizer or schedule; consolidated weights;
 - `step`: `train_step`; `evaluate`: `eval_step`;
 - `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
-- `gather`: stage 3's per-unit gathering of placeholders inside a function, and the
-  prefetch and reuse rules;
-- `stage3`: stage 3's gathering before use, prefetch along the recorded trace, release,
-  and where parameter shards live between uses (the engine's hooks drive it);
+- `build`: the one unit builder (a unit's buffers on this rank from its values), which
+  `init` and the engine use;
+- `gathering`: a stage-3 unit's state machine and the one `Gatherer` (gather, prefetch
+  along the recorded trace, reuse, the live bound, hpZ, qwZ, swap-file reads);
+- `stage3`: the engine's driver of the `Gatherer` (module hooks, saved-tensor hooks);
+- `gather`: `train_step`'s driver of the `Gatherer` (placeholders swapped inside a
+  function);
+- `param_shards`: where stage 3's parameter shards live between uses (device, host,
+  swap file);
 - `update`: the update's rules (fp16 overflow, global norm, clipping, scheduled
   hyper-parameters) and the in-place update through the native kernels;
 - `apply`: applying the update to every unit (native kernels, LAMB's two halves, the

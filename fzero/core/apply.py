@@ -383,7 +383,7 @@ class OptimizerApplication:
         if self.optimizer.name == "lamb":
             self.nvme_lamb(factor, lrs, updated, steps)
         else:
-            failure = self.residency.step_pass(self.residency.swap_in, update)
+            failure = self.residency.step_pass(self.units, self.residency.swap_in, update)
             self.agree(self.settle(failure), updated, steps)
         for rt in self.units:
             rt.slot = self.residency.next_slot(rt)
@@ -442,10 +442,12 @@ class OptimizerApplication:
             return tickets
 
         self.agree(
-            self.residency.step_pass(self.residency.swap_in, direction, extra=1), updated, steps
+            self.residency.step_pass(self.units, self.residency.swap_in, direction, extra=1),
+            updated,
+            steps,
         )
         norms = self.lamb_norms(sums)
-        failure = self.residency.step_pass(read_direction, apply, extra=1)
+        failure = self.residency.step_pass(self.units, read_direction, apply, extra=1)
         self.agree(self.settle(failure), updated, steps)
 
     def settle(self, failure: str) -> str:

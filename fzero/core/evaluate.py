@@ -13,7 +13,8 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.config import Config
-from fzero.core.gather import PlaceholderGatherer
+from fzero.core.gather import Placeholders, StateShards
+from fzero.core.gathering import GatherSettings
 from fzero.core.groups import check_same_plan
 from fzero.core.init import config_for_plan
 from fzero.core.layout import gather_pieces
@@ -62,18 +63,14 @@ def eval_step(
         if plan.stage == 3:
             gatherer = kept.gatherer_for(state, keep)
             if gatherer is None:
-
-                def shard(index: int) -> Tensor:
-                    unit = state.units[index]
-                    return unit.params if unit.params is not None else unit.master
-
-                gatherer = PlaceholderGatherer(
+                gatherer = Placeholders(
                     plan,
-                    shard,
+                    StateShards(state.units),
                     dtype=dtype,
                     device=device,
-                    max_live=max_live,
-                    quantized=zero.zero_quantized_weights,
+                    settings=GatherSettings(
+                        max_live=max_live, quantized=zero.zero_quantized_weights
+                    ),
                 )
             gatherer.placeholders.clear()
         params: dict[str, Tensor] = {}
@@ -103,9 +100,9 @@ class _Kept:
 
     def __init__(self) -> None:
         self.state: TrainState | None = None
-        self.gatherer: PlaceholderGatherer | None = None
+        self.gatherer: Placeholders | None = None
 
-    def gatherer_for(self, state: TrainState, keep: int) -> PlaceholderGatherer | None:
+    def gatherer_for(self, state: TrainState, keep: int) -> Placeholders | None:
         """The kept gatherer when `state` is the one it gathered from, else None (and
         whatever was kept is dropped: another state's parameters)."""
         if keep > 0 and self.gatherer is not None and self.state is state:
@@ -115,7 +112,7 @@ class _Kept:
         self.state = self.gatherer = None
         return None
 
-    def keep(self, state: TrainState, gatherer: PlaceholderGatherer, keep: int) -> None:
+    def keep(self, state: TrainState, gatherer: Placeholders, keep: int) -> None:
         """After a call: release the least recently used units down to `keep` elements."""
         while gatherer.live and gatherer.live_numel > keep:
             gatherer.release(next(iter(gatherer.live)))

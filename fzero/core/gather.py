@@ -1,28 +1,28 @@
-"""Stage 3 inside `fzero.train_step`: parameters gathered per unit while used.
+"""Stage 3 inside `fzero.train_step`: parameters gathered per unit while used, driven by
+placeholders (the engine drives the same `Gatherer` by module hooks: `fzero.core.stage3`).
 
 A `loss_fn` gets, for each stage-3 parameter, a placeholder: a leaf tensor of the right
 shape and dtype that holds one element (zero strides). While `loss_fn` and its backward
 run, a torch-function mode swaps a placeholder, wherever an operation receives it, for
-the unit's gathered parameter (an all-gather of every rank's shard, done once while the
-unit stays gathered), linked to the placeholder by `_Bind` so its gradient arrives at the
+the unit's gathered parameter (`Gatherer.use`: gathered once while the unit stays
+gathered), linked to the placeholder by `_Bind` so its gradient arrives at the
 placeholder. A saved-tensor hook keeps references instead of gathered values, so backward
-gathers a unit again when it needs it. At most `max_live` elements stay gathered (least
-recently used first out, never the unit in use).
+gathers a unit again when it needs it. With no module hooks to release by, a gather for
+use releases the least recently used units to stay within `max_live` (never the unit in
+use).
 
-The engine's rules, without hooks on the module (which `train_step` never sees): the
+The `Gatherer` (`fzero.core.gathering`) decides the rest as it does for the engine: the
 first step records the order units are first used in, forward and backward (`UseTrace`,
-kept by the step function); later steps prefetch along it (all-gathers in flight for the
-next `prefetch_numel` elements, within `max_live`), and when forward returns a unit stays
-gathered only if backward uses it again within `max_reuse` elements of other units
+kept by the step function); later steps prefetch along it, and when forward returns a
+unit stays gathered only if its next use is within `max_reuse` elements of other units
 (DeepSpeed's `stage3_max_reuse_distance`); the rest are released and gathered again.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,27 +30,18 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from fzero import comm
-from fzero.core.groups import (
-    check_even,
-    gather_unit,
-    groups_of,
-    secondary_block,
-)
+from fzero.core.gathering import Gatherer, GatherSettings, ShardSource, UseTrace
 from fzero.core.layout import gather_pieces
-from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Placement, Plan
 
 __all__ = [
-    "PlaceholderGatherer",
-    "UseTrace",
+    "Placeholders",
+    "StateShards",
     "placeholder",
     "resolve_placeholder",
-    "reuse_distance",
-    "units_to_prefetch",
 ]
 
-_RUNNING: list[PlaceholderGatherer] = []  # the gatherers of the steps running now
+_RUNNING: list[Placeholders] = []  # the placeholders of the steps running now
 
 
 def resolve_placeholder(value: Any) -> Any:
@@ -61,39 +52,6 @@ def resolve_placeholder(value: Any) -> Any:
         if isinstance(value, Tensor) and id(value) in gatherer.placeholders:
             return gatherer.swap(value)
     return value
-
-
-def units_to_prefetch(
-    order: Sequence[int], start: int, numel: Callable[[int], int], budget: int
-) -> list[int]:
-    """The units of `order[start:]` within `budget` elements ahead, in order (DeepSpeed's
-    `stage3_prefetch_bucket_size`: the unit that crosses the budget still counts). Both
-    doors prefetch by it; each skips units already gathered and stops at its live bound."""
-    chosen = []
-    for index in order[start:]:
-        if budget <= 0:
-            break
-        budget -= numel(index)
-        chosen.append(index)
-    return chosen
-
-
-def reuse_distance(upcoming: Sequence[int], index: int, numel: Callable[[int], int]) -> int | None:
-    """Elements of the other units used before unit `index` is used next in `upcoming`
-    (DeepSpeed's `stage3_max_reuse_distance` compares it), or None if it is not used
-    again. Both doors keep a unit gathered after forward by it."""
-    if index not in upcoming:
-        return None
-    return sum(numel(i) for i in upcoming[: upcoming.index(index)])
-
-
-@dataclass
-class UseTrace:
-    """The order stage-3 units are first used in, per phase, as recorded by the first
-    step; `complete` once that step's backward has ended."""
-
-    order: dict[str, list[int]] = field(default_factory=lambda: {"forward": [], "backward": []})
-    complete: bool = False
 
 
 def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -122,153 +80,101 @@ class _Bind(torch.autograd.Function):
         return grad, None
 
 
-class PlaceholderGatherer:
-    """Gathered stage-3 units of one step, by unit index, least recently used first.
+class Placeholders:
+    """Stage-3 units of one call, gathered while its placeholders are used.
 
-    `shard(i)` gives unit i's compute-dtype shard on this rank; `placeholders` maps
+    `shards` gives each unit's compute-dtype shard on this rank; `placeholders` maps
     `id(placeholder)` to (unit index, placement, shape)."""
 
     def __init__(
         self,
         plan: Plan,
-        shard: Callable[[int], Tensor],
+        shards: ShardSource,
         *,
         dtype: torch.dtype,
         device: torch.device,
-        max_live: int,
+        settings: GatherSettings,
         trace: UseTrace | None = None,
-        prefetch_numel: int = 0,
-        max_reuse: int = 0,
-        quantized: bool = False,
     ) -> None:
-        """`quantized`: gathers travel as int8 blocks (qwZ, `fzero.core.quantize`)."""
-        self.plan, self.shard, self.dtype, self.device = plan, shard, dtype, device
-        self.quantized = quantized
-        check_even(plan, quantized, "zero_quantized_weights (qwZ)")
-        self.max_live, self.prefetch_numel, self.max_reuse = max_live, prefetch_numel, max_reuse
-        self.trace = trace if trace is not None else UseTrace()
-        self.phase = "forward"
+        self.gatherer = Gatherer(
+            plan,
+            shards,
+            dtype=dtype,
+            device=device,
+            settings=replace(settings, evict=True),
+            trace=trace,
+            bind=self._bound,
+            unbind=self._unbound,
+        )
         self.placeholders: dict[int, tuple[int, Placement, tuple[int, ...]]] = {}
-        self.live: collections.OrderedDict[int, Tensor] = collections.OrderedDict()
-        self.inflight: dict[int, tuple[Tensor, Any]] = {}  # prefetched: (buffer, all-gather)
-        self._by_storage: dict[int, int] = {}
-        self.live_numel = 0
-        self.peak_numel = 0
-        self.gathers = 0
-        self.groups = groups_of(plan)
-        self.secondary: dict[int, Tensor] = {}  # hpZ: forward's gathers kept for backward
+        self._by_storage: dict[int, int] = {}  # gathered buffers: storage -> unit
+        self._storage_of: dict[int, int] = {}
+        self.gatherer.begin_phase("forward")
+
+    # what a call reports and `eval_step` keeps between calls
+    @property
+    def live(self) -> Any:
+        """The gathered units (and those on their way), least recently used first."""
+        return self.gatherer.live
+
+    @property
+    def live_numel(self) -> int:
+        return self.gatherer.live_numel
+
+    @property
+    def peak_numel(self) -> int:
+        return self.gatherer.peak_numel
+
+    @property
+    def gathers(self) -> int:
+        return self.gatherer.gathers
+
+    def _bound(self, index: int, full: Tensor) -> None:
+        key = full.untyped_storage().data_ptr()
+        self._by_storage[key], self._storage_of[index] = index, key
+
+    def _unbound(self, index: int) -> None:
+        key = self._storage_of.pop(index, None)
+        if key is not None:
+            del self._by_storage[key]
 
     def full(self, index: int) -> Tensor:
         """Unit `index`'s whole compute-dtype buffer (collective when not gathered)."""
-        if index in self.live:
-            self.live.move_to_end(index)
-            full = self.live[index]
-        elif index in self.inflight:
-            full, work = self.inflight.pop(index)
-            work.wait()
-            self._add_live(index, full)
-        else:
-            numel = self.plan.units[index].numel
-            self._make_room(numel)
-            full = torch.empty(numel, dtype=self.dtype, device=self.device)
-            self._start_gather(index, full).wait()
-            self.live_numel += numel
-            self._add_live(index, full)
-        self._record(index)
-        self._prefetch_after(index)
-        return full
+        return self.gatherer.use(index)
 
-    def _make_room(self, numel: int) -> None:
-        while self.live and self.live_numel + numel > self.max_live:
-            self.release(next(iter(self.live)))
-
-    def _start_gather(self, index: int, full: Tensor) -> Any:
-        self.gathers += 1
-        what = f"parameters of unit {index} {self.plan.units[index].name!r}"
-        if self.phase == "backward" and index in self.secondary:  # hpZ: within the group
-            block, group = self.secondary[index], self.groups.secondary
-            what += " (hpZ secondary)"
-            return comm.all_gather_into(full, block, async_op=True, what=what, group=group)
-        shard = self.shard(index).to(self.device, self.dtype)
-        group = self.groups.shard
-        if self.quantized:
-            return quantized_all_gather(full, shard.contiguous(), group=group)
-        if self.plan.world_size > 1:
-            unit, world = self.plan.units[index], self.plan.world_size
-            return gather_unit(full, shard.contiguous(), unit, world, what=what, group=group)
-        full.copy_(shard)
-        return _Done()
-
-    def _add_live(self, index: int, full: Tensor) -> None:
-        self.live[index] = full
-        self._by_storage[full.untyped_storage().data_ptr()] = index
-        self.peak_numel = max(self.peak_numel, self.live_numel)
-
-    def _record(self, index: int) -> None:
-        order = self.trace.order[self.phase]
-        if not self.trace.complete and index not in order:
-            order.append(index)
-
-    def _prefetch_after(self, index: int) -> None:
-        """Start gathering the units the trace uses next, up to `prefetch_numel` elements
-        ahead, while the live total stays within `max_live` (the same on every rank)."""
-        if not self.trace.complete or self.prefetch_numel <= 0:
-            return
-        order = self.trace.order[self.phase]
-        if index not in order:
-            return
-        numel = self._numel
-        for nxt in units_to_prefetch(order, order.index(index) + 1, numel, self.prefetch_numel):
-            if nxt in self.live or nxt in self.inflight:
-                continue
-            if self.live_numel + numel(nxt) > self.max_live:
-                break
-            full = torch.empty(numel(nxt), dtype=self.dtype, device=self.device)
-            self.inflight[nxt] = (full, self._start_gather(nxt, full))
-            self.live_numel += numel(nxt)
-            self.peak_numel = max(self.peak_numel, self.live_numel)
-
-    def _numel(self, index: int) -> int:
-        return self.plan.units[index].numel
+    def widen(self, max_live: int) -> None:
+        """Let every unit stay gathered (a call that needs the whole model at once)."""
+        self.gatherer.widen(max_live)
 
     def end_forward(self) -> None:
-        """Forward has returned: keep a unit gathered only if backward uses it again
-        within `max_reuse` elements of other units (known once a step is recorded)."""
-        self._drop_inflight()
-        if not self.trace.complete:
-            self.release_all()
+        """Forward has returned: keep a unit gathered only if its next use is within
+        `max_reuse` elements of other units (known once a step is recorded)."""
+        gatherer = self.gatherer
+        gatherer.drop_prefetched()
+        if not gatherer.trace.complete:
+            gatherer.release_all()
         else:
-            backward = self.trace.order["backward"]
-            for index in list(self.live):
-                distance = reuse_distance(backward, index, self._numel)
-                if distance is None or distance > self.max_reuse:
-                    self.release(index)
-        self.phase = "backward"
+            for index in list(gatherer.live):
+                if not gatherer.keeps_after_forward(index):
+                    gatherer.release(index)
+        gatherer.end_phase()
+        gatherer.begin_phase("backward")
 
     def end_step(self) -> None:
-        """Backward has ended: release everything; the first step's trace is complete."""
-        self._drop_inflight()
-        self.release_all()
-        self.secondary.clear()
-        self.trace.complete = True
-
-    def _drop_inflight(self) -> None:
-        for index, (full, work) in list(self.inflight.items()):
-            work.wait()  # issued on every rank: it completes, unused
-            self.live_numel -= full.numel()
-            del self.inflight[index]
+        """The call's passes have ended: release everything; the phase is recorded."""
+        gatherer = self.gatherer
+        gatherer.drop_prefetched()
+        gatherer.release_all()
+        gatherer.secondary.clear()
+        gatherer.end_phase()
+        if gatherer.phase == "forward":  # no backward pass of fzero's (`grad_fn`)
+            gatherer.trace.recorded.add("backward")
 
     def release(self, index: int) -> None:
-        full = self.live.pop(index)
-        block = secondary_block(self.groups, full) if self.phase == "forward" else None
-        if block is not None:
-            self.secondary[index] = block
-        del self._by_storage[full.untyped_storage().data_ptr()]
-        self.live_numel -= full.numel()
+        self.gatherer.release(index)
 
     def release_all(self) -> None:
-        for index in list(self.live):
-            self.release(index)
+        self.gatherer.release_all()
 
     def tensor(self, index: int, placement: Placement, shape: tuple[int, ...]) -> Tensor:
         """One tensor of unit `index`, gathered (a view of the unit's buffer)."""
@@ -300,7 +206,7 @@ class PlaceholderGatherer:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The block is this gatherer's step, forward and backward (`resolve_placeholder`)."""
+        """The block is this call's step, forward and backward (`resolve_placeholder`)."""
         _RUNNING.append(self)
         try:
             yield
@@ -312,15 +218,31 @@ class PlaceholderGatherer:
         return _Active(self)
 
 
-class _Done:
-    """A collective that already completed (one rank: a copy)."""
+class StateShards:
+    """A `TrainState`'s stage-3 shards as a `ShardSource`: each unit's compute-dtype
+    parameters, or its master where that serves."""
 
-    def wait(self) -> None:
-        return None
+    on_disk = False
+
+    def __init__(self, units: Sequence[Any]) -> None:
+        self.units = units
+
+    def shard(self, index: int) -> Tensor:
+        unit = self.units[index]
+        return unit.params if unit.params is not None else unit.master
+
+    def read(self, index: int, into: Tensor) -> Any:
+        raise NotImplementedError("a TrainState's shards are in memory, never read")
+
+    def wait_read(self, ticket: Any) -> None:
+        raise NotImplementedError("a TrainState's shards are in memory, never read")
+
+    def abandon_read(self, ticket: Any) -> None:
+        raise NotImplementedError("a TrainState's shards are in memory, never read")
 
 
 class _Swap(TorchFunctionMode):
-    def __init__(self, gatherer: PlaceholderGatherer) -> None:
+    def __init__(self, gatherer: Placeholders) -> None:
         super().__init__()
         self.gatherer = gatherer
 
@@ -330,11 +252,11 @@ class _Swap(TorchFunctionMode):
 
 
 class _Active:
-    def __init__(self, gatherer: PlaceholderGatherer) -> None:
+    def __init__(self, gatherer: Placeholders) -> None:
         self.gatherer = gatherer
         self._contexts: list[Any] = []
 
-    def __enter__(self) -> PlaceholderGatherer:
+    def __enter__(self) -> Placeholders:
         g = self.gatherer
         self._contexts = [_Swap(g), torch.autograd.graph.saved_tensors_hooks(g.pack, g.unpack)]
         for context in self._contexts:

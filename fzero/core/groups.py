@@ -97,11 +97,36 @@ def gather_unit(
 ) -> Any:
     """All-gather every rank's part of `unit` (`shard`, this rank's) into `full` over
     `group` (its `world_size` ranks); the work in flight (`wait()`), or None when not
-    `async_op`. Uneven shards travel padded to the largest."""
+    `async_op`. Uneven shards travel at their exact sizes: each rank's part broadcast
+    from it (one broadcast per rank that owns elements: a unit whole on one rank is one
+    broadcast of its bytes)."""
     if not unit.bounds:
         return comm.all_gather_into(full, shard, async_op=async_op, what=what, group=group)
-    sizes = [unit.shard_size(rank) for rank in range(world_size)]
-    return comm.all_gather_uneven(full, shard, sizes, async_op=async_op, what=what, group=group)
+    start, stop = unit.shard_range(comm.get_rank(group))
+    full[start:stop].copy_(shard)
+    works = []
+    for owner in range(world_size):
+        start, stop = unit.shard_range(owner)
+        if stop > start:
+            part = full[start:stop]
+            works.append(comm.broadcast_from(part, owner, async_op=True, what=what, group=group))
+    done = _Parts(works)
+    if async_op:
+        return done
+    done.wait()
+    return None
+
+
+class _Parts:
+    """Several collectives in flight as one (`wait()` waits for each, in order)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
 
 
 def check_even(plan: Plan, quantized: bool, key: str) -> None:

@@ -16,16 +16,16 @@ from torch import Tensor
 
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
+from fzero.core.build import Holding, build_unit_state, unit_values
 from fzero.core.groups import check_same_plan, gather_unit, groups_of
-from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
-from fzero.core.precision import Precision, check_precision, init_state, loss_scaler, precision_of
+from fzero.core.layout import UnitRuntime, gather_pieces
+from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
     Counters,
     TrainState,
     UnitState,
-    optimizer_partition,
     partition_numel,
 )
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
@@ -69,15 +69,20 @@ def init(
     cfg = config_for_plan(config, plan)
     dtypes = precision_of(cfg, precision)
     check_precision(dtypes, cfg)
-    comm.init_distributed()
+    comm.init_distributed(report_s=cfg.collective_report_s)
     _check_world(plan)
     check_same_plan(plan, "fzero.init")
-    rank, device, dtype = groups_of(plan).rank, comm.backend_device(), dtypes.compute_dtype
-    host = _optimizer_device(cfg, device, plan.stage)
-    swapped = cfg.zero_optimization.offload_optimizer.device == "nvme"
-    master_dtype = dtypes.master_dtype
-    # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
-    state_dtype = torch.float32 if swapped else dtypes.state_dtype
+    rank, device = groups_of(plan).rank, comm.backend_device()
+    where = _offload_device(cfg, plan.stage)
+    swapped = where == "nvme"
+    holding = Holding(
+        compute_dtype=dtypes.compute_dtype,
+        master_dtype=dtypes.master_dtype,
+        # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
+        state_dtype=torch.float32 if swapped else dtypes.state_dtype,
+        device=device,
+        offload=where != "none",
+    )
     named = dict(model.named_parameters())
     _check_model(plan, named)
     meta = [fqn for fqn, p in named.items() if p.is_meta]
@@ -93,26 +98,15 @@ def init(
         accumulators = bucket_accumulators(plan, buckets, device)
     units: list[UnitState] = []
     for index, unit in enumerate(plan.units):
-        flat = torch.zeros(unit.numel, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for placement in unit.placements:
-                value = named[placement.fqn].detach().reshape(-1).float().to(device)
-                scatter_pieces(flat, value, placement)
+        values = unit_values(unit, [named[pl.fqn] for pl in unit.placements], device)
         if plan.processes > 1:
-            comm.broadcast(flat, 0, what=f"initial weights of unit {index} {unit.name!r}")
-        part = optimizer_partition(plan, unit, rank)
-        if plan.stage < 3 or unit.persistent:
-            params = flat if dtype == torch.float32 else flat.to(dtype)
-            shares = dtype == master_dtype and host == device
-            master = params[part] if shares else flat[part].to(host, master_dtype, copy=True)
-        else:
-            master = flat[part].to(host, master_dtype, copy=True)
-            serves = dtype == master_dtype and host == device and not swapped
-            params = None if serves else flat[part].to(dtype, copy=True)
-        grad = torch.zeros(unit.shard_size(rank), dtype=torch.float32, device=device)
-        if accumulators is not None:
-            grad = accumulators[len(units)]
-        units.append(UnitState(master, init_state(optimizer, master, state_dtype), params, grad))
+            comm.broadcast_from(values, 0, what=f"initial weights of unit {index} {unit.name!r}")
+        grad = accumulators[index] if accumulators is not None else None
+        units.append(
+            build_unit_state(
+                plan, index, values, rank=rank, holding=holding, optimizer=optimizer, grad=grad
+            )
+        )
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None
     residence = _swap_out(cfg, plan, rank, optimizer, units) if swapped else None
@@ -140,7 +134,6 @@ def _swap_out(
         residency.evict(rt)
         units[i] = u._replace(master=rt.master, optim=rt.state)
         runtimes.append(rt)
-    residency.units = runtimes
     return SwapFileUnits(residency, runtimes)
 
 
@@ -247,14 +240,15 @@ def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
         )
 
 
-def _optimizer_device(config: Config, device: torch.device, stage: int) -> torch.device:
+def _offload_device(config: Config, stage: int) -> str:
+    """The config's `offload_optimizer.device`, which needs stage 1, 2 or 3."""
     where = config.zero_optimization.offload_optimizer.device
     if where != "none" and stage == 0:
         raise ValueError(
             f"zero_optimization.offload_optimizer.device is {where!r} but the plan is stage 0; "
             "offload needs stage 1, 2 or 3"
         )
-    return torch.device("cpu") if where in ("cpu", "nvme") else device
+    return where
 
 
 # ---- views of a state ------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Per unit and rank (ZeRO, Rajbhandari et al. 2020):
 
 - `full`: the unit's compute-dtype flat buffer, which the module's parameters view
-  (stages 0-2 and stage-3 persistent units; in stage 3 it exists only while the unit
-  is gathered);
+  (stages 0-2 and stage-3 persistent units; a stage-3 unit's gathered buffer is the
+  `Gatherer`'s, `fzero.core.gathering`);
 - `param_shard`: stage 3's compute-dtype shard (the master itself when fp32);
 - `master`: fp32 weights of the optimizer partition (this rank's shard for stages 1-3,
   the whole buffer for stage 0); a view of `full` when fp32;
@@ -58,11 +58,6 @@ class UnitRuntime:
     grad: Tensor
     full: Tensor | None = None
     param_shard: Tensor | None = None
-    gather_work: Any = None  # an all-gather into `full` still in flight (stage 3)
-    gather_input: Tensor | None = None
-    param_read: Any = None  # offload_param nvme: the shard's read still in flight
-    used: bool = False  # gathered for use since the current phase began (stage 3)
-    active: int = 0  # forwards of its holder modules running now (stage 3)
     hparams: Any = None
     # stages 2-3 with NVMe offload: the gradient accumulator lives in the swap file
     grad_on_disk: bool = False  # this accumulation window has written it
@@ -91,11 +86,13 @@ def gather_pieces(full: Tensor, placement: Placement, shape: tuple[int, ...]) ->
     return torch.cat([full[pc.offset : pc.offset + pc.numel] for pc in pieces]).view(shape)
 
 
-def bind(rt: UnitRuntime) -> None:
-    """Point the unit's module parameters at their pieces of `rt.full`."""
-    assert rt.full is not None
+def bind(rt: UnitRuntime, full: Tensor | None = None) -> None:
+    """Point the unit's module parameters at their pieces of `full` (default `rt.full`;
+    stage 3: the gathered buffer)."""
+    full = full if full is not None else rt.full
+    assert full is not None
     for p, placement, shape in rt.params:
-        p.data = gather_pieces(rt.full, placement, shape)
+        p.data = gather_pieces(full, placement, shape)
         if hasattr(p, "ds_status"):
             p.ds_status = ZeroParamStatus.AVAILABLE
 

@@ -38,7 +38,8 @@ Timer = Callable[[str], contextlib.AbstractContextManager[None]]
 
 class ParamShards(Protocol):
     """Where stage 3's compute-dtype parameter shards live between uses (the engine's
-    `Stage3Gatherer`: the device, the host or a swap file; `InMemoryShards` otherwise)."""
+    `fzero.core.param_shards.PublishedShards`: the device, the host or a swap file;
+    `InMemoryShards` otherwise)."""
 
     def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None: ...
 
@@ -220,25 +221,24 @@ def rolled_back(units: Sequence[UnitRuntime]) -> Iterator[None]:
 
 
 def accept_edits(
-    rt: UnitRuntime, plan: Plan, rank: int, source: int, param_shards: ParamShards
+    rt: UnitRuntime, full: Tensor, plan: Plan, rank: int, source: int, param_shards: ParamShards
 ) -> None:
-    """A gathered unit's parameters as rank `source` edited them become its weights on
-    every rank: broadcast, then written to the master and the stage-3 shard (DeepSpeed's
-    `GatheredParameters(modifier_rank=...)`). Collective."""
-    assert rt.full is not None
+    """A gathered unit's parameters (its whole buffer `full`) as rank `source` edited them
+    become its weights on every rank: broadcast, then written to the master and the
+    stage-3 shard (DeepSpeed's `GatheredParameters(modifier_rank=...)`). Collective."""
     for p, placement, _ in rt.params:  # parameters that are copies write back
-        scatter_pieces(rt.full, p.detach().reshape(-1), placement)
+        scatter_pieces(full, p.detach().reshape(-1), placement)
     if plan.processes > 1:  # `source` is a process's rank
-        comm.broadcast(
-            rt.full, source, what=f"edited parameters of unit {rt.index} {rt.unit.name!r}"
+        comm.broadcast_from(
+            full, source, what=f"edited parameters of unit {rt.index} {rt.unit.name!r}"
         )
-    part = rt.full[optimizer_partition(plan, rt.unit, rank)]
+    part = full[optimizer_partition(plan, rt.unit, rank)]
     if rt.master.data_ptr() != part.data_ptr():
         rt.master.copy_(part)
-    if rt.param_shard is not None:
-        start, stop = rt.unit.shard_range(rank)
-        param_shards.store_param_shard(rt, rt.full[start:stop])
-    bind(rt)
+    bind(rt, full)
+    if rt.param_shard is not None:  # stage 3: the shard takes the edit (a gathered copy
+        start, stop = rt.unit.shard_range(rank)  # of it is released: stale from now on)
+        param_shards.store_param_shard(rt, full[start:stop])
 
 
 def _updated(rt: UnitRuntime) -> str:

@@ -21,6 +21,7 @@ shard per rank, not the bucket); stages 0-1 all-reduce over every process at onc
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,7 @@ def reduce_bucket(
     group: Any = None,
     replicas: Any = None,
     hops: Sequence[tuple[Any, int]] = (),
+    bounds: Sequence[tuple[int, ...]] = (),
 ) -> Pending:
     """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
     in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
@@ -73,7 +75,9 @@ def reduce_bucket(
     names the bucket in errors. `group`: the ranks of the plan (None: every process);
     `replicas`: the processes holding the same shards, over which each part is then
     averaged (None: none); `hops`: with `quantized`, the shard group's axes (group, size),
-    reduced one axis at a time. Returns what is in flight, in order, for `finish`."""
+    reduced one axis at a time; `bounds`: each unit's uneven shard bounds (`Unit.bounds`,
+    () for an even unit), whose parts are each reduced to their owner at their exact
+    size. Returns what is in flight, in order, for `finish`."""
     if replicas is not None:
         keep = functools.partial(_keep_replicated, keep, replicas, what)
 
@@ -85,6 +89,8 @@ def reduce_bucket(
         return [(None, keep_all)]
     if quantized:
         return _quantized(flats, owned, keep, world_size, bits, group, hops)
+    if any(bounds):
+        return _by_unit(flats, owned, keep, bounds, world_size, what, group)
     if scatter_by_all_reduce():
         work = comm.all_reduce(buffer, op="avg", async_op=True, what=what, group=group)
         return [(work, keep_all)]
@@ -99,6 +105,47 @@ def reduce_bucket(
         work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
         pending.append((work, functools.partial(keep, i, shard)))
     return pending
+
+
+def _by_unit(
+    flats: Sequence[Tensor],
+    owned: Sequence[slice],
+    keep: Callable[[int, Tensor], None],
+    bounds: Sequence[tuple[int, ...]],
+    world_size: int,
+    what: str,
+    group: Any,
+) -> Pending:
+    """A bucket with uneven units, unit by unit: each owned part of an uneven unit summed
+    to its owner (a reduce of its exact size: one rank's whole tensors cost their bytes
+    once, not an all-reduce of the unit) and averaged there; an even unit as a bucket's
+    (all-reduced on gloo, else reduce-scattered)."""
+    pending: Pending = []
+    for i, (flat, part) in enumerate(zip(flats, owned)):
+        if not bounds[i]:
+            if scatter_by_all_reduce():
+                work = comm.all_reduce(flat, op="avg", async_op=True, what=what, group=group)
+                pending.append((work, functools.partial(keep, i, flat[part])))
+                continue
+            shard = torch.empty(part.stop - part.start, dtype=flat.dtype, device=flat.device)
+            work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
+            pending.append((work, functools.partial(keep, i, shard)))
+            continue
+        for owner, (start, stop) in enumerate(itertools.pairwise(bounds[i])):
+            if stop > start:
+                work = comm.reduce_to(
+                    flat[start:stop], owner, async_op=True, what=what, group=group
+                )
+                pending.append((work, _nothing))
+        mine = flat[part]
+        pending.append((None, functools.partial(_keep_averaged, keep, i, mine, world_size)))
+    return pending
+
+
+def _keep_averaged(
+    keep: Callable[[int, Tensor], None], i: int, part: Tensor, world_size: int
+) -> None:
+    keep(i, part.div_(world_size))
 
 
 def _keep_replicated(
@@ -338,6 +385,7 @@ class Reduction:
             group=self.groups.shard,
             replicas=self.groups.replicate,
             hops=self.groups.hops,
+            bounds=[self.plan.units[i].bounds for i in indices],
         )
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.plan.processes == 1:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,7 +71,6 @@ class Residency:
         self.write_buffers = zero.offload_optimizer.buffer_count
         self._grad_writes: list[tuple[Any, Tensor]] = []
         self._grad_failure = ""  # the first gradient I/O error of this backward
-        self.units: list[UnitRuntime] = []  # the engine's, once built
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(largest)
@@ -321,7 +320,7 @@ class Residency:
         self.nvme.wait(ticket, "writing")
         self.pool.give(pooled)
 
-    def finish_grad_writes(self, world_size: int) -> list[str]:
+    def finish_grad_writes(self, units: Sequence[UnitRuntime], world_size: int) -> list[str]:
         """End of backward with gradients on NVMe: wait for the writes, then every rank
         learns whether any rank's gradient I/O failed. If one did, all drop the window
         (its gradients are partly written): the caller raises, its micro-steps are to be
@@ -335,7 +334,7 @@ class Residency:
         messages = self.failures(self._grad_failure, world_size)
         self._grad_failure = ""
         if messages:
-            for rt in self.units:
+            for rt in units:
                 rt.grad_on_disk, rt.grad_stats = False, None
         return messages
 
@@ -392,15 +391,15 @@ class Residency:
 
     def step_pass(
         self,
+        units: Sequence[UnitRuntime],
         read: Callable[[UnitRuntime, list[Tensor]], list[Any]],
         compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
         extra: int = 0,
     ) -> str:
-        """One pass over the units through `pipeline_depth` sets of swap buffers: while
+        """One pass over `units` through `pipeline_depth` sets of swap buffers: while
         `compute` runs on unit i (returning its writes), the next units are being read
         (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
         every transfer has finished either way and no unit stays resident."""
-        units = self.units
         depth = max(2, min(self.pipeline_depth, len(units)))
         sets = [self.swap_buffers(extra) for _ in range(depth)]
         reads: dict[int, list[Any]] = {}

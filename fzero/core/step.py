@@ -38,7 +38,8 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero.config import Config, accumulation_steps
 from fzero.core.apply import OptimizerApplication, StepClock
-from fzero.core.gather import PlaceholderGatherer, UseTrace, placeholder
+from fzero.core.gather import Placeholders, StateShards, placeholder
+from fzero.core.gathering import GatherSettings, UseTrace
 from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
@@ -125,7 +126,9 @@ def train_step(
 
 
 class _Step:
-    """`train_step`'s result: a callable holding only what the caller passed in."""
+    """`train_step`'s result: a callable holding what the caller passed in, and what it
+    keeps between calls: the stage-3 use trace (`UseTrace`), the reduction buckets and
+    the update's host buffer pools (`application`)."""
 
     def __init__(
         self,
@@ -344,19 +347,21 @@ class _Micro:
             (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),
             torch.float32,
         )
-        self.gatherer: PlaceholderGatherer | None = None
+        self.gatherer: Placeholders | None = None
         if self.plan.stage == 3:
             zero = step.config.zero_optimization
-            self.gatherer = PlaceholderGatherer(
+            self.gatherer = Placeholders(
                 self.plan,
-                self._shard,
+                StateShards(state.units),
                 dtype=self.dtype,
                 device=self.device,
-                max_live=int(zero.stage3_max_live_parameters),
+                settings=GatherSettings(
+                    max_live=int(zero.stage3_max_live_parameters),
+                    prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                    max_reuse=int(zero.stage3_max_reuse_distance),
+                    quantized=zero.zero_quantized_weights,
+                ),
                 trace=step.trace,
-                prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-                max_reuse=int(zero.stage3_max_reuse_distance),
-                quantized=zero.zero_quantized_weights,
             )
         # reductions: bucket by bucket in launch order (`fzero.core.reduce`), stages 0-1
         # only in the micro-step that ends an accumulation window
@@ -421,7 +426,7 @@ class _Micro:
         self.where: dict[str, tuple[int, Placement]] = {}
         if whole:
             assert self.gatherer is not None
-            self.gatherer.max_live = max(self.gatherer.max_live, _numel(self.plan))
+            self.gatherer.widen(_numel(self.plan))
         for index, unit in enumerate(self.plan.units):
             params = self.state.units[index].params
             if whole and not self._whole(unit):
@@ -440,10 +445,6 @@ class _Micro:
 
     def _whole(self, unit: partition.Unit) -> bool:
         return self.plan.stage < 3 or unit.persistent
-
-    def _shard(self, index: int) -> Tensor:
-        u = self.state.units[index]
-        return u.params if u.params is not None else u.master
 
     def _on_grad(self, fqn: str) -> Callable[[Tensor], None]:
         def hook(leaf: Tensor) -> None:
@@ -468,7 +469,7 @@ class _Micro:
                     params[pl.fqn] = gather_pieces(self.state.units[index].params, pl, shape)
                 else:
                     assert self.gatherer is not None
-                    self.gatherer.max_live = max(self.gatherer.max_live, _numel(self.plan))
+                    self.gatherer.widen(_numel(self.plan))
                     params[pl.fqn] = self.gatherer.tensor(index, pl, shape)
         params = {k: v.detach() for k, v in params.items()}
         out = self.step.grad_fn(params, batch)

@@ -26,6 +26,8 @@ class DeepSpeedAccessors:
     stage: int
     config: Any
     hyperparams: Any
+    schedule: Any
+    lr_steps: int
     _skipped_last: bool
     _global_grad_norm: float | None
 
@@ -88,4 +90,4 @@ class DeepSpeedAccessors:
 
     def get_mom(self) -> list[Any]:
         """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed)."""
-        return self.hyperparams.momentum()
+        return self.hyperparams.momentum(self.schedule, self.lr_steps)

@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 
 from fzero import comm
+from fzero.core.gathering import Gatherer
 from fzero.core.layout import UnitRuntime
 from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency
-from fzero.core.stage3 import Stage3Gatherer
 from fzero.core.update import GradStats
 from fzero.partition import Plan
 
@@ -77,7 +77,7 @@ class GradientReduction:
         *,
         device: torch.device,
         compute_dtype: torch.dtype,
-        stage3: Stage3Gatherer,
+        gatherer: Gatherer,
         residency: Residency,
         timers: Any,
         overlap: bool,
@@ -87,7 +87,7 @@ class GradientReduction:
         self.owner, self.plan, self.stage, self.units = owner, plan, plan.stage, list(units)
         self.world_size, self.processes = plan.world_size, plan.processes
         self.device, self.compute_dtype = device, compute_dtype
-        self.stage3, self.residency, self.timers = stage3, residency, timers
+        self.gatherer, self.residency, self.timers = gatherer, residency, timers
         self.core = Reduction(
             plan,
             rank,
@@ -144,7 +144,7 @@ class GradientReduction:
     def begin(self) -> None:
         self.boundary_now = self.owner.is_gradient_accumulation_boundary()
         self.core.begin(reduce=self._needs_reduction())
-        self.stage3.begin_phase("backward")
+        self.gatherer.begin_phase("backward")
 
     def on_output_grad(self, grad: Tensor) -> Tensor:
         """A plain backward reached a tensor `engine(...)` returned: unless another
@@ -196,8 +196,7 @@ class GradientReduction:
             return
         self.core.forget()  # another's pass: nothing was taken, stage-3 units go
         if self.stage == 3:
-            for rt in self.units:
-                self.stage3.release(rt)
+            self.gatherer.release_all()
 
     def note_backward_use(self) -> None:
         """Stage 3 gathers a saved parameter in backward: in a pass of another's, enter it
@@ -226,18 +225,18 @@ class GradientReduction:
         if grad is None:
             return
         self.core.add(rt.index, placement, grad)
-        if self.stage == 3 and rt.full is None:
+        if self.stage == 3 and not self.gatherer.holds(rt.index):
             p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         if self.core.arrived(rt.index) and self.stage == 3:
-            self.stage3.release(rt)
+            self.gatherer.release(rt.index)
 
     def _keep_others_grad(self, rt: UnitRuntime, p: torch.nn.Parameter) -> None:
         """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
         if self.stage != 3 or rt.unit.persistent:
             return
         if self.core.arrived(rt.index, launch=False):
-            self.stage3.release(rt)
-        elif rt.full is None:
+            self.gatherer.release(rt.index)
+        elif not self.gatherer.holds(rt.index):
             p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     def _needs_reduction(self) -> bool:
@@ -247,9 +246,8 @@ class GradientReduction:
         with self.timers("comm"):
             self.core.finish()
         if self.stage == 3:
-            for rt in self.units:
-                self.stage3.release(rt)
-        self.stage3.end_phase()
+            self.gatherer.release_all()
+        self.gatherer.end_phase()
         self.reduced = self.reduced or self._needs_reduction()
         if self.residency.grads_on_disk:
             self._finish_grad_writes()
@@ -263,7 +261,7 @@ class GradientReduction:
     def _finish_grad_writes(self) -> None:
         """With gradients on NVMe, a write that failed on any rank drops the window on
         every rank: its micro-steps are to be run again."""
-        messages = self.residency.finish_grad_writes(self.processes)
+        messages = self.residency.finish_grad_writes(self.units, self.processes)
         if messages:
             self.owner.drop_accumulation_window()
             raise OSError(
@@ -285,6 +283,17 @@ class GradientReduction:
     def held_numel(self) -> int:
         """Elements of the bucket buffers of a reduction in progress (stages 2-3)."""
         return self.core.held_numel()
+
+    def scaled_by_caller(self) -> None:
+        """The caller scaled the loss (`engine.scale(loss).backward()`): a plain backward
+        of this micro-step carries the fp16 loss scale."""
+        self.manual_scale = True
+
+    def before_step(self) -> None:
+        """`engine.step()` starts: what other passes left in `param.grad` is taken, and the
+        next micro-step starts unreduced."""
+        self.take_left_grads()
+        self.reduced = False
 
     def take_left_grads(self) -> None:
         """Add what other passes left in managed `param.grad`s (the user did not clear

@@ -17,13 +17,25 @@ position and writes no lr (the lr comes back with the optimizer state).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = ["ConfigScheduler", "step_scheduler"]
 
-Engine = Any  # fzero.engine.Engine (this module sits below it)
+
+class Engine(Protocol):
+    """What the schedule object and `step_scheduler` read and set of their engine
+    (`fzero.engine.Engine`; this module sits below it)."""
+
+    lr_steps: int
+    optimizer: Any
+    lr_scheduler: Any
+    config_scheduler: Any
+    client_optimizer: torch.optim.Optimizer | None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
 
 
 class ConfigScheduler:

@@ -1,80 +1,78 @@
 """The engine's step (`take_step`: the core's rules in `fzero.core.update` over the
-engine's units, then its optimizer application) and its learning rates (`Hyperparams`)."""
+runtime's units, then its optimizer application) and its learning rates
+(`Hyperparams`)."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from fzero.core.apply import StepClock
+from fzero.core.apply import OptimizerApplication, StepClock
+from fzero.core.groups import Groups
+from fzero.core.layout import UnitRuntime
+from fzero.core.residency import Residency
 from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
-from fzero.engine._scheduler import step_scheduler
-from fzero.optim import with_overrides
+from fzero.optim import LossScaleState, Optimizer, with_overrides
+from fzero.partition import Plan
 
-__all__ = [
-    "Hyperparams",
-    "take_step",
-    "unit_grad_stats",
-    "zero_grads",
-]
-
-log = logging.getLogger("fzero")
-Engine = Any  # fzero.engine.Engine (this module sits below it)
-
-# ---- the engine's step ----------------------------------------------------------------------
+__all__ = ["Hyperparams", "take_step", "unit_grad_stats"]
 
 
-def unit_grad_stats(engine: Engine) -> list[GradStats]:
+def unit_grad_stats(
+    units: Sequence[UnitRuntime],
+    plan: Plan,
+    rank: int,
+    residency: Residency,
+    grad_stats: Callable[[torch.Tensor], GradStats],
+) -> list[GradStats]:
     """`grad_stats` of every unit's owned gradient, in unit order (NVMe: taken when the
     last micro-step wrote the gradient; a unit without one has zeros)."""
-    if not engine.residency.grads_on_disk:
-        return [
-            engine.grad_stats(rt.grad[engine.owned(rt.unit)] if engine.stage < 2 else rt.grad)
-            for rt in engine.units
+    if not residency.grads_on_disk:
+        owned = [
+            rt.grad[slice(*rt.unit.shard_range(rank))] if plan.stage < 2 else rt.grad
+            for rt in units
         ]
-    zeros = engine.grad_stats(torch.zeros(1))
-    return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in engine.units]
+        return [grad_stats(grad) for grad in owned]
+    zeros = grad_stats(torch.zeros(1))
+    return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in units]
 
 
-def take_step(engine: Engine, lr_kwargs: dict[str, Any] | None = None) -> StepDecision:
-    """The engine's step at an accumulation boundary: decide, then skip (fp16 overflow)
-    or update every unit and step the lr scheduler; gradients zeroed either way."""
+def take_step(
+    units: Sequence[UnitRuntime],
+    plan: Plan,
+    groups: Groups,
+    *,
+    residency: Residency,
+    application: OptimizerApplication,
+    grad_stats: Callable[[torch.Tensor], GradStats],
+    loss_scaler: Any,
+    loss_scale: LossScaleState | None,
+    clipping: float,
+    device: torch.device,
+    lrs: list[float],
+    clock: StepClock,
+    skipped: int,
+) -> StepDecision:
+    """The step at an accumulation boundary: decide (collective), then skip it (fp16
+    overflow) or update every unit; gradients zeroed either way."""
     decision = decide_step(
-        unit_grad_stats(engine),
-        loss_scaler=engine.loss_scaler,
-        loss_scale=engine.loss_scale_state,
-        clipping=engine.config.gradient_clipping,
-        device=engine.device,
-        world_size=engine.plan.world_size,
-        processes=engine.world_size,
-        group=engine.groups.shard,
-        step=engine.global_steps + 1,
-        skipped=engine.skipped_steps,
+        unit_grad_stats(units, plan, groups.rank, residency, grad_stats),
+        loss_scaler=loss_scaler,
+        loss_scale=loss_scale,
+        clipping=clipping,
+        device=device,
+        world_size=plan.world_size,
+        processes=plan.processes,
+        group=groups.shard,
+        step=clock.step,
+        skipped=skipped,
     )
-    engine.loss_scale_state = decision.loss_scale
-    if decision.skip:
-        engine.skipped_steps += 1
-        log.warning(
-            "fzero: step %d skipped: gradient overflow; loss scale now %s",
-            engine.global_steps,
-            decision.loss_scale.scale if decision.loss_scale else None,
-        )
-    else:
-        engine.optimizer_application.apply(
-            engine.units,
-            decision.factor,
-            engine.hyperparams.current_lrs(),
-            StepClock(engine.lr_steps, engine.global_steps + 1),
-        )
-        step_scheduler(engine, lr_kwargs)
-    zero_grads(engine)
+    if not decision.skip:
+        application.apply(list(units), decision.factor, lrs, clock)
+    residency.zero_grads(list(units))
     return decision
-
-
-def zero_grads(engine: Engine) -> None:
-    engine.residency.zero_grads(engine.units)
 
 
 class Hyperparams:
@@ -82,12 +80,18 @@ class Hyperparams:
     client optimizer's when there is one, else the engine's own (an lr scheduler sets
     their lr when stepped, as DeepSpeed's do)."""
 
-    def __init__(self, engine: Engine, groups: list[dict[str, Any]], trainable: bool) -> None:
-        self.engine = engine
-        base = engine.functional_optimizer.hparams
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        groups: list[dict[str, Any]],
+        *,
+        trainable: bool,
+        client_optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        self.client_optimizer = client_optimizer
         group_hparams = [
             with_overrides(
-                base,
+                optimizer.hparams,
                 {
                     k: (tuple(v) if k == "betas" else v)
                     for k, v in group.items()
@@ -104,7 +108,7 @@ class Hyperparams:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        client = self.engine.client_optimizer
+        client = self.client_optimizer
         return client.param_groups if client is not None else self.own_groups
 
     def current_lrs(self) -> list[float]:
@@ -112,11 +116,10 @@ class Hyperparams:
         when stepped, as DeepSpeed's do)."""
         return [group["lr"] for group in self.param_groups]
 
-    def momentum(self) -> list[Any]:
+    def momentum(self, schedule: Any, lr_steps: int) -> list[Any]:
         """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed's
-        `get_mom`), with a schedule's cycled beta1 in place."""
-        engine = self.engine
-        beta1 = scheduled_beta1(engine.schedule, engine.lr_steps)
+        `get_mom`), with `schedule`'s cycled beta1 at position `lr_steps` in place."""
+        beta1 = scheduled_beta1(schedule, lr_steps)
         result = []
         for group in self.param_groups:
             if "betas" in group:

@@ -1,10 +1,12 @@
-"""Whole-model views of a sharded engine: the consolidated state dict, memory held
-against the plan, and DeepSpeed's `GatheredParameters` (whole parameters for a block,
-with edits written back to the shards). Functions of an engine's public attributes."""
+"""Whole-model views of an engine's runtime (`fzero.engine._runtime.Runtime`): its
+`TrainState`, the consolidated state dict, memory held against the plan, and DeepSpeed's
+`GatheredParameters` (whole parameters for a block, with edits written back to the
+shards)."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,77 +14,89 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
+from fzero.config import Config
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
 from fzero.core.publish import accept_edits
+from fzero.core.reduce import scatter_by_all_reduce
 from fzero.core.residency import SwapFileUnits
-from fzero.core.state import TrainState, UnitState
+from fzero.core.state import Counters, TrainState, UnitState
+from fzero.engine._runtime import Runtime
+from fzero.engine.zero3_attributes import AliasAnswers
+from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale
 from fzero.partition import MemoryEstimate
 
 __all__ = [
+    "comm_volume",
     "full_master",
     "gathered_parameters",
+    "mark_engine",
     "memory_held",
     "memory_planned",
     "state_dict",
     "train_state",
 ]
 
-Engine = Any  # fzero.engine.Engine (this module sits below it)
-
 
 @contextlib.contextmanager
 def gathered_parameters(
-    engine: Engine, params: Sequence[torch.nn.Parameter], modifier_rank: int | None = None
+    runtime: Runtime, params: Sequence[torch.nn.Parameter], modifier_rank: int | None = None
 ) -> Iterator[None]:
     """Full `params` inside the block (DeepSpeed's `GatheredParameters`); collective.
 
     With `modifier_rank`, that rank's edits are broadcast on exit and become the
     new weights (fp32 masters included; edits are made in the compute dtype).
     """
-    if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
-        raise ValueError(
-            f"modifier_rank is {modifier_rank}; allowed: None or 0..{engine.world_size - 1}"
-        )
+    processes = runtime.plan.processes
+    if modifier_rank is not None and not 0 <= modifier_rank < processes:
+        raise ValueError(f"modifier_rank is {modifier_rank}; allowed: None or 0..{processes - 1}")
     wanted = {id(p) for p in params}
-    units = [rt for rt in engine.units if any(id(p) in wanted for p, _, _ in rt.params)]
+    units = [rt for rt in runtime.units if any(id(p) in wanted for p, _, _ in rt.params)]
     managed = {id(p) for rt in units for p, _, _ in rt.params}
     others = [p for p in params if id(p) not in managed]  # frozen: whole everywhere
-    gathered_here = [rt for rt in units if rt.full is None]
-    for rt in units:
-        engine.stage3.gather(rt)
+    gatherer = runtime.gatherer
+    sharded = [rt for rt in units if rt.full is None]  # stage 3: gathered for the block
+    gathered_here = [rt for rt in sharded if gatherer.units[rt.index].full is None]
+    for rt in sharded:
+        gatherer.gather(rt.index)
     try:
         yield
     except BaseException:
         for rt in gathered_here:
-            engine.stage3.release(rt)
+            gatherer.release(rt.index)
         raise
     if modifier_rank is not None:
         with torch.no_grad():
             for rt in units:
-                with engine.residency.resident(rt, write_back=True):
-                    accept_edits(rt, engine.plan, engine.plan_rank, modifier_rank, engine.stage3)
+                full = rt.full if rt.full is not None else gatherer.units[rt.index].full
+                assert full is not None
+                with runtime.residency.resident(rt, write_back=True):
+                    accept_edits(
+                        rt, full, runtime.plan, runtime.rank, modifier_rank, runtime.param_shards
+                    )
             for p in others:
-                if engine.world_size > 1:
-                    comm.broadcast(p.data, modifier_rank, what="an edited parameter")
+                if processes > 1:
+                    comm.broadcast_from(p.data, modifier_rank, what="an edited parameter")
     for rt in gathered_here:
-        engine.stage3.release(rt)
+        gatherer.release(rt.index)
 
 
-def full_master(engine: Engine, rt: UnitRuntime) -> Tensor:
+def full_master(runtime: Runtime, rt: UnitRuntime) -> Tensor:
     """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
-    return functional.full_master(train_state(engine), rt.index)
+    return functional.full_master(train_state(runtime, Counters(), None), rt.index)
 
 
-def state_dict(engine: Engine, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+def state_dict(
+    runtime: Runtime, module: torch.nn.Module, counters: Counters, dtype: torch.dtype | None
+) -> dict[str, Tensor]:
     """The consolidated model state dict, on rank 0 ({} elsewhere); collective: the fp32
     masters cast to `dtype` (default the compute dtype) under every name of a tied
     tensor, the frozen parameters and buffers from the module (`fzero.state_dict`)."""
-    dtype = dtype or engine.compute_dtype
-    return functional.state_dict(train_state(engine), module=engine.module, dtype=dtype)
+    state = train_state(runtime, counters, None)
+    return functional.state_dict(state, module=module, dtype=dtype or runtime.compute_dtype)
 
 
-def memory_held(engine: Engine) -> MemoryEstimate:
+def memory_held(runtime: Runtime) -> MemoryEstimate:
     """Bytes of every model-state tensor this rank holds now, by kind (no duplicates)."""
     seen: set[int] = set()
 
@@ -96,8 +110,8 @@ def memory_held(engine: Engine) -> MemoryEstimate:
         return t.untyped_storage().nbytes()
 
     params = master = grads = state = 0
-    for rt in engine.units:
-        params += size(rt.full) + size(rt.param_shard)
+    for rt in runtime.units:
+        params += size(rt.full) + size(rt.param_shard) + size(runtime.gatherer.units[rt.index].full)
         if rt.full is None and rt.param_shard is None:
             params += size(rt.master)  # fp32 stage 3: the master is the shard
         for p, _, _ in rt.params:
@@ -105,46 +119,97 @@ def memory_held(engine: Engine) -> MemoryEstimate:
         master += size(rt.master)
         grads += size(rt.grad)
         state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
-    grads += engine.reduction.held_numel() * 4  # fp32 buckets of a reduction in flight
+    grads += runtime.reduction.held_numel() * 4  # fp32 buckets of a reduction in flight
     return MemoryEstimate(
         params=params,
         master=master,
         grads=grads,
         optimizer_state=state,
-        offload_optimizer=engine.offload,
+        offload_optimizer=runtime.residency.offload,
     )
 
 
-def memory_planned(engine: Engine) -> MemoryEstimate:
-    """What the plan says this rank holds (`partition.memory_per_rank`)."""
+def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEstimate:
+    """What the plan says this rank holds (`partition.memory_per_rank`); with the units
+    stage 3 keeps gathered for generation (`stage3_eval_live_parameters`)."""
+    precision = runtime.precision
     return partition.memory_per_rank(
-        engine.plan,
-        engine.plan_rank,
-        param_dtype=partition.dtype_name(engine.compute_dtype),
+        runtime.plan,
+        runtime.rank,
+        param_dtype=partition.dtype_name(precision.compute_dtype),
         grad_dtype="float32",
-        optimizer=engine.functional_optimizer,
-        offload_optimizer=engine.offload,
-        master_dtype=partition.dtype_name(engine.dtypes.master_dtype),
+        optimizer=runtime.optimizer,
+        offload_optimizer=runtime.residency.offload,
+        master_dtype=partition.dtype_name(precision.master_dtype),
         # NVMe: the moments are in the swap file, not counted here
-        state_dtype=partition.dtype_name(engine.dtypes.state_dtype),
-        eval_live_parameters=engine.config.zero_optimization.stage3_eval_live_parameters,
+        state_dtype=partition.dtype_name(precision.state_dtype),
+        eval_live_parameters=eval_live_parameters,
     )
 
 
-def train_state(engine: Engine) -> TrainState:
-    """The engine's `TrainState` over its own buffers (no copy); NVMe-resident units are
+def train_state(
+    runtime: Runtime, counters: Counters, loss_scale: LossScaleState | None
+) -> TrainState:
+    """The runtime's `TrainState` over its own buffers (no copy); NVMe-resident units are
     reached through its `SwappedUnits`."""
+    stage = runtime.plan.stage
     units = tuple(
         UnitState(
             rt.master,
             rt.state,
-            rt.full if engine.stage < 3 or rt.unit.persistent else rt.param_shard,
+            rt.full if stage < 3 or rt.unit.persistent else rt.param_shard,
             rt.grad,
         )
-        for rt in engine.units
+        for rt in runtime.units
     )
-    counters = engine.counters
-    residence = SwapFileUnits(engine.residency, engine.units) if engine.nvme is not None else None
-    return TrainState(
-        engine.plan, engine.plan_rank, units, counters, engine.loss_scale_state, residence=residence
+    residency = runtime.residency
+    residence = SwapFileUnits(residency, runtime.units) if residency.nvme is not None else None
+    return TrainState(runtime.plan, runtime.rank, units, counters, loss_scale, residence=residence)
+
+
+def mark_engine(runtime: Runtime, engine: object) -> list[Any]:
+    """Each managed parameter names its engine (a weak reference), which
+    `fzero.gathered_parameters(params)` finds it by, and at stage 3 re-created tensors
+    answer `ds_*` attributes as their parameter (`zero3_attributes`' Note); returns
+    handles whose `remove()` undoes both (the engine's `destroy`)."""
+    params = [p for rt in runtime.units for p, _, _ in rt.params]
+    for p in params:
+        p._fzero_engine = weakref.ref(engine)
+    handles: list[Any] = [_Unmark(params)]
+    if runtime.stage3 is not None:
+        handles.append(AliasAnswers(engine))
+    return handles
+
+
+class _Unmark:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def remove(self) -> None:
+        for p in self.params:
+            p.__dict__.pop("_fzero_engine", None)
+
+
+def comm_volume(
+    runtime: Runtime,
+    config: Config,
+    accumulation: int,
+    loss_scaler: DynamicLossScale | StaticLossScale | None,
+) -> list[partition.Collective]:
+    """`fzero.partition.comm_volume` of the runtime's plan and the config's settings: the
+    collectives one optimizer step issues (stage 3: with the units its last backward
+    gathered again, from its recorded use order)."""
+    zero = config.zero_optimization
+    return partition.comm_volume(
+        runtime.plan,
+        accumulation_steps=accumulation,
+        param_dtype=partition.dtype_name(runtime.compute_dtype),
+        bucket_numel=int(zero.reduce_bucket_size),
+        scatter_as_all_reduce=scatter_by_all_reduce(),
+        regathered=runtime.gatherer.regathered,
+        loss_scaling=loss_scaler is not None and loss_scaler.dynamic,
+        optimizer=runtime.optimizer.name,
+        quantized_weights=zero.zero_quantized_weights,
+        quantized_gradients=zero.zero_quantized_gradients,
+        quantized_gradient_bits=zero.zero_quantized_gradients_bits,
     )

@@ -14,7 +14,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,11 +36,55 @@ from fzero.checkpoint._save import (
     save,
     wait_for_save,
 )
+from fzero.core.layout import UnitRuntime
 from fzero.core.publish import install, rolled_back
+from fzero.core.residency import Residency
+from fzero.core.state import TrainState
+from fzero.optim import Optimizer
+from fzero.partition import Plan
 
-# An fzero Engine, taken by duck type: the checkpoint package imports nothing from the
-# engine (the engine imports it), and reads only the engine's public attributes.
-Engine = Any
+
+class Engine(Protocol):
+    """What saving and loading read and set of an engine (`fzero.engine.Engine`; this
+    module sits below it): its state, counters, schedulers and batch settings."""
+
+    module: torch.nn.Module
+    config: Any
+    plan: Plan
+    plan_rank: int
+    rank: int
+    world_size: int
+    serial: int
+    batch: Any
+    precision: str
+    units: list[UnitRuntime]
+    residency: Residency
+    functional_optimizer: Optimizer
+    loss_scaler: Any
+    loss_scale_state: Any
+    lr_scheduler: Any
+    config_scheduler: Any
+    boundary_override: bool | None
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+    skipped_steps: int
+    lr_steps: int
+
+    @property
+    def train_state(self) -> TrainState: ...
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def publish_master(self, rt: UnitRuntime) -> None: ...
+
+    def finish_publish(self) -> None: ...
+
 
 __all__ = ["load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_for_save"]
 
@@ -249,6 +293,15 @@ def _log_world_change(engine: Engine, index: Mapping[str, Any]) -> None:
     old_world = index.get("processes", index["world_size"])
     old_accum = index["batch"]["gradient_accumulation_steps"]
     if old_world == engine.world_size or engine.rank != 0:
+        return
+    if old_accum == engine.gradient_accumulation_steps():  # nothing to warn of
+        log.info(
+            "fzero: checkpoint saved at world size %d loaded at world size %d "
+            "(gradient_accumulation_steps %d, unchanged)",
+            old_world,
+            engine.world_size,
+            old_accum,
+        )
         return
     message = (
         f"fzero: checkpoint saved at world size {old_world} (gradient_accumulation_steps "

@@ -11,16 +11,43 @@ into an engine of the same plan. Checkpoints that reshard are `engine.save_check
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from fzero.core.layout import UnitRuntime
 from fzero.core.publish import install_unit
+from fzero.core.residency import Residency
+from fzero.optim import Optimizer
+from fzero.partition import Plan
 
-# An fzero Engine, by duck type: this module sits below the engine and imports nothing
-# from it.
-Engine = Any
+
+class Engine(Protocol):
+    """What the optimizer object reads of its engine (`fzero.engine.Engine`; this module
+    sits below it)."""
+
+    plan: Plan
+    plan_rank: int
+    stage: int
+    units: list[UnitRuntime]
+    residency: Residency
+    functional_optimizer: Optimizer
+    loss_scale: float
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def was_step_skipped(self) -> bool: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def publish_master(self, rt: UnitRuntime) -> None: ...
+
+    def finish_publish(self) -> None: ...
+
 
 __all__ = ["DeepSpeedOptimizer", "EngineOptimizer", "ZeROOptimizer"]
 

@@ -26,15 +26,37 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fzero import comm
+from fzero.partition import MemoryEstimate, Plan
 
-# An fzero Engine, by duck type: this module sits below the engine and imports nothing
-# from it.
-Engine = Any
+
+class Engine(Protocol):
+    """What the reports read of their engine (`fzero.engine.Engine`; this module sits
+    below it)."""
+
+    name: str
+    rank: int
+    precision: str
+    config: Any
+    plan: Plan
+    batch: Any
+    device: torch.device
+    timers: Timers
+    global_steps: int
+    skipped_steps: int
+    loss_scaler: Any
+    loss_scale: float
+
+    def get_lr(self) -> list[float]: ...
+
+    def memory_held(self) -> MemoryEstimate: ...
+
+    def memory_planned(self) -> MemoryEstimate: ...
+
 
 __all__ = ["Telemetry", "Timers", "count_tokens"]
 
@@ -85,6 +107,14 @@ class Telemetry:
         self.params = engine.plan.manifest.numel
         self.traffic = comm.traffic()  # at the last report
         self._bar: Any = None
+        log.info(
+            "fzero: stage %d, %s, world %d, %d units, %s params",
+            engine.plan.stage,
+            engine.precision,
+            engine.plan.processes,
+            len(engine.plan.units),
+            f"{engine.plan.manifest.numel:,}",
+        )
         config = engine.config
         if engine.rank == 0 and config.progress and sys.stdout.isatty():
             try:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from fzero.core.layout import ZeroParamStatus
 
-__all__ = ["ZeroParamStatus", "describe_zero3_param"]
+__all__ = ["AliasAnswers", "ZeroParamStatus", "describe_zero3_param"]
 
 
 _PARAM_IDS = itertools.count()  # DeepSpeed's `ds_id`: one counter for the process
@@ -33,11 +33,44 @@ def describe_zero3_param(
     p.ds_active_sub_modules = set()
     p.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
     _DESCRIBED.add(p)
-    if "__getattr__" not in torch.Tensor.__dict__:
-        torch.Tensor.__getattr__ = _zero3_attribute_of_alias  # type: ignore[attr-defined]
 
 
+# [Note: ds_* attributes of re-created tensors] A custom autograd.Function that saved a
+# stage-3 parameter gets, from `ctx.saved_tensors`, a new tensor over the parameter's data
+# (torch re-creates every tensor a saved-tensor hook hands back, subclass and attributes
+# dropped), where DeepSpeed's gets the parameter itself; TRL's chunked log-prob backward
+# reads `weight.ds_status` on it. No value fzero can return from its hook carries the
+# attributes, so while an engine that gathers parameters again in backward lives, a
+# failed attribute lookup on a tensor asks `_zero3_attribute_of_alias`: the only patch of
+# torch fzero makes, installed by the first such engine and removed when the last one is
+# destroyed (or collected).
 _DESCRIBED: weakref.WeakSet[torch.nn.Parameter] = weakref.WeakSet()
+_ANSWERING: weakref.WeakSet[object] = weakref.WeakSet()  # the engines that need it
+
+
+class AliasAnswers:
+    """The handle an engine holds while re-created tensors answer `ds_*` attributes as the
+    stage-3 parameter they alias; `remove()` (the engine's `destroy`) ends its need."""
+
+    def __init__(self, owner: object) -> None:
+        _ANSWERING.add(owner)
+        if torch.Tensor.__dict__.get("__getattr__") is not _zero3_attribute_of_alias:
+            torch.Tensor.__getattr__ = _zero3_attribute_of_alias  # type: ignore[attr-defined]
+        self._owner = weakref.ref(owner)
+        self._finalizer = weakref.finalize(owner, _withdraw)
+
+    def remove(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            _ANSWERING.discard(owner)
+        self._finalizer.detach()
+        _withdraw()
+
+
+def _withdraw() -> None:
+    """Remove the patch once no engine needs it."""
+    if not _ANSWERING and torch.Tensor.__dict__.get("__getattr__") is _zero3_attribute_of_alias:
+        del torch.Tensor.__getattr__
 
 
 def _zero3_attribute_of_alias(tensor: Tensor, name: str) -> Any:

@@ -5,6 +5,7 @@ p = plan(manifest, world_size=4, stage=3)        # or strategy=per_tensor_dim0 /
 local_slices(p, rank=1); memory_per_rank(p, 1, param_dtype="bfloat16")
 m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zero3", Custom
 print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
+comm_time(m, links={"node": "25Gbps", "local": "400GBps"})  # modelled seconds per step
 """
 
 from fzero.partition._digest import PlanPart, part_fields, plan_digest, plan_parts
@@ -39,6 +40,7 @@ from fzero.partition._presets import (
     Zero,
     from_zero_config,
     mesh_plan,
+    on_mesh,
     preset_from_name,
 )
 from fzero.partition._queries import (
@@ -58,6 +60,7 @@ from fzero.partition._queries import (
 from fzero.partition._strategies import (
     BUILT_IN,
     DEFAULT_ALIGNMENT,
+    DEFAULT_PERSISTENCE_THRESHOLD,
     Strategy,
     UnitGroup,
     flat_even,
@@ -68,16 +71,20 @@ from fzero.partition._strategies import (
     strategy_from_name,
     whole_tensors,
 )
+from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
 
 __all__ = [
     "BUILT_IN",
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_PERSISTENCE_THRESHOLD",
     "KINDS",
     "PRESETS",
+    "AxisTime",
     "Collective",
     "Custom",
     "HpZ",
+    "Link",
     "LocalSlice",
     "Manifest",
     "MemoryEstimate",
@@ -100,12 +107,14 @@ __all__ = [
     "UnitGroup",
     "UnitSharding",
     "Zero",
+    "comm_time",
     "comm_volume",
     "describe",
     "dtype_name",
     "dtype_of",
     "executable",
     "flat_even",
+    "format_comm_time",
     "format_comm_volume",
     "format_plan",
     "from_bytes",
@@ -119,9 +128,11 @@ __all__ = [
     "mesh_plan",
     "mesh_plan_from_bytes",
     "module_key",
+    "on_mesh",
     "optimizer_state_slots",
     "owned_numel",
     "owner_of",
+    "parse_link",
     "part_fields",
     "per_tensor_dim0",
     "plan",

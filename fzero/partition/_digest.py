@@ -61,6 +61,7 @@ def _encoded_parts(plan: Plan | MeshPlan) -> list[tuple[str, dict[str, Any]]]:
             "units": len(plan.units),
             "mesh": None if mesh is None else [[list(a) for a in mesh.axes], list(mesh.shard)],
             "secondary": None if mesh is None else list(mesh.secondary),
+            "hierarchical": None if mesh is None else mesh.hierarchical,
         }
     parts = [("the plan's header", header), ("the manifest", encode_manifest(plan.manifest))]
     for index, unit in enumerate(plan.units):

@@ -116,10 +116,12 @@ class Mesh:
         missing = [name for name in self.names if name not in coordinate]
         unknown = [name for name in coordinate if name not in self.names]
         if missing or unknown:
-            raise MeshError(
-                f"coordinate {dict(coordinate)} of mesh {self}: missing axes {missing}, "
-                f"unknown axes {unknown}"
-            )
+            wrong = [
+                f"{what} {names}"
+                for what, names in (("missing axes", missing), ("unknown axes", unknown))
+                if names
+            ]
+            raise MeshError(f"coordinate {dict(coordinate)} of mesh {self}: " + ", ".join(wrong))
         rank = 0
         for name, size in self.axes:
             if not 0 <= coordinate[name] < size:

@@ -113,7 +113,16 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
     _check_even(plan.units)
     for unit, sharding in zip(plan.units, plan.shardings):
         _validate_sharding(plan.mesh, unit, sharding)
+    _check_runs(plan)
     return plan
+
+
+def _check_runs(plan: MeshPlan) -> None:
+    """What both doors run (`executable`), checked here so that a plan `validate`
+    accepts is one they run: the errors name the unit, kind and axes."""
+    group = _shard_group(plan)
+    _common_stage(plan, group, f" over {group}; {_ONE_GROUP}")
+    _secondary(plan, group)
 
 
 def _check_even(units: tuple[Unit, ...]) -> None:
@@ -147,7 +156,9 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
     if unit.persistent and params.shard:
         raise PlanError(
             f"{where} is persistent (parameters kept whole) but params are split over "
-            f"{params.shard}; split them over no axis or make the unit not persistent"
+            f"{params.shard}; split them over no axis when unit.persistent, or plan with a "
+            "lower persistence_threshold (units under it, DeepSpeed's 100,000 elements by "
+            "default, keep whole parameters)"
         )
     _check_prefix(
         where + " params",
@@ -317,8 +328,8 @@ def executable(plan: MeshPlan | Plan) -> Plan:
 
     Run: every kind of every unit split over one set of axes S, in mesh order, or whole
     (as `to_plan` asks of the world's axes); hpZ's secondary over one subset of S, in
-    mesh order; a hierarchical gather runs as one all-gather over S (the same values).
-    Anything else is a `PlanError` naming the unit, kind and axes."""
+    mesh order; a hierarchical gather (MiCS's) as one all-gather per axis of S, the
+    outermost first. Anything else is a `PlanError` naming the unit, kind and axes."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
     validate(plan)
@@ -332,7 +343,8 @@ def executable(plan: MeshPlan | Plan) -> Plan:
                 shard_numel=u.numel // size)
         for u, s in zip(plan.units, plan.shardings)
     )  # fmt: skip
-    on = OnMesh(mesh.axes, group, secondary, plan.preset)
+    hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
+    on = OnMesh(mesh.axes, group, secondary, plan.preset, hierarchical)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on)
     return _validate_stage_plan(result)
 
@@ -357,6 +369,7 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
                 split if plan.stage >= 2 else whole,
                 split if plan.stage >= 1 else whole,
                 secondary if params is split else None,
+                hierarchical_params_gather=on.hierarchical and params is split,
             )
         )
         units.append(replace(unit, shard_numel=unit.numel // mesh.size))

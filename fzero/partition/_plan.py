@@ -112,12 +112,15 @@ class OnMesh:
     the other axes hold the same shards (replicas: their gradients are averaged by an
     all-reduce over those axes). `secondary`: stage 3's parameters are kept after forward
     split over these axes only (a subset of `shard`: ZeRO++ hpZ), and backward gathers
-    from that copy. `preset` names the mesh plan it came from."""
+    from that copy. `preset` names the mesh plan it came from. `hierarchical`: stage 3's
+    parameter gathers run one all-gather per `shard` axis, the outermost first (MiCS's
+    hierarchical all-gather: fewer, larger messages over the slow axis)."""
 
     axes: tuple[tuple[str, int], ...]
     shard: tuple[str, ...]
     secondary: tuple[str, ...] = ()
     preset: str = "custom"
+    hierarchical: bool = False
 
     @property
     def processes(self) -> int:
@@ -232,6 +235,12 @@ def _validate_mesh(plan: Plan) -> None:
         raise PlanError(
             f"plan world_size {plan.world_size} on mesh {mesh.axes} split over {mesh.shard}: "
             f"the shard axes' group has {group} ranks; they must be equal"
+        )
+    if mesh.hierarchical and (plan.stage != 3 or mesh.secondary or len(mesh.shard) < 2):
+        raise PlanError(
+            f"plan hierarchical gather over {mesh.shard}: it is stage 3's (stage "
+            f"{plan.stage}), over two or more shard axes, and without hpZ's secondary copy "
+            f"({mesh.secondary})"
         )
     if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.shard)):
         raise PlanError(
@@ -389,6 +398,7 @@ def _encode_on_mesh(mesh: OnMesh) -> dict[str, Any]:
         "shard": list(mesh.shard),
         "secondary": list(mesh.secondary),
         "preset": mesh.preset,
+        **({"hierarchical": True} if mesh.hierarchical else {}),
     }
 
 
@@ -400,6 +410,7 @@ def _decode_on_mesh(raw: dict[str, Any] | None) -> OnMesh | None:
         tuple(raw["shard"]),
         tuple(raw["secondary"]),
         raw["preset"],
+        bool(raw.get("hierarchical", False)),
     )
 
 

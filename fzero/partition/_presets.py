@@ -40,6 +40,7 @@ __all__ = [
     "Zero",
     "from_zero_config",
     "mesh_plan",
+    "on_mesh",
     "preset_from_name",
 ]
 
@@ -159,7 +160,17 @@ def mesh_plan(
     """Lay `manifest` out with `strategy` on `mesh.size` ranks (with `options`, as
     `plan` runs it, grouped for `preset.stage`), split every unit as `preset` says, and
     validate. `mesh_plan(m, Mesh.single(W), "zero2")` is `from_plan(plan(m,
-    world_size=W, stage=2))`."""
+    world_size=W, stage=2))`. To hand it to an engine as its `strategy`, use
+    `on_mesh(mesh, preset)`: the engine passes `world_size` and `stage`, which the mesh
+    and the preset decide here."""
+    decided = sorted(set(options) & {"world_size", "stage"})
+    if decided:
+        raise PlanError(
+            f"mesh_plan got {', '.join(decided)}: the mesh ({mesh.size} ranks) and the "
+            "preset decide them. An engine's strategy receives them: pass "
+            "strategy=partition.on_mesh(mesh, preset), which checks them and passes the "
+            "other options on"
+        )
     chosen = preset_from_name(preset) if isinstance(preset, str) else preset
     layout = plan(manifest, world_size=mesh.size, stage=chosen.stage, strategy=strategy, **options)
     result = MeshPlan(
@@ -173,6 +184,38 @@ def mesh_plan(
     )
     validate(result)
     return result
+
+
+def on_mesh(
+    mesh: Mesh,
+    preset: Preset | str = "zero3",
+    *,
+    strategy: Strategy | Callable[..., Plan] = flat_even,
+) -> Callable[..., MeshPlan]:
+    """A strategy the engine (or `plan`) takes: lays a model out with `mesh_plan(manifest,
+    mesh, preset, strategy=strategy, **options)`, passing on every option it is given
+    (`persistence_threshold`, `leaf_modules`, `unit_numel`, ...). The `world_size` it is
+    called with must be the mesh's size, and the `stage` the preset's (the config's
+    `zero_optimization.stage`): a `PlanError` names either that differs."""
+    chosen = preset_from_name(preset) if isinstance(preset, str) else preset
+
+    def strategy_on_mesh(
+        manifest: Manifest, *, world_size: int, stage: int, **options: object
+    ) -> MeshPlan:
+        if world_size != mesh.size:
+            raise PlanError(
+                f"on_mesh({mesh}, {chosen.name!r}): the run has {world_size} ranks, the mesh "
+                f"{mesh.size}; give a mesh of the world size"
+            )
+        if stage != chosen.stage:
+            raise PlanError(
+                f"on_mesh({mesh}, {chosen.name!r}): the run is stage {stage}, the preset "
+                f"stage {chosen.stage}; set zero_optimization.stage to {chosen.stage}"
+            )
+        return mesh_plan(manifest, mesh, chosen, strategy=strategy, **options)
+
+    strategy_on_mesh.__name__ = f"on_mesh_{chosen.name}"
+    return strategy_on_mesh
 
 
 def _int_key(zero: Mapping[str, Any], key: str, default: int) -> int:
@@ -206,7 +249,8 @@ def from_zero_config(
     - otherwise `Mesh({"dp": W})` and `Zero(stage)`. Below stage 3 the three keys have no
       effect, as in DeepSpeed, where hpZ and MiCS are parts of stage 3.
 
-    The config parser still refuses these keys: the engine cannot run such plans yet.
+    The engine builds its plan from these keys with this function; `fzero.init` and
+    `train_step` are given the mesh plan itself.
     """
     stage = _int_key(zero, "stage", 0)
     hpz = _int_key(zero, "zero_hpz_partition_size", 1)

@@ -342,12 +342,17 @@ def _check_same_tensors(old_plan: Plan, new_plan: Plan) -> None:
     missing = sorted(set(new) - set(old))
     unexpected = sorted(set(old) - set(new))
     changed = sorted(f"{k}: {old[k]} -> {new[k]}" for k in set(old) & set(new) if old[k] != new[k])
-    if missing or unexpected or changed:
-        raise PlanError(
-            "plans describe different tensors: "
-            f"missing from the old plan {missing}, not in the new plan {unexpected}, "
-            f"shape changed {changed}"
+    differences = [
+        f"{what} {names}"
+        for what, names in (
+            ("missing from the old plan", missing),
+            ("not in the new plan", unexpected),
+            ("shape changed", changed),
         )
+        if names
+    ]
+    if differences:
+        raise PlanError("plans describe different tensors: " + "; ".join(differences))
 
 
 def _check_rank(plan: Plan, rank: int) -> None:

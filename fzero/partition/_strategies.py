@@ -29,6 +29,7 @@ from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, valid
 
 __all__ = [
     "BUILT_IN",
+    "DEFAULT_PERSISTENCE_THRESHOLD",
     "Strategy",
     "flat_even",
     "group_units",
@@ -41,6 +42,11 @@ __all__ = [
 
 # 16 fp32 elements = 64 bytes: one cache line, one AVX-512 register.
 DEFAULT_ALIGNMENT = 16
+# DeepSpeed's `stage3_param_persistence_threshold` default: at stage 3, tensors of fewer
+# elements stay whole on every rank (persistent units): gathering them costs more in
+# latency than their memory saves. The same default wherever a plan is made (the engine
+# reads the config's, whose default this is).
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 
 
 class Strategy(Protocol):
@@ -105,7 +111,7 @@ def group_units(
     manifest: Manifest,
     *,
     stage: int,
-    persistence_threshold: int = 0,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     unit_numel: int | None = None,
     leaf_modules: Sequence[str] = (),
 ) -> tuple[UnitGroup, ...]:
@@ -180,7 +186,7 @@ def flat_even(
     world_size: int,
     stage: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    persistence_threshold: int = 0,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     unit_numel: int | None = None,
     leaf_modules: Sequence[str] = (),
 ) -> Plan:
@@ -210,7 +216,7 @@ def per_tensor_dim0(
     world_size: int,
     stage: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    persistence_threshold: int = 0,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     unit_numel: int | None = None,
     leaf_modules: Sequence[str] = (),
 ) -> Plan:
@@ -253,7 +259,7 @@ def whole_tensors(
     world_size: int,
     stage: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    persistence_threshold: int = 0,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     unit_numel: int | None = None,
     leaf_modules: Sequence[str] = (),
 ) -> Plan:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan
-from fzero.partition._plan import Plan, PlanError
+from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import reduction_buckets
 
 __all__ = ["Collective", "comm_volume", "format_comm_volume", "volume_by_axes"]
@@ -49,7 +49,8 @@ class Collective:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes one rank sends per step with ring algorithms."""
+        """Bytes one rank sends per step with ring algorithms (a broadcast or a reduce:
+        every rank but one passes the bytes on once, on average (W-1)/W of them)."""
         share = self.bytes * (self.world_size - 1) // self.world_size
         return 2 * share if self.operation == "all_reduce" else share
 
@@ -128,8 +129,13 @@ def comm_volume(
     rows: list[Collective] = []
 
     def add(operation: str, what: str, calls: int, size: int) -> None:
-        if calls:
-            rows.append(Collective(operation, what, calls, size, world))
+        if not calls:
+            return
+        for at, row in enumerate(rows):  # one row per operation and purpose
+            if (row.operation, row.what) == (operation, what):
+                rows[at] = dataclasses.replace(row, calls=row.calls + calls, bytes=row.bytes + size)
+                return
+        rows.append(Collective(operation, what, calls, size, world))
 
     buckets = reduction_buckets(plan, bucket_numel)
     if stage < 2:
@@ -141,23 +147,11 @@ def comm_volume(
         size = sum(-(-n // _QUANT_BLOCK) * world * block_bytes for n in per_rank)
         what = f"gradients (int{quantized_gradient_bits})"
         add("all_to_all", what, 2 * len(buckets) * steps, size * steps)
-    elif scatter_as_all_reduce:
-        add("all_reduce", "gradients", len(buckets) * steps, total * _GRAD_BYTES * steps)
-    else:  # uneven shards cannot be reduce-scattered: all-reduced
-        even = [u for u in units if not u.bounds]
-        uneven = [u for u in units if u.bounds]
-        size = sum(u.numel for u in even) * _GRAD_BYTES * steps
-        add("reduce_scatter", "gradients", len(even) * steps, size)
-        size = sum(u.numel for u in uneven) * _GRAD_BYTES * steps
-        add("all_reduce", "gradients", len(uneven) * steps, size)
+    else:
+        _add_split_reductions(plan, buckets, steps, scatter_as_all_reduce, add)
     sharded = [u for u in units if stage == 3 and not u.persistent]
     whole = [u for u in units if stage in (1, 2) or (stage == 3 and u.persistent)]
-    add(
-        "all_gather",
-        "parameters after the update",
-        len(whole),
-        sum(world * u.shard_numel for u in whole) * param_bytes,  # uneven: padded
-    )
+    _add_gathers_of(whole, world, param_bytes, 1, "parameters after the update", add)
     again = [units[i] for i in sorted(set(regathered))]
     if any(stage != 3 or u.persistent for u in again):
         raise PlanError("regathered names units stage 3 does not gather (persistent, or stage < 3)")
@@ -167,8 +161,7 @@ def comm_volume(
             size = sum(b * (_QUANT_BLOCK + 4) for b in blocks) * steps
             add("all_gather", what + " (int8)", 2 * len(gathered) * steps, size)
         else:
-            size = sum(world * u.shard_numel for u in gathered) * param_bytes * steps
-            add("all_gather", what, len(gathered) * steps, size)
+            _add_gathers_of(gathered, world, param_bytes, steps, what, add)
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
         add("all_reduce", "fp16 overflow flag", 1, 4)
@@ -177,6 +170,53 @@ def comm_volume(
     checks = steps if stage >= 2 else 1
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
     return rows
+
+
+def _owners(unit: Unit) -> int:
+    """Ranks holding elements of an uneven unit (one collective each)."""
+    return sum(1 for start, stop in zip(unit.bounds, unit.bounds[1:]) if stop > start)
+
+
+def _add_gathers_of(
+    units: list[Unit],
+    world: int,
+    param_bytes: int,
+    steps: int,
+    what: str,
+    add: Callable[[str, str, int, int], None],
+) -> None:
+    """Gathering `units` whole, `steps` times: an even unit by one all-gather of its
+    padded buffer, an uneven one by a broadcast of each owned part (its exact bytes)."""
+    even = [u for u in units if not u.bounds]
+    uneven = [u for u in units if u.bounds]
+    size = sum(world * u.shard_numel for u in even) * param_bytes * steps
+    add("all_gather", what, len(even) * steps, size)
+    size = sum(u.numel for u in uneven) * param_bytes * steps
+    add("broadcast", what, sum(_owners(u) for u in uneven) * steps, size)
+
+
+def _add_split_reductions(
+    plan: Plan,
+    buckets: list[tuple[int, ...]],
+    steps: int,
+    scatter_as_all_reduce: bool,
+    add: Callable[[str, str, int, int], None],
+) -> None:
+    """Stages 2-3, every micro-step: a bucket of even units all-reduced as one (gloo) or
+    each unit reduce-scattered; in a bucket with uneven units, each unit alone: an
+    uneven unit's owned parts each reduced to their owner (its exact bytes)."""
+    units = plan.units
+    for bucket in buckets:
+        members = [units[i] for i in bucket]
+        uneven = [u for u in members if u.bounds]
+        even = [u for u in members if not u.bounds]
+        size = sum(u.numel for u in even) * _GRAD_BYTES * steps
+        if scatter_as_all_reduce:
+            add("all_reduce", "gradients", steps * (1 if not uneven else len(even)), size)
+        else:
+            add("reduce_scatter", "gradients", len(even) * steps, size)
+        size = sum(u.numel for u in uneven) * _GRAD_BYTES * steps
+        add("reduce", "gradients", sum(_owners(u) for u in uneven) * steps, size)
 
 
 def _control(plan: MeshPlan, loss_scaling: bool, optimizer: str) -> list[tuple[str, int, bool]]:

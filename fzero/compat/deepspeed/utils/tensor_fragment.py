@@ -20,7 +20,9 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.layout import gather_pieces, scatter_pieces
+from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
+from fzero.engine import Engine
+from fzero.partition import Placement
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -55,12 +57,12 @@ def _locate_for(param: torch.nn.Parameter, value: Tensor) -> Any:
 
 
 @contextmanager
-def _resident(engine: Any, rt: Any, write_back: bool) -> Iterator[None]:
+def _resident(engine: Engine, rt: UnitRuntime, write_back: bool) -> Iterator[None]:
     with engine.residency.resident(rt, write_back=write_back):
         yield
 
 
-def _full(engine: Any, rt: Any, part: Tensor) -> Tensor:
+def _full(engine: Engine, rt: UnitRuntime, part: Tensor) -> Tensor:
     """The unit's whole buffer from each rank's optimizer partition `part`."""
     if engine.stage == 0 or engine.world_size == 1:
         return part.detach().to(torch.float32, copy=True)
@@ -69,7 +71,9 @@ def _full(engine: Any, rt: Any, part: Tensor) -> Tensor:
     return full
 
 
-def _write(engine: Any, rt: Any, part: Tensor, placement: Any, value: Tensor) -> None:
+def _write(
+    engine: Engine, rt: UnitRuntime, part: Tensor, placement: Placement, value: Tensor
+) -> None:
     """Write a whole tensor's `value` into its pieces of the partitions `part`."""
     full = _full(engine, rt, part)
     scatter_pieces(full, value.detach().reshape(-1).to(full), placement)

@@ -1,0 +1,138 @@
+"""Where stage 3's compute-dtype parameter shards live between uses (`offload_param`):
+on the compute device, in host memory, or in a swap file (ZeRO-Infinity, Rajbhandari
+et al. 2021). `ParamShardStore` places each unit's shard when the engine is built,
+serves it to the `Gatherer` (`fzero.core.gathering.ShardSource`) and takes the new one
+after a step or a restore (`store`).
+
+Where fp32 is both the compute and the master dtype and nothing is offloaded, the fp32
+master serves as the shard (`UnitRuntime.param_shard` is None): held once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero.config import AioConfig, OffloadParamConfig
+from fzero.core import nvme as _nvme
+from fzero.core.gathering import Gatherer
+from fzero.core.layout import UnitRuntime
+from fzero.partition import Plan
+
+__all__ = ["ParamShardStore", "PublishedShards"]
+
+
+class ParamShardStore:
+    """Stage 3's compute-dtype shards of `units` (the engine's records), where
+    `offload.device` says: "none" (as built), "cpu" (host memory, pinned with
+    `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`; the record keeps an
+    empty tensor). A shard of fp32 compute with no offload is the master itself."""
+
+    def __init__(
+        self,
+        units: Sequence[UnitRuntime],
+        plan: Plan,
+        *,
+        rank: int,
+        process_rank: int,
+        dtype: torch.dtype,
+        offload: OffloadParamConfig,
+        aio: AioConfig,
+        pin_memory: bool,
+    ) -> None:
+        self.units, self.dtype, self.pin = units, dtype, pin_memory
+        self.where = offload.device if plan.stage == 3 else "none"
+        self.swap: _nvme.SwapFile | None = None
+        self._writes: list[tuple[Any, Tensor]] = []  # (ticket, buffer) in flight
+        self._writes_in_flight = offload.buffer_count
+        if self.where == "nvme":
+            self.swap = _nvme.SwapFile(
+                offload.nvme_path or "",
+                process_rank,
+                [u.shard_size(rank) * dtype.itemsize for u in plan.units],
+                threads=aio.thread_count,
+                block_size=aio.block_size,
+                what="param",
+                key="zero_optimization.offload_param.nvme_path",
+            )
+        for rt in units:
+            if rt.param_shard is not None:
+                self.store(rt.index, rt.param_shard)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.swap is not None
+
+    def shard(self, index: int) -> Tensor:
+        """Unit `index`'s shard in memory (the master where it serves)."""
+        rt = self.units[index]
+        return rt.param_shard if rt.param_shard is not None else rt.master
+
+    def read(self, index: int, into: Tensor) -> Any:
+        """Start reading unit `index`'s shard from the swap file into `into`."""
+        assert self.swap is not None
+        return self.swap.submit(index, into, False)
+
+    def wait_read(self, ticket: Any) -> None:
+        assert self.swap is not None
+        self.swap.wait(ticket, "reading")
+
+    def abandon_read(self, ticket: Any) -> None:
+        """A read nobody will use: let it land, whatever it returned."""
+        assert self.swap is not None
+        self.swap.io.wait(ticket)
+
+    def store(self, index: int, value: Tensor, wait: bool = True) -> None:
+        """Keep `value` as unit `index`'s shard where it lives (a copy into it, or a
+        write to the swap file, which without `wait` may still be in flight:
+        `finish_writes` ends them)."""
+        rt = self.units[index]
+        if self.where == "nvme":
+            assert self.swap is not None
+            if value is not rt.param_shard or value.numel():
+                aligned = value
+                if value.dtype != self.dtype or value.data_ptr() % _nvme.ALIGN:
+                    aligned = _nvme.aligned_empty(value.numel(), self.dtype)
+                    aligned.copy_(value)
+                self._writes.append((self.swap.submit(index, aligned, True), aligned))
+                while len(self._writes) > (0 if wait else self._writes_in_flight):
+                    self._wait_write()
+            rt.param_shard = torch.empty(0, dtype=self.dtype)
+        elif self.where == "cpu" and value is rt.param_shard:  # placed on the host
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
+            rt.param_shard = host.copy_(value)
+        elif rt.param_shard is not None and value is not rt.param_shard:
+            rt.param_shard.copy_(value)
+
+    def _wait_write(self) -> None:
+        assert self.swap is not None
+        ticket, _ = self._writes.pop(0)
+        self.swap.wait(ticket, "writing")
+
+    def finish_writes(self) -> str:
+        """Wait for every write in flight: "" or the first I/O error."""
+        failure = ""
+        while self._writes:
+            try:
+                self._wait_write()
+            except OSError as error:
+                failure = failure or str(error)
+        return failure
+
+
+class PublishedShards:
+    """What a step publishes stage 3's new shards to (`fzero.core.publish.ParamShards`):
+    the store, after the gatherer's copies of the unit are made stale."""
+
+    def __init__(self, store: ParamShardStore, gatherer: Gatherer) -> None:
+        self.store, self.gatherer = store, gatherer
+
+    def store_param_shard(self, rt: UnitRuntime, value: Tensor, wait: bool = True) -> None:
+        self.gatherer.invalidate(rt.index)
+        self.store.store(rt.index, value, wait)
+
+    def finish_param_writes(self) -> str:
+        return self.store.finish_writes()
