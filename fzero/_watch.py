@@ -90,6 +90,7 @@ DEFAULT_REPORT_S = 30.0
 CHECK_COLLECTIVES = "FZERO_CHECK_COLLECTIVES"
 GOODBYE_S = 10.0  # at exit a rank waits at most this long for the others to leave too
 OUTSIDE = "outside fzero's operations"
+FAILED_LOOK_S = 1.0  # a failed collective looks this long for the peer that ended it
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -705,7 +706,7 @@ class Watch:
         """What the next look compares with (`_never_meet`): where each rank waits,
         what it raised, and how many answers in a row put it in its own collective that
         needs this rank."""
-        places = {r: v.status for r, v in views.items() if v.waiting is not None}
+        places = {r: v.place for r, v in views.items() if v.waiting is not None}
         places.update({-1 - r: v.raised for r, v in views.items() if v.raised})
         for r, v in views.items():  # in its own collective that needs this rank: how many
             answer = v.answer or {}  # answers in a row said so (`_never_meet`)
@@ -738,15 +739,15 @@ class Watch:
                 return f"fzero: rank {r} raised in {v.raised}; rank {rank} was waiting in {mine}"
         if asked is None:
             return ""
-        elsewhere = {
-            r: v.status
+        elsewhere = {  # where each waits, not for how long: the same place twice
+            r: v.place
             for r, v in views.items()
             if v.waiting is not None
             and v.waiting[0] != here
             and not _may_complete(here, v.waiting[0])
         }
         if elsewhere and all(asked.places.get(r) == s for r, s in elsewhere.items()):
-            doing = {rank: mine, **{r: s.split("|", 3)[2] for r, s in elsewhere.items()}}
+            doing = {rank: mine, **{r: s.split("|", 1)[1] for r, s in elsewhere.items()}}
             lines = "; ".join(f"rank {r} waits in {doing[r]}" for r in sorted(doing))
             return (
                 f"fzero: the ranks are in different collectives and none can complete: "
@@ -812,8 +813,16 @@ class Watch:
 
     def _failed(self, collective: _Collective, error: BaseException | None) -> BaseException:
         """A collective failed (a peer closed its connections): whoever raised, left or
-        is gone is the error to give, else the failure with the picture."""
+        is gone is the error to give, else the failure with the picture. A killed peer's
+        connections close while its process is still ending (not yet a zombie): its end
+        is looked for again, for up to `FAILED_LOOK_S`."""
         views = self._views()
+        deadline = time.monotonic() + FAILED_LOOK_S
+        while not isinstance(views, Exception) and time.monotonic() < deadline:
+            if any(v.raised or v.left or v.alive is False for v in views.values()):
+                break
+            time.sleep(0.05)
+            views = self._views()
         if isinstance(views, Exception):
             return RankDisagreement(
                 self._store_lost(collective.describe(), views)

@@ -173,6 +173,13 @@ class PeerView:
         return parts[1], parts[2], parts[3] if len(parts) > 3 else ""
 
     @property
+    def place(self) -> str:
+        """Where it waits, as two looks compare it: its status without the seconds ("" while
+        it does not wait in fzero)."""
+        waiting = self.waiting
+        return f"{waiting[0]}|{waiting[1]}" if waiting is not None else ""
+
+    @property
     def left_after(self) -> int:
         """The collectives it had issued when it left (-1: it did not leave)."""
         return int(self.left.split("|", 1)[0]) if self.left else -1

@@ -423,7 +423,7 @@ def entries_case(rank: int, world: int, directory: str) -> dict:
 def test_ranks_that_take_different_paths_are_named_on_both(case, names, tmp_path):
     """No collective is issued unchecked: each rank gets one `RankDisagreement` naming
     what both were doing, within seconds (a fresh process group: the ranks end apart)."""
-    got = run_world(case, 2, str(tmp_path))
+    got = run_world(case, 2, str(tmp_path), fresh=True)
     for rank in ("0", "1"):
         result = got[rank]
         assert result["type"] == "RankDisagreement", result
