@@ -201,6 +201,7 @@ SKIPPED = {
     "engine.state_dict": "engine.state_dict()",
     "fzero.state_dict": "fzero.state_dict(engine.train_state)",
     "save_checkpoint": "engine.save_checkpoint(os.path.join(os.getcwd(), 'ckpt'))",
+    "save_16bit_model": "engine.save_16bit_model(os.path.join(os.getcwd(), 'model'))",
 }
 
 

@@ -119,6 +119,7 @@ class CheckpointMethods:
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
+    @named("save_16bit_model", entry=True)
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """The whole model in the compute dtype to `save_dir/save_filename` (safetensors,
         the model's own state_dict keys), written by rank 0; collective. DeepSpeed's
