@@ -541,3 +541,20 @@ def test_a_rank_in_its_own_collective_that_needs_this_one_is_named_at_its_third_
             watch, AGREEMENT, view(1, answer=_answer(n, where, "barrier", elsewhere)), asked
         )
         assert message == ""
+
+
+def report_interval_case(rank: int, world: int) -> list[float]:
+    """The config's `collective_report_s` reaches the group's watch through both doors."""
+    seen = []
+    config = {"train_micro_batch_size_per_gpu": 2, "collective_report_s": 5}
+    fzero.shard(Net(), optimizer=fzero.optim.sgd(lr=0.1), config=config)
+    seen.append(_watch.current().settings.report_s)
+    model = Net()
+    plan = fzero.partition.plan(fzero.partition.describe(model), world_size=world, stage=1)
+    fzero.init(model, plan, fzero.optim.sgd(lr=0.1), config={"collective_report_s": 7})
+    seen.append(_watch.current().settings.report_s)
+    return seen
+
+
+def test_the_configs_report_interval_reaches_the_watch():
+    assert run_world(report_interval_case, 2) == [5.0, 7.0]
