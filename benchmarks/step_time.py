@@ -125,18 +125,14 @@ def train_step(
     return build
 
 
-def unchecked(
-    build: Callable[[argparse.Namespace, torch.Tensor], Step],
-) -> Callable[[argparse.Namespace, torch.Tensor], Step]:
-    """A row with `fzero.comm`'s order check off (`FZERO_CHECK_COLLECTIVES=0`): what
-    comparing each collective with the one issued there last step costs when nothing
-    diverges (the watch stays on; `FZERO_WATCH_S=0` would turn it off)."""
-
-    def build_unchecked(args: argparse.Namespace, x: torch.Tensor) -> Step:
-        os.environ["FZERO_CHECK_COLLECTIVES"] = "0"
-        return build(args, x)
-
-    return build_unchecked
+# Rows run under fzero's watch variables, set before the row's process group starts (the
+# watch reads them then, once): "unchecked" turns the order check off
+# (`FZERO_CHECK_COLLECTIVES=0`: what comparing each collective with the one issued there
+# last step costs when nothing diverges); "unwatched" also leaves waits unsliced and
+# unreported (`FZERO_WATCH_S=0`, `FZERO_REPORT_S=0`: what asking the other ranks costs).
+UNCHECKED = {"FZERO_CHECK_COLLECTIVES": "0"}
+UNWATCHED = {**UNCHECKED, "FZERO_WATCH_S": "0", "FZERO_REPORT_S": "0"}
+WATCH_ROWS = {"unchecked": UNCHECKED, "unwatched": UNWATCHED}
 
 
 # Stage 3 twice: DeepSpeed's defaults (a unit reused within stage3_max_reuse_distance
@@ -149,9 +145,9 @@ ROWS: dict[str, Callable[[argparse.Namespace, torch.Tensor], Step]] = {
     **{f"fzero stage {stage}": engine(stage) for stage in range(4)},
     "fzero stage 3 max_reuse_distance=0": engine(3, stage3_max_reuse_distance=0),
     "fzero stage 3 compiled model": engine(3, compiled=True),
-    **{f"fzero stage {stage} unchecked": unchecked(engine(stage)) for stage in (1, 3)},
+    **{f"fzero stage {stage} {how}": engine(stage) for stage in (1, 3) for how in WATCH_ROWS},
     **{f"fzero.train_step stage {stage}": train_step(stage) for stage in range(4)},
-    "fzero.train_step stage 3 unchecked": unchecked(train_step(3)),
+    **{f"fzero.train_step stage 3 {how}": train_step(3) for how in WATCH_ROWS},
     "fzero.train_step stage 3 compiled": train_step(3, compiled=True),
 }
 BASELINE = "DDP"
@@ -163,6 +159,7 @@ COLUMNS = (
 def run_row(args: argparse.Namespace) -> None:
     """One row in this launch's processes: rank 0 writes the median of its step times and
     the largest peak RSS of the ranks to `--json`."""
+    os.environ.update(WATCH_ROWS.get(args.row.rsplit(" ", 1)[-1], {}))
     fzero.comm.init_distributed()
     x = torch.randn(
         args.micro, args.width, generator=torch.Generator().manual_seed(dist.get_rank())

@@ -3,48 +3,45 @@
 fzero adds no transport of its own. The process group comes from `torchrun`'s
 environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); with none, a one-process
 group on an in-memory store, so the same script runs under `python` and
-`torchrun`.
+`torchrun`. Every collective fzero issues starts here, through the watch of the
+process group (`fzero._watch.Watch`: numbered, order-checked, watched), which
+`init_distributed` makes (or adopts a running group with) and the group's end drops.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc
 import logging
 import os
-import sys
-from typing import Any
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from fzero import _traffic, _watch
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
-from fzero._watch import (
-    DEFAULT_TIMEOUT_S,
-    RankDisagreement,
-    Watched,
-    agree,
-    issue,
-    named_operation,
-    post_raised,
-    unchecked,
-    watch_collectives,
-)
+from fzero._watch import RankDisagreement, Watch, Watched, WatchSettings
 
 __all__ = [
     "RankDisagreement",
     "ReduceOp",
+    "WatchSettings",
     "Watched",
     "agree",
+    "all_gather_bytes",
     "all_gather_into",
     "all_reduce",
+    "all_to_all_into",
     "backend_device",
     "barrier",
     "broadcast_from",
+    "exempt_thread",
     "forget_process_groups",
     "get_local_rank",
     "get_rank",
@@ -53,8 +50,10 @@ __all__ = [
     "is_initialized",
     "mesh_group",
     "named_operation",
+    "post_raised",
     "reduce_scatter_into",
     "reduce_to",
+    "report_waits_after",
     "side_group",
     "traffic",
     "traffic_by_group",
@@ -70,30 +69,40 @@ _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_distributed(
-    *, backend: str | None = None, timeout_s: float | None = None, required: bool | None = None
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    required: bool | None = None,
+    report_s: float | None = None,
 ) -> None:
-    """Start the default process group if it is not running.
+    """Start the default process group if it is not running, and fzero's watch of it.
 
     `required=False` (DeepSpeed's `dist_init_required=False`) expects the caller
     to have started it. Collectives time out after `timeout_s` seconds
     (default: `FZERO_TIMEOUT_S` or 600), so a rank that dies cannot leave the
-    others waiting forever.
+    others waiting forever. The watch's settings (`WatchSettings`: the timeout,
+    `FZERO_WATCH_S`, `FZERO_REPORT_S`, `FZERO_CHECK_COLLECTIVES`) are read here, once;
+    `report_s` (a config's `collective_report_s`) sets the report interval over
+    `FZERO_REPORT_S` (`report_waits_after`), on a new or a running group.
     """
     if dist.is_initialized():
         # Started by the caller (Accelerate's CPU path, a test harness): fzero's engines
-        # and collectives live on it all the same, so fzero still ends them before
-        # interpreter teardown (a Trainer at ZeRO-2 aborted 1 exit in 10 under load
+        # and collectives live on it all the same, so fzero watches it and still ends it
+        # before interpreter teardown (a Trainer at ZeRO-2 aborted 1 exit in 10 under load
         # without this)
-        _end_at_exit()
+        watch = _adopt(timeout_s)
+        if report_s is not None:
+            _watch.replace_settings(watch, report_s=float(report_s))
         return
     if required is False:
         raise RuntimeError(
             "dist_init_required=False but torch.distributed is not initialised; "
             "call torch.distributed.init_process_group first or pass dist_init_required=None"
         )
-    timeout = datetime.timedelta(
-        seconds=timeout_s or float(os.environ.get("FZERO_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    )
+    settings = WatchSettings.from_environment(timeout_s=timeout_s)
+    if report_s is not None:
+        settings = dataclasses.replace(settings, report_s=float(report_s))
+    timeout = datetime.timedelta(seconds=settings.timeout_s)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if all(name in os.environ for name in _LAUNCHER_VARIABLES):
         dist.init_process_group(backend, timeout=timeout)
@@ -102,70 +111,152 @@ def init_distributed(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
-    _end_at_exit()
+    _watch.start_watch(settings, _destroy)
     log.info(
         "fzero: process group %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size()
     )
 
 
-_side_groups: dict[int, Any] = {}
+def _adopt(timeout_s: float | None = None) -> Watch:
+    """The watch of the running default group, started if fzero has not yet."""
+    watch = _watch.current()
+    if watch is None:
+        watch = _watch.start_watch(WatchSettings.from_environment(timeout_s=timeout_s), _destroy)
+    return watch
+
+
+def _group_watch() -> Watch | None:
+    """The watch of the default group (adopting it), or None without a process group."""
+    watch = _watch.current()
+    if watch is None and dist.is_initialized():
+        watch = _adopt()
+    return watch
 
 
 def side_group(key: int) -> Any:
     """The gloo group of all ranks for `key` (collective on first use), e.g. an engine's
     own stream of checkpoint collectives, so an asynchronous save never interleaves with
-    training. fzero holds it, not the caller: at exit it is destroyed before the default
-    group. Left to be collected with its engine at interpreter teardown, after the
-    default group, it aborted the process ("terminate called without an active
-    exception", 2 runs in 8 of examples/functional_api.py)."""
-    if key not in _side_groups:
-        _side_groups[key] = dist.new_group(backend="gloo")
-    return _side_groups[key]
-
-
-_failing = False  # an uncaught exception is ending this process: no goodbye barrier
-_ending: list[bool] = []  # `_destroy` is registered to run at exit
-
-
-def _end_at_exit() -> None:
-    """Destroy the process group at exit, before interpreter teardown: gloo aborts the
-    process when engines and the group are collected in teardown's order."""
-    if not _ending:
-        atexit.register(_destroy)
-        _note_failures()
-        _ending.append(True)
-
-
-def _note_failures() -> None:
-    previous = sys.excepthook
-
-    def hook(*info: Any) -> None:
-        global _failing
-        _failing = True
-        with contextlib.suppress(Exception):
-            post_raised(f"outside fzero's operations: {info[0].__name__}: {info[1]}")
-        previous(*info)
-
-    sys.excepthook = hook
+    training. fzero holds it with the default group's watch, not the caller: at exit it is
+    destroyed before the default group. Left to be collected with its engine at
+    interpreter teardown, after the default group, it aborted the process ("terminate
+    called without an active exception", 2 runs in 8 of examples/functional_api.py)."""
+    groups = _adopt().side_groups
+    if key not in groups:
+        groups[key] = dist.new_group(backend="gloo")
+    return groups[key]
 
 
 def _destroy() -> None:
+    """At interpreter exit (registered by the watch, removed with it): say this rank
+    left, wait briefly for the others, then destroy fzero's groups while torch is whole."""
     # Engines left for the collector (hooks make cycles) go now, while the process group
     # and torch are whole: collected at interpreter teardown, two stage-3 engines aborted
     # the process ("terminate called without an active exception", 4 runs in 12 of a GAN
     # script; 0 in 24 after).
     gc.collect()
-    if dist.is_initialized():
-        if dist.get_world_size() > 1 and not _failing:
-            # No rank closes its connections while a peer's last collective may still be
-            # finishing on them (seen once in ~40 runs of a two-engine script under load:
-            # the same abort); bounded, so an exit never hangs on a rank that is gone.
-            with contextlib.suppress(Exception):
-                dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=10))
-        for group in _side_groups.values():
-            dist.destroy_process_group(group)
-        _side_groups.clear()
-        dist.destroy_process_group()
+    watch = _watch.current()
+    if watch is None:
+        return
+    # No rank closes its connections while a peer's last collective may still be
+    # finishing on them (seen once in ~40 runs of a two-engine script under load: the
+    # same abort): `leave` waits, bounded, until the others have left too.
+    watch.leave()
+    for group in watch.side_groups.values():
+        dist.destroy_process_group(group)
+    watch.side_groups.clear()
+    dist.destroy_process_group()
+    watch.close()
+
+
+# ---- the watch (`fzero._watch`): named operations, agreements, settings --------------------
+
+
+def named_operation(
+    name: str, track: str | None = None, *, entry: Literal["never", "always", "first"] = "never"
+) -> contextlib.AbstractContextManager[None]:
+    """Run fzero operation `name` (its collectives). When one times out or loses a peer,
+    the error names the ranks that never arrived and where every rank is. An exception
+    raised inside on this rank is told to the other ranks, which end their waits with it
+    (see `Watched`). Inside another named operation the outer name is the one given
+    (`engine.state_dict` runs `fzero.state_dict`).
+
+    Its collectives are checked against the ones this rank issued the last time an
+    operation of key `track` ran (default: `name` up to its first parenthesis, and
+    whether gradients are on), and its first one against what followed the previous
+    operation last time (`fzero._watch`, the order check); `track=""`: not checked (a
+    rank serving the others' collectives from another operation, as `join` does).
+    `entry="always"`: every rank agrees at entry that it entered `name` (an entry point
+    users call on every rank: a rank that skipped it is named at once); `"first"`: only
+    when the previous operation was another one (evaluation, called per batch)."""
+    watch = _group_watch()
+    if watch is None:
+        return contextlib.nullcontext()
+    return watch.named(name, track, entry)
+
+
+def agree(what: str, value: str, ranks: Sequence[int]) -> dict[int, str]:
+    """Every rank of `ranks` posts `value` and gets every rank's, through the process
+    group's store: no collective, so a rank that is elsewhere cannot pair it with another
+    one. A rank that has not posted within a watch slice is asked where it is, as a slow
+    collective's peers are (`Watched`): one waiting in a collective at two asks, one in
+    its own torch.distributed collective, or one that raised or left, ends the wait with
+    `RankDisagreement` on every rank."""
+    watch = _group_watch()
+    if watch is None:
+        raise RuntimeError(f"fzero.comm.agree({what!r}) needs a process group")
+    return watch.agree(what, value, ranks)
+
+
+def unchecked() -> contextlib.AbstractContextManager[None]:
+    """Collectives inside are not checked against the operation's others: for one that
+    ranks issue from different operations at the same place by construction (`join`'s
+    flag: inside a forward on a rank that trains, between the served steps on one out
+    of data)."""
+    watch = _group_watch()
+    return watch.unchecked() if watch is not None else contextlib.nullcontext()
+
+
+def exempt_thread() -> None:
+    """The calling thread's collectives are neither checked nor numbered (a background
+    thread that runs beside the operations of the main one, on a group of its own, as an
+    asynchronous checkpoint writer)."""
+    watch = _group_watch()
+    if watch is not None:
+        watch.local.exempt = True
+
+
+def post_raised(text: str) -> None:
+    """Tell the other ranks this one raised (their waits end with it)."""
+    watch = _group_watch()
+    if watch is not None:
+        watch.post_raised(text)
+
+
+def watch_collectives(seconds: float | None) -> None:
+    """Set how long a collective waits before asking the other ranks where they are
+    (`FZERO_WATCH_S`); None or 0: never ask (a hang waits for the collective timeout)."""
+    _watch.replace_settings(_adopt(), slice_s=float(seconds or 0))
+
+
+def report_waits_after(seconds: float) -> None:
+    """Set how long a wait lasts before it prints who is where (`FZERO_REPORT_S`, config
+    `collective_report_s`; default 30; 0: never). It prints again after twice as long."""
+    _watch.replace_settings(_adopt(), report_s=float(seconds))
+
+
+def _issue(
+    kind: str,
+    tensor: torch.Tensor,
+    what: str,
+    async_op: bool,
+    start: Callable[[bool], Any],
+    group: Any = None,
+    counted: bool = True,
+) -> Any:
+    watch = _group_watch()
+    if watch is None:  # torch raises its own error: no process group
+        return start(async_op)
+    return watch.issue(kind, tensor, what, async_op, start, group, counted)
 
 
 def forget_process_groups() -> None:
@@ -179,7 +270,6 @@ def forget_process_groups() -> None:
             "forget_process_groups: the default process group is still running; "
             "destroy it first (torch.distributed.destroy_process_group())"
         )
-    _side_groups.clear()
     _traffic.forget()
     _watch.forget()
 
@@ -206,7 +296,7 @@ def all_gather_into(
     (here and below): what the collective is for, named if it goes wrong; `group`: a
     subgroup (`mesh_group`) instead of every process."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return issue(
+    return _issue(
         "all_gather",
         output,
         what,
@@ -228,7 +318,7 @@ def reduce_scatter_into(
     """Sum (or average) `full` over ranks and leave rank r's equal part in `shard`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    return issue(
+    return _issue(
         "reduce_scatter",
         full,
         what,
@@ -248,7 +338,7 @@ def all_to_all_into(
 ):
     """Rank r's part i of `input` (equal parts, rank order) lands as rank i's part r of
     `output`."""
-    return issue(
+    return _issue(
         "all_to_all",
         input,
         what,
@@ -258,13 +348,15 @@ def all_to_all_into(
     )
 
 
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
+_OPS = types.MappingProxyType(
+    {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT,
+    }
+)
 
 
 def all_reduce(
@@ -285,7 +377,7 @@ def all_reduce(
     if group is not None and group not in labels:  # a caller's group: counted, not watched
         count("all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return issue(
+    return _issue(
         "all_reduce",
         tensor,
         what,
@@ -311,7 +403,7 @@ def broadcast_from(
     every rank's `tensor`: what a part owned by one rank costs to share (its bytes once,
     not padded to the largest part)."""
     root = _global_rank(group, src)
-    return issue(
+    return _issue(
         "broadcast",
         tensor,
         what,
@@ -333,7 +425,7 @@ def reduce_to(
     owned by one rank costs to reduce (its bytes once; the other ranks' `tensor` is left
     undefined, as torch's `reduce`)."""
     root = _global_rank(group, dst)
-    return issue(
+    return _issue(
         "reduce",
         tensor,
         what,
@@ -363,24 +455,43 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def barrier(group: Any = None, async_op: bool = False) -> Any:
-    """Wait until every rank of `group` arrives."""
-    return dist.barrier(group=group, async_op=async_op)
+_NOTHING = torch.empty(0)  # a barrier's "tensor": it moves nothing (and is not counted)
 
 
-def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
-    """Every rank's `data`, in rank order, over a CPU (gloo) group (raw bytes, not pickled)."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    size = max(int(n.item()) for n in lengths)
+def barrier(group: Any = None, async_op: bool = False, *, what: str = "") -> Any:
+    """Wait until every rank of `group` arrives (numbered and watched as fzero's other
+    collectives; not counted in `traffic`)."""
+    return _issue(
+        "barrier",
+        _NOTHING,
+        what,
+        async_op,
+        lambda a: dist.barrier(group=group, async_op=a),
+        group,
+        counted=False,
+    )
+
+
+def all_gather_bytes(
+    data: bytes, group: dist.ProcessGroup | None = None, *, what: str = "bytes"
+) -> list[bytes]:
+    """Every rank's `data`, in rank order, over a CPU (gloo) group (raw bytes, not
+    pickled): the lengths, then the bytes padded to the longest (none when all are
+    empty)."""
+    world = get_world_size(group)
+    lengths = torch.zeros(world, dtype=torch.int64)
+    all_gather_into(
+        lengths, torch.tensor([len(data)], dtype=torch.int64), what=f"{what}: lengths", group=group
+    )
+    size = int(lengths.max())
+    if size == 0:
+        return [b""] * world
     buffer = torch.zeros(size, dtype=torch.uint8)
     if data:
         buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = [torch.empty(size, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(gathered, buffer, group=group)
+    gathered = torch.empty(world * size, dtype=torch.uint8)
+    all_gather_into(gathered, buffer, what=what, group=group)
     return [
-        ctypes.string_at(t.data_ptr(), int(n.item())) if int(n.item()) else b""
-        for t, n in zip(gathered, lengths)
+        ctypes.string_at(gathered[r * size :].data_ptr(), int(n)) if int(n) else b""
+        for r, n in enumerate(lengths.tolist())
     ]

@@ -555,8 +555,18 @@ CRASH_SCRIPT = textwrap.dedent(
     x, y = global_batch(0, 4)
     engine.backward(torch.nn.functional.mse_loss(engine(x[2 * rank : 2 * rank + 2]), y[:2]))
     engine.step()
-    if os.environ.get("FAULT_ON_SAVE"):
-        os.environ["FZERO_CHECKPOINT_FAULT"] = "kill-rank-1"
+    if os.environ.get("FAULT_ON_SAVE") and rank == 1:  # die half-written: rank 1's file is
+        import signal  # on disk, the index never is
+        from fzero.checkpoint import _save
+
+        write = _save.write_safetensors_stream
+
+        def write_then_die(*args, **kwargs):
+            written = write(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        _save.write_safetensors_stream = write_then_die
     engine.save_checkpoint(root)
     print(f"rank {rank} saved", flush=True)
     """

@@ -120,7 +120,8 @@ def _train_step(rank: int, preset: str) -> tuple[list[float], dict[str, torch.Te
     model = Net()
     stage = {"hsdp2": 2, "hsdp1": 1}.get(preset, 3)
     manifest = partition.describe(model)
-    plan = partition.mesh_plan(manifest, MESH, PRESETS[preset], persistence_threshold=0)
+    threshold = CONFIG["zero_optimization"]["stage3_param_persistence_threshold"]
+    plan = partition.mesh_plan(manifest, MESH, PRESETS[preset], persistence_threshold=threshold)
     optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
     state = fzero.init(model, plan, optimizer, config=CONFIG)
     config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "stage": stage}}

@@ -123,21 +123,7 @@ MUTABLE_MODULE_STATE = {
         "_profiler": "the comms logger timing collectives, while one is configured",
     },
     "_watch.py": {
-        "_named_now": "the named operation running now (one per process)",
-        "_issued": "collectives issued on the default group",
-        "_watch": "the watch decided for the default group",
-        "_posted": "this rank told the store it raised",
-        "_agreed": "agreements this process took part in",
-        "_tracks": "each named operation's last run, for the order check",
-        "_tracking": "the run of the outermost named operation now",
-        "_checking": "whether the order check is on for the default group",
-        "_group_ranks": "ranks of each side group, asked once",
-        "_thread": "per thread: a background writer exempt from the watch",
-    },
-    "comm.py": {
-        "_ending": "the exit handler is registered once per process group",
-        "_failing": "an uncaught exception is ending the process: no goodbye barrier",
-        "_side_groups": "side groups fzero created, destroyed with the default group",
+        "_active": "the watch of the default process group fzero started or adopted",
     },
     "checkpoint/_files.py": {"_HASHING": "one hashing thread per process"},
     "checkpoint/_save.py": {

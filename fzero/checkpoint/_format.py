@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero._watch import exempt_thread
 from fzero.checkpoint._checksum import LEGACY_ALGORITHM
 from fzero.checkpoint._files import CheckpointError, SafetensorsFile, tensor_bytes
 from fzero.checkpoint._index import decode_client_state, unpack
@@ -29,7 +28,6 @@ from fzero.partition import LocalSlice, Plan
 
 __all__ = [
     "CLIENT_FILE",
-    "FAULT_VARIABLE",
     "INDEX",
     "MODEL_16BIT",
     "AsyncSave",
@@ -49,7 +47,6 @@ __all__ = [
 INDEX = "index.msgpack"
 CLIENT_FILE = "client.safetensors"
 MODEL_16BIT = "model.safetensors"
-FAULT_VARIABLE = "FZERO_CHECKPOINT_FAULT"  # tests: "kill-rank-R" kills rank R mid-save
 _SCRATCH = 2**20  # bytes: a verification pass reads through a buffer this size (L2-sized)
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 
@@ -149,7 +146,7 @@ class AsyncSave:
         self.error: BaseException | None = None
 
         def run() -> None:
-            exempt_thread()  # its collectives are not the main thread's operations
+            comm.exempt_thread()  # its collectives are not the main thread's operations
             try:
                 target()
             except BaseException as error:  # surfaced by wait()

@@ -107,6 +107,27 @@ def restore(
     `CheckpointError` and `like` is untouched; if reading fails after the checksums
     passed (the files changed in between), every rank raises `PartlyRestoredError` and
     `like` must be restored again."""
+    where = f"fzero.checkpoint.restore (micro-step {like.counters.micro_steps})"
+    with comm.named_operation(where, entry="always"):  # a rank that skipped it: named
+        return _restore(
+            directory, like, optimizer, tag, module, load_optimizer_states, accumulation,
+            extras, owner, install, strict,
+        )  # fmt: skip
+
+
+def _restore(
+    directory: str | os.PathLike[str],
+    like: TrainState,
+    optimizer: Optimizer | None,
+    tag: str | None,
+    module: torch.nn.Module | None,
+    load_optimizer_states: bool,
+    accumulation: int | None,
+    extras: Extras | None,
+    owner: object,
+    install: bool,
+    strict: bool,
+) -> Restored:
     wait_for_save(owner)
     check_same_plan(like.plan, "fzero.checkpoint.restore")
     extras = extras_of(like.plan, module, extras)
@@ -207,7 +228,7 @@ class PartlyRestoredError(CheckpointError):
 
 def _agree(failure: str, group: Any, error: type[CheckpointError]) -> None:
     """Raise `error` on every rank if any rank failed (collective)."""
-    failures = comm.all_gather_bytes(failure.encode(), group=group)
+    failures = comm.all_gather_bytes(failure.encode(), group=group, what="restore failures")
     messages = [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
     if messages:
         raise error("; ".join(messages))

@@ -19,7 +19,6 @@ import itertools
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -40,7 +39,6 @@ from fzero.checkpoint._files import (
 )
 from fzero.checkpoint._format import (
     CLIENT_FILE,
-    FAULT_VARIABLE,
     INDEX,
     MODEL_16BIT,
     AsyncSave,
@@ -262,7 +260,9 @@ def same_on_every_rank(group: Any, call: str, **arguments: Any) -> None:
     up unrelated collectives and fail obscurely: say so first, naming each rank's."""
     if dist.get_world_size() == 1:
         return
-    packed = comm.all_gather_bytes(msgpack.packb(arguments), group=group)
+    packed = comm.all_gather_bytes(
+        msgpack.packb(arguments), group=group, what=f"{call}'s arguments"
+    )
     every = [msgpack.unpackb(b) for b in packed]
     if any(value != every[0] for value in every):
         listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
@@ -311,6 +311,27 @@ def save(
     `async_save`, tensors are copied to host memory and written by a background thread;
     the next save or restore by the same `owner`, or the process exit, waits for it and
     raises its error. Returns the checkpoint's directory."""
+    where = f"fzero.checkpoint.save (step {state.step})"
+    with comm.named_operation(where, entry="always"):  # a rank that skipped it: named
+        return _save(
+            directory, state, optimizer, tag, client_state, module, accumulation,
+            save_latest, async_save, extras, owner,
+        )  # fmt: skip
+
+
+def _save(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    optimizer: Optimizer,
+    tag: str | None,
+    client_state: Mapping[str, Any] | None,
+    module: torch.nn.Module | None,
+    accumulation: int | None,
+    save_latest: bool,
+    async_save: bool,
+    extras: Extras | None,
+    owner: object,
+) -> str:
     wait_for_save(owner)
     extras = extras_of(state.plan, module, extras)
     tag = check_tag(tag if tag is not None else f"global_step{state.step}", "save_checkpoint")
@@ -335,7 +356,7 @@ def save(
     model_16bit = extras.model_16bit
     if not isinstance(model_16bit, WrittenModel):
         model_16bit = {k: v.contiguous() for k, v in model_16bit.items()}
-    dist.barrier(group=group)  # the partial directory exists for everyone
+    comm.barrier(group, what="the partial directory made")  # exists for everyone
     if async_save:  # host copies of everything (NVMe offload: read back first)
         tensors = [
             t.detach().to("cpu", copy=True).contiguous() for t in _entry_tensors(state, entries)
@@ -446,12 +467,12 @@ def _write(
     if replica == 0:  # a mesh's other replicas hold the same shards: they write nothing
         path = os.path.join(partial, rank_file(rank))
         written = write_safetensors_stream(path, specs, stream)
-        if os.environ.get(FAULT_VARIABLE) == f"kill-rank-{rank}":
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die half-written
         for record in records:
             record["crc"] = written.tensor_digests[record["key"]]
         mine.update(file=written.name, size=written.size, checksum=written.checksum, slices=records)
-    reports = comm.all_gather_bytes(msgpack.packb(mine, use_bin_type=True), group=group)
+    reports = comm.all_gather_bytes(
+        msgpack.packb(mine, use_bin_type=True), group=group, what="the ranks' written files"
+    )
     if comm.get_rank() == 0:
         every = [msgpack.unpackb(r, raw=False) for r in reports]
         by_rank = sorted((r for r in every if "file" in r), key=lambda r: r["rank"])
@@ -489,4 +510,4 @@ def _write(
             os.replace(os.path.join(save_dir, "latest.partial"), os.path.join(save_dir, "latest"))
             fsync_dir(save_dir)
         log.info("fzero: saved checkpoint %s", final)
-    dist.barrier(group=group)  # committed for everyone
+    comm.barrier(group, what="the checkpoint committed")  # for everyone

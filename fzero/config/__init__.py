@@ -472,6 +472,11 @@ class Config(_Section):
     """fzero: the engine's partitioning strategy: a built-in's name (`flat_even`, the
     default, or `per_tensor_dim0`) or `module:function` naming your own; a `strategy=`
     given to `shard`/`initialize` wins over it."""
+    collective_report_s: float | None = None
+    """fzero: a rank that waits longer than this many seconds in one of fzero's
+    collectives or agreements prints who is where (each rank's last collective and
+    operation, or what it does outside fzero), then again after twice as long, ...;
+    0 never. Default: `FZERO_REPORT_S`, else 30."""
 
 
 # Keys DeepSpeed knows that fzero does not implement: accepted only while off.
@@ -714,6 +719,9 @@ def _check(config: Config) -> None:
             raise ConfigError(f"config key {name!r} is {value}; it must be >= 1")
     if isinstance(config.gradient_clipping, float) and config.gradient_clipping < 0:
         raise ConfigError(f"'gradient_clipping' is {config.gradient_clipping}; it must be >= 0")
+    report = config.collective_report_s
+    if isinstance(report, float) and not (math.isfinite(report) and report >= 0):
+        raise ConfigError(f"'collective_report_s' is {report}; it must be seconds >= 0")
     for block in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, block)
         if offload.device == "nvme" and not offload.nvme_path:

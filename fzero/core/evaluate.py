@@ -45,8 +45,11 @@ def eval_step(
     max_live, keep = int(zero.stage3_max_live_parameters), int(zero.stage3_eval_live_parameters)
     kept = _Kept()
 
+    entry = "first" if plan.stage == 3 else "never"  # collective at stage 3 only
+
     def evaluate(state: TrainState, batch: Any) -> Any:
-        with comm.named_operation(f"eval_step (after micro-step {state.counters.micro_steps})"):
+        where = f"eval_step (after micro-step {state.counters.micro_steps})"
+        with comm.named_operation(where, entry=entry):
             return _evaluate(state, batch)
 
     def _evaluate(state: TrainState, batch: Any) -> Any:

@@ -74,7 +74,7 @@ def init(
     cfg = config_for_plan(config, plan)
     dtypes = precision_of(cfg, precision)
     check_precision(dtypes, cfg)
-    comm.init_distributed()
+    comm.init_distributed(report_s=cfg.collective_report_s)
     _check_world(plan)
     check_same_plan(plan, "fzero.init")
     rank, device = groups_of(plan).rank, comm.backend_device()
@@ -273,7 +273,7 @@ def state_dict(
     arrives is named (`fzero.comm.named_operation`). (`stream_state_dict` gives the same
     one tensor at a time.)"""
     where = f"fzero.state_dict (micro-step {state.counters.micro_steps})"
-    with comm.named_operation(where):
+    with comm.named_operation(where, entry="always"):
         stream = stream_state_dict(state, module=module, dtype=dtype)
         result = {key: t for (key, _, _), t in zip(stream.specs, stream.tensors, strict=False)}
         for _ in stream.tensors:  # (other ranks: the collectives only)

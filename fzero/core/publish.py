@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from fzero import comm
 from fzero.core.groups import gather_unit, groups_of
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
 from fzero.core.state import TrainState, UnitState, optimizer_partition
@@ -229,7 +229,9 @@ def accept_edits(
     for p, placement, _ in rt.params:  # parameters that are copies write back
         scatter_pieces(full, p.detach().reshape(-1), placement)
     if plan.processes > 1:  # `source` is a process's rank
-        dist.broadcast(full, src=source)
+        comm.broadcast_from(
+            full, source, what=f"edited parameters of unit {rt.index} {rt.unit.name!r}"
+        )
     part = full[optimizer_partition(plan, rt.unit, rank)]
     if rt.master.data_ptr() != part.data_ptr():
         rt.master.copy_(part)

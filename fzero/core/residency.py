@@ -345,7 +345,7 @@ class Residency:
         (collective): either every rank commits or every rank rolls back."""
         failures = [failure.encode()]
         if max(world_size, self.plan.processes) > 1:
-            failures = comm.all_gather_bytes(failure.encode())
+            failures = comm.all_gather_bytes(failure.encode(), what="NVMe I/O failures")
         return [f"rank {r}: {m.decode()}" for r, m in enumerate(failures) if m]
 
     @contextlib.contextmanager

@@ -17,9 +17,12 @@ from fzero import comm
 __all__ = ["CheckpointMethods", "named"]
 
 
-def named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def named(
+    operation: str, *, entry: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """An engine method whose collectives, if a rank never arrives, say which rank and
-    where (`comm.named_operation`)."""
+    where (`comm.named_operation`); with `entry`, every rank agrees it entered the
+    method before it starts (an entry point a rank may skip: state_dict, checkpoints)."""
 
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -27,7 +30,7 @@ def named(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             where = f"{operation} of engine {self.name} (micro-step {self.micro_steps})"
             boundary = self.is_gradient_accumulation_boundary()
             track = f"{operation} of {self.name}|grad={torch.is_grad_enabled()}|{boundary}"
-            with comm.named_operation(where, track):
+            with comm.named_operation(where, track, entry="always" if entry else "never"):
                 return method(self, *args, **kwargs)
 
         return run
@@ -46,7 +49,7 @@ class CheckpointMethods:
     is_gradient_accumulation_boundary: Callable[[], bool]
     state_dict: Callable[..., dict[str, Tensor]]
 
-    @named("save_checkpoint")
+    @named("save_checkpoint", entry=True)
     def save_checkpoint(
         self,
         save_dir: str,
@@ -72,7 +75,7 @@ class CheckpointMethods:
             exclude_frozen_parameters=exclude_frozen_parameters,
         )  # fmt: skip
 
-    @named("load_checkpoint")
+    @named("load_checkpoint", entry=True)
     def load_checkpoint(
         self,
         load_dir: str,
@@ -114,7 +117,7 @@ class CheckpointMethods:
 
         return _engine_io.consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
-    @named("save_16bit_model")
+    @named("save_16bit_model", entry=True)
     def save_16bit_model(
         self,
         save_dir: str,

@@ -139,7 +139,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         name: str | None = None,
     ) -> None:
-        comm.init_distributed()
+        comm.init_distributed(report_s=config.collective_report_s)  # who is where, when
         self.config, self.module = check_resolved(config), module
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.stage, trainable = config.zero_optimization.stage, optimizer is not None
@@ -404,7 +404,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         """The unit's whole fp32 master buffer, gathered on every rank (collective)."""
         return _views.full_master(self.runtime, rt)
 
-    @named("state_dict")
+    @named("state_dict", entry=True)
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The consolidated model state dict (masters cast to `dtype`, default the compute
         dtype), on rank 0 ({} elsewhere); collective."""

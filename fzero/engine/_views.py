@@ -11,10 +11,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from fzero import partition
+from fzero import comm, partition
 from fzero.config import Config
 from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
@@ -78,7 +77,7 @@ def gathered_parameters(
                     )
             for p in others:
                 if processes > 1:
-                    dist.broadcast(p.data, src=modifier_rank)
+                    comm.broadcast_from(p.data, modifier_rank, what="an edited parameter")
     for rt in gathered_here:
         gatherer.release(rt.index)
 

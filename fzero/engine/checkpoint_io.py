@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from fzero import comm
 from fzero.checkpoint._consolidate import write_model_files
@@ -372,7 +371,7 @@ def save_16bit_model(
         write_model_files(save_dir, specs, tensors, max_shard_size, filename=save_filename)
     else:
         _drain(stream)
-    dist.barrier()
+    comm.barrier(what="the 16-bit model written")
     return True
 
 
