@@ -523,6 +523,9 @@ def test_info_lines_come_from_rank_zero_unless_asked(monkeypatch):
 
     info = logging.LogRecord("fzero", logging.INFO, "", 0, "hello", (), None)
     warning = logging.LogRecord("fzero", logging.WARNING, "", 0, "careful", (), None)
+    # the rank as a launched process without a process group yet reads it (this pytest
+    # process may hold a one-rank group from an earlier test)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("FZERO_LOG_ALL_RANKS", raising=False)
     assert not RankZeroInfo().filter(info) and RankZeroInfo().filter(warning)
@@ -631,3 +634,24 @@ def test_the_report_has_nvme_rates(tmp_path):
     for key, moved in (("nvme_read_mb_per_s", read), ("nvme_write_mb_per_s", written)):
         total = sum(r[key] * r["seconds"] for r in records) * 1e6
         assert total == pytest.approx(moved, rel=1e-9), key
+
+
+def test_the_comms_logger_does_not_keep_an_engine_alive():
+    """The process-wide logger holds each engine's `comm_volume` weakly: a dropped
+    engine is freed and its model leaves the summary."""
+    import gc
+    import weakref
+
+    from fzero.monitoring._comms import CommsLogger
+
+    class Engine:
+        def comm_volume(self) -> list:
+            return []
+
+    logger, engine = CommsLogger(), Engine()
+    logger.attach("engine", engine.comm_volume)
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
+    assert logger._models["engine"]() is None

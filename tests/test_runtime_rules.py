@@ -101,7 +101,8 @@ def test_the_tensor_patch_lives_only_while_a_stage3_engine_needs_it():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_dropped_engine_is_collected(stage):
     """Hooks torch keeps from C++ (parameter hooks) hold the engine weakly: an engine
-    dropped without `destroy()` is freed with its buffers, not kept until exit."""
+    dropped without `destroy()` is freed with its buffers, not kept until exit; the
+    last stage-3 one takes the ds_* answer with it."""
     config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     engine = fzero.shard(
         nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=stage, config=config
@@ -112,6 +113,7 @@ def test_a_dropped_engine_is_collected(stage):
     del engine
     gc.collect()
     assert ref() is None
+    assert not _patched()  # and with the last stage-3 engine, the ds_* answer
 
 
 # Module-level state that changes while fzero runs: each entry says why it is process-wide.

@@ -49,7 +49,10 @@ class AliasAnswers:
 
 def _withdraw() -> None:
     """Remove the patch once no engine needs it."""
-    if not _ANSWERING and torch.Tensor.__dict__.get("__getattr__") is _zero3_attribute_of_alias:
+    # the living engines only: an engine being collected has its reference cleared but
+    # may still count in the set's length until the set's own callback has run
+    alive = any(True for _ in _ANSWERING)
+    if not alive and torch.Tensor.__dict__.get("__getattr__") is _zero3_attribute_of_alias:
         del torch.Tensor.__getattr__
 
 

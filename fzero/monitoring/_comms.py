@@ -20,8 +20,10 @@ MB are 10^6 bytes; bandwidths in GB/s (10^9 bytes per second; x8 for DeepSpeed's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,7 +178,7 @@ class CommsLogger:
         self.start_profiling_op(config.prof_ops)
         self.debug = config.debug
         self.records: dict[tuple[str, str, str], _Measured] = {}
-        self._models: dict[str, Callable[[], list[Collective]]] = {}
+        self._models: dict[str, Callable[[], Callable[[], list[Collective]] | None]] = {}
         self._steps: dict[str, int] = {}
         self._skipped: dict[str, int] = {}  # of them, fp16 overflow skipped
 
@@ -238,8 +240,13 @@ class CommsLogger:
 
     def attach(self, key: str, model: Callable[[], list[Collective]]) -> None:
         """An engine's `comm_volume` (called at summary time), to set beside what its
-        optimizer steps (`note_step(key)`) measured."""
-        self._models[key] = model
+        optimizer steps (`note_step(key)`) measured. Held weakly when it is a bound
+        method, so the logger (process-wide) does not keep an engine alive: an engine
+        dropped or destroyed leaves the model, as `detach` does."""
+        if inspect.ismethod(model):
+            self._models[key] = weakref.WeakMethod(model)
+        else:
+            self._models[key] = lambda: model
         self._steps.setdefault(key, 0)
         self._skipped.setdefault(key, 0)
 
@@ -325,7 +332,10 @@ class CommsLogger:
         modelled rows nothing matched (measured 0), in operation order."""
         world = comm.get_world_size()
         model: dict[tuple, tuple[int, int]] = {}
-        for key, volume in self._models.items():
+        for key, ref in list(self._models.items()):
+            volume = ref()
+            if volume is None:
+                continue
             steps, skipped = self._steps.get(key, 0), self._skipped.get(key, 0)
             for row, (calls, size) in modelled_rows(volume(), world).items():
                 taken = steps - skipped if row[1] in _NOT_WHEN_SKIPPED else steps
