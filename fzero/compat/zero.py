@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fzero import comm
-from fzero.config import load_config
+from fzero.config import AUTO, load_config
 from fzero.core.construction import Construction
 from fzero.core.partitioned import (
     gathered_partitions,
@@ -30,6 +30,7 @@ from fzero.core.partitioned import (
     shape_of,
 )
 from fzero.engine.zero3_attributes import ZeroParamStatus
+from fzero.partition import DEFAULT_PERSISTENCE_THRESHOLD
 
 __all__ = [
     "GatheredParameters",
@@ -97,7 +98,10 @@ class Init(Construction, contextlib.ContextDecorator):
                 remote_device = zero.offload_param.device
                 pin_memory = zero.offload_param.pin_memory
             nvme_path = zero.offload_param.nvme_path
-            threshold = int(zero.stage3_param_persistence_threshold)
+            threshold = zero.stage3_param_persistence_threshold
+            # "auto" (Transformers fills it once the model exists, after this context):
+            # DeepSpeed's default; the engine adopts the partitions whatever its own
+            threshold = DEFAULT_PERSISTENCE_THRESHOLD if threshold == AUTO else int(threshold)
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(
                 f"zero.Init remote_device is {remote_device!r}; allowed: None, 'cpu', 'nvme'"

@@ -410,8 +410,16 @@ def consolidated_16bit_state_dict(
     directory = tempfile.mkdtemp(prefix="fzero-16bit-")
     try:
         path = write_model_files(directory, stream.specs, stream.tensors, None)[0]
+        # a tied tensor is one tensor under each of its names, as DeepSpeed returns it
+        # (Transformers' save_pretrained then writes it once)
+        canonical = {a: t.fqn for t in engine.plan.manifest.tensors for a in t.aliases}
+        loaded: dict[str, torch.Tensor] = {}
         with safe_open(path, framework="pt") as f:
-            mapped = {key: f.get_tensor(key) for key in keys}
+            for key in keys:
+                source = canonical.get(key, key)
+                if source not in loaded:
+                    loaded[source] = f.get_tensor(source)
+            mapped = {key: loaded[canonical.get(key, key)] for key in keys}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return mapped

@@ -6,6 +6,7 @@ made here; `--from_config` builds it with `AutoModelForSequenceClassification.fr
 loads it with `from_pretrained` (partitioned, then loaded under ZeRO-3), else its
 constructor."""
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 
 @dataclass
@@ -57,7 +59,14 @@ def main() -> None:
         model = BertForSequenceClassification(config)
     if model_args.save_init:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        save_file(model.state_dict(), f"{model_args.save_init}-rank{rank}.safetensors")
+        gathered = contextlib.nullcontext()
+        if is_deepspeed_zero3_enabled():  # built partitioned: gathered to be read, as with
+            import deepspeed  # DeepSpeed's zero.Init
+
+            gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+        with gathered:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        save_file(state, f"{model_args.save_init}-rank{rank}.safetensors")
     if model_args.init_from:
         model.load_state_dict(load_file(model_args.init_from))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
