@@ -88,13 +88,17 @@ def format_number(value: float, unit: str = "", precision: int = 2) -> str:
 
 class FlopsProfiler:
     """FLOPs, MACs, parameters and forward latency per module of `model`, between
-    `start_profile()` and `stop_profile()` (DeepSpeed's `FlopsProfiler`; `ds_engine`
-    adds the engine's lines to the printed profile). Parameters are counted whole
+    `start_profile()` and `stop_profile()` (DeepSpeed's `FlopsProfiler`; `ds_engine` is
+    accepted for DeepSpeed's signature and kept, not read: the engine's own profile is
+    `ProfiledStep`'s). Parameters are counted whole
     (`ds_numel` where ZeRO-3 left a shard). `recompute_fwd_factor`: forwards that
     backward recomputes, for the estimated backward when the window had none."""
 
     def __init__(
-        self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0
+        self,
+        model: nn.Module,
+        ds_engine: object | None = None,
+        recompute_fwd_factor: float = 0.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"FlopsProfiler needs a torch.nn.Module, found {type(model).__name__}")
