@@ -21,8 +21,13 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The fast cases in two pytest processes (pytest-xdist; each has its own persistent rank
+# groups): on two cores, one process's ranks run while the other's wait on gloo, a
+# launched script or a timeout. `pytest path::name` alone runs in one process as before.
+PYTEST_PROCS ?= -n 2 --dist worksteal
+
 test: lint
-	$(BIN)/python -m pytest -q -m "not slow and not deepspeed_reference"
+	$(BIN)/python -m pytest -q $(PYTEST_PROCS) -m "not slow and not deepspeed_reference"
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow and not deepspeed_reference"
@@ -50,7 +55,7 @@ JOBS_JSON = fast=$(1)/fast.json slow=$(1)/slow.json deepspeed=$(1)/deepspeed.jso
 durations: venv $(DS_VENV)/.stamp
 	mkdir -p $(DURATIONS_DIR)
 	FZERO_TEST_DURATIONS=$(DURATIONS_DIR)/fast.json \
-		$(BIN)/python -m pytest -q -m "not slow and not deepspeed_reference"
+		$(BIN)/python -m pytest -q $(PYTEST_PROCS) -m "not slow and not deepspeed_reference"
 	FZERO_TEST_DURATIONS=$(DURATIONS_DIR)/slow.json \
 		$(BIN)/python -m pytest -q -m "slow and not deepspeed_reference"
 	FZERO_TEST_DURATIONS=$(DURATIONS_DIR)/deepspeed.json FZERO_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python \
@@ -62,7 +67,7 @@ durations: venv $(DS_VENV)/.stamp
 # scripts included (pyproject's [tool.coverage.run]).
 coverage: venv $(DS_VENV)/.stamp
 	rm -f .coverage .coverage.*
-	$(BIN)/python -m pytest -q -m "not deepspeed_reference" --cov --cov-report=
+	$(BIN)/python -m pytest -q $(PYTEST_PROCS) -m "not deepspeed_reference" --cov --cov-report=
 	FZERO_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q \
 		-m deepspeed_reference tests/deepspeed_reference --cov --cov-append --cov-report=
 	$(BIN)/coverage combine --append -q

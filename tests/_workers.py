@@ -66,6 +66,9 @@ AFTER_FAILURE_S = 150.0
 # The end-of-case barrier: every rank has returned, so it completes at once unless a
 # collective of the case is still pending.
 BARRIER_S = 10.0
+# Why a group ends whose ranks hold a collective that never completes: they cannot exit
+# cleanly (gloo's teardown waits on it), so they are killed.
+PENDING = "a collective of the case was still pending at its end"
 # A rank holding more than this (resident MiB) after a case is restarted.
 WORKER_MB = float(os.environ.get("FZERO_TEST_WORKER_MB", 3000))
 # Groups kept alive at once (the least recently used ends first): 1-, 2- and 4-rank.
@@ -213,7 +216,7 @@ def _end_process_group(world: int) -> str:
             try:
                 dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=BARRIER_S))
             except Exception as error:
-                return f"a collective of the case was still pending at its end ({error})"
+                return f"{PENDING} ({error})"
         dist.destroy_process_group()
     comm = sys.modules.get("fzero.comm")
     if comm is not None:
@@ -376,6 +379,7 @@ class _Group:
         for rank in range(self.world):
             for suffix, stream in (("out", sys.stdout), ("err", sys.stderr)):
                 path = f"{self.directory}/rank{rank}.{suffix}"
+                text = ""
                 with contextlib.suppress(OSError), open(path, errors="replace") as f:
                     text = f.read()
                 if text:
@@ -437,7 +441,7 @@ def run_case(fn: Callable, world: int, args: tuple, port: int) -> Any:
     if why:
         restarts.append((name, why))
         print(f"fzero test ranks: a new group after this case: {why}", file=sys.stderr)
-        group.close()
+        group.close(kill=PENDING in why)
     else:
         _groups[key] = group
     return result

@@ -311,7 +311,7 @@ def test_a_rank_that_never_arrives_is_named(tmp_path):
         engine = fzero.shard(Net(), stage=2, config={"train_micro_batch_size_per_gpu": 2})
         for step in range(4):
             if rank == 1 and step == 2:
-                time.sleep(12)  # stuck in its data loader
+                time.sleep(30)  # stuck in its data loader
             x, y = global_batch(step, 4)
             loss = nn.functional.mse_loss(engine(x[rank * 2 : rank * 2 + 2]), y[:2])
             engine.backward(loss)
@@ -320,7 +320,9 @@ def test_a_rank_that_never_arrives_is_named(tmp_path):
     )
     path = tmp_path / "hung_rank.py"
     path.write_text(script)
-    env = {**os.environ, "FZERO_TIMEOUT_S": "3", "PYTHONPATH": str(ROOT)}
+    # The timeout is also the ranks' rendezvous bound: 10 s leaves a loaded machine time to
+    # start both processes, and rank 1 sleeps well past it.
+    env = {**os.environ, "FZERO_TIMEOUT_S": "10", "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "fzero.cli", "run", "-n", "2", str(path)],
