@@ -14,14 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
 from fzero.compat.deepspeed.ops import adagrad as ds_adagrad
 from fzero.compat.deepspeed.ops import lion as ds_lion
 from tests._dist import run_world
-from tests.models import Net, global_batch, param_groups
+from tests.models import (
+    Net,
+    global_batch,
+    param_groups,
+    parity_config,
+    torch_reference,
+    train_engine,
+)
 from tests.test_bf16_masters import doors_case
 from tests.test_functional import _assert_same
 
@@ -119,20 +125,10 @@ CASES = [
 def reference(name: str, accum: int, world: int, clip: float) -> tuple[list[float], dict]:
     """One process on the global batches, torch.optim.Adagrad or the reference Lion, the
     two groups of `param_groups` (no decay for biases and norms)."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = _reference_optimizer(name, param_groups(model))
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, MICRO * accum * world)
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return torch_reference(
+        lambda groups: _reference_optimizer(name, groups),
+        steps=STEPS, micro=MICRO, accum=accum, world=world, clip=clip,
+    )  # fmt: skip
 
 
 def parity_case(rank: int, world: int, cases: list[tuple]) -> dict:
@@ -140,17 +136,7 @@ def parity_case(rank: int, world: int, cases: list[tuple]) -> dict:
     for name, stage, accum, clip in cases:
         torch.manual_seed(0)
         model = Net()
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": accum,
-            "gradient_clipping": clip,
-            "steps_per_print": 0,
-            "zero_optimization": {
-                "reduce_bucket_size": 300,
-                "stage3_prefetch_bucket_size": 200,
-                "stage3_param_persistence_threshold": 0,
-            },
-        }
+        config = parity_config(MICRO, accum, clip)
         engine = fzero.shard(
             model,
             stage=stage,
@@ -158,18 +144,7 @@ def parity_case(rank: int, world: int, cases: list[tuple]) -> dict:
             config=config,
             param_groups=param_groups(model),
         )
-        losses = []
-        for step in range(STEPS):
-            x, y = global_batch(step, MICRO * accum * world)
-            total = torch.zeros(1)
-            for i in range(accum):
-                rows = slice((i * world + rank) * MICRO, (i * world + rank + 1) * MICRO)
-                loss = F.mse_loss(engine(x[rows]), y[rows])
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (accum * world))
+        losses = train_engine(engine, rank, world, steps=STEPS, micro=MICRO)
         results[(name, stage, accum, clip)] = (losses, engine.state_dict(dtype=torch.float32))
         engine.destroy()
     return results

@@ -6,32 +6,21 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero.partition import flat_even, per_tensor_dim0
 from tests._dist import run_world
-from tests.models import Net, global_batch, param_groups
+from tests.models import Net, param_groups, parity_config, torch_reference, train_engine
 
 MICRO, STEPS, LR = 2, 4, 1e-2
 STRATEGIES = {"flat_even": flat_even, "per_tensor_dim0": per_tensor_dim0}
 
 
 def reference(accum: int, world: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = global_batch(step, MICRO * accum * world)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return torch_reference(
+        lambda groups: torch.optim.AdamW(groups, lr=LR),
+        steps=STEPS, micro=MICRO, accum=accum, world=world, clip=clip,
+    )  # fmt: skip
 
 
 def train_cases(rank: int, world: int, cases: list[tuple]) -> dict:
@@ -39,19 +28,7 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> dict:
     for stage, precision, accum, clip, strategy in cases:
         torch.manual_seed(0)
         model = Net()
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO,
-            "gradient_accumulation_steps": accum,
-            "gradient_clipping": clip,
-            "steps_per_print": 0,
-            # Several reduction buckets and prefetch of the next unit (Net's units hold
-            # 42-208 elements); stage 3 shards every tensor.
-            "zero_optimization": {
-                "reduce_bucket_size": 300,
-                "stage3_prefetch_bucket_size": 200,
-                "stage3_param_persistence_threshold": 0,
-            },
-        }
+        config = parity_config(MICRO, accum, clip)
         engine = fzero.shard(
             model,
             stage=stage,
@@ -61,18 +38,7 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> dict:
             param_groups=param_groups(model),
             strategy=STRATEGIES[strategy],
         )
-        losses = []
-        for step in range(STEPS):
-            x, y = global_batch(step, MICRO * accum * world)
-            total = torch.zeros(1)
-            for i in range(accum):
-                rows = slice((i * world + rank) * MICRO, (i * world + rank + 1) * MICRO)
-                loss = torch.nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().float()
-            dist.all_reduce(total)
-            losses.append(total.item() / (accum * world))
+        losses = train_engine(engine, rank, world, steps=STEPS, micro=MICRO)
         assert engine.global_steps == STEPS and engine.micro_steps == STEPS * accum
         state = engine.state_dict(dtype=torch.float32)
         results[(stage, precision, accum, clip, strategy)] = (losses, state)
