@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from fzero import _traffic, _watch
 from fzero._traffic import count, labels, mesh_group, traffic, traffic_by_group
-from fzero._watch import RankDisagreement, Watch, Watched, WatchSettings
+from fzero._waits import RankDisagreement
+from fzero._watch import Watch, Watched
+from fzero._watch_settings import WatchSettings
 
 __all__ = [
     "RankDisagreement",
@@ -183,7 +185,7 @@ def named_operation(
     Its collectives are checked against the ones this rank issued the last time an
     operation of key `track` ran (default: `name` up to its first parenthesis, and
     whether gradients are on), and its first one against what followed the previous
-    operation last time (`fzero._watch`, the order check); `track=""`: not checked (a
+    operation last time (`fzero._order_check`, the order check); `track=""`: not checked (a
     rank serving the others' collectives from another operation, as `join` does).
     `entry="always"`: every rank agrees at entry that it entered `name` (an entry point
     users call on every rank: a rank that skipped it is named at once); `"first"`: only

@@ -297,7 +297,7 @@ def test_train_step_join_equals_the_reference(stage, accumulation):
 # ---- a stage-3 module one rank skips: named on every rank before anything pairs wrong --------
 #
 # Every collective inside a named operation is checked against the one the rank issued
-# there last time (`fzero._watch._Track`); where one differs the ranks agree through the
+# there last time (`fzero._order_check.Track`); where one differs the ranks agree through the
 # store first. `history`: steps every rank runs alike before rank 1 takes another path
 # (0: the first step, where every collective is agreed; 3: the steady state, where none
 # is until one rank differs).

@@ -135,7 +135,7 @@ def test_every_config_key_in_the_reference_says_what_it_does():
     undescribed = [k.path for k in keys if not k.description]
     assert not undescribed, (
         "config keys without a description (a docstring under the field in "
-        "fzero/config, or the why of _no_effect/_only_default): " + ", ".join(undescribed)
+        "fzero/config, or the why of no_effect/only_default): " + ", ".join(undescribed)
     )
     paths = {k.path for k in keys}
     assert {"train_batch_size", "zero_optimization.stage", "bf16.bf16_optimizer_states"} <= paths

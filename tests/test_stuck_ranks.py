@@ -1,7 +1,7 @@
 """Every stuck collective explained within a minute, and no mismatched collective
 reaching gloo: scripts written as a user writes them, one process per rank (as a
 launcher starts them), fzero's default timeouts (600 s). Each pattern names the rank on
-every surviving rank within seconds (`fzero._watch`, `fzero._whereabouts`).
+every surviving rank within seconds (`fzero._watch`, `fzero._waits`, `fzero._whereabouts`).
 
 Every test here launches fresh processes (ranks exit, are killed or end in an error)."""
 

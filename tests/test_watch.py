@@ -1,4 +1,5 @@
-"""The collective watch (`fzero._watch`, `fzero._whereabouts`): its settings, read once;
+"""The collective watch (`fzero._watch` and its parts: `_watch_settings`, `_order_check`,
+`_waits`, `_whereabouts`, `_process_hooks`): its settings, read once;
 where a thread is; the rules that keep the watch an object of the process group (no raw
 collectives outside `fzero.comm`, no module-level mutable state); and the order check
 across operations and outside them, at world 2 (the patterns a user's script hits are
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
-from fzero import _watch, _whereabouts
-from fzero._watch import WatchSettings
+from fzero import _waits, _watch, _whereabouts
+from fzero._watch_settings import WatchSettings
 from tests._dist import run_world
 
 FZERO = Path(fzero.__file__).resolve().parent
@@ -62,10 +63,10 @@ def test_the_config_sets_the_report_interval():
 def test_two_ranks_in_different_agreements_never_wait_for_each_other():
     """Agreement numbers are part of where a rank waits: two ranks that have issued the
     same collectives but wait in different agreements cannot meet."""
-    assert _watch._may_complete("a5.3", "a5.3")
-    assert not _watch._may_complete("a5.3", "a5.4")
-    assert _watch._may_complete("a5.3", "c5") and _watch._may_complete("c4", "a5.3")
-    assert not _watch._may_complete("c6", "a5.3") and not _watch._may_complete("c6", "c6")
+    assert _waits.may_complete("a5.3", "a5.3")
+    assert not _waits.may_complete("a5.3", "a5.4")
+    assert _waits.may_complete("a5.3", "c5") and _waits.may_complete("c4", "a5.3")
+    assert not _waits.may_complete("c6", "a5.3") and not _waits.may_complete("c6", "c6")
 
 
 # ---- where a thread is -----------------------------------------------------------------------
@@ -183,6 +184,10 @@ def test_the_raw_collective_rule_sees_what_it_should(tmp_path):
 # Module-level names of the watch's modules that hold state, with why.
 MUTABLE_ALLOWED = {
     "_watch.py": {"_active": "the watch of the default process group (one at a time)"},
+    "_watch_settings.py": {},
+    "_order_check.py": {},
+    "_waits.py": {},
+    "_process_hooks.py": {},
     "_whereabouts.py": {},
     "comm.py": {},
 }
@@ -300,7 +305,7 @@ def forget_case(rank: int, world: int) -> dict:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     comm.init_distributed()  # adopted: a watch of its own, from the start
     fresh = _watch.current()
-    after["fresh"] = fresh is not watch and (fresh.issued, fresh.tracks) == (0, {})
+    after["fresh"] = fresh is not watch and (fresh.issued, fresh.order.tracks) == (0, {})
     return after
 
 
@@ -459,86 +464,77 @@ def test_a_steady_loop_outside_named_operations_agrees_nothing():
 # ---- the rules that end a wait, on fabricated views of the other rank ------------------------
 
 
-def _watch_of_rank_0() -> _watch.Watch:
-    watch = _watch.Watch.__new__(_watch.Watch)  # the rules read only this rank's number
-    watch.rank, watch.world = 0, 2
-    return watch
-
-
 def _answer(n: int, where: str, call: str = "", ranks: tuple[int, ...] | None = None) -> dict:
     return {"n": n, "state": "outside", "where": where, "call": call, "ranks": ranks,
             "operation": "", "last": "", "ago": 0.0}  # fmt: skip
 
 
-COLLECTIVE = _watch._Collective(7, "all_gather", 96, "parameters of unit 1 'b'", "forward")
-AGREEMENT = _watch._Collective(6, "agreement", 2, "the entry of state_dict", "state_dict", 3)
+COLLECTIVE = _waits.Collective(7, "all_gather", 96, "parameters of unit 1 'b'", "forward")
+AGREEMENT = _waits.Collective(6, "agreement", 2, "the entry of state_dict", "state_dict", 3)
 
 
-def _look(watch, collective, views, asked=None):
-    """One look: the reason to raise ("" if none) and what the next look compares with."""
+def _look(collective, views, asked=None):
+    """One look of rank 0 at rank 1 (world 2): the reason to raise ("" if none) and what
+    the next look compares with."""
     views = {1: views}
-    return watch._never_meet(collective, asked, views), watch._remember(views, asked)
+    return _waits.never_meet(0, collective, asked, views), _waits.remember(0, views, asked)
 
 
 def test_a_rank_that_left_is_named_unless_it_issued_the_awaited_collective():
-    watch, view = _watch_of_rank_0(), _whereabouts.PeerView
+    view = _whereabouts.PeerView
     left = view(1, left="5|its script ended or called sys.exit, after step, collective #5")
-    message, _ = _look(watch, COLLECTIVE, left)
+    message, _ = _look(COLLECTIVE, left)
     assert message.startswith("fzero: rank 1 left the program (its script ended")
     assert "rank 0 waits in collective #7 all_gather" in message
-    assert _look(watch, AGREEMENT, left)[0]  # an agreement never completes without it
+    assert _look(AGREEMENT, left)[0]  # an agreement never completes without it
     issued = view(1, left="7|its script ended or called sys.exit, after step, collective #7")
-    assert _look(watch, COLLECTIVE, issued)[0] == ""  # #7 may still complete
+    assert _look(COLLECTIVE, issued)[0] == ""  # #7 may still complete
 
 
 def test_a_rank_whose_process_is_gone_or_that_raised_is_named():
-    watch, view = _watch_of_rank_0(), _whereabouts.PeerView
-    gone = _look(watch, COLLECTIVE, view(1, alive=False))[0]
+    view = _whereabouts.PeerView
+    gone = _look(COLLECTIVE, view(1, alive=False))[0]
     assert "rank 1's process has ended without a word" in gone
     caught = view(1, raised="forward: Boom: bad batch")
-    message, asked = _look(watch, COLLECTIVE, caught)
+    message, asked = _look(COLLECTIVE, caught)
     assert message == ""  # it may catch it and go on: only when still so at the next look
-    assert "rank 1 raised in forward: Boom" in _look(watch, COLLECTIVE, caught, asked)[0]
+    assert "rank 1 raised in forward: Boom" in _look(COLLECTIVE, caught, asked)[0]
     final = view(1, raised="forward: RankDisagreement: ...", final=True)
-    assert "rank 1 raised in forward: RankDisagreement" in _look(watch, COLLECTIVE, final)[0]
+    assert "rank 1 raised in forward: RankDisagreement" in _look(COLLECTIVE, final)[0]
 
 
 def test_ranks_in_different_collectives_twice_are_named():
-    watch, view = _watch_of_rank_0(), _whereabouts.PeerView
+    view = _whereabouts.PeerView
     other = view(1, status="waiting|c8|collective #8 reduce_scatter of 96 elements|2")
-    message, asked = _look(watch, COLLECTIVE, other)
+    message, asked = _look(COLLECTIVE, other)
     assert message == ""
-    message, _ = _look(watch, COLLECTIVE, other, asked)
+    message, _ = _look(COLLECTIVE, other, asked)
     assert "rank 0 waits in collective #7" in message
     assert "rank 1 waits in collective #8" in message
     same = view(1, status=f"waiting|c7|{COLLECTIVE.describe()}|2")
-    assert _look(watch, COLLECTIVE, same, _look(watch, COLLECTIVE, same)[1])[0] == ""
+    assert _look(COLLECTIVE, same, _look(COLLECTIVE, same)[1])[0] == ""
     later = view(1, status="waiting|c5|collective #5 all_gather of 96 elements|2")
-    assert _look(watch, AGREEMENT, later, _look(watch, AGREEMENT, later)[1])[0] == ""
+    assert _look(AGREEMENT, later, _look(AGREEMENT, later)[1])[0] == ""
 
 
 def test_a_rank_in_its_own_collective_that_needs_this_one_is_named_at_its_third_answer():
-    watch, view = _watch_of_rank_0(), _whereabouts.PeerView
+    view = _whereabouts.PeerView
     where = "in its own torch.distributed.barrier (called at train.py:9 in <module>)"
     asked = None
     for n in (1, 2):
         message, asked = _look(
-            watch, AGREEMENT, view(1, answer=_answer(n, where, "barrier", (0, 1))), asked
+            AGREEMENT, view(1, answer=_answer(n, where, "barrier", (0, 1))), asked
         )
         assert message == ""
-    same_answer = _look(
-        watch, AGREEMENT, view(1, answer=_answer(2, where, "barrier", (0, 1))), asked
-    )
+    same_answer = _look(AGREEMENT, view(1, answer=_answer(2, where, "barrier", (0, 1))), asked)
     assert same_answer[0] == ""  # no new answer: no new evidence
-    message, _ = _look(
-        watch, AGREEMENT, view(1, answer=_answer(3, where, "barrier", (0, 1))), asked
-    )
+    message, _ = _look(AGREEMENT, view(1, answer=_answer(3, where, "barrier", (0, 1))), asked)
     assert message.startswith(f"fzero: rank 1 is {where}, outside fzero, while rank 0 waits")
     elsewhere = (2, 3)  # a call on a group without this rank may complete without it
     asked = None
     for n in (1, 2, 3, 4):
         message, asked = _look(
-            watch, AGREEMENT, view(1, answer=_answer(n, where, "barrier", elsewhere)), asked
+            AGREEMENT, view(1, answer=_answer(n, where, "barrier", elsewhere)), asked
         )
         assert message == ""
 

@@ -86,10 +86,11 @@ def _default(field: dataclasses.Field[Any]) -> str:
 
 def config_keys() -> Iterator[Key]:
     """Every key `fzero.load_config` parses, section by section, then the refused ones."""
-    import fzero.config as config
+    from fzero.config import Config
+    from fzero.config._parse import ALIASES, NOT_SUPPORTED
 
-    yield from _section_keys(config.Config, "")
-    for section, names in sorted(config._NOT_SUPPORTED.items()):
+    yield from _section_keys(Config, "")
+    for section, names in sorted(NOT_SUPPORTED.items()):
         for name in sorted(names):
             path = f"{section}.{name}" if section else name
             yield Key(
@@ -101,7 +102,7 @@ def config_keys() -> Iterator[Key]:
                 'accepted only while switched off (`false`, `null` or `{"enabled": false}`); '
                 "any other value is an error naming the key.",
             )
-    for section, aliases in sorted(config._ALIASES.items()):
+    for section, aliases in sorted(ALIASES.items()):
         for old, new in sorted(aliases.items()):
             path = f"{section}.{old}" if section else old
             target = f"{section}.{new}" if section else new

@@ -11,7 +11,7 @@ overflow flag, join's flag, checkpoint agreement) stay on every process.
 
 `gather_unit` is a unit's all-gather in the plan's group, also for uneven shards
 (`Unit.bounds`: padded to the largest on the wire, never in memory). That every rank
-gathers the same unit is checked where every collective is (`fzero._watch`).
+gathers the same unit is checked where every collective is (`fzero._order_check`).
 """
 
 from __future__ import annotations
