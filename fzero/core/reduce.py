@@ -343,6 +343,7 @@ class Reduction:
         self._buffers: dict[int, Tensor] = {}  # stages 2-3: bucket -> its gradients
         self._spare: Tensor | None = None  # a reduced bucket's buffer, for the next
         self._zeroed: set[int] = set()  # units whose part of their bucket's buffer is in use
+        self._in_flight: dict[int, Tensor] = {}  # launched buckets' buffers, by id
         self._next = 0
         self._pending: Pending = []
 
@@ -428,8 +429,12 @@ class Reduction:
         self.arrived_count = [0] * len(self.plan.units)
 
     def held_numel(self) -> int:
-        """Elements of the stage 2-3 bucket buffers alive now."""
-        return sum(buffer.numel() for buffer in self._buffers.values())
+        """Elements of the stage 2-3 bucket buffers alive now: those being filled, those
+        whose reduction is in flight, and the one kept for reuse."""
+        buffers = {id(b): b for b in (*self._buffers.values(), *self._in_flight.values())}
+        if self._spare is not None:
+            buffers[id(self._spare)] = self._spare
+        return sum(buffer.numel() for buffer in buffers.values())
 
     def _launch(self, b: int) -> None:
         indices = self.buckets[b]
@@ -463,6 +468,7 @@ class Reduction:
             bounds=[self.plan.units[i].bounds for i in indices],
             wire_dtype=self.wire_dtype,
         )
+        self._in_flight[id(buffer)] = buffer
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.plan.processes == 1:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
@@ -470,6 +476,7 @@ class Reduction:
             self._pending += pending
 
     def _reuse(self, buffer: Tensor) -> None:
+        del self._in_flight[id(buffer)]
         self._spare = buffer
 
 
