@@ -228,3 +228,65 @@ def submodule_alone_case(rank, world):
 
 def test_a_submodule_run_alone_after_a_step_releases_its_units():
     assert run_world(submodule_alone_case, 2) == [0, 0]
+
+
+def backward_holdings_case(rank, world, overlap):
+    """What a stage-3 backward holds after each gradient is taken: bucket buffers (filling,
+    in flight, kept for reuse), gathered units, `param.grad`s; and the losses."""
+    model = _chain()
+    engine = fzero.shard(
+        model,
+        stage=3,
+        optimizer=fzero.optim.adamw(lr=1e-2),
+        config={
+            "zero_optimization": {
+                "stage3_param_persistence_threshold": 0,
+                "reduce_bucket_size": 1,  # a bucket per unit
+                "stage3_max_reuse_distance": 0,
+                "overlap_comm": overlap,
+            }
+        },
+    )
+    unit_of = {id(p): rt.index for rt in engine.units for p, _, _ in rt.params}
+    taken: dict[int, int] = {}
+    held: list[int] = []
+    problems: list[str] = []
+
+    def after_engine(p):  # registered after the engine's hook: runs after it
+        index = unit_of[id(p)]
+        taken[index] = taken.get(index, 0) + 1
+        held.append(engine.reduction.held_numel())
+        if p.grad is not None:
+            problems.append(f"unit {index} keeps a full-size gradient in param.grad")
+        last = taken[index] == len(engine.units[index].params)
+        if last and engine.gatherer.units[index].full is not None:
+            problems.append(f"unit {index} is still gathered after its last gradient")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(after_engine)
+    losses = []
+    for step in range(2):
+        taken.clear()
+        loss = engine(_batch(step, rank)).square().mean()
+        engine.backward(loss)
+        assert engine.reduction.held_numel() == 0  # nothing after backward
+        engine.step()
+        losses.append(loss.item())
+    return {
+        "held": max(held),
+        "unit_numel": max(rt.unit.numel for rt in engine.units),
+        "problems": problems,
+        "losses": losses,
+    }
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stage3_backward_holds_one_bucket_and_no_reduced_units_gradient(overlap):
+    """[regression] Every reduced bucket's buffer stayed alive (in flight) until backward
+    ended: a model's worth of full-size gradients. One bucket's at a time now, with and
+    without overlap_comm, and the same losses."""
+    result = run_world(backward_holdings_case, 2, overlap)
+    assert result["problems"] == []
+    assert 0 < result["held"] <= result["unit_numel"]
+    if overlap:
+        assert result["losses"] == run_world(backward_holdings_case, 2, False)["losses"]

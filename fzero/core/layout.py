@@ -70,9 +70,22 @@ def scatter_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
         flat[pc.offset : pc.offset + pc.numel].copy_(values[pc.start : pc.start + pc.numel])
 
 
+# elements added at once from another dtype on the CPU, which casts an operand of another
+# dtype into a temporary of its whole size first (a bf16 embedding's gradient: 98 MB more)
+_CAST_CHUNK = 1 << 20
+
+
 def add_pieces(flat: Tensor, values: Tensor, placement: Placement) -> None:
+    """Add `values` (a flat tensor) into its pieces of `flat` at `placement`; from another
+    dtype on the CPU in chunks of `_CAST_CHUNK` (elementwise: the same sums)."""
     for pc in placement.pieces:
-        flat[pc.offset : pc.offset + pc.numel].add_(values[pc.start : pc.start + pc.numel])
+        into = flat[pc.offset : pc.offset + pc.numel]
+        part = values[pc.start : pc.start + pc.numel]
+        if part.dtype == into.dtype or into.device.type != "cpu":
+            into.add_(part)
+            continue
+        for start in range(0, pc.numel, _CAST_CHUNK):
+            into[start : start + _CAST_CHUNK].add_(part[start : start + _CAST_CHUNK])
 
 
 def gather_pieces(full: Tensor, placement: Placement, shape: tuple[int, ...]) -> Tensor:

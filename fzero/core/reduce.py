@@ -6,12 +6,14 @@ which units are complete, and the launch of each bucket once all its units are.
 
 A bucket (`fzero.partition.reduction_buckets`: consecutive units from the last one back,
 up to `reduce_bucket_size` elements) is reduced by one collective as soon as all its
-units' gradients are in, overlapping the rest of backward; buckets are launched in bucket
-order, the same on every rank. Stages 2-3 keep only this rank's part of each unit.
-Gloo's reduce-scatter measured slower than its all-reduce at every size from 1 MB to
-32 MB (2 ranks), so on gloo a bucket is all-reduced and each rank keeps its part; other
-backends reduce-scatter each unit. Averages are elementwise, so a bucket gives each
-element exactly what one collective per unit gives.
+units' gradients are in, overlapping the rest of backward (`overlap_comm`); buckets are
+launched in bucket order, the same on every rank, and the next bucket's buffer is made
+once the last one's reduction has landed, so a rank holds one bucket of full-size
+gradients at a time, not all the buckets of a backward. Stages 2-3 keep only this rank's
+part of each unit. Gloo's reduce-scatter measured slower than its all-reduce at every
+size from 1 MB to 32 MB (2 ranks), so on gloo a bucket is all-reduced and each rank keeps
+its part; other backends reduce-scatter each unit. Averages are elementwise, so a bucket
+gives each element exactly what one collective per unit gives.
 
 A plan on a mesh reduces within its shard group, then averages each rank's reduced part
 over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
@@ -298,9 +300,11 @@ class Reduction:
     unit's target: at stages 0-1 its accumulator `accumulator(i)`, summed locally until
     a pass that `reduce`s; at stages 2-3 a full-size view of its bucket's buffer, alive
     until the bucket is reduced, when `keep(i, part)` receives this rank's averaged part
-    of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; with
-    `overlap`, complete buckets launch at once, in bucket order (the same on every
-    rank). `finish` launches the rest (units this pass did not use reduce zeros) and
+    of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; complete
+    buckets launch at once, in bucket order (the same on every rank), beside the rest
+    of backward with `overlap`, else waited for there. A bucket's buffer is made once
+    the reductions in flight have landed: stages 2-3 hold one bucket of gradients at a
+    time. `finish` launches the rest (units this pass did not use reduce zeros) and
     waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
     `wire_dtype`: the dtype gradients travel in (DeepSpeed's `communication_data_type`).
     """
@@ -338,6 +342,8 @@ class Reduction:
         self.reduce = True  # whether the pass running now reduces
         self._buffers: dict[int, Tensor] = {}  # stages 2-3: bucket -> its gradients
         self._spare: Tensor | None = None  # a reduced bucket's buffer, for the next
+        self._zeroed: set[int] = set()  # units whose part of their bucket's buffer is in use
+        self._in_flight: dict[int, Tensor] = {}  # launched buckets' buffers, by id
         self._next = 0
         self._pending: Pending = []
 
@@ -356,14 +362,29 @@ class Reduction:
         b, offset = self.place[index]
         buffer = self._buffers.get(b)
         if buffer is None:
-            numel = sum(self.plan.units[i].numel for i in self.buckets[b])
-            spare, self._spare = self._spare, None  # within a pass: a fresh buffer of a
-            if spare is not None and spare.numel() == numel:  # unit's size costs its
-                buffer = spare.zero_()  # page faults (18 ms for 16.8M elements)
-            else:
-                buffer = torch.zeros(numel, dtype=torch.float32, device=self.device)
+            buffer = self._new_buffer(sum(self.plan.units[i].numel for i in self.buckets[b]))
             self._buffers[b] = buffer
-        return buffer[offset : offset + self.plan.units[index].numel]
+        view = buffer[offset : offset + self.plan.units[index].numel]
+        if index not in self._zeroed:  # the unit's part is zeroed when first written
+            view.zero_()
+            self._zeroed.add(index)
+        return view
+
+    def _new_buffer(self, numel: int) -> Tensor:
+        """A bucket buffer of `numel` elements, each unit's part zeroed when the unit's
+        first gradient arrives (`target`): a bucket of many units takes memory as its
+        gradients come in, while the units they come from are released, not all at its
+        first gradient. The reductions in flight are waited for first (DeepSpeed's stage 3
+        fills its bucket once the previous one is reduced): their buffers go before this
+        one is made, so backward holds one bucket of gradients, not every bucket it
+        reduced until its end. Within a pass the last reduced buffer is reused when it
+        has the size: a fresh one costs its page faults (18 ms for 16.8M elements)."""
+        finish(self._pending)
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == numel:
+            return spare
+        del spare  # freed before the new buffer is made
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
 
     def add(self, index: int, placement: Placement, grad: Tensor) -> None:
         """Add one tensor's gradient into unit `index`'s target at `placement`."""
@@ -371,10 +392,10 @@ class Reduction:
 
     def arrived(self, index: int, launch: bool = True) -> bool:
         """Count one gradient of unit `index`; whether the unit is complete now (then,
-        with `overlap` and `launch`, the buckets complete so far are launched)."""
+        with `launch`, the buckets complete so far are launched)."""
         self.arrived_count[index] += 1
         complete = self.arrived_count[index] == self.sizes[index]
-        if complete and self.overlap and launch:
+        if complete and launch:
             self.launch_ready()
         return complete
 
@@ -382,12 +403,17 @@ class Reduction:
         return self.arrived_count[index] >= self.sizes[index]
 
     def launch_ready(self) -> None:
-        """Launch bucket reductions in bucket order as far as their units are complete."""
+        """Launch bucket reductions in bucket order as far as their units are complete;
+        without `overlap` each is waited for at once (DeepSpeed's `overlap_comm` false: a
+        bucket is reduced when it fills, not beside the rest of backward), so its
+        buffer is free for the next."""
         while self._next < len(self.buckets) and all(
             self.complete(i) for i in self.buckets[self._next]
         ):
             self._launch(self._next)
             self._next += 1
+            if not self.overlap:
+                finish(self._pending)
 
     def finish(self) -> None:
         """End of the pass: launch what is left and wait for every reduction."""
@@ -403,8 +429,12 @@ class Reduction:
         self.arrived_count = [0] * len(self.plan.units)
 
     def held_numel(self) -> int:
-        """Elements of the stage 2-3 bucket buffers alive now."""
-        return sum(buffer.numel() for buffer in self._buffers.values())
+        """Elements of the stage 2-3 bucket buffers alive now: those being filled, those
+        whose reduction is in flight, and the one kept for reuse."""
+        buffers = {id(b): b for b in (*self._buffers.values(), *self._in_flight.values())}
+        if self._spare is not None:
+            buffers[id(self._spare)] = self._spare
+        return sum(buffer.numel() for buffer in buffers.values())
 
     def _launch(self, b: int) -> None:
         indices = self.buckets[b]
@@ -421,6 +451,7 @@ class Reduction:
             return
         flats = [self.target(i) for i in indices]  # zeros for units this pass left unused
         buffer = self._buffers.pop(b)
+        self._zeroed.difference_update(indices)
         owned = [slice(*self.plan.units[i].shard_range(self.rank)) for i in indices]
         pending = reduce_bucket(
             buffer,
@@ -437,6 +468,7 @@ class Reduction:
             bounds=[self.plan.units[i].bounds for i in indices],
             wire_dtype=self.wire_dtype,
         )
+        self._in_flight[id(buffer)] = buffer
         pending.append((None, functools.partial(self._reuse, buffer)))
         if self.plan.processes == 1:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
@@ -444,6 +476,7 @@ class Reduction:
             self._pending += pending
 
     def _reuse(self, buffer: Tensor) -> None:
+        del self._in_flight[id(buffer)]
         self._spare = buffer
 
 

@@ -348,6 +348,7 @@ class _Micro:
             torch.float32,
         )
         self.gatherer: Placeholders | None = None
+        self.releases = False  # whether a unit goes once its gradients are in
         if self.plan.stage == 3:
             zero = step.config.zero_optimization
             self.gatherer = Placeholders(
@@ -399,6 +400,7 @@ class _Micro:
         whole = self.gatherer is not None and _compiled(self.step.loss_fn)
         leaves = self._leaves(whole)
         swap = self.gatherer is not None and not whole
+        self.releases = swap
         context = self.gatherer.active() if swap else contextlib.nullcontext()
         with context, _transforms_named():
             out = self.step.loss_fn(dict(leaves), batch)
@@ -451,9 +453,17 @@ class _Micro:
         def hook(leaf: Tensor) -> None:
             assert leaf.grad is not None
             index, pl = self.where[fqn]
-            self.reduction.add(index, pl, leaf.grad)
-            leaf.grad = None
-            self.reduction.arrived(index)
+            grad, leaf.grad = leaf.grad, None
+            # the unit's last gradient: autograd is done with its gathered buffer, which
+            # goes before the bucket's buffer is made (as the engine's hooks do)
+            complete = self.reduction.arrived(index, launch=False)
+            if complete and self.releases:
+                assert self.gatherer is not None
+                self.gatherer.release(index)
+            self.reduction.add(index, pl, grad)
+            del grad
+            if complete:
+                self.reduction.launch_ready()
 
         return hook
 

@@ -49,8 +49,8 @@ def grad_stats(grad: Tensor, *, clipping: float, dynamic: bool) -> GradStats:
     """One unit's owned gradient: its sum of squares (float64 with clipping; else one
     float32 pass, for the reported norm) and whether it is finite (checked only with
     dynamic loss scaling)."""
-    if clipping > 0:
-        sq = grad.double().square().sum()
+    if clipping > 0:  # squared in place: one float64 copy of the shard at a time, not two
+        sq = grad.to(torch.float64, copy=True).square_().sum()
     else:
         sq = torch.linalg.vector_norm(grad).double().square()
     return sq, bool(torch.isfinite(grad).all()) if dynamic else True

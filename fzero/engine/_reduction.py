@@ -226,11 +226,17 @@ class GradientReduction:
         p.grad = None
         if grad is None:
             return
+        # the unit's last gradient: autograd is done with its gathered parameters, which
+        # go before its bucket's buffer is made (not one more unit-sized buffer at once)
+        complete = self.core.arrived(rt.index, launch=False)
+        if complete and self.stage == 3:
+            self.gatherer.release(rt.index)
         self.core.add(rt.index, placement, grad)
+        del grad
         if self.stage == 3 and not self.gatherer.holds(rt.index):
             p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        if self.core.arrived(rt.index) and self.stage == 3:
-            self.gatherer.release(rt.index)
+        if complete:
+            self.core.launch_ready()
 
     def _keep_others_grad(self, rt: UnitRuntime, p: torch.nn.Parameter) -> None:
         """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
