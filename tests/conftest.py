@@ -100,3 +100,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("rank groups restarted")
         for name, why in _restarts:
             terminalreporter.write_line(f"{name}: {why}")
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # two pytest processes on the cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
