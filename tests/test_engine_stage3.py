@@ -21,6 +21,12 @@ def _chain() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
 
 
+def _chain_engine(model: nn.Module, **zero: object) -> fzero.Engine:
+    """Stage 3 with AdamW, every tensor sharded, and `zero` in `zero_optimization`."""
+    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0, **zero}}
+    return fzero.shard(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), config=config)
+
+
 def _batch(step: int, rank: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(
@@ -30,17 +36,10 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 def gather_trace_case(rank, world, reuse_distance):
     model = _chain()
-    engine = fzero.shard(
+    engine = _chain_engine(
         model,
-        stage=3,
-        optimizer=fzero.optim.adamw(lr=1e-2),
-        config={
-            "zero_optimization": {
-                "stage3_param_persistence_threshold": 0,
-                "stage3_prefetch_bucket_size": 1,  # one unit ahead
-                "stage3_max_reuse_distance": reuse_distance,
-            }
-        },
+        stage3_prefetch_bucket_size=1,  # one unit ahead
+        stage3_max_reuse_distance=reuse_distance,
     )
     gathers: list[str] = []
     live: list[int] = []
@@ -234,18 +233,11 @@ def backward_holdings_case(rank, world, overlap):
     """What a stage-3 backward holds after each gradient is taken: bucket buffers (filling,
     in flight, kept for reuse), gathered units, `param.grad`s; and the losses."""
     model = _chain()
-    engine = fzero.shard(
+    engine = _chain_engine(
         model,
-        stage=3,
-        optimizer=fzero.optim.adamw(lr=1e-2),
-        config={
-            "zero_optimization": {
-                "stage3_param_persistence_threshold": 0,
-                "reduce_bucket_size": 1,  # a bucket per unit
-                "stage3_max_reuse_distance": 0,
-                "overlap_comm": overlap,
-            }
-        },
+        reduce_bucket_size=1,  # a bucket per unit
+        stage3_max_reuse_distance=0,
+        overlap_comm=overlap,
     )
     unit_of = {id(p): rt.index for rt in engine.units for p, _, _ in rt.params}
     taken: dict[int, int] = {}
