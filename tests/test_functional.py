@@ -424,6 +424,41 @@ def test_train_state_is_a_pytree_a_copy_replays_a_step_and_a_donated_state_is_re
     assert result["leaves"] > 0
 
 
+def records_case(rank: int, world: int) -> dict[int, tuple[int, int, int]]:
+    """Per stage: the plan's units, the runtime records three steps made, and the records
+    made in all once a copy of the state (other buffers) was stepped too."""
+    import fzero.core.step as step_module
+
+    original, made = step_module.runtime_of, []
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return original(*args, **kwargs)
+
+    step_module.runtime_of = counting
+    result = {}
+    try:
+        for stage in (0, 1, 2, 3):
+            made.clear()
+            _, plan, optimizer, state, loss_fn = _single_state(stage)
+            step = fzero.train_step(loss_fn, plan, optimizer)
+            for i in range(3):
+                state, _ = step(state, global_batch(i, 4))
+            three = len(made)
+            step(pytree.tree_map_only(torch.Tensor, torch.clone, state), global_batch(3, 4))
+            result[stage] = (len(plan.units), three, len(made))
+    finally:
+        step_module.runtime_of = original
+    return result
+
+
+def test_train_step_makes_the_update_records_once_not_per_step():
+    for stage, (units, three_steps, with_copy) in run_world(records_case, 1).items():
+        assert units > 0
+        assert three_steps == units, f"stage {stage}"  # the first step's, kept
+        assert with_copy == 2 * units, f"stage {stage}"  # a state of other buffers: anew
+
+
 def _error(call) -> str:
     """`call()`'s exception as "Type: message" ("no error" when it returns)."""
     try:

@@ -155,6 +155,7 @@ class _Step:
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
         self.buckets = partition.reduction_buckets(plan, bucket_numel)
         self._applications: dict[Any, OptimizerApplication] = {}
+        self._records: list[UnitRuntime] = []  # the update's, over the last state's buffers
 
     def application(
         self, state: TrainState, dtype: torch.dtype, device: torch.device
@@ -190,6 +191,28 @@ class _Step:
                 device=device,
             )
         return self._applications[key]
+
+    def records(self, state: TrainState) -> list[UnitRuntime]:
+        """The runtime records the update runs over `state`'s units: the swap file's own
+        (NVMe: they hold each unit's current slot), else records over the state's buffers,
+        made when a state with other buffers arrives and kept while the states passed in
+        are the ones this step returned (their buffers are updated in place): no record
+        is made per step."""
+        optimizer, plan = self.optimizer, state.plan
+        if isinstance(state.residence, SwapFileUnits):
+            records = state.residence.units
+            for rt, u in zip(records, state.units):
+                rt.grad, rt.hparams = u.grad, optimizer.hparams
+                attach_params(plan, rt, u)
+            return records
+        if not (
+            len(self._records) == len(state.units)
+            and all(_views(rt, u) for rt, u in zip(self._records, state.units))
+        ):
+            self._records = [runtime_of(plan, i, u) for i, u in enumerate(state.units)]
+        for rt in self._records:
+            rt.hparams = optimizer.hparams
+        return self._records
 
     def _operation(self, state: TrainState, name: str = "train_step") -> Any:
         """The named operation of one micro-step (`comm.named_operation`), its collectives
@@ -543,7 +566,7 @@ class _Micro:
         """Every unit's optimizer update (in place, through the core's
         `OptimizerApplication` as the engine's) and new parameters; the new units."""
         state, plan = self.state, self.plan
-        runtimes = _runtimes(state, self.step.optimizer)
+        runtimes = self.step.records(state)
         groups = 1 + max((u.group for u in plan.units), default=0)
         self.step.application(state, self.dtype, self.device).apply(
             runtimes, factor, [lr] * groups, clock
@@ -553,17 +576,15 @@ class _Micro:
         )
 
 
-def _runtimes(state: TrainState, optimizer: Optimizer) -> list[UnitRuntime]:
-    """The units' runtime records the update runs over: the swap file's own (NVMe: they
-    hold each unit's current slot), else records viewing the state's buffers."""
-    plan, hparams = state.plan, optimizer.hparams
-    if isinstance(state.residence, SwapFileUnits):
-        runtimes = state.residence.units
-        for rt, u in zip(runtimes, state.units):
-            rt.grad, rt.hparams = u.grad, hparams
-            attach_params(plan, rt, u)
-        return runtimes
-    return [runtime_of(plan, i, u, hparams) for i, u in enumerate(state.units)]
+def _views(rt: UnitRuntime, unit: UnitState) -> bool:
+    """Whether runtime record `rt` is over `unit`'s buffers (they are the same tensors)."""
+    params = rt.full if rt.full is not None else rt.param_shard
+    return (
+        rt.master is unit.master
+        and rt.state is unit.optim
+        and rt.grad is unit.grad
+        and params is unit.params
+    )
 
 
 _STILL_TRAINING = "join: whether any rank still trains"
