@@ -273,12 +273,14 @@ def backward_holdings_case(rank, world, overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_stage3_backward_holds_one_bucket_and_no_reduced_units_gradient(overlap):
+def test_stage3_backward_holds_two_buckets_with_overlap_one_without(overlap):
     """[regression] Every reduced bucket's buffer stayed alive (in flight) until backward
-    ended: a model's worth of full-size gradients. One bucket's at a time now, with and
-    without overlap_comm, and the same losses."""
+    ended: a model's worth of full-size gradients. Now, with overlap_comm, the bucket
+    being filled beside the last one launched (its reduction runs on beside backward:
+    waiting for it serialised backward with every reduction); without, one bucket at a
+    time. No reduced unit keeps a gradient or stays gathered; the same losses."""
     result = run_world(backward_holdings_case, 2, overlap)
     assert result["problems"] == []
-    assert 0 < result["held"] <= result["unit_numel"]
+    assert result["held"] == (2 if overlap else 1) * result["unit_numel"]
     if overlap:
         assert result["losses"] == run_world(backward_holdings_case, 2, False)["losses"]

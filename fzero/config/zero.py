@@ -38,10 +38,12 @@ class ZeroConfig(Section):
     )
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient-reduction bucket (a unit larger than that is a bucket of its
-    own). At stages 2-3 backward holds one bucket of fp32 gradients at a time."""
+    own). At stages 2-3 backward holds two buckets of fp32 gradients with `overlap_comm`
+    (one filling, one being reduced), one without."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; DeepSpeed's default is on for stage 3 only.
-    Off, each bucket is reduced when it fills and waited for there."""
+    Off, each bucket is reduced when it fills and waited for there: backward holds one
+    bucket of gradients instead of two, and its compute waits on each reduction."""
     contiguous_gradients: bool = no_effect(
         True,
         "DeepSpeed copies gradients into one buffer as they come; fzero's gradients "

@@ -8,8 +8,9 @@ A bucket (`fzero.partition.reduction_buckets`: consecutive units from the last o
 up to `reduce_bucket_size` elements) is reduced by one collective as soon as all its
 units' gradients are in, overlapping the rest of backward (`overlap_comm`); buckets are
 launched in bucket order, the same on every rank, and the next bucket's buffer is made
-once the last one's reduction has landed, so a rank holds one bucket of full-size
-gradients at a time, not all the buckets of a backward. Stages 2-3 keep only this rank's
+once the reductions before the last one have landed, so a rank holds the bucket it
+fills beside the one being reduced (`overlap_comm` off: one bucket), not all the buckets
+of a backward. Stages 2-3 keep only this rank's
 part of each unit. Gloo's reduce-scatter measured slower than its all-reduce at every
 size from 1 MB to 32 MB (2 ranks), so on gloo a bucket is all-reduced and each rank keeps
 its part; other backends reduce-scatter each unit. Averages are elementwise, so a bucket
@@ -303,9 +304,10 @@ class Reduction:
     of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; complete
     buckets launch at once, in bucket order (the same on every rank), beside the rest
     of backward with `overlap`, else waited for there. A bucket's buffer is made once
-    the reductions in flight have landed: stages 2-3 hold one bucket of gradients at a
-    time. `finish` launches the rest (units this pass did not use reduce zeros) and
-    waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
+    the reductions launched before the last one have landed: with `overlap` stages 2-3
+    hold a bucket being filled beside one being reduced (DeepSpeed's two buffers),
+    without it one bucket at a time. `finish` launches the rest (units this pass did not
+    use reduce zeros) and waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
     `wire_dtype`: the dtype gradients travel in (DeepSpeed's `communication_data_type`).
     """
 
@@ -345,7 +347,7 @@ class Reduction:
         self._zeroed: set[int] = set()  # units whose part of their bucket's buffer is in use
         self._in_flight: dict[int, Tensor] = {}  # launched buckets' buffers, by id
         self._next = 0
-        self._pending: Pending = []
+        self._launches: list[Pending] = []  # each launched bucket's reductions, oldest first
 
     def begin(self, reduce: bool) -> None:
         """A new pass; `reduce`: whether it averages over ranks (stages 0-1: only the
@@ -374,12 +376,16 @@ class Reduction:
         """A bucket buffer of `numel` elements, each unit's part zeroed when the unit's
         first gradient arrives (`target`): a bucket of many units takes memory as its
         gradients come in, while the units they come from are released, not all at its
-        first gradient. The reductions in flight are waited for first (DeepSpeed's stage 3
-        fills its bucket once the previous one is reduced): their buffers go before this
-        one is made, so backward holds one bucket of gradients, not every bucket it
-        reduced until its end. Within a pass the last reduced buffer is reused when it
-        has the size: a fresh one costs its page faults (18 ms for 16.8M elements)."""
-        finish(self._pending)
+        first gradient. The reductions launched before the last one are waited for
+        first, and their buffers go before this one is made: with `overlap` the last
+        bucket's reduction runs on beside the backward that fills this one (DeepSpeed's
+        two buffers with `overlap_comm`; waiting for it too serialised backward with
+        the reductions, 15-40% slower steps at stages 2-3 on two CPU ranks), and
+        backward holds two buckets of gradients, not every bucket it reduced until its
+        end; without `overlap`, each bucket was reduced when it filled: one. Within a
+        pass the last reduced buffer is reused when it has the size: a fresh one costs
+        its page faults (18 ms for 16.8M elements)."""
+        self._wait(in_flight=1 if self.overlap else 0)
         spare, self._spare = self._spare, None
         if spare is not None and spare.numel() == numel:
             return spare
@@ -413,16 +419,22 @@ class Reduction:
             self._launch(self._next)
             self._next += 1
             if not self.overlap:
-                finish(self._pending)
+                self._wait()
 
     def finish(self) -> None:
         """End of the pass: launch what is left and wait for every reduction."""
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        finish(self._pending)
+        self._wait()
         self._spare = None
         self.arrived_count = [0] * len(self.plan.units)
+
+    def _wait(self, in_flight: int = 0) -> None:
+        """Wait for the launched buckets' reductions, oldest first, until `in_flight` of
+        them are left running."""
+        while len(self._launches) > in_flight:
+            finish(self._launches.pop(0))
 
     def forget(self) -> None:
         """End of a pass that reduces nothing (another's backward through the module)."""
@@ -443,11 +455,13 @@ class Reduction:
                 return  # inside an accumulation window: keep summing locally
             grads = [self.accumulator(i) for i in indices]
             span = _span(grads)
+            launched: Pending = []
             for tensor in [span] if span is not None else grads:
                 wire = tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
                 work = comm.all_reduce(wire, op="avg", async_op=True, what=_grads_of(indices))
                 after = _nothing if wire is tensor else functools.partial(tensor.copy_, wire)
-                self._pending.append((work, after))
+                launched.append((work, after))
+            self._launches.append(launched)
             return
         flats = [self.target(i) for i in indices]  # zeros for units this pass left unused
         buffer = self._buffers.pop(b)
@@ -473,7 +487,7 @@ class Reduction:
         if self.plan.processes == 1:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
         else:
-            self._pending += pending
+            self._launches.append(pending)
 
     def _reuse(self, buffer: Tensor) -> None:
         del self._in_flight[id(buffer)]
