@@ -31,6 +31,7 @@ __all__ = [
     "install_unit",
     "rolled_back",
     "runtime_of",
+    "views",
 ]
 
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
@@ -151,6 +152,18 @@ def runtime_of(plan: Plan, index: int, unit: UnitState, hparams: Any = None) -> 
     rt.hparams = hparams
     attach_params(plan, rt, unit)
     return rt
+
+
+def views(rt: UnitRuntime, unit: UnitState) -> bool:
+    """Whether runtime record `rt` is over `unit`'s buffers (the same tensors): a record
+    `runtime_of` made for an earlier state of the same buffers serves this one."""
+    params = rt.full if rt.full is not None else rt.param_shard
+    return (
+        rt.master is unit.master
+        and rt.state is unit.optim
+        and rt.grad is unit.grad
+        and params is unit.params
+    )
 
 
 def attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:

@@ -44,7 +44,7 @@ from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import gradient_wire_dtype, loss_scaler
-from fzero.core.publish import attach_params, runtime_of
+from fzero.core.publish import attach_params, runtime_of, views
 from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState, partition_numel
@@ -207,7 +207,7 @@ class _Step:
             return records
         if not (
             len(self._records) == len(state.units)
-            and all(_views(rt, u) for rt, u in zip(self._records, state.units))
+            and all(views(rt, u) for rt, u in zip(self._records, state.units))
         ):
             self._records = [runtime_of(plan, i, u) for i, u in enumerate(state.units)]
         for rt in self._records:
@@ -574,17 +574,6 @@ class _Micro:
         return tuple(
             u._replace(master=rt.master, optim=rt.state) for u, rt in zip(state.units, runtimes)
         )
-
-
-def _views(rt: UnitRuntime, unit: UnitState) -> bool:
-    """Whether runtime record `rt` is over `unit`'s buffers (they are the same tensors)."""
-    params = rt.full if rt.full is not None else rt.param_shard
-    return (
-        rt.master is unit.master
-        and rt.state is unit.optim
-        and rt.grad is unit.grad
-        and params is unit.params
-    )
 
 
 _STILL_TRAINING = "join: whether any rank still trains"
