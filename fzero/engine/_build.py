@@ -133,14 +133,15 @@ def build_units(
     optimizer: Optimizer,
     group_hparams: Sequence[Any],
     param_init_fn: Callable[[torch.nn.Module], None] | None,
-    accumulators: Sequence[Tensor] | None,
+    accumulators: Sequence[Tensor | None] | None,
 ) -> list[UnitRuntime]:
     """Every unit of the plan on plan rank `rank`, built in order by the core's unit
     builder (`fzero.core.build`) and bound to the module's parameters (a model on the meta
     device is materialised a few tensors at a time, as the units need them; partitions
     made at construction are adopted one unit at a time and dropped as they are).
-    `accumulators`: stages 0-1, each unit's fp32 gradient accumulator (views of the
-    reduction's bucket buffers); `group_hparams`: each param group's hyper-parameters."""
+    `accumulators`: units at stages 0-1, each one's fp32 gradient accumulator (views of
+    the reduction's bucket buffers; None for a unit at stages 2-3); `group_hparams`: each
+    param group's hyper-parameters."""
     named = dict(module.named_parameters())
     meta = None
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -185,7 +186,7 @@ def _bind_unit(
     """Unit `index`'s runtime record over `state`'s buffers, the module's parameters bound
     to them (stage 3: left empty until gathered); NVMe: state moved to the swap file."""
     unit = plan.units[index]
-    whole = plan.stage < 3 or unit.persistent
+    whole = plan.stage_of(unit) < 3
     params = [(p, pl, shape_of(p)) for p, pl in zip(tensors, unit.placements)]
     rt = UnitRuntime(
         index=index,
@@ -200,7 +201,7 @@ def _bind_unit(
     )
     if plan.stage == 3:
         for p, _, shape in params:
-            describe_zero3_param(p, shape, persistent=unit.persistent, available=whole)
+            describe_zero3_param(p, shape, persistent=whole, available=whole)
     if whole:
         bind(rt)
     else:  # where the shard lives between uses: `fzero.core.param_shards`
