@@ -265,6 +265,15 @@ def test_the_plan_carries_each_units_stage_and_its_queries_follow_it():
     assert two.units[-1].persistent and two.units[-1].stage is None and two.stages[-1] == 2
     buckets = partition.reduction_buckets(plan, 10**9)
     assert buckets == ((3, 2, 1), (0,))  # whole and split gradients never share a bucket
+    # on a mesh: MiCS with ZeRO-1 embeddings is the Custom preset's plan (but for its name)
+    mics = partition.with_unit_stages({"embed": 1}, strategy=partition.on_mesh(Mesh(MESH), "mics"))
+    ours = partition.plan(manifest, world_size=4, stage=3, strategy=mics, persistence_threshold=0)
+    laid = partition.mesh_plan(
+        manifest, Mesh(MESH), _mesh_preset(3, {"embed": 1}), persistence_threshold=0
+    )
+    custom = partition.executable(laid)
+    assert ours.stages == custom.stages == (1, 3, 3, 3)
+    assert dataclasses.replace(ours, mesh=custom.mesh) == custom
 
 
 def test_a_plan_written_before_unit_stages_reads_as_it_was():

@@ -357,6 +357,8 @@ def plan(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
             f"{type(result).__name__}, expected fzero.partition.Plan or MeshPlan"
         )
+    if result.mesh is not None and result.processes == world_size:  # `executable`'s already
+        world_size = result.world_size
     if (result.manifest, result.world_size, result.stage) != (manifest, world_size, stage):
         raise PlanError(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned a plan for "
