@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
 from fzero import comm, partition
+from fzero.core.init import config_for_plan
 from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net, global_batch, param_groups, parity_config, torch_reference
@@ -64,10 +66,23 @@ def _config(stage: int) -> dict:
     return config
 
 
-def _engine(name: str, on_mesh: bool = False, seed: int = 0):
+def _engine(name: str, on_mesh: bool = False, seed: int = 0, door: str = "shard"):
+    """The engine of case `name` through `fzero.shard` (strategy=with_unit_stages, or
+    on_mesh), or `fzero.initialize` with the config's `unit_stages` (DeepSpeed's door)."""
     stage = CASES[name][0]
     torch.manual_seed(seed)
     model = Net()
+    if door == "initialize":
+        assert not on_mesh
+        config = {
+            **_config(stage),
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "unit_stages": CASES[name][1],
+        }
+        engine, *_ = fzero.initialize(
+            model=model, model_parameters=param_groups(model), config=config
+        )
+        return engine
     return fzero.shard(
         model,
         stage=stage,
@@ -303,6 +318,8 @@ def test_unit_stages_errors_name_the_key_the_value_and_what_is_allowed():
         stage=3, unit_stages={"": 1}
     )
     plan = partition.plan(manifest, world_size=2, stage=3)
+    with pytest.raises(ValueError, match=r"the config's unit_stages is \{'embed': 1\}, but"):
+        config_for_plan({"unit_stages": {"embed": 1}}, plan)  # train_step runs its plan
     bad = dataclasses.replace(plan.units[0], stage=5)
     try:
         partition.validate(dataclasses.replace(plan, units=(bad, *plan.units[1:])))
@@ -318,7 +335,7 @@ def test_unit_stages_errors_name_the_key_the_value_and_what_is_allowed():
 def traffic_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
     out = {}
     for name in names:
-        engine = _engine(name, on_mesh)
+        engine = _engine(name, on_mesh, door="shard" if on_mesh else "initialize")
 
         def steps(first: int, count: int, engine=engine) -> None:
             for i in range(first, first + count):
@@ -340,16 +357,20 @@ def traffic_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict
         for row in engine.comm_volume():
             calls, size = predicted.get(row.operation, (0, 0))
             predicted[row.operation] = (calls + row.calls, size + row.bytes)
-        out[name] = (sent, predicted)
+        staged = {u.name: s for u, s in zip(engine.plan.units, engine.plan.stages)}
+        out[name] = (sent, predicted, staged)
         engine.destroy()
     return out
 
 
 def test_a_mixed_step_sends_what_comm_volume_predicts():
-    for name, (sent, predicted) in run_world(traffic_case, 2, list(CASES), False).items():
+    """World 2 through fzero.initialize and the config's unit_stages; a 2x2 mesh through
+    fzero.shard and a Custom preset."""
+    for name, (sent, predicted, staged) in run_world(traffic_case, 2, list(CASES), False).items():
         assert sent == predicted, name
+        assert len(set(staged.values())) > 1, (name, staged)
     names = list(CASES)[:2]
-    for name, (sent, predicted) in run_world(traffic_case, 4, names, True).items():
+    for name, (sent, predicted, _) in run_world(traffic_case, 4, names, True).items():
         assert sent == predicted, ("mesh", name)
 
 

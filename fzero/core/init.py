@@ -186,6 +186,13 @@ def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan)
         )
     if plan.mesh is None:  # a plan on a mesh says its groups itself
         check_group_keys(cfg, plan.world_size)
+    if cfg.unit_stages and partition.set_unit_stages(plan, cfg.unit_stages) != plan:
+        said = {u.name: s for u, s in zip(plan.units, plan.stages)}
+        raise ValueError(
+            f"the config's unit_stages is {cfg.unit_stages}, but the plan's units are split "
+            f"as {said}: fzero.init and train_step run the plan they are given; build it "
+            "with partition.plan(..., unit_stages=...) or leave the key out"
+        )
     return cfg
 
 

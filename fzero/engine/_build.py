@@ -43,7 +43,8 @@ def plan_for(
 ) -> Plan:
     """The engine's plan: the module's trainable tensors by group, split as the config's
     stage (and stage 3's persistence threshold) and `strategy` say (else the config's
-    `strategy` key, else `flat_even`). DeepSpeed's `zero_hpz_partition_size` and
+    `strategy` key, else `flat_even`), some units at lower stages where the config's
+    `unit_stages` says so. DeepSpeed's `zero_hpz_partition_size` and
     `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
     secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
     by the same strategy; a strategy may also return a `MeshPlan` itself. Every rank must
@@ -80,12 +81,15 @@ def plan_for(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
         )
         plan = partition.executable(laid_out)
+        if config.unit_stages:
+            plan = partition.set_unit_stages(plan, config.unit_stages)
     else:
         plan = partition.plan(
             manifest,
             world_size=world_size,
             stage=zero.stage,
             strategy=strategy or partition.flat_even,
+            unit_stages=config.unit_stages,
             **options,
         )
     check_same_plan(plan, where)  # before any state is built
