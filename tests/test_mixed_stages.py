@@ -181,6 +181,7 @@ def doors_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
             "step": fzero.state_dict(state, module=model),
             "stages": engine.plan.stages,
             "holdings": _holdings(engine),
+            "state_holdings": _state_holdings(state),
             "held": engine.memory_held() == engine.memory_planned(),
         }
         engine.destroy()
@@ -202,6 +203,16 @@ def _holdings(engine) -> list[tuple[int, int, int, int, int, int]]:
     return rows
 
 
+def _state_holdings(state: fzero.TrainState) -> list[tuple[int, int, int, int, int, int]]:
+    """`_holdings`'s rows of a `TrainState` (nothing bound: -1)."""
+    plan = state.plan
+    return [
+        (stage, unit.numel, u.grad.numel(), u.master.numel(), -1,
+         -1 if u.params is None else u.params.numel())
+        for stage, unit, u in zip(plan.stages, plan.units, state.units)
+    ]  # fmt: skip
+
+
 def _check_doors(results: dict, world: int) -> dict[str, float]:
     _, ref_state = torch_reference(
         lambda groups: torch.optim.AdamW(groups, lr=LR),
@@ -220,21 +231,24 @@ def _check_doors(results: dict, world: int) -> dict[str, float]:
         assert len(set(result["stages"])) > 1, name  # the units do differ in stage
         assert result["held"], name  # memory_held() == memory_planned()
         _check_holdings(name, result["holdings"], world)
+        _check_holdings(name, result["state_holdings"], world, bound=False)
     return errors
 
 
-def _check_holdings(name: str, holdings: list, world: int) -> None:
+def _check_holdings(name: str, holdings: list, world: int, bound: bool = True) -> None:
     """A unit below stage 2 keeps its whole gradient, below 1 its whole master; a
-    stage-3 unit's parameters are a shard between uses, a lower one's bound whole."""
-    for stage, numel, grad, master, bound, full in holdings:
+    stage-3 unit's parameters are a shard between uses, a lower one's whole (and, in the
+    engine, bound to the module). `holdings`: `_holdings`'s rows (a `TrainState`'s with
+    `bound` False)."""
+    for stage, numel, grad, master, params_bound, full in holdings:
         where = (name, stage, numel)
         shard_numel = numel // world
         assert grad == (numel if stage < 2 else shard_numel), where
         assert master == (numel if stage == 0 else shard_numel), where
         if stage == 3:  # fp32: the master is the shard; nothing whole between uses
-            assert bound == 0 and full == -1, where
+            assert full == -1 and (params_bound == 0 or not bound), where
         else:
-            assert bound > 0 and full == numel, where
+            assert full == numel and (params_bound > 0 or not bound), where
 
 
 def test_mixed_stages_match_torch_optim_in_both_doors_at_world_2():
@@ -248,7 +262,7 @@ def test_mixed_stages_match_torch_optim_in_both_doors_at_world_4_and_on_a_2x2_me
     print("max abs error vs torch.optim, world 4:", errors)
     results = run_world(doors_case, 4, names, True)
     for result in results.values():  # split within "local": blocks of numel / 2
-        result["holdings"] = []
+        result["holdings"] = result["state_holdings"] = []
     print("max abs error vs torch.optim, 2x2 mesh:", _check_doors(results, 4))
 
 
