@@ -16,9 +16,11 @@ import torch.nn.functional as F
 import fzero
 from fzero import comm, partition
 from fzero.core.init import config_for_plan
+from fzero.optim import TensorNorms, with_overrides
 from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
+from tests.test_needs import TrustHParams, TrustState, _trust_direction_
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
 
@@ -66,7 +68,45 @@ def _config(stage: int) -> dict:
     return config
 
 
-def _engine(name: str, on_mesh: bool = False, seed: int = 0, door: str = "shard"):
+def _norm_apply_(param, direction, segments, p_norms, d_norms, hp):
+    """p -= lr x trust x ‖p‖ x d per tensor: the parameter's norm alone (a trust ratio
+    ‖p‖ / ‖d‖ would hide a norm counted W times on both sides)."""
+    for (a, b), p_norm in zip(segments, p_norms):
+        param[a:b].add_(direction[a:b], alpha=-hp.lr * hp.trust * p_norm)
+
+
+def norm_sgd() -> fzero.optim.Optimizer:
+    """Momentum SGD scaled per tensor by its whole norm (declares TensorNorms)."""
+    hp = TrustHParams(lr=0.5, momentum=0.9, weight_decay=0.01, trust=0.5)
+
+    def update_(grad, state, param, **overrides):
+        h = with_overrides(hp, overrides)
+        direction = _trust_direction_(grad, state, param, h)
+        norm = param.double().norm().item()
+        _norm_apply_(param, direction, [(0, param.numel())], [norm], [0.0], h)
+        return TrustState(state.step + 1, state.momentum_buffer)
+
+    def update(grad, state, param, **overrides):
+        param, state = param.clone(), TrustState(state.step, state.momentum_buffer.clone())
+        return param, update_(grad, state, param, **overrides)
+
+    def init(param):
+        return TrustState(0, torch.zeros_like(param))
+
+    needs = TensorNorms(direction_=_trust_direction_, apply_=_norm_apply_)
+    return fzero.optim.Optimizer("norm_sgd", hp, init, update, update_, state_slots=1, needs=needs)
+
+
+OPTIMIZERS = {
+    "adamw": lambda: fzero.optim.adamw(lr=LR, weight_decay=0.01),
+    "lamb": lambda: fzero.optim.lamb(lr=LR, weight_decay=0.01),  # per-tensor norms
+    "norm_sgd": norm_sgd,
+}
+
+
+def _engine(
+    name: str, on_mesh: bool = False, seed: int = 0, door: str = "shard", kind: str = "adamw"
+):
     """The engine of case `name` through `fzero.shard` (strategy=with_unit_stages, or
     on_mesh), or `fzero.initialize` with the config's `unit_stages` (DeepSpeed's door)."""
     stage = CASES[name][0]
@@ -86,7 +126,7 @@ def _engine(name: str, on_mesh: bool = False, seed: int = 0, door: str = "shard"
     return fzero.shard(
         model,
         stage=stage,
-        optimizer=fzero.optim.adamw(lr=LR, weight_decay=0.01),
+        optimizer=OPTIMIZERS[kind](),
         config=_config(stage),
         strategy=_strategy(name, on_mesh),
     )
@@ -134,11 +174,11 @@ def partition_pieces(flat: torch.Tensor, placement, shape) -> torch.Tensor:
 # ---- parity with torch.optim, both doors bitwise alike, each unit as its stage ---------------
 
 
-def doors_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
+def doors_case(rank: int, world: int, names: list[str], on_mesh: bool, kind: str = "adamw") -> dict:
     out = {}
     for name in names:
         stage = CASES[name][0]
-        engine = _engine(name, on_mesh)
+        engine = _engine(name, on_mesh, kind=kind)
         torch.manual_seed(0)
         model = Net()
         manifest = partition.describe(model)
@@ -156,7 +196,7 @@ def doors_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
                 persistence_threshold=0,
             )
         assert plan == engine.plan, name
-        optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
+        optimizer = OPTIMIZERS[kind]()
         state = fzero.init(model, plan, optimizer, config=_config(stage))
 
         def loss_fn(params, batch, model=model):
@@ -478,3 +518,32 @@ def test_mixed_checkpoints_resume_exactly_and_restore_under_zero3_at_world_2_and
             for key, value in result["saved"].items():
                 assert torch.equal(restored[key], value), (name, world, key)
         assert run_world(state_resume_case, 2, str(tmp_path / f"state{index}"), name), name
+
+
+def uniform_case(rank: int, world: int, stage: int, kind: str) -> dict:
+    torch.manual_seed(0)
+    config = _config(stage)
+    engine = fzero.shard(Net(), stage=stage, optimizer=OPTIMIZERS[kind](), config=config)
+    for i in range(STEPS):
+        for a in range(ACCUM):
+            x, y = _rows(rank, world, i, a)
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    return engine.state_dict(dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "norm_sgd"])
+def test_tensor_norms_count_a_stage0_units_whole_tensors_once_beside_split_units(kind):
+    """An optimizer that needs each tensor's whole norm (LAMB; `norm_sgd`, whose step
+    scales with the norm itself): a stage-0 unit's sums are whole on every rank, a split
+    unit's partial; both doors agree bitwise and match a plain data-parallel (stage 0)
+    run."""
+    name = "zero0 + zero1 + zero3"
+    result = run_world(doors_case, 2, [name], False, kind)[name]
+    engine_losses, step_losses = result["losses"]
+    assert engine_losses == step_losses
+    for key, expected in result["engine"].items():
+        assert torch.equal(result["step"][key], expected), key
+    uniform = run_world(uniform_case, 2, 0, kind)
+    error = max((result["engine"][k] - v).abs().max().item() for k, v in uniform.items())
+    assert error <= 1e-6, error
