@@ -62,9 +62,12 @@ def _strategy(name: str, on_mesh: bool):
     return partition.with_unit_stages(stages)
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, offload: str = "none") -> dict:
+    """The parity config at `stage`; `offload`: the optimizer's device ("cpu")."""
     config = parity_config(MICRO, ACCUM, CLIP)
     config["zero_optimization"]["stage"] = stage
+    if offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
     return config
 
 
@@ -105,7 +108,12 @@ OPTIMIZERS = {
 
 
 def _engine(
-    name: str, on_mesh: bool = False, seed: int = 0, door: str = "shard", kind: str = "adamw"
+    name: str,
+    on_mesh: bool = False,
+    seed: int = 0,
+    door: str = "shard",
+    kind: str = "adamw",
+    offload: str = "none",
 ):
     """The engine of case `name` through `fzero.shard` (strategy=with_unit_stages, or
     on_mesh), or `fzero.initialize` with the config's `unit_stages` (DeepSpeed's door)."""
@@ -127,7 +135,7 @@ def _engine(
         model,
         stage=stage,
         optimizer=OPTIMIZERS[kind](),
-        config=_config(stage),
+        config=_config(stage, offload),
         strategy=_strategy(name, on_mesh),
     )
 
@@ -174,11 +182,18 @@ def partition_pieces(flat: torch.Tensor, placement, shape) -> torch.Tensor:
 # ---- parity with torch.optim, both doors bitwise alike, each unit as its stage ---------------
 
 
-def doors_case(rank: int, world: int, names: list[str], on_mesh: bool, kind: str = "adamw") -> dict:
+def doors_case(
+    rank: int,
+    world: int,
+    names: list[str],
+    on_mesh: bool,
+    kind: str = "adamw",
+    offload: str = "none",
+) -> dict:
     out = {}
     for name in names:
         stage = CASES[name][0]
-        engine = _engine(name, on_mesh, kind=kind)
+        engine = _engine(name, on_mesh, kind=kind, offload=offload)
         torch.manual_seed(0)
         model = Net()
         manifest = partition.describe(model)
@@ -197,13 +212,13 @@ def doors_case(rank: int, world: int, names: list[str], on_mesh: bool, kind: str
             )
         assert plan == engine.plan, name
         optimizer = OPTIMIZERS[kind]()
-        state = fzero.init(model, plan, optimizer, config=_config(stage))
+        state = fzero.init(model, plan, optimizer, config=_config(stage, offload))
 
         def loss_fn(params, batch, model=model):
             x, y = batch
             return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
 
-        step = fzero.train_step(loss_fn, plan, optimizer, config=_config(stage))
+        step = fzero.train_step(loss_fn, plan, optimizer, config=_config(stage, offload))
         engine_losses, step_losses = [], []
         for i in range(STEPS):
             for a in range(ACCUM):
@@ -287,8 +302,8 @@ def _check_holdings(name: str, holdings: list, world: int, bound: bool = True) -
         shard_numel = numel // world
         assert grad == (numel if stage < 2 else shard_numel), where
         assert master == (numel if stage == 0 else shard_numel), where
-        if stage == 3:  # fp32: the master is the shard; nothing whole between uses
-            assert full == -1 and (params_bound == 0 or not bound), where
+        if stage == 3:  # the shard (None where the fp32 master serves): nothing whole
+            assert full in (-1, shard_numel) and (params_bound == 0 or not bound), where
         else:
             assert full == numel and (params_bound > 0 or not bound), where
 
@@ -547,3 +562,19 @@ def test_tensor_norms_count_a_stage0_units_whole_tensors_once_beside_split_units
     uniform = run_world(uniform_case, 2, 0, kind)
     error = max((result["engine"][k] - v).abs().max().item() for k, v in uniform.items())
     assert error <= 1e-6, error
+
+
+def offload_refused_case(rank: int, world: int) -> str:
+    try:
+        _engine("zero0 embed + zero1 head + zero2", offload="cpu")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_optimizer_offload_runs_units_at_stages_1_to_3_and_names_a_stage0_unit():
+    names = ["zero1 embed + zero3", "zero2 + zero3"]
+    errors = _check_doors(run_world(doors_case, 2, names, False, "adamw", "cpu"), 2)
+    print("max abs error vs torch.optim, world 2, optimizer offload:", errors)
+    message = run_world(offload_refused_case, 2)
+    assert "offload_optimizer.device is 'cpu' but unit 'embed' is split as stage 0" in message
