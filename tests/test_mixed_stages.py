@@ -403,6 +403,26 @@ def test_unit_stages_errors_name_the_key_the_value_and_what_is_allowed():
 # ---- traffic: what comm_volume says -----------------------------------------------------------
 
 
+def _per_step(before: dict, after: dict, steps: int) -> dict[str, tuple[int, int]]:
+    """Calls and bytes per operation `comm.traffic()` counted between two readings, per
+    optimizer step."""
+    sent = {}
+    for op, (calls, size) in after.items():
+        was_calls, was_size = before.get(op, (0, 0))
+        if (calls, size) != (was_calls, was_size):
+            sent[op] = ((calls - was_calls) // steps, (size - was_size) // steps)
+    return sent
+
+
+def _predicted(engine) -> dict[str, tuple[int, int]]:
+    """`engine.comm_volume()`'s calls and bytes per operation, per step."""
+    predicted: dict[str, tuple[int, int]] = {}
+    for row in engine.comm_volume():
+        calls, size = predicted.get(row.operation, (0, 0))
+        predicted[row.operation] = (calls + row.calls, size + row.bytes)
+    return predicted
+
+
 def traffic_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
     out = {}
     for name in names:
@@ -418,16 +438,7 @@ def traffic_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict
         steps(0, 2)
         before = comm.traffic()
         steps(2, 3)
-        after = comm.traffic()
-        sent = {
-            op: ((calls - before.get(op, (0, 0))[0]) // 3, (size - before.get(op, (0, 0))[1]) // 3)
-            for op, (calls, size) in after.items()
-            if (calls, size) != before.get(op, (0, 0))
-        }
-        predicted: dict[str, tuple[int, int]] = {}
-        for row in engine.comm_volume():
-            calls, size = predicted.get(row.operation, (0, 0))
-            predicted[row.operation] = (calls + row.calls, size + row.bytes)
+        sent, predicted = _per_step(before, comm.traffic(), 3), _predicted(engine)
         staged = {u.name: s for u, s in zip(engine.plan.units, engine.plan.stages)}
         out[name] = (sent, predicted, staged)
         engine.destroy()
@@ -578,3 +589,44 @@ def test_optimizer_offload_runs_units_at_stages_1_to_3_and_names_a_stage0_unit()
     print("max abs error vs torch.optim, world 2, optimizer offload:", errors)
     message = run_world(offload_refused_case, 2)
     assert "offload_optimizer.device is 'cpu' but unit 'embed' is split as stage 0" in message
+
+
+def uneven_case(rank: int, world: int, names: list[str]) -> dict:
+    """`whole_tensors` (every tensor whole on one rank, uneven shards) with unit stages:
+    traffic of the steps after the first, per step, the prediction, the weights."""
+    out = {}
+    for name in names:
+        stage, stages = CASES[name]
+        torch.manual_seed(0)
+        strategy = partition.with_unit_stages(stages, strategy=partition.whole_tensors)
+        engine = fzero.shard(
+            Net(), stage=stage, optimizer=OPTIMIZERS["adamw"](), config=_config(stage),
+            strategy=strategy,
+        )  # fmt: skip
+        before: dict = {}
+        for i in range(STEPS):
+            if i == 1:
+                before = comm.traffic()
+            for a in range(ACCUM):
+                x, y = _rows(rank, world, i, a)
+                engine.backward(F.mse_loss(engine(x), y))
+                engine.step()
+        sent = _per_step(before, comm.traffic(), STEPS - 1)
+        assert any(u.bounds for u in engine.plan.units)
+        out[name] = (sent, _predicted(engine), engine.state_dict(dtype=torch.float32))
+        engine.destroy()
+    return out
+
+
+def test_uneven_units_at_different_stages_match_torch_optim_and_comm_volume():
+    names = ["zero1 embed + zero3", "zero0 embed + zero1 head + zero2"]
+    _, ref_state = torch_reference(
+        lambda groups: torch.optim.AdamW(
+            [p for group in groups for p in group["params"]], lr=LR, weight_decay=0.01
+        ),
+        steps=STEPS, micro=MICRO, accum=ACCUM, world=2, clip=CLIP,
+    )  # fmt: skip
+    for name, (sent, predicted, state) in run_world(uneven_case, 2, names).items():
+        assert sent == predicted, name
+        error = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+        assert error <= 1e-6, (name, error)
