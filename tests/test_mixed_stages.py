@@ -538,6 +538,9 @@ def test_mixed_checkpoints_resume_exactly_and_restore_under_zero3_at_world_2_and
         root = str(tmp_path / f"engine{index}")
         result = run_world(save_case, 2, root, name)
         assert result["resumed"], name
+        report, intact = fzero.checkpoint.inspect(root)
+        # units below stage 2 by stage; stage 2 in a stage-3 plan: persistent units
+        assert intact and ("units by stage: " in report or "persistent)" in report), report
         for world in (2, 1):
             restored = run_world(restore_case, world, root)
             assert restored.keys() == result["saved"].keys(), name
