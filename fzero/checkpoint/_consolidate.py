@@ -304,6 +304,7 @@ def inspect(save_dir: str) -> tuple[str, bool]:
             f"optimizer {index['optimizer']['name']}, fzero {index['fzero_version']}; "
             f"plan: strategy {saving.strategy}, {len(saving.units)} units"
             + (f" ({persistent} persistent)" if persistent else "")
+            + _unit_stages(saving)
             + _on_mesh(saving)
         )
         sizes: dict[str, int] = {}
@@ -325,6 +326,17 @@ def inspect(save_dir: str) -> tuple[str, bool]:
         else:
             lines.append(f"    checksums: {len(files)} files ok")
     return "\n".join(lines), intact
+
+
+def _unit_stages(plan: partition.Plan) -> str:
+    """How many units run at each stage, where they differ ("; units by stage: 1: 2,
+    3: 6")."""
+    if not plan.mixed:
+        return ""
+    counts: dict[int, int] = {}
+    for stage in plan.stages:
+        counts[stage] = counts.get(stage, 0) + 1
+    return "; units by stage: " + ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
 
 
 def _on_mesh(plan: partition.Plan) -> str:

@@ -409,14 +409,15 @@ def _in_place(like: TrainState, i: int, kind: str) -> Tensor:
 def _layout(plan: Plan, rank: int, i: int) -> tuple[int, list[tuple[int, int]]]:
     """The numel of unit i's partition on `rank` and the ranges no saved slice covers."""
     unit = plan.units[i]
-    ranks = range(plan.world_size) if plan.stage == 0 else [rank]
+    whole = plan.stage_of(unit) == 0
+    ranks = range(plan.world_size) if whole else [rank]
     covered = []
     for r in ranks:
         for s in partition.local_slices(plan, r):
             if s.unit == i:
-                base = unit.shard_range(r)[0] if plan.stage == 0 else 0
+                base = unit.shard_range(r)[0] if whole else 0
                 covered.append((base + s.shard_offset, s.numel))
-    numel = unit.numel if plan.stage == 0 else unit.shard_size(rank)
+    numel = unit.numel if whole else unit.shard_size(rank)
     gaps, at = [], 0
     for start, count in sorted(covered):
         gaps.append((at, start))
@@ -490,13 +491,14 @@ def _check_optimizer(
 
 
 def _reads_by_unit(plan: Plan, rank: int, old_plan: Plan) -> dict[int, list[tuple[int, Any]]]:
-    """The reshard reads that fill this rank's partitions (stage 0: every rank's part of
-    the whole buffers), by new unit: (target rank, read)."""
-    targets = range(plan.world_size) if plan.stage == 0 else [rank]
+    """The reshard reads that fill this rank's partitions (a unit at stage 0: every rank's
+    part of its whole buffer), by new unit: (target rank, read)."""
+    targets = range(plan.world_size) if plan.runs_stage(lambda s: s == 0) else [rank]
     by_unit: dict[int, list[tuple[int, Any]]] = {}
     for target in targets:
         for read in partition.reshard_reads(old_plan, plan, target):
-            by_unit.setdefault(read.new_unit, []).append((target, read))
+            if target == rank or plan.stage_of(read.new_unit) == 0:
+                by_unit.setdefault(read.new_unit, []).append((target, read))
     return by_unit
 
 
@@ -504,7 +506,7 @@ def _fill(plan: Plan, reader: Reader, kind: str, out: Tensor, reads: list[tuple[
     """One unit's new partition buffer of `kind`, from whichever old ranks hold it."""
     for target, read in reads:
         unit = plan.units[read.new_unit]
-        at = read.new_offset + (unit.shard_range(target)[0] if plan.stage == 0 else 0)
+        at = read.new_offset + (unit.shard_range(target)[0] if plan.stage_of(unit) == 0 else 0)
         old = reader.old_slice(read.old_rank, read.old_unit, read.old_offset)
         key = slice_key(kind, old.fqn, old.start, old.stop)
         reader.read_range(

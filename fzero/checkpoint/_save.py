@@ -151,12 +151,13 @@ def _buffer(unit: UnitState, kind: str) -> Tensor:
 
 def _partition_start(state: TrainState, index: int) -> int:
     """Where the rank's owned shard starts inside its partition (stage 0 holds all)."""
-    return state.plan.units[index].shard_range(state.rank)[0] if state.plan.stage == 0 else 0
+    whole = state.plan.stage_of(index) == 0
+    return state.plan.units[index].shard_range(state.rank)[0] if whole else 0
 
 
 def grad_numel(plan: Plan, index: int, rank: int) -> int:
     unit = plan.units[index]
-    return unit.numel if plan.stage < 2 else unit.shard_size(rank)
+    return unit.numel if plan.stage_of(unit) < 2 else unit.shard_size(rank)
 
 
 # One tensor of a rank file: its index record, the unit it belongs to (None: a module

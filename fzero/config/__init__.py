@@ -199,6 +199,11 @@ class Config(Section):
     """fzero: the engine's partitioning strategy: a built-in's name (`flat_even`, the
     default, or `per_tensor_dim0`) or `module:function` naming your own; a `strategy=`
     given to `shard`/`initialize` wins over it."""
+    unit_stages: dict[str, int] | None = None
+    """fzero: some units split as a lower ZeRO stage than `zero_optimization.stage`: unit
+    names or module paths (a path covers the modules under it) to a stage, e.g.
+    `{"embed": 1}` with stage 3 is ZeRO-1 for the embeddings, ZeRO-3 for the rest
+    (`fzero.partition.set_unit_stages`, applied to whichever strategy lays the model out)."""
     collective_report_s: float | None = None
     """fzero: a rank that waits longer than this many seconds in one of fzero's
     collectives or agreements prints who is where (each rank's last collective and

@@ -74,7 +74,7 @@ class OptimizerApplication:
         param_offload: str = "none",
         timer: Timer = untimed,
     ) -> None:
-        self.plan, self.rank, self.stage = plan, rank, plan.stage
+        self.plan, self.rank = plan, rank
         self.world_size = plan.world_size
         self.optimizer, self.schedule, self.residency = optimizer, schedule, residency
         self.compute_dtype, self.device = compute_dtype, device
@@ -171,7 +171,8 @@ class OptimizerApplication:
     def step_grad(self, rt: UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
-        grad = rt.grad[self.partition(rt.unit)] if self.stage < 2 else rt.grad
+        whole = self.plan.stage_of(rt.unit) < 2  # the whole reduced gradient: take the part
+        grad = rt.grad[self.partition(rt.unit)] if whole else rt.grad
         if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
             return grad
         if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
@@ -204,7 +205,7 @@ class OptimizerApplication:
             )
         if rt.full is None:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
-        if self.stage == 0 or self.world_size == 1:
+        if self.plan.stage_of(rt.unit) == 0 or self.world_size == 1:
             return rt.full[self.partition(rt.unit)]
         return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
@@ -349,7 +350,7 @@ class OptimizerApplication:
         return rt, hp, direction, segments
 
     def tensor_norms(self, sums: Tensor) -> list[list[float]]:
-        return tensor_norms(sums, self.stage, groups_of(self.plan).shard)
+        return tensor_norms(sums, self.plan, groups_of(self.plan).shard)
 
     def norms_apply(
         self,

@@ -94,7 +94,7 @@ def values_on_rank(
             comm.broadcast_from(values, src=0, what=f"rank 0's values of unit {unit.name}")
         return values, 0
     start, stop = 0, unit.numel
-    if plan.stage == 3 and not unit.persistent:
+    if plan.stage_of(unit) == 3:
         start, stop = unit.shard_range(rank)
     flat = torch.zeros(stop - start, dtype=torch.float32, device=device)
     with torch.no_grad():
@@ -141,7 +141,7 @@ def build_unit_state(
     unit = plan.units[index]
     part = optimizer_partition(plan, unit, rank)
     compute, serves = holding.compute_dtype, holding.master_serves
-    whole = plan.stage < 3 or unit.persistent
+    whole = plan.stage_of(unit) < 3
     if values_from or values.numel() != unit.numel:
         if whole or not values_from <= part.start <= part.stop <= values_from + values.numel():
             raise ValueError(

@@ -77,7 +77,7 @@ def eval_step(
         for index, unit in enumerate(plan.units):
             for pl in unit.placements:
                 shape = plan.manifest[pl.fqn].shape
-                if gatherer is None or unit.persistent:
+                if gatherer is None or plan.stage_of(unit) < 3:
                     params[pl.fqn] = gather_pieces(state.units[index].params, pl, shape)
                 else:
                     params[pl.fqn] = torch.empty_strided(

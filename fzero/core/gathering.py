@@ -281,8 +281,11 @@ class Gatherer:
         then the units the trace says come next are prefetched, then it is waited for.
         The first use in a phase records the unit (first pass) or follows the trace."""
         g = self.units[index]
-        if self.plan.units[index].persistent:
-            raise RuntimeError(f"fzero internal error: unit {index} is persistent, never gathered")
+        if self.plan.stage_of(index) < 3:
+            raise RuntimeError(
+                f"fzero internal error: unit {index} is whole (persistent or below stage 3), "
+                "never gathered"
+            )
         if self.settings.evict and g.full is None:
             self._make_room(g.numel, index)
         self.gather(index, wait=False, quantized=self.settings.quantized)
@@ -412,14 +415,15 @@ class Gatherer:
         )
 
     def holds(self, index: int) -> bool:
-        """Whether unit `index` is whole here now (persistent, or gathered)."""
-        return self.plan.units[index].persistent or self.units[index].full is not None
+        """Whether unit `index` is whole here now (persistent or below stage 3, or
+        gathered)."""
+        return self.plan.stage_of(index) < 3 or self.units[index].full is not None
 
     def release(self, index: int) -> None:
-        """Drop unit `index`'s whole buffer (persistent units, never gathered, stay).
+        """Drop unit `index`'s whole buffer (whole units, never gathered, stay).
         Released in forward, hpZ keeps this process's block of it for backward."""
         g = self.units[index]
-        if self.plan.units[index].persistent or g.full is None:
+        if self.plan.stage_of(index) < 3 or g.full is None:
             return
         if g.state is UnitPhase.READING:  # a read-ahead nobody used: let it land first
             self.shards.abandon_read(g.read_landed())

@@ -22,7 +22,7 @@ from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
 from fzero.core.reduce import bucket_accumulators
-from fzero.core.residency import Residency, SwapFileUnits
+from fzero.core.residency import Residency, SwapFileUnits, check_offload_stages
 from fzero.core.state import (
     Counters,
     TrainState,
@@ -78,7 +78,7 @@ def init(
     _check_world(plan)
     check_same_plan(plan, "fzero.init")
     rank, device = groups_of(plan).rank, comm.backend_device()
-    where = _offload_device(cfg, plan.stage)
+    where = _offload_device(cfg, plan)
     swapped = where == "nvme"
     holding = Holding(
         compute_dtype=dtypes.compute_dtype,
@@ -98,8 +98,8 @@ def init(
             "fzero.init_context() (partitioned as it is built), or give the meta-device "
             "model to fzero.shard, which materialises it unit by unit"
         )
-    accumulators = None  # stages 0-1: views of one buffer per reduction bucket
-    if plan.stage < 2:
+    accumulators = None  # units at stages 0-1: views of one buffer per reduction bucket
+    if plan.runs_stage(lambda s: s < 2):
         buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
         accumulators = bucket_accumulators(plan, buckets, device)
     units: list[UnitState] = []
@@ -186,6 +186,13 @@ def config_for_plan(config: Config | Mapping[str, Any] | str | None, plan: Plan)
         )
     if plan.mesh is None:  # a plan on a mesh says its groups itself
         check_group_keys(cfg, plan.world_size)
+    if cfg.unit_stages and partition.set_unit_stages(plan, cfg.unit_stages) != plan:
+        said = {u.name: s for u, s in zip(plan.units, plan.stages)}
+        raise ValueError(
+            f"the config's unit_stages is {cfg.unit_stages}, but the plan's units are split "
+            f"as {said}: fzero.init and train_step run the plan they are given; build it "
+            "with partition.plan(..., unit_stages=...) or leave the key out"
+        )
     return cfg
 
 
@@ -250,14 +257,16 @@ def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
         )
 
 
-def _offload_device(config: Config, stage: int) -> str:
-    """The config's `offload_optimizer.device`, which needs stage 1, 2 or 3."""
+def _offload_device(config: Config, plan: Plan) -> str:
+    """The config's `offload_optimizer.device`, which needs stage 1, 2 or 3 (of every unit:
+    `check_offload_stages`)."""
     where = config.zero_optimization.offload_optimizer.device
-    if where != "none" and stage == 0:
+    if where != "none" and plan.stage == 0:
         raise ValueError(
             f"zero_optimization.offload_optimizer.device is {where!r} but the plan is stage 0; "
             "offload needs stage 1, 2 or 3"
         )
+    check_offload_stages(plan, where)
     return where
 
 
@@ -342,7 +351,7 @@ def full_master(state: TrainState, index: int) -> Tensor:
     every rank (collective; a unit outside memory is read back first)."""
     device = comm.backend_device()
     with state.resident(index) as unit:
-        if state.plan.stage == 0:
+        if state.plan.stage_of(index) == 0:
             return unit.master.to(device, copy=True)
         numel, dtype = state.plan.units[index].numel, unit.master.dtype
         full = torch.empty(numel, dtype=dtype, device=device)

@@ -98,13 +98,14 @@ class Publisher:
         parameters everyone uses; the all-gather overlaps the next units' updates.
         `written`: the compute-dtype copy a native update already made. Without
         `exchange` only this rank's part is written (`exchange` sends it later)."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+        stage = self.plan.stage_of(rt.unit)
+        if rt.full is None or stage == 3:
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
                 value = value.to(self.compute_dtype)
                 self.param_shards.store_param_shard(rt, value, wait=False)
             return
-        if self.stage == 0 or self.world_size == 1 or not exchange:
+        if stage == 0 or self.world_size == 1 or not exchange:
             target = rt.full[self.partition(rt.unit)]
             if target.data_ptr() != rt.master.data_ptr() and written is not target:
                 target.copy_(written if written is not None else rt.master)
@@ -121,7 +122,11 @@ class Publisher:
 
     def exchange(self, rt: UnitRuntime) -> None:
         """All-gather the parts `publish(..., exchange=False)` wrote on every rank."""
-        if rt.full is None or (self.stage == 3 and not rt.unit.persistent):
+        stage = self.plan.stage_of(rt.unit)
+        if rt.full is None or stage == 3:
+            return
+        if stage == 0:  # every rank updated the whole unit: nothing to exchange
+            self.publishing.append((None, rt, None))
             return
         if self.world_size == 1:
             self.publishing.append((None, rt, None))
@@ -169,7 +174,7 @@ def views(rt: UnitRuntime, unit: UnitState) -> bool:
 def attach_params(plan: Plan, rt: UnitRuntime, unit: UnitState) -> None:
     """The unit's compute-dtype parameters as publishing writes them: the whole buffer
     (`full`), or stage 3's shard (`param_shard`; None where the master serves)."""
-    if plan.stage == 3 and not rt.unit.persistent:
+    if plan.stage_of(rt.unit) == 3:
         rt.full, rt.param_shard = None, unit.params
     else:
         rt.full, rt.param_shard = unit.params, None

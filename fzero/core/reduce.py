@@ -19,6 +19,11 @@ gives each element exactly what one collective per unit gives.
 A plan on a mesh reduces within its shard group, then averages each rank's reduced part
 over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
 shard per rank, not the bucket); stages 0-1 all-reduce over every process at once.
+
+Stages are per unit (`Plan.stage_of`): a plan of ZeRO-1 embeddings and ZeRO-3 blocks
+sums the embeddings' gradients into their whole accumulators and all-reduces them at the
+accumulation boundary, while the blocks' are reduce-scattered every pass; a bucket holds
+units of one kind only (`fzero.partition.reduction_buckets`).
 """
 
 from __future__ import annotations
@@ -263,18 +268,20 @@ def finish(pending: Pending) -> None:
 
 def bucket_accumulators(
     plan: Plan, buckets: Sequence[Sequence[int]], device: torch.device
-) -> list[Tensor]:
-    """Stages 0-1: each unit's fp32 gradient accumulator as a view of one zeroed buffer per
-    bucket, so that a bucket is all-reduced by one collective (`Reduction`)."""
+) -> list[Tensor | None]:
+    """Units at stages 0-1: each one's fp32 gradient accumulator as a view of one zeroed
+    buffer per bucket, so that a bucket is all-reduced by one collective (`Reduction`);
+    None for a unit at stages 2-3 (its accumulator is its shard, made with its state)."""
     grads: list[Tensor | None] = [None] * len(plan.units)
     for indices in buckets:
+        if plan.stage_of(indices[0]) >= 2:
+            continue
         buffer = torch.zeros(sum(plan.units[i].numel for i in indices), device=device)
         offset = 0
         for i in indices:
             grads[i] = buffer[offset : offset + plan.units[i].numel]
             offset += plan.units[i].numel
-    assert all(g is not None for g in grads), "every unit is in one bucket"
-    return [g for g in grads if g is not None]
+    return grads
 
 
 def _span(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -298,16 +305,17 @@ class Reduction:
     """The gradient reductions of one door over `plan`'s `buckets`, pass after pass.
 
     A pass (`begin`) adds each tensor's gradient at its placement (`add`) into the
-    unit's target: at stages 0-1 its accumulator `accumulator(i)`, summed locally until
-    a pass that `reduce`s; at stages 2-3 a full-size view of its bucket's buffer, alive
-    until the bucket is reduced, when `keep(i, part)` receives this rank's averaged part
-    of unit i. A unit is complete when `sizes[i]` gradients have `arrived`; complete
-    buckets launch at once, in bucket order (the same on every rank), beside the rest
-    of backward with `overlap`, else waited for there. A bucket's buffer is made once
-    the reductions launched before the last one have landed: with `overlap` stages 2-3
-    hold a bucket being filled beside one being reduced (DeepSpeed's two buffers),
-    without it one bucket at a time. `finish` launches the rest (units this pass did not
-    use reduce zeros) and waits. `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
+    unit's target: for a unit at stages 0-1 (`Plan.stage_of`) its accumulator
+    `accumulator(i)`, summed locally until a pass that `reduce`s; at stages 2-3 a
+    full-size view of its bucket's buffer, alive until the bucket is reduced, when
+    `keep(i, part)` receives this rank's averaged part of unit i. A unit is complete
+    when `sizes[i]` gradients have `arrived`; complete buckets launch at once, in bucket
+    order (the same on every rank), beside the rest of backward with `overlap`, else
+    waited for there. A bucket's buffer is made once the reductions launched before the
+    last one have landed: with `overlap` stages 2-3 hold a bucket being filled beside one
+    being reduced (DeepSpeed's two buffers), without it one bucket at a time. `finish`
+    launches the rest (units this pass did not use reduce zeros) and waits.
+    `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
     `wire_dtype`: the dtype gradients travel in (DeepSpeed's `communication_data_type`).
     """
 
@@ -332,6 +340,7 @@ class Reduction:
         self.device, self.quantized, self.overlap = device, quantized, overlap
         self.bits = bits
         self.world = plan.world_size
+        self.whole = [stage < 2 for stage in plan.stages]  # gradients all-reduced whole
         self.groups = groups_of(plan)
         check_even(plan, quantized, "zero_quantized_gradients (qgZ)")
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
@@ -350,16 +359,15 @@ class Reduction:
         self._launches: list[Pending] = []  # each launched bucket's reductions, oldest first
 
     def begin(self, reduce: bool) -> None:
-        """A new pass; `reduce`: whether it averages over ranks (stages 0-1: only the
-        pass that ends an accumulation window; stages 2-3 reduce every pass)."""
-        if not reduce and self.plan.stage >= 2:
-            raise ValueError(f"stage {self.plan.stage} reduces every backward pass")
+        """A new pass; `reduce`: whether the units at stages 0-1 average over ranks in it
+        (the pass that ends an accumulation window; else they sum locally). Units at
+        stages 2-3 reduce every pass."""
         self.reduce, self._next = reduce, 0
         self.arrived_count = [0] * len(self.plan.units)
 
     def target(self, index: int) -> Tensor:
         """Where unit `index`'s gradient of this pass is summed (flat, the unit's size)."""
-        if self.plan.stage < 2:
+        if self.whole[index]:
             return self.accumulator(index)
         b, offset = self.place[index]
         buffer = self._buffers.get(b)
@@ -450,7 +458,7 @@ class Reduction:
 
     def _launch(self, b: int) -> None:
         indices = self.buckets[b]
-        if self.plan.stage < 2:
+        if self.whole[indices[0]]:  # a bucket's units are all whole or all split
             if not self.reduce or self.plan.processes == 1:
                 return  # inside an accumulation window: keep summing locally
             grads = [self.accumulator(i) for i in indices]

@@ -33,7 +33,23 @@ from fzero.core.state import UnitState
 from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
 
-__all__ = ["Residency", "SwapFileUnits"]
+__all__ = ["Residency", "SwapFileUnits", "check_offload_stages"]
+
+
+def check_offload_stages(plan: Plan, where: str) -> None:
+    """Optimizer offload (`where`: the config's `offload_optimizer.device`) moves each
+    unit's optimizer partition to the host; a unit at stage 0 has none (every rank
+    updates the whole unit, as DeepSpeed's stage 0 is never offloaded): refused, naming
+    the unit."""
+    if where in ("none", None):
+        return
+    whole = [u.name for u in plan.units if plan.stage_of(u) == 0]
+    if whole:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device is {where!r} but unit {whole[0]!r} "
+            "is split as stage 0; offload needs stage 1, 2 or 3 for every unit (give that "
+            "unit stage 1 or more, or offload nothing)"
+        )
 
 
 class Residency:
@@ -53,6 +69,9 @@ class Residency:
         with `offload_optimizer.swap_gradients` (`fzero.train_step` reduces into its
         state's buffers)."""
         zero = config.zero_optimization
+        check_offload_stages(plan, zero.offload_optimizer.device)
+        # units at stages 0-1 keep whole gradients in memory (all-reduced at the boundary)
+        swap_gradients = swap_gradients and not plan.runs_stage(lambda s: s < 2)
         self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
         self.plan, self.partition_numel, self.rank = plan, partition_numel, rank
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the

@@ -64,8 +64,9 @@ class ModuleGathering:
                 if p is not None:
                     holders.setdefault(id(p), []).append(module)
         by_module: dict[int, tuple[torch.nn.Module, list[int]]] = {}
+        plan = self.gatherer.plan
         for rt in self.units:
-            if rt.unit.persistent:
+            if plan.stage_of(rt.unit) < 3:  # whole: persistent, or a unit below stage 3
                 continue
             modules = [root.get_submodule(rt.unit.module)]
             modules += [m for p, _, _ in rt.params for m in holders.get(id(p), [])]
@@ -78,7 +79,7 @@ class ModuleGathering:
             self.hooks.append(module.register_forward_pre_hook(pre))
             self.hooks.append(module.register_forward_hook(post, always_call=True))
         for rt in self.units:
-            if not rt.unit.persistent:
+            if plan.stage_of(rt.unit) == 3:
                 for p, _, shape in rt.params:
                     self.hooks.append(p.register_hook(_shape_for_accumulation(p, shape)))
 
@@ -116,7 +117,7 @@ class ModuleGathering:
         reference and used again when backward needs it, so no full unit stays alive."""
         base = tensor._base if tensor._base is not None else tensor
         rt = self._params.get(id(base))
-        if rt is None or rt.unit.persistent:
+        if rt is None or self.gatherer.plan.stage_of(rt.unit) < 3:
             return tensor
         if base is tensor:
             return ("param", tensor, None)

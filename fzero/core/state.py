@@ -148,8 +148,9 @@ pytree.register_pytree_node(
 
 def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
     """`rank`'s optimizer partition of `unit`'s flat buffer: the whole buffer at stage 0
-    (every rank updates all of it), its shard (`Unit.shard_range`) at stages 1-3."""
-    if plan.stage == 0:
+    (every rank updates all of it), its shard (`Unit.shard_range`) at stages 1-3 (the
+    unit's stage, `Plan.stage_of`)."""
+    if plan.stage_of(unit) == 0:
         return slice(0, unit.numel)
     start, stop = unit.shard_range(rank)
     return slice(start, stop)

@@ -404,7 +404,7 @@ class _Micro:
             bits=step.config.zero_optimization.zero_quantized_gradients_bits,
             wire_dtype=gradient_wire_dtype(step.config),
         )
-        self.reduction.begin(reduce=self.plan.stage >= 2 or at_boundary)
+        self.reduction.begin(reduce=at_boundary)  # units at stages 2-3 reduce every pass
 
     # ---- gradients of the micro-batch ----
 
@@ -470,7 +470,7 @@ class _Micro:
         return leaves
 
     def _whole(self, unit: partition.Unit) -> bool:
-        return self.plan.stage < 3 or unit.persistent
+        return self.plan.stage_of(unit) < 3
 
     def _on_grad(self, fqn: str) -> Callable[[Tensor], None]:
         def hook(leaf: Tensor) -> None:
@@ -557,7 +557,7 @@ class _Micro:
 
     def _owned_grad(self, index: int) -> Tensor:
         grad = self.state.units[index].grad
-        if self.plan.stage < 2:
+        if self.plan.stage_of(index) < 2:
             start, stop = self.plan.units[index].shard_range(self.rank)
             return grad[start:stop]
         return grad

@@ -13,6 +13,7 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
@@ -24,7 +25,7 @@ from fzero.optim import (
     clip_coefficient,
     segment_sq_sums,
 )
-from fzero.partition import Plan
+from fzero.partition import Plan, Unit
 
 __all__ = [
     "GradStats",
@@ -144,7 +145,7 @@ def tensor_segments(plan: Plan, rank: int, index: int) -> Segments:
     """(start, stop, fqn) of each tensor's piece in unit `index`'s optimizer partition on
     `rank` (the whole unit at stage 0)."""
     unit = plan.units[index]
-    if plan.stage == 0:
+    if plan.stage_of(unit) == 0:
         return [
             (pc.offset, pc.offset + pc.numel, pl.fqn) for pl in unit.placements for pc in pl.pieces
         ]
@@ -197,12 +198,29 @@ def add_tensor_squares(
         sums[1, tensor_index[fqn]] += u_sq
 
 
-def tensor_norms(sums: Tensor, stage: int, group: Any = None) -> list[list[float]]:
+def tensor_norms(sums: Tensor, plan: Plan, group: Any = None) -> list[list[float]]:
     """Every tensor's parameter and direction norms over the ranks of `group` (the plan's
-    shard group; collective from stage 1)."""
-    if stage > 0:
+    shard group; collective once any unit is at stage 1 or more). A unit at stage 0 is
+    whole on every rank, so its tensors' sums are already whole: in a plan with split
+    units too, only the group's first rank adds them to the all-reduce (exactly, not
+    divided)."""
+    if plan.stage > 0:
+        whole = [i for i, u in _tensor_units(plan) if plan.stage_of(u) == 0]
+        if whole and _rank_in(group) != 0:
+            sums[:, whole] = 0.0
         comm.all_reduce(sums, op="sum", what="tensor norms", group=group)
     return sums.sqrt().tolist()
+
+
+def _tensor_units(plan: Plan) -> list[tuple[int, Unit]]:
+    """(manifest index, unit) of every tensor of the manifest."""
+    index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
+    return [(index[pl.fqn], u) for u in plan.units for pl in u.placements]
+
+
+def _rank_in(group: Any) -> int:
+    """This process's rank in `group` (None: the world)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def norms_apply(

@@ -43,7 +43,8 @@ def plan_for(
 ) -> Plan:
     """The engine's plan: the module's trainable tensors by group, split as the config's
     stage (and stage 3's persistence threshold) and `strategy` say (else the config's
-    `strategy` key, else `flat_even`). DeepSpeed's `zero_hpz_partition_size` and
+    `strategy` key, else `flat_even`), some units at lower stages where the config's
+    `unit_stages` says so. DeepSpeed's `zero_hpz_partition_size` and
     `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
     secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
     by the same strategy; a strategy may also return a `MeshPlan` itself. Every rank must
@@ -80,12 +81,15 @@ def plan_for(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
         )
         plan = partition.executable(laid_out)
+        if config.unit_stages:
+            plan = partition.set_unit_stages(plan, config.unit_stages)
     else:
         plan = partition.plan(
             manifest,
             world_size=world_size,
             stage=zero.stage,
             strategy=strategy or partition.flat_even,
+            unit_stages=config.unit_stages,
             **options,
         )
     check_same_plan(plan, where)  # before any state is built
@@ -133,14 +137,15 @@ def build_units(
     optimizer: Optimizer,
     group_hparams: Sequence[Any],
     param_init_fn: Callable[[torch.nn.Module], None] | None,
-    accumulators: Sequence[Tensor] | None,
+    accumulators: Sequence[Tensor | None] | None,
 ) -> list[UnitRuntime]:
     """Every unit of the plan on plan rank `rank`, built in order by the core's unit
     builder (`fzero.core.build`) and bound to the module's parameters (a model on the meta
     device is materialised a few tensors at a time, as the units need them; partitions
     made at construction are adopted one unit at a time and dropped as they are).
-    `accumulators`: stages 0-1, each unit's fp32 gradient accumulator (views of the
-    reduction's bucket buffers); `group_hparams`: each param group's hyper-parameters."""
+    `accumulators`: units at stages 0-1, each one's fp32 gradient accumulator (views of
+    the reduction's bucket buffers; None for a unit at stages 2-3); `group_hparams`: each
+    param group's hyper-parameters."""
     named = dict(module.named_parameters())
     meta = None
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -185,7 +190,7 @@ def _bind_unit(
     """Unit `index`'s runtime record over `state`'s buffers, the module's parameters bound
     to them (stage 3: left empty until gathered); NVMe: state moved to the swap file."""
     unit = plan.units[index]
-    whole = plan.stage < 3 or unit.persistent
+    whole = plan.stage_of(unit) < 3
     params = [(p, pl, shape_of(p)) for p, pl in zip(tensors, unit.placements)]
     rt = UnitRuntime(
         index=index,
@@ -200,7 +205,7 @@ def _bind_unit(
     )
     if plan.stage == 3:
         for p, _, shape in params:
-            describe_zero3_param(p, shape, persistent=unit.persistent, available=whole)
+            describe_zero3_param(p, shape, persistent=whole, available=whole)
     if whole:
         bind(rt)
     else:  # where the shard lives between uses: `fzero.core.param_shards`

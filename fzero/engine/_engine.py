@@ -381,7 +381,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.telemetry.close()
         if self.stage == 3:
             for rt in self.units:
-                if not rt.unit.persistent:
+                if self.plan.stage_of(rt.unit) == 3:
                     self.gatherer.gather(rt.index)
         for handle in self._hooks:
             handle.remove()

@@ -145,7 +145,8 @@ class GradientReduction:
 
     def begin(self) -> None:
         self.boundary_now = self.owner.is_gradient_accumulation_boundary()
-        self.core.begin(reduce=self._needs_reduction())
+        # units at stages 0-1 average at the boundary only; units at 2-3 every pass
+        self.core.begin(reduce=not self.no_sync and self.boundary_now)
         self.gatherer.begin_phase("backward")
 
     def on_output_grad(self, grad: Tensor) -> Tensor:
@@ -240,7 +241,7 @@ class GradientReduction:
 
     def _keep_others_grad(self, rt: UnitRuntime, p: torch.nn.Parameter) -> None:
         """Another pass's gradient stays in `p.grad`; stage 3 still frees the unit."""
-        if self.stage != 3 or rt.unit.persistent:
+        if self.plan.stage_of(rt.unit) != 3:
             return
         if self.core.arrived(rt.index, launch=False):
             self.gatherer.release(rt.index)

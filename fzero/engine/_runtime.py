@@ -120,8 +120,8 @@ def build_runtime(
         optimizer, param_groups, trainable=trainable, client_optimizer=client_optimizer
     )
     buckets = partition.reduction_buckets(plan, int(zero.reduce_bucket_size))
-    accumulators = None  # stages 0-1: one buffer per bucket (one all-reduce each)
-    if plan.stage < 2:
+    accumulators = None  # units at stages 0-1: one buffer per bucket (one all-reduce each)
+    if plan.runs_stage(lambda s: s < 2):
         accumulators = bucket_accumulators(plan, buckets, device)
     holding = Holding(
         compute_dtype=compute_dtype,

@@ -31,7 +31,7 @@ def unit_grad_stats(
     last micro-step wrote the gradient; a unit without one has zeros)."""
     if not residency.grads_on_disk:
         owned = [
-            rt.grad[slice(*rt.unit.shard_range(rank))] if plan.stage < 2 else rt.grad
+            rt.grad[slice(*rt.unit.shard_range(rank))] if plan.stage_of(rt.unit) < 2 else rt.grad
             for rt in units
         ]
         return [grad_stats(grad) for grad in owned]

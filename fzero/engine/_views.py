@@ -153,12 +153,12 @@ def train_state(
 ) -> TrainState:
     """The runtime's `TrainState` over its own buffers (no copy); NVMe-resident units are
     reached through its `SwappedUnits`."""
-    stage = runtime.plan.stage
+    plan = runtime.plan
     units = tuple(
         UnitState(
             rt.master,
             rt.state,
-            rt.full if stage < 3 or rt.unit.persistent else rt.param_shard,
+            rt.full if plan.stage_of(rt.unit) < 3 else rt.param_shard,
             rt.grad,
         )
         for rt in runtime.units

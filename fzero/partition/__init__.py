@@ -2,6 +2,7 @@
 
 manifest = describe(model)                       # works on the meta device
 p = plan(manifest, world_size=4, stage=3)        # or strategy=per_tensor_dim0 / your own
+p = plan(manifest, world_size=4, stage=3, unit_stages={"embed": 1})  # ZeRO-1 embeddings
 local_slices(p, rank=1); memory_per_rank(p, 1, param_dtype="bfloat16")
 m = mesh_plan(manifest, Mesh({"node": 2, "local": 2}), "mics")  # or "hpz", "zero3", Custom
 print(format_plan(m)); comm_volume(m)                # per kind: the axes; per axis: bytes
@@ -29,7 +30,16 @@ from fzero.partition._mesh_plan import (
     to_plan,
     validate,
 )
-from fzero.partition._plan import OnMesh, Piece, Placement, Plan, PlanError, Unit, from_bytes
+from fzero.partition._plan import (
+    OnMesh,
+    Piece,
+    Placement,
+    Plan,
+    PlanError,
+    Unit,
+    from_bytes,
+    unit_stage,
+)
 from fzero.partition._plot import plot_plan
 from fzero.partition._presets import (
     PRESETS,
@@ -48,6 +58,7 @@ from fzero.partition._queries import (
     MemoryEstimate,
     Read,
     format_plan,
+    grads_split,
     kind_slices,
     local_slices,
     memory_per_rank,
@@ -68,8 +79,10 @@ from fzero.partition._strategies import (
     module_key,
     per_tensor_dim0,
     plan,
+    set_unit_stages,
     strategy_from_name,
     whole_tensors,
+    with_unit_stages,
 )
 from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
@@ -120,6 +133,7 @@ __all__ = [
     "from_bytes",
     "from_plan",
     "from_zero_config",
+    "grads_split",
     "group_units",
     "kind_slices",
     "leaf_modules",
@@ -143,11 +157,14 @@ __all__ = [
     "process_groups",
     "reduction_buckets",
     "reshard_reads",
+    "set_unit_stages",
     "stage_shardings",
     "strategy_from_name",
     "to_bytes",
     "to_plan",
+    "unit_stage",
     "validate",
     "volume_by_axes",
     "whole_tensors",
+    "with_unit_stages",
 ]

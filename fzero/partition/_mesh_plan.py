@@ -111,6 +111,7 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
         )
     _validate_stage_plan(_layout(plan))
     _check_even(plan.units)
+    _check_no_unit_stage(plan.units)
     for unit, sharding in zip(plan.units, plan.shardings):
         _validate_sharding(plan.mesh, unit, sharding)
     _check_runs(plan)
@@ -121,7 +122,7 @@ def _check_runs(plan: MeshPlan) -> None:
     """What both doors run (`executable`), checked here so that a plan `validate`
     accepts is one they run: the errors name the unit, kind and axes."""
     group = _shard_group(plan)
-    _common_stage(plan, group, f" over {group}; {_ONE_GROUP}")
+    _unit_stages(plan, group)
     _secondary(plan, group)
 
 
@@ -131,6 +132,16 @@ def _check_even(units: tuple[Unit, ...]) -> None:
         raise PlanError(
             f"unit {uneven[0]!r} has uneven shards (bounds); a plan on a mesh splits each "
             "kind into equal blocks: use uneven units in a plan of the whole world"
+        )
+
+
+def _check_no_unit_stage(units: tuple[Unit, ...]) -> None:
+    staged = [u for u in units if u.stage is not None]
+    if staged:
+        raise PlanError(
+            f"unit {staged[0].name!r} has stage {staged[0].stage}; in a plan on a mesh the "
+            "shardings say each unit's stage (e.g. partition.stage_shardings(mesh, "
+            f"{staged[0].stage}, False)): leave Unit.stage None"
         )
 
 
@@ -224,16 +235,21 @@ def from_plan(plan: Plan, axis: str = "dp") -> MeshPlan:
     _validate_stage_plan(plan)
     _check_even(plan.units)
     mesh = Mesh.single(plan.world_size, axis)
-    shardings = tuple(stage_shardings(mesh, plan.stage, u.persistent) for u in plan.units)
+    shardings = tuple(stage_shardings(mesh, plan.stage_of(u), False) for u in plan.units)
     return MeshPlan(
         plan.manifest,
         mesh,
         plan.alignment,
-        plan.units,
+        tuple(_without_stage(u) for u in plan.units),
         shardings,
         strategy=plan.strategy,
-        preset=f"zero{plan.stage}",
+        preset="custom" if plan.mixed else f"zero{plan.stage}",
     )
+
+
+def _without_stage(unit: Unit) -> Unit:
+    """A stage plan's unit as a mesh plan's: its stage is in its shardings."""
+    return unit if unit.stage is None else replace(unit, stage=None)
 
 
 def to_plan(plan: MeshPlan) -> Plan:
@@ -241,44 +257,44 @@ def to_plan(plan: MeshPlan) -> Plan:
     world; a `PlanError` names the unit, kind and axes that need process subgroups.
 
     Equal means every kind of every unit is whole or split over every axis of size > 1
-    in mesh order, all units alike but for stage 3's persistent units (params whole)."""
+    in mesh order; units split as different ZeRO stages keep theirs (`Unit.stage`)."""
     validate(plan)
-    stage = _common_stage(plan, None, "")
-    units = tuple(
-        replace(u, persistent=stage == 3 and not s.params.shard)
-        for u, s in zip(plan.units, plan.shardings)
-    )
+    stage, units = _staged_units(plan, None)
     result = Plan(plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy)
     return _validate_stage_plan(result)
 
 
-def _common_stage(plan: MeshPlan, group: tuple[str, ...] | None, why: str) -> int:
-    """The one ZeRO stage every unit is split as (over `group`, default every axis), or a
-    `PlanError` naming two units that differ (stage 3's persistent units count as 3)."""
-    stages = [_unit_stage(plan.mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
-    stage = max(stages, default=0)
-    for unit, unit_stage in zip(plan.units, stages):
-        if unit_stage != stage and not (stage == 3 and unit_stage == 2):
-            first = plan.units[stages.index(stage)].name
-            raise PlanError(
-                f"unit {unit.name!r} is split as stage {unit_stage} and unit {first!r} as "
-                f"stage {stage}"
-                + (
-                    why
-                    or "; a stage plan splits every unit alike (but for stage 3's "
-                    "persistent units, whose params are whole)"
-                )
-            )
-    return stage
+def _unit_stages(plan: MeshPlan, group: tuple[str, ...] | None) -> list[int]:
+    """The ZeRO stage each unit is split as over `group` (default every axis): each kind
+    split over the whole group or whole, else a `PlanError` naming the unit and kind.
+    Units may differ (ZeRO-1 embeddings beside ZeRO-3 blocks: `Unit.stage`)."""
+    return [_unit_stage(plan.mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
+
+
+def _staged_units(plan: MeshPlan, group: tuple[str, ...] | None) -> tuple[int, tuple[Unit, ...]]:
+    """The stage plan's stage (the largest any unit is split as; a persistent unit's
+    whole params count as stage 3's) and its units: a unit at the plan's stage as it is,
+    a stage-2 unit of a stage-3 plan persistent (params whole, as today's stage-3
+    plans keep small tensors), any other lower one with its own `Unit.stage`."""
+    stages = _unit_stages(plan, group)
+    said = [3 if u.persistent and s == 2 else s for u, s in zip(plan.units, stages)]
+    stage = max(said, default=0)
+    units = []
+    for unit, unit_stage, declared in zip(plan.units, stages, said):
+        if declared == stage or (stage == 3 and unit_stage == 2):
+            units.append(replace(unit, persistent=stage == 3 and unit_stage == 2, stage=None))
+        else:
+            units.append(replace(unit, persistent=False, stage=unit_stage))
+    return stage, tuple(units)
 
 
 def _unit_stage(
     mesh: Mesh, unit: Unit, sharding: UnitSharding, every: tuple[str, ...] | None = None
 ) -> int:
     """The ZeRO stage one unit's shardings are over the group along `every` (default:
-    every axis, in mesh order), or a `PlanError` naming the kind split otherwise. A
-    persistent unit (params whole, the rest split) counts as stage 3. Without `every`,
-    a secondary copy or a hierarchical gather is an error (they need subgroups)."""
+    every axis, in mesh order), or a `PlanError` naming the kind split otherwise (a
+    persistent unit, params whole and the rest split, is stage 2). Without `every`, a
+    secondary copy or a hierarchical gather is an error (they need subgroups)."""
     where = f"unit {unit.name!r}"
     if every is None and (
         sharding.params_secondary is not None or sharding.hierarchical_params_gather
@@ -299,8 +315,7 @@ def _unit_stage(
                 f"{where} {kind}: split over {given}, neither no axis nor {names}: {why}"
             )
         split.append(bool(shard) or (given == names and bool(names)))
-    stage = sum(split)  # validated prefixes: optimizer, then grads, then params
-    return 3 if unit.persistent and stage == 2 else stage
+    return sum(split)  # validated prefixes: optimizer, then grads, then params
 
 
 _WORLD_ONLY = (
@@ -308,9 +323,9 @@ _WORLD_ONLY = (
     "(partition.executable runs it on subgroups)"
 )
 _ONE_GROUP = (
-    "fzero runs plans whose every split is over one group of axes (ZeRO-1/2/3 over it, "
-    "replicas along the rest: MiCS/HSDP); splits over different groups per kind or unit "
-    "are not run yet"
+    "fzero runs plans whose every split is over one group of axes (each unit ZeRO-0/1/2/3 "
+    "over it, replicas along the rest: MiCS/HSDP); splits over different groups per kind "
+    "or unit are not run yet"
 )
 
 
@@ -327,7 +342,8 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     returned as it is.
 
     Run: every kind of every unit split over one set of axes S, in mesh order, or whole
-    (as `to_plan` asks of the world's axes); hpZ's secondary over one subset of S, in
+    (as `to_plan` asks of the world's axes), each unit as its own ZeRO stage over S (the
+    result's `Unit.stage` where below the plan's); hpZ's secondary over one subset of S, in
     mesh order; a hierarchical gather (MiCS's) as one all-gather per axis of S, the
     outermost first. Anything else is a `PlanError` naming the unit, kind and axes."""
     if isinstance(plan, Plan):
@@ -335,14 +351,10 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     validate(plan)
     mesh = plan.mesh
     group = _shard_group(plan)
-    stage = _common_stage(plan, group, f" over {group}; {_ONE_GROUP}")
+    stage, staged = _staged_units(plan, group)
     secondary = _secondary(plan, group)
     size = mesh.group_size(group)
-    units = tuple(
-        replace(u, persistent=stage == 3 and not _significant(mesh, s.params.shard),
-                shard_numel=u.numel // size)
-        for u, s in zip(plan.units, plan.shardings)
-    )  # fmt: skip
+    units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
     on = OnMesh(mesh.axes, group, secondary, plan.preset, hierarchical)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on)
@@ -362,17 +374,18 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
     secondary = mesh.sharding(*on.secondary) if on.secondary else None
     units, shardings = [], []
     for unit in plan.units:
-        params = split if plan.stage == 3 and not unit.persistent else whole
+        stage = plan.stage_of(unit)
+        params = split if stage == 3 else whole
         shardings.append(
             UnitSharding(
                 params,
-                split if plan.stage >= 2 else whole,
-                split if plan.stage >= 1 else whole,
+                split if stage >= 2 else whole,
+                split if stage >= 1 else whole,
                 secondary if params is split else None,
                 hierarchical_params_gather=on.hierarchical and params is split,
             )
         )
-        units.append(replace(unit, shard_numel=unit.numel // mesh.size))
+        units.append(replace(unit, shard_numel=unit.numel // mesh.size, stage=None))
     return MeshPlan(
         plan.manifest, mesh, plan.alignment, tuple(units), tuple(shardings), plan.strategy,
         on.preset,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "Unit",
     "from_bytes",
     "to_bytes",
+    "unit_stage",
     "validate",
 ]
 
@@ -73,7 +75,9 @@ class Unit:
     ("" is the root): stage 3 gathers the unit when that module runs.
     `persistent` units keep their parameters whole in stage 3. `bounds`: uneven shards,
     rank r's from `bounds[r]` to `bounds[r + 1]` (world size + 1 offsets from 0 to
-    `numel`; `shard_numel` is then the largest); () for equal shards.
+    `numel`; `shard_numel` is then the largest); () for equal shards. `stage`: the ZeRO
+    stage this unit is split as, at most the plan's (None: the plan's): "ZeRO-1 for the
+    embeddings, ZeRO-3 for the blocks" in one plan. `Plan.stage_of` reads it.
     """
 
     name: str
@@ -85,6 +89,7 @@ class Unit:
     numel: int
     persistent: bool = False
     bounds: tuple[int, ...] = ()
+    stage: int | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -133,10 +138,24 @@ class OnMesh:
         return tuple(name for name, _ in self.axes if name not in self.shard)
 
 
+def unit_stage(plan_stage: int, unit: Unit) -> int:
+    """The ZeRO stage `unit` runs as in a plan of stage `plan_stage`: its own `stage`, or
+    the plan's when it has none; a persistent unit (parameters kept whole) at stage 3
+    runs as stage 2. What it decides, per unit: 1 and up, the optimizer state (and fp32
+    master) is this rank's shard; 2 and up, the gradient is reduce-scattered into the
+    shard (else all-reduced whole, at the accumulation boundary); 3, the parameters are
+    a shard between uses, gathered when the unit's module runs."""
+    stage = plan_stage if unit.stage is None else unit.stage
+    return 2 if stage == 3 and unit.persistent else stage
+
+
 @dataclass(frozen=True)
 class Plan:
     """A complete, validated sharding plan: plain data, hashable, serialisable.
-    `mesh`: None for a plan whose ranks are the processes; else `OnMesh`."""
+    `mesh`: None for a plan whose ranks are the processes; else `OnMesh`. `stage` is the
+    largest stage any unit is split as; a unit may say a lower one (`Unit.stage`), so
+    what a unit's state is (whole or a shard) is `stage_of(unit)`'s, and what the run
+    sets up at all (stage 3's gathering) is `stage`'s or `runs_stage`'s."""
 
     manifest: Manifest
     world_size: int
@@ -158,15 +177,41 @@ class Plan:
 
     @property
     def shards_optimizer(self) -> bool:
+        """Whether any unit's optimizer state is split (`stage_of` says which)."""
         return self.stage >= 1
 
     @property
     def shards_grads(self) -> bool:
+        """Whether any unit's gradients are split (`stage_of` says which)."""
         return self.stage >= 2
 
     @property
     def shards_params(self) -> bool:
+        """Whether any unit's parameters may be split (`stage_of` says which)."""
         return self.stage >= 3
+
+    def stage_of(self, unit: Unit | int) -> int:
+        """The ZeRO stage `unit` (a `Unit` of this plan or its index) runs as:
+        `unit_stage(self.stage, unit)` (its own stage, else the plan's; a persistent unit
+        at stage 3 runs as 2)."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return unit_stage(self.stage, unit)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Every unit's `stage_of`, in unit order."""
+        return tuple(unit_stage(self.stage, unit) for unit in self.units)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some unit says a stage below the plan's (`Unit.stage`)."""
+        return any(u.stage is not None and u.stage != self.stage for u in self.units)
+
+    def runs_stage(self, test: Callable[[int], bool]) -> bool:
+        """Whether any unit's `stage_of` passes `test` (e.g. `lambda s: s < 2`: some
+        unit's gradients are all-reduced whole)."""
+        return any(test(stage) for stage in self.stages)
 
     def unit_of(self, fqn: str) -> int:
         """Index of the unit that holds tensor `fqn` (a name or an alias)."""
@@ -193,7 +238,8 @@ def validate(plan: Plan) -> Plan:
       shard `shard_numel`;
     - each tensor's pieces cover it exactly once and no two pieces overlap in
       the buffer: every element is owned by exactly one rank;
-    - `persistent` units only in stage 3;
+    - a unit's own `stage` in 0..3 and at most the plan's, which some unit uses (the plan's
+      stage is the largest of its units'); `persistent` units only at stage 3;
     - on a mesh, `world_size` is the size of the `shard` axes' group, and a `secondary`
       split names some of them, at stage 3.
     """
@@ -216,6 +262,13 @@ def validate(plan: Plan) -> Plan:
     missing = [fqn for fqn in specs if fqn not in placed]
     if missing:
         raise PlanError(f"tensors in no unit: {missing}")
+    said = [plan.stage if u.stage is None else u.stage for u in plan.units]
+    if said and max(said) != plan.stage:
+        raise PlanError(
+            f"plan stage is {plan.stage} but its units are split as stages {sorted(set(said))}; "
+            "the plan's stage is the largest of its units' (set it to "
+            f"{max(said)}, or leave a unit's stage None to take the plan's)"
+        )
     return plan
 
 
@@ -263,8 +316,16 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
             f"{where}: numel {unit.numel} != world_size {plan.world_size} "
             f"x shard_numel {unit.shard_numel}"
         )
-    if unit.persistent and plan.stage != 3:
-        raise PlanError(f"{where} is persistent, which only stage 3 allows (stage {plan.stage})")
+    if unit.stage is not None and (
+        isinstance(unit.stage, bool) or unit.stage not in (0, 1, 2, 3) or unit.stage > plan.stage
+    ):
+        raise PlanError(
+            f"{where}: stage is {unit.stage!r}; allowed: None (the plan's) or 0 to the "
+            f"plan's stage {plan.stage}"
+        )
+    said = plan.stage if unit.stage is None else unit.stage
+    if unit.persistent and said != 3:
+        raise PlanError(f"{where} is persistent, which only stage 3 allows (stage {said})")
     spans: list[tuple[int, int, str]] = []
     for placement in unit.placements:
         spec = specs.get(placement.fqn)
@@ -345,6 +406,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         "numel": unit.numel,
         "persistent": unit.persistent,
         **({"bounds": list(unit.bounds)} if unit.bounds else {}),
+        **({"stage": unit.stage} if unit.stage is not None else {}),
     }
 
 
@@ -373,6 +435,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         numel=raw["numel"],
         persistent=raw["persistent"],
         bounds=tuple(raw.get("bounds", ())),
+        stage=raw.get("stage"),
     )
 
 

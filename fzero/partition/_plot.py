@@ -53,13 +53,10 @@ class Bar(NamedTuple):
     fill: Fill
 
 
-def _stage_split(plan: Plan, kind: str, persistent: bool) -> bool:
-    """Whether `kind` of a unit is split over ranks at the stage plan's stage."""
-    if kind == "optimizer":
-        return plan.stage >= 1
-    if kind == "grads":
-        return plan.stage >= 2
-    return plan.stage == 3 and not persistent
+def _stage_split(plan: Plan, kind: str, unit: Unit) -> bool:
+    """Whether `kind` of `unit` is split over ranks at the unit's stage (`Plan.stage_of`)."""
+    stage = plan.stage_of(unit)
+    return stage >= {"optimizer": 1, "grads": 2}.get(kind, 3)
 
 
 def _block_bars(unit: Unit, index: int, base: int, lo: int, hi: int, fill: Fill) -> list[Bar]:
@@ -87,7 +84,7 @@ def _unit_bars(plan: Plan | MeshPlan, kind: str, index: int, rank: int, base: in
     """What `rank` holds of `kind` of unit `index` (buffer at `base`) as rectangles."""
     unit = plan.units[index]
     if isinstance(plan, Plan):
-        if not _stage_split(plan, kind, unit.persistent):
+        if not _stage_split(plan, kind, unit):
             return [Bar(index, base, base + unit.numel, "whole")]
         return _block_bars(unit, index, base, *unit.shard_range(rank), "held")
     split = plan.shardings[index].of(kind)
@@ -137,8 +134,10 @@ def _axes_text(split: Sharding) -> str:
 def _title(plan: Plan | MeshPlan, kind: str) -> str:
     """A panel's title: the kind, and how it is split."""
     if isinstance(plan, Plan):
-        split = any(_stage_split(plan, kind, u.persistent) for u in plan.units)
-        return f"{LABELS[kind]} ({'sharded' if split else 'replicated'})"
+        split = {_stage_split(plan, kind, u) for u in plan.units}
+        if len(split) > 1:
+            return f"{LABELS[kind]} (mixed: sharded in some units)"
+        return f"{LABELS[kind]} ({'sharded' if True in split else 'replicated'})"
     found = {s.of(kind) for s in plan.shardings} - {None}
     if len(found) > 1:
         return f"{LABELS[kind]}: mixed (split differs per unit)"
@@ -195,7 +194,7 @@ def plot_plan(plan: Plan | MeshPlan, *, width: float = 10.0) -> bytes:
         ax.invert_yaxis()
         ax.set_title(_title(plan, kind), fontsize=9)
     if isinstance(plan, Plan):
-        layout = f"stage {plan.stage}; "
+        layout = f"stage {plan.stage}{' (mixed)' if plan.mixed else ''}; "
     else:  # the mesh makes the line too long for one
         layout = f"preset {plan.preset}, mesh {plan.mesh})\n("
     axes[-1].set_xlabel(

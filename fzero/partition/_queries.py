@@ -14,6 +14,7 @@ __all__ = [
     "MemoryEstimate",
     "Read",
     "format_plan",
+    "grads_split",
     "kind_slices",
     "local_slices",
     "memory_per_rank",
@@ -93,7 +94,10 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     Backward produces gradients roughly in reverse unit order, so buckets take
     consecutive units from the last one back, each holding at most
     `bucket_numel` elements (DeepSpeed's `reduce_bucket_size`); a unit larger
-    than that is a bucket of its own. One collective reduces a whole bucket.
+    than that is a bucket of its own. One collective reduces a whole bucket, so a
+    bucket never mixes units whose gradients are all-reduced whole (stages 0-1, at the
+    accumulation boundary) with units whose gradients are split (stages 2-3, every
+    micro-step): a plan whose units differ in stage starts a bucket where that changes.
     """
     if bucket_numel < 1:
         raise PlanError(f"reduce_bucket_size is {bucket_numel}; it must be >= 1")
@@ -102,7 +106,8 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     filled = 0
     for index in reversed(range(len(plan.units))):
         numel = plan.units[index].numel
-        if current and filled + numel > bucket_numel:
+        other = bool(current) and grads_split(plan, index) != grads_split(plan, current[-1])
+        if current and (filled + numel > bucket_numel or other):
             buckets.append(tuple(current))
             current, filled = [], 0
         current.append(index)
@@ -110,6 +115,14 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     if current:
         buckets.append(tuple(current))
     return tuple(buckets)
+
+
+def grads_split(plan: Plan | MeshPlan, index: int) -> bool:
+    """Whether unit `index`'s gradients are split over ranks (reduce-scattered every
+    micro-step: stages 2-3), not whole (all-reduced at the accumulation boundary)."""
+    if isinstance(plan, MeshPlan):
+        return bool(plan.shardings[index].grads.shard)
+    return plan.stage_of(index) >= 2
 
 
 def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
@@ -220,7 +233,8 @@ def memory_per_rank(
     Per element, with Ψ elements, N ranks, K = master bytes (4 for fp32, when params
     are not fp32) + optimizer slots x state bytes: stage 0 holds params + grads + K·Ψ;
     stage 1 shards the K part; stage 2 also the grads; stage 3 also the params
-    (except persistent units). Buffers are counted padded, as allocated.
+    (except persistent units), each unit as its own stage (`Plan.stage_of`). Buffers are
+    counted padded, as allocated.
     The defaults are what fzero keeps: fp32 gradient accumulators at every precision
     (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures),
     fp32 masters and states. A master in the parameters' dtype is the parameters
@@ -269,19 +283,18 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     if isinstance(plan, MeshPlan):
         split = [u for u, s in zip(plan.units, plan.shardings) if s.params.shard]
         return sum(u.numel for u in split if not u.persistent)
-    if not plan.shards_params:
-        return 0
-    return sum(u.numel for u in plan.units if not u.persistent)
+    return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
 def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int]:
-    """Elements `rank` holds of params, grads and optimizer state under a stage plan."""
+    """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
+    unit as its own stage (`Plan.stage_of`)."""
     params = grads = optimizer_numel = 0
     for unit in plan.units:
-        shard, full = unit.shard_size(rank), unit.numel
-        params += shard if plan.shards_params and not unit.persistent else full
-        grads += shard if plan.shards_grads else full
-        optimizer_numel += shard if plan.shards_optimizer else full
+        shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
+        params += shard if stage == 3 else full
+        grads += shard if stage >= 2 else full
+        optimizer_numel += shard if stage >= 1 else full
     return params, grads, optimizer_numel
 
 
@@ -385,6 +398,7 @@ def format_plan(plan: Plan | MeshPlan) -> str:
     slices = [local_slices(plan, rank) for rank in range(plan.world_size)]
     for index, unit in enumerate(plan.units):
         flags = " persistent" if unit.persistent else ""
+        flags += f" stage={unit.stage}" if unit.stage is not None else ""
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "

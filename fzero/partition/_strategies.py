@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,8 +36,10 @@ __all__ = [
     "module_key",
     "per_tensor_dim0",
     "plan",
+    "set_unit_stages",
     "strategy_from_name",
     "whole_tensors",
+    "with_unit_stages",
 ]
 
 # 16 fp32 elements = 64 bytes: one cache line, one AVX-512 register.
@@ -323,6 +325,7 @@ def plan(
     world_size: int,
     stage: int,
     strategy: Strategy | Callable[..., Plan] = flat_even,
+    unit_stages: Mapping[str, int] | None = None,
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
@@ -332,11 +335,18 @@ def plan(
     error naming both (it would otherwise fail inside, or the option would be lost).
     The engine passes `persistence_threshold` at stage 3 (the config's
     `stage3_param_persistence_threshold`, DeepSpeed's default 100,000): to see the plan
-    an engine runs, pass the same (or read `engine.plan`)."""
+    an engine runs, pass the same (or read `engine.plan`).
+
+    `unit_stages` splits some units as a lower ZeRO stage than `stage` (`set_unit_stages`:
+    keys are unit names or module paths, a path covering the modules under it): e.g.
+    `stage=3, unit_stages={"embed": 1}` is ZeRO-1 for the embeddings, ZeRO-3 for the
+    rest. The engine's doors take it as a strategy: `with_unit_stages`."""
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
     if stage not in (0, 1, 2, 3):
         raise PlanError(f"stage is {stage!r}; allowed: 0, 1, 2, 3")
+    if unit_stages is not None:
+        _check_unit_stages(unit_stages, stage)
     _check_accepts(strategy, options)
     result = strategy(manifest, world_size=world_size, stage=stage, **options)
     if isinstance(result, MeshPlan) and result.mesh.size == world_size:
@@ -347,13 +357,115 @@ def plan(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
             f"{type(result).__name__}, expected fzero.partition.Plan or MeshPlan"
         )
+    if result.mesh is not None and result.processes == world_size:  # `executable`'s already
+        world_size = result.world_size
     if (result.manifest, result.world_size, result.stage) != (manifest, world_size, stage):
         raise PlanError(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned a plan for "
             f"world_size={result.world_size}, stage={result.stage} or another manifest; "
             f"asked for world_size={world_size}, stage={stage}"
         )
+    if unit_stages:
+        result = set_unit_stages(result, unit_stages)
     return validate(result)
+
+
+def _check_unit_stages(unit_stages: Mapping[str, int], stage: int) -> None:
+    if not isinstance(unit_stages, Mapping):
+        raise PlanError(
+            f"unit_stages is a {type(unit_stages).__name__}; give a mapping of unit name or "
+            "module path to a ZeRO stage, e.g. {'embed': 1}"
+        )
+    for key, value in unit_stages.items():
+        if not isinstance(key, str):
+            raise PlanError(f"unit_stages key {key!r} is not a str (a unit name or module path)")
+        if isinstance(value, bool) or value not in (0, 1, 2, 3) or value > stage:
+            raise PlanError(
+                f"unit_stages[{key!r}] is {value!r}; allowed: 0 to the plan's stage {stage} "
+                "(the plan's stage is the largest any unit is split as: raise it to split "
+                "units above the others)"
+            )
+
+
+def _matches(key: str, unit: Unit) -> int:
+    """How specifically `key` names `unit`: its name (the most), its module path, or a
+    module path above it (longer prefixes more); -1 when it does not name it."""
+    if key == unit.name:
+        return 1 << 20
+    if key == unit.module or key == "":
+        return len(key) + 1
+    if unit.module.startswith(key + "."):
+        return len(key)
+    return -1
+
+
+def set_unit_stages(plan: Plan, unit_stages: Mapping[str, int]) -> Plan:
+    """`plan` with the units `unit_stages` names split as those ZeRO stages (each at most
+    `plan.stage`), the rest as they were: a key is a unit's name, or a module path that
+    covers the units of that module and of the modules under it ("blocks" covers
+    "blocks.0", "blocks.1", ...; "" every unit); where keys overlap the most specific wins
+    (a name, then the longest path). A key naming no unit is an error listing the units.
+    A unit at stage 2 in a stage-3 plan is made persistent (its parameters kept whole),
+    as stage 3's small tensors are; a persistent unit set below 2 stops being one."""
+    _check_unit_stages(unit_stages, plan.stage)
+    used: set[str] = set()
+    units = []
+    for unit in plan.units:
+        found = [(_matches(k, unit), k) for k in unit_stages if _matches(k, unit) >= 0]
+        if not found:
+            units.append(unit)
+            continue
+        key = max(found)[1]
+        used.add(key)
+        units.append(_at_stage(unit, unit_stages[key], plan.stage))
+    unknown = [key for key in unit_stages if key not in used and not _names_any(key, plan)]
+    if unknown:
+        names = [u.name for u in plan.units]
+        raise PlanError(
+            f"unit_stages key {unknown[0]!r} names no unit of the plan (a unit name or a "
+            f"module path above one); its units: {names}"
+        )
+    return validate(dataclasses.replace(plan, units=tuple(units)))
+
+
+def _names_any(key: str, plan: Plan) -> bool:
+    return any(_matches(key, unit) >= 0 for unit in plan.units)
+
+
+def _at_stage(unit: Unit, stage: int, plan_stage: int) -> Unit:
+    if stage == plan_stage:
+        return dataclasses.replace(unit, stage=None)
+    if plan_stage == 3 and stage == 2:  # params whole, the rest split: stage 3's persistent
+        return dataclasses.replace(unit, stage=None, persistent=True)
+    return dataclasses.replace(unit, stage=stage, persistent=False)
+
+
+def with_unit_stages(
+    unit_stages: Mapping[str, int],
+    strategy: Strategy | Callable[..., Plan] = flat_even,
+) -> Callable[..., Plan]:
+    """A strategy (for `fzero.shard(..., strategy=)`, `fzero.initialize(..., strategy=)`
+    or `plan`) that lays a model out with `strategy` and splits the units `unit_stages`
+    names as those stages (`set_unit_stages`), the rest as the run's stage:
+    `fzero.shard(model, stage=3, strategy=with_unit_stages({"embed": 1}))` is ZeRO-1 for
+    the embeddings and ZeRO-3 for the rest. Checked when called (each stage at most the
+    run's)."""
+    stages = dict(unit_stages)
+
+    def strategy_with_unit_stages(
+        manifest: Manifest, *, world_size: int, stage: int, **options: object
+    ) -> Plan:
+        return plan(
+            manifest,
+            world_size=world_size,
+            stage=stage,
+            strategy=strategy,
+            unit_stages=stages,
+            **options,
+        )
+
+    strategy_with_unit_stages.__name__ = getattr(strategy, "__name__", "strategy")
+    return strategy_with_unit_stages
 
 
 def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) -> None:

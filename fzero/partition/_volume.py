@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan
 from fzero.partition._plan import Plan, PlanError, Unit
-from fzero.partition._queries import reduction_buckets
+from fzero.partition._queries import grads_split, reduction_buckets
 
 __all__ = ["Collective", "comm_volume", "format_comm_volume", "volume_by_axes"]
 
@@ -101,6 +101,10 @@ def comm_volume(
     `grad_wire_dtype` (DeepSpeed's `communication_data_type`): the dtype gradients travel
     in when reduced (fp32 by default; "bfloat16"/"float16": half the bytes).
 
+    Each unit counts as its own stage (`Plan.stage_of`): a plan of ZeRO-1 embeddings and
+    ZeRO-3 blocks all-reduces the embeddings' buckets once per step and reduce-scatters
+    the blocks' every micro-step.
+
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
 
@@ -134,7 +138,6 @@ def comm_volume(
         return []
     param_bytes = dtype_of(param_dtype).itemsize
     units = plan.units
-    total = sum(u.numel for u in units)
     rows: list[Collective] = []
 
     def add(operation: str, what: str, calls: int, size: int) -> None:
@@ -146,23 +149,25 @@ def comm_volume(
                 return
         rows.append(Collective(operation, what, calls, size, world))
 
-    buckets = reduction_buckets(plan, bucket_numel)
-    if stage < 2:
-        add("all_reduce", "gradients", len(buckets), total * grad_bytes)
-    elif quantized_gradients:
+    every_bucket = reduction_buckets(plan, bucket_numel)
+    whole_buckets = [b for b in every_bucket if not grads_split(plan, b[0])]
+    buckets = [b for b in every_bucket if grads_split(plan, b[0])]
+    total = sum(units[i].numel for b in whole_buckets for i in b)
+    add("all_reduce", "gradients", len(whole_buckets), total * grad_bytes)
+    if buckets and quantized_gradients:
         # one row of blocks per rank: every unit's shard of that rank, concatenated
         per_rank = [sum(units[i].shard_numel for i in bucket) for bucket in buckets]
         block_bytes = _QUANT_BLOCK * quantized_gradient_bits // 8 + 4  # codes and a scale
         size = sum(-(-n // _QUANT_BLOCK) * world * block_bytes for n in per_rank)
         what = f"gradients (int{quantized_gradient_bits})"
         add("all_to_all", what, 2 * len(buckets) * steps, size * steps)
-    else:
+    elif buckets:
         _add_split_reductions(plan, buckets, steps, scatter_as_all_reduce, add, grad_bytes)
-    sharded = [u for u in units if stage == 3 and not u.persistent]
-    whole = [u for u in units if stage in (1, 2) or (stage == 3 and u.persistent)]
+    sharded = [u for u in units if plan.stage_of(u) == 3]
+    whole = [u for u in units if plan.stage_of(u) in (1, 2)]
     _add_gathers_of(whole, world, param_bytes, 1, "parameters after the update", add)
     again = [units[i] for i in sorted(set(regathered))]
-    if any(stage != 3 or u.persistent for u in again):
+    if any(plan.stage_of(u) != 3 for u in again):
         raise PlanError("regathered names units stage 3 does not gather (persistent, or stage < 3)")
     for what, gathered in (("parameters for forward", sharded), ("parameters for backward", again)):
         if quantized_weights:
@@ -176,7 +181,7 @@ def comm_volume(
         add("all_reduce", "fp16 overflow flag", 1, 4)
     if norms:
         add("all_reduce", "LAMB tensor norms", 1, 2 * len(plan.manifest.tensors) * 8)
-    checks = steps if stage >= 2 else 1
+    checks = steps if stage >= 2 else 1  # per micro-step once any unit's are split
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
     return rows
 
@@ -281,23 +286,19 @@ def _mesh_volume(
             row[1] += size
 
     whole = [i for i, s in enumerate(plan.shardings) if not s.grads.shard]
+    every_bucket = reduction_buckets(plan, bucket_numel)  # a bucket is whole or split
+    split_buckets = [b for b in every_bucket if grads_split(plan, b[0])]
     if whole:
-        kept = dataclasses.replace(
-            plan,
-            units=tuple(units[i] for i in whole),
-            shardings=tuple(plan.shardings[i] for i in whole),
-        )
-        buckets = reduction_buckets(kept, bucket_numel)
+        buckets = [b for b in every_bucket if not grads_split(plan, b[0])]
         size = sum(units[i].numel for i in whole) * grad_bytes
         add("all_reduce", "gradients", every, len(buckets), size)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
     weights, gradients, bits = quantized
     if split and gradients:
-        for bucket in reduction_buckets(plan, bucket_numel):
+        for bucket in split_buckets:
             _add_quantized_reduction(plan, bucket, steps, bits, add)
     elif split and scatter_as_all_reduce:  # buckets of the units a pass reduces together
-        buckets = reduction_buckets(plan, bucket_numel)
-        for bucket in buckets:
+        for bucket in split_buckets:
             axes = plan.shardings[bucket[0]].grads.shard
             size = sum(units[i].numel for i in bucket) * grad_bytes * steps
             add("all_reduce", "gradients", axes, steps, size)

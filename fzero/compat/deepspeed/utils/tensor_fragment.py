@@ -64,7 +64,7 @@ def _resident(engine: Engine, rt: UnitRuntime, write_back: bool) -> Iterator[Non
 
 def _full(engine: Engine, rt: UnitRuntime, part: Tensor) -> Tensor:
     """The unit's whole buffer from each rank's optimizer partition `part`."""
-    if engine.stage == 0 or engine.world_size == 1:
+    if engine.plan.stage_of(rt.unit) == 0 or engine.world_size == 1:
         return part.detach().to(torch.float32, copy=True)
     full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
     comm.all_gather_into(full, part.detach().to(engine.device, torch.float32).contiguous())
@@ -77,7 +77,7 @@ def _write(
     """Write a whole tensor's `value` into its pieces of the partitions `part`."""
     full = _full(engine, rt, part)
     scatter_pieces(full, value.detach().reshape(-1).to(full), placement)
-    part.copy_(full[engine.partition(rt.unit)] if engine.stage else full)
+    part.copy_(full[engine.partition(rt.unit)] if engine.plan.stage_of(rt.unit) else full)
 
 
 def _state_tensor(rt: Any, key: str) -> Tensor:
@@ -164,7 +164,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
         )
-    if engine.stage < 2 or engine.world_size == 1:
+    if engine.plan.stage_of(rt.unit) < 2 or engine.world_size == 1:
         full = rt.grad.detach().to(torch.float32, copy=True)
     else:
         full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
