@@ -313,6 +313,7 @@ def test_mixed_stages_match_torch_optim_in_both_doors_at_world_2():
     print("max abs error vs torch.optim, world 2:", errors)
 
 
+@pytest.mark.slow  # four ranks, two runs: about 13 s on two cores (world 2 is in the fast job)
 def test_mixed_stages_match_torch_optim_in_both_doors_at_world_4_and_on_a_2x2_mesh():
     names = list(CASES)[:3]
     errors = _check_doors(run_world(doors_case, 4, names, False), 4)

@@ -13,7 +13,6 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm, native, partition
@@ -206,7 +205,7 @@ def tensor_norms(sums: Tensor, plan: Plan, group: Any = None) -> list[list[float
     divided)."""
     if plan.stage > 0:
         whole = [i for i, u in _tensor_units(plan) if plan.stage_of(u) == 0]
-        if whole and _rank_in(group) != 0:
+        if whole and comm.get_rank(group) != 0:
             sums[:, whole] = 0.0
         comm.all_reduce(sums, op="sum", what="tensor norms", group=group)
     return sums.sqrt().tolist()
@@ -216,11 +215,6 @@ def _tensor_units(plan: Plan) -> list[tuple[int, Unit]]:
     """(manifest index, unit) of every tensor of the manifest."""
     index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
     return [(index[pl.fqn], u) for u in plan.units for pl in u.placements]
-
-
-def _rank_in(group: Any) -> int:
-    """This process's rank in `group` (None: the world)."""
-    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def norms_apply(
