@@ -16,11 +16,10 @@ import torch.nn.functional as F
 import fzero
 from fzero import comm, partition
 from fzero.core.init import config_for_plan
-from fzero.optim import TensorNorms, with_overrides
 from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
-from tests.test_needs import TrustHParams, TrustState, _trust_direction_
+from tests.test_needs import TrustHParams, norm_scaled_sgd
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
 
@@ -81,23 +80,7 @@ def _norm_apply_(param, direction, segments, p_norms, d_norms, hp):
 def norm_sgd() -> fzero.optim.Optimizer:
     """Momentum SGD scaled per tensor by its whole norm (declares TensorNorms)."""
     hp = TrustHParams(lr=0.5, momentum=0.9, weight_decay=0.01, trust=0.5)
-
-    def update_(grad, state, param, **overrides):
-        h = with_overrides(hp, overrides)
-        direction = _trust_direction_(grad, state, param, h)
-        norm = param.double().norm().item()
-        _norm_apply_(param, direction, [(0, param.numel())], [norm], [0.0], h)
-        return TrustState(state.step + 1, state.momentum_buffer)
-
-    def update(grad, state, param, **overrides):
-        param, state = param.clone(), TrustState(state.step, state.momentum_buffer.clone())
-        return param, update_(grad, state, param, **overrides)
-
-    def init(param):
-        return TrustState(0, torch.zeros_like(param))
-
-    needs = TensorNorms(direction_=_trust_direction_, apply_=_norm_apply_)
-    return fzero.optim.Optimizer("norm_sgd", hp, init, update, update_, state_slots=1, needs=needs)
+    return norm_scaled_sgd("norm_sgd", hp, _norm_apply_)
 
 
 OPTIMIZERS = {

@@ -288,13 +288,18 @@ def _trust_apply_(param, direction, segments, p_norms, d_norms, hp):
 def trust_sgd(**hparams: Any) -> Optimizer:
     """SGD with momentum whose step is scaled per tensor by trust x ‖p‖ / ‖d‖ (LARS-style,
     You et al. 2017), declared as needing tensor norms; no native kernel."""
-    hp = TrustHParams(**hparams)
+    return norm_scaled_sgd("trust_sgd", TrustHParams(**hparams), _trust_apply_)
+
+
+def norm_scaled_sgd(name: str, hp: TrustHParams, apply_: Any) -> Optimizer:
+    """SGD with momentum whose step `apply_(param, direction, segments, p_norms, d_norms,
+    hp)` scales per tensor from the whole tensors' norms, declared as `TensorNorms`."""
 
     def update_(grad, state, param, **overrides):
         h = with_overrides(hp, overrides)
         direction = _trust_direction_(grad, state, param, h)
         p_norm, d_norm = param.double().norm().item(), direction.double().norm().item()
-        _trust_apply_(param, direction, [(0, param.numel())], [p_norm], [d_norm], h)
+        apply_(param, direction, [(0, param.numel())], [p_norm], [d_norm], h)
         return TrustState(state.step + 1, state.momentum_buffer)
 
     def update(grad, state, param, **overrides):
@@ -304,8 +309,8 @@ def trust_sgd(**hparams: Any) -> Optimizer:
     def init(param):
         return TrustState(0, torch.zeros_like(param))
 
-    needs = TensorNorms(direction_=_trust_direction_, apply_=_trust_apply_)
-    return Optimizer("trust_sgd", hp, init, update, update_, state_slots=1, needs=needs)
+    needs = TensorNorms(direction_=_trust_direction_, apply_=apply_)
+    return Optimizer(name, hp, init, update, update_, state_slots=1, needs=needs)
 
 
 TRUST = {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.01, "trust": 0.02}
