@@ -1,11 +1,11 @@
 """The `fzero` command's entry point: its arguments, parsed with the standard library only.
 
 `fzero --help`, `fzero --version`, every subcommand's `--help` and every error in the
-arguments answer without importing torch or fzero. That is why this module sits beside
-the `fzero` package instead of in it: importing any module of the package runs
-`fzero/__init__`, which imports torch and every layer (seconds). The subcommands' work
-lives in `fzero.cli` and is imported only when a subcommand runs. `python -m fzero.cli`
-and `fzero.cli.main` are this same `main`.
+arguments answer without importing torch or fzero; it sits beside the `fzero` package
+so that nothing of the package runs for them. The subcommands' work lives in
+`fzero.cli` and is imported only when a subcommand runs; `fzero/__init__` imports its
+public names on first use, so `fzero run` (the launcher) does not import torch either.
+`python -m fzero.cli` and `fzero.cli.main` are this same `main`.
 """
 
 from __future__ import annotations

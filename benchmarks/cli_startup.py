@@ -7,7 +7,9 @@ Each row is a fresh process (the command as a user types it), the rows interleav
 rounds; a row's time is the median over rounds with its min-max. `--old PATH` adds rows
 for another `fzero` executable (e.g. an install of an older version) for comparison.
 The target: `fzero --help` and `fzero --version` under 1.5 s, which only holds while the
-command's entry imports neither torch nor the `fzero` package for them.
+command's entry imports neither torch nor the `fzero` package for them. `fzero run
+--dry-run` is the launcher's own share of every launch (torchrun and the ranks import
+torch; the launcher need not).
 """
 
 from __future__ import annotations
@@ -44,9 +46,15 @@ def main() -> None:
         ("fzero --help", [fzero, "--help"]),
         ("fzero --version", [fzero, "--version"]),
         ("fzero checkpoint inspect --help", [fzero, "checkpoint", "inspect", "--help"]),
+        # the launcher's own part of every `fzero run`: it builds torchrun's command
+        ("fzero run --dry-run -n 2", [fzero, "run", "--dry-run", "-n", "2", "train.py"]),
+        ("python -c 'import fzero'", [sys.executable, "-c", "import fzero"]),
     ]
     if args.old:
-        rows += [("old fzero --help", [args.old, "--help"])]
+        rows += [
+            ("old fzero --help", [args.old, "--help"]),
+            ("old fzero run --dry-run -n 2", [args.old, "run", "--dry-run", "-n", "2", "train.py"]),
+        ]
     calls = [(name, lambda argv=argv: _command(argv)) for name, argv in rows]
     times = _harness.interleave(calls, args.rounds)
     base = times["python -c pass"]

@@ -120,3 +120,34 @@ def test_two_nodes_on_loopback_train_like_one_node_with_two_processes():
     assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
     multi = _losses(outputs[0][0]) or _losses(outputs[1][0])
     assert len(_losses(single.stdout)) == 3 and multi == _losses(single.stdout)
+
+
+def test_the_launcher_and_import_fzero_import_no_torch_and_deepspeeds_module_names_hold():
+    """`fzero run` starts processes and needs nothing of torch (2 s and 220 MB a launch):
+    `import fzero` imports its public names on first use. DeepSpeed's module names
+    (`import fzero.zero`, ...) are `fzero.compat`'s modules themselves, however reached."""
+    script = (
+        "import sys\n"
+        "import fzero, fzero.cli, fzero.cli.launcher\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert fzero.cli.main(['run', '--dry-run', '-n', '2', 'train.py']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported by the launcher'\n"
+        "from fzero import checkpointing\n"
+        "import fzero.zero, fzero.accelerator, fzero.checkpointing\n"
+        "import fzero.compat as compat\n"
+        "assert checkpointing is fzero.checkpointing is compat.checkpointing\n"
+        "assert fzero.zero is compat.zero and fzero.accelerator is compat.accelerator\n"
+        "assert sys.modules['fzero.zero'] is compat.zero\n"
+        "assert fzero.DeepSpeedEngine is fzero.Engine and callable(fzero.shard)\n"
+        "assert set(fzero.__all__) == {'__version__', *fzero._PUBLIC} <= set(dir(fzero))\n"
+        "try:\n"
+        "    fzero.no_such_name\n"
+        "except AttributeError as error:\n"
+        "    assert 'no_such_name' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('fzero.no_such_name resolved')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
