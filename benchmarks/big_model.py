@@ -341,8 +341,9 @@ def infinity_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         from safetensors import safe_open
 
-        index = json.loads(Path(out, "model.safetensors.index.json").read_text())
-        with safe_open(os.path.join(out, index["weight_map"][name]), framework="pt") as f:
+        index = Path(out, "model.safetensors.index.json")  # one shard: no index
+        file = json.loads(index.read_text())["weight_map"][name] if index.exists() else None
+        with safe_open(os.path.join(out, file or "model.safetensors"), framework="pt") as f:
             same = bool(torch.equal(f.get_tensor(name), mine))
         disk["saved_equal"] = same
     mine = {"peaks_kb": peaks, "seconds": seconds, "losses": losses}
@@ -358,6 +359,7 @@ def infinity(args: argparse.Namespace) -> None:
     """`--infinity`: the arithmetic first, then one run (see the module docstring)."""
     from fzero.checkpoint import parse_size
 
+    os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
     sizes = {name: parameters_of(llama_config(name)) for name in SIZES if name != "tiny"}
     print(f"{args.dir}: {free / 1e9:.1f} GB free; {DISK_RESERVE / 1e9:.0f} GB left to others")
