@@ -26,19 +26,19 @@ from tests.models import Awkward, Net, global_batch
 MICRO, LR = 2, 1e-2
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, **zero) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 0,
         "gradient_clipping": 0.0,  # against unclipped torch (DeepSpeed's default is 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
 
 
-def accessors_case(rank, world, stage):
+def accessors_case(rank, world, stage, zero):
     torch.manual_seed(0)
-    engine, *_ = fzero.initialize(model=Net(), config=_config(stage))
+    engine, *_ = fzero.initialize(model=Net(), config=_config(stage, **zero))
     rows = slice(rank * MICRO, (rank + 1) * MICRO)
     for step in range(3):
         x, y = global_batch(step, MICRO * world)
@@ -56,9 +56,12 @@ def accessors_case(rank, world, stage):
     return grads, params, moments, after
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_safe_get_full_accessors_equal_plain_torch(stage):
-    world = 2
+@pytest.mark.parametrize(
+    ("stage", "world", "zero"),
+    [(1, 2, {}), (3, 2, {}), (3, 4, {"mics_shard_size": 2})],  # MiCS: shards over 2 of 4
+    ids=["stage1", "stage3", "mics"],
+)
+def test_safe_get_full_accessors_equal_plain_torch(stage, world, zero):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -69,7 +72,7 @@ def test_safe_get_full_accessors_equal_plain_torch(stage):
         if step == 2:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-    got_grads, params, moments, after = run_world(accessors_case, world, stage)
+    got_grads, params, moments, after = run_world(accessors_case, world, stage, zero)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero import comm
+from fzero.core.groups import gather_unit
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.engine import Engine
 from fzero.partition import Placement
@@ -62,12 +62,17 @@ def _resident(engine: Engine, rt: UnitRuntime, write_back: bool) -> Iterator[Non
         yield
 
 
-def _full(engine: Engine, rt: UnitRuntime, part: Tensor) -> Tensor:
-    """The unit's whole buffer from each rank's optimizer partition `part`."""
-    if engine.plan.stage_of(rt.unit) == 0 or engine.world_size == 1:
+def _full(engine: Engine, rt: UnitRuntime, part: Tensor, what: str) -> Tensor:
+    """The unit's whole buffer from each rank's partition `part`, gathered over the
+    plan's ranks (a MiCS/HSDP plan's shard group, not every process; uneven shards at
+    their sizes)."""
+    plan = engine.plan
+    if plan.stage_of(rt.unit) == 0 or plan.world_size == 1:
         return part.detach().to(torch.float32, copy=True)
     full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-    comm.all_gather_into(full, part.detach().to(engine.device, torch.float32).contiguous())
+    shard = part.detach().to(engine.device, torch.float32).contiguous()
+    gather_unit(full, shard, rt.unit, plan.world_size, group=engine.groups.shard,
+                what=what, async_op=False)  # fmt: skip
     return full
 
 
@@ -75,7 +80,7 @@ def _write(
     engine: Engine, rt: UnitRuntime, part: Tensor, placement: Placement, value: Tensor
 ) -> None:
     """Write a whole tensor's `value` into its pieces of the partitions `part`."""
-    full = _full(engine, rt, part)
+    full = _full(engine, rt, part, "deepspeed.utils.safe_set_full_*")
     scatter_pieces(full, value.detach().reshape(-1).to(full), placement)
     part.copy_(full[engine.partition(rt.unit)] if engine.plan.stage_of(rt.unit) else full)
 
@@ -98,7 +103,8 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Tensor | None:
         return None
     engine, rt, placement, shape = found
     with _resident(engine, rt, write_back=False):
-        return gather_pieces(_full(engine, rt, rt.master), placement, shape).clone()
+        full = _full(engine, rt, rt.master, "deepspeed.utils.safe_get_full_fp32_param")
+        return gather_pieces(full, placement, shape).clone()
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: Tensor) -> None:
@@ -123,7 +129,8 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     engine, rt, placement, shape = found
     with _resident(engine, rt, write_back=False):
         part = _state_tensor(rt, optim_state_key)
-        return gather_pieces(_full(engine, rt, part), placement, shape).clone()
+        full = _full(engine, rt, part, "deepspeed.utils.safe_get_full_optimizer_state")
+        return gather_pieces(full, placement, shape).clone()
 
 
 def safe_set_full_optimizer_state(
@@ -164,11 +171,10 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
         )
-    if engine.plan.stage_of(rt.unit) < 2 or engine.world_size == 1:
+    if engine.plan.stage_of(rt.unit) < 2:
         full = rt.grad.detach().to(torch.float32, copy=True)
     else:
-        full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-        comm.all_gather_into(full, rt.grad.detach().contiguous())
+        full = _full(engine, rt, rt.grad, "deepspeed.utils.safe_get_full_grad")
     scale = engine.loss_scale_state.scale if engine.loss_scale_state is not None else 1.0
     return gather_pieces(full, placement, shape).clone() / scale
 
