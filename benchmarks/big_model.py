@@ -246,9 +246,9 @@ def worker(args: argparse.Namespace) -> None:
         _harness.write_row(args.json, {"ranks": ranks})
 
 
-def infinity_config(swap: str) -> dict[str, Any]:
+def infinity_config(swap: str, zero: str = "{}") -> dict[str, Any]:
     nvme = {"device": "nvme", "nvme_path": swap}
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
@@ -261,6 +261,8 @@ def infinity_config(swap: str) -> dict[str, Any]:
             "offload_optimizer": {**nvme, "commit": "in_place", "buffer_count": 8},
         },
     }
+    config["zero_optimization"].update(json.loads(zero))  # --zero
+    return config
 
 
 def disk_in_use(directory: str) -> int:
@@ -285,7 +287,7 @@ def infinity_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     work = os.path.dirname(args.checkpoint)
-    config = infinity_config(os.path.join(work, "swap"))
+    config = infinity_config(os.path.join(work, "swap"), args.zero)
     keep = HfDeepSpeedConfig(config)  # noqa: F841 (read by Transformers while alive)
     disk = {"peak": 0}
     done = threading.Event()
@@ -387,6 +389,7 @@ def infinity(args: argparse.Namespace) -> None:
             sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2", __file__,
             "--checkpoint", args.checkpoint, "--steps", str(args.steps), "--sequence",
             str(args.sequence), "--role", "infinity", "--json", os.path.join(directory, "row.json"),
+            "--zero", args.zero,
         ]  # fmt: skip
         done = subprocess.run(command, env=_harness.row_environment())
         if done.returncode != 0:
