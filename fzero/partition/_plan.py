@@ -230,6 +230,11 @@ class Plan:
         start = rank // self.extra * size
         return start, start + size
 
+    def grads_size(self, unit: Unit, rank: int) -> int:
+        """Elements of `grads_range(unit, rank)`."""
+        start, stop = self.grads_range(unit, rank)
+        return stop - start
+
     def optimizer_in_grads(self, unit: Unit, rank: int) -> slice:
         """Where rank `rank`'s optimizer shard lies in its gradient shard (stages 2-3):
         all of it, or with a finer optimizer split the block the accumulation boundary's

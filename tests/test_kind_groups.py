@@ -1,0 +1,231 @@
+"""Kinds split over different groups of axes: on a 2x2 mesh (`node` x `local`) the
+optimizer state split over the world (`("local", "node")`: a quarter of each unit per
+rank) with the gradients split within the node (`("local",)`), the parameters whole (a
+ZeRO-2 shape) or split as the gradients (MiCS's ZeRO-3 within the node). Both doors run
+it: they match a single-process torch.optim run, agree bitwise, send what `comm_volume`
+says, hold what `memory_per_rank` says, keep each kind at its split, save and resume
+exactly, and restore under plain ZeRO-3 at world 2 and 1. What is not run is refused by
+`validate`, naming the unit, the kind and the axes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fzero
+from fzero import comm, partition
+from fzero.partition import Mesh, PlanError, UnitSharding
+from tests._dist import run_world
+from tests.models import Net, global_batch, parity_config, torch_reference
+from tests.test_mixed_stages import _per_step, _predicted, partition_pieces
+
+MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
+MESH = {"node": 2, "local": 2}
+WORLD = 4
+
+# name -> (stage, whether the parameters are split over "local")
+CASES = {"zero2-like": (2, False), "mics zero3-like": (3, True)}
+
+
+def _rule(params_split: bool):
+    """Every unit: optimizer over ("local", "node"), gradients over ("local",), params
+    over ("local",) or whole."""
+
+    def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        local = mesh.sharding("local")
+        return UnitSharding(
+            params=local if params_split and not unit.persistent else mesh.replicated,
+            grads=local,
+            optimizer=mesh.sharding("local", "node"),
+        )
+
+    return rule
+
+
+def _preset(name: str) -> partition.Custom:
+    stage, params_split = CASES[name]
+    return partition.Custom("finer optimizer", _rule(params_split), stage=stage)
+
+
+def _config(stage: int) -> dict:
+    config = parity_config(MICRO, ACCUM, CLIP)
+    config["zero_optimization"]["stage"] = stage
+    return config
+
+
+def _optimizer() -> fzero.optim.Optimizer:
+    return fzero.optim.adamw(lr=LR, weight_decay=0.01)
+
+
+def _engine(name: str, seed: int = 0):
+    stage = CASES[name][0]
+    torch.manual_seed(seed)
+    return fzero.shard(
+        Net(),
+        stage=stage,
+        optimizer=_optimizer(),
+        config=_config(stage),
+        strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
+    )
+
+
+def _plan(name: str) -> partition.Plan:
+    torch.manual_seed(0)
+    manifest = partition.describe(Net())
+    laid = partition.mesh_plan(manifest, Mesh(MESH), _preset(name), persistence_threshold=0)
+    return partition.executable(laid)
+
+
+def _rows(rank: int, step: int, a: int):
+    x, y = global_batch(step, MICRO * ACCUM * WORLD)
+    rows = slice((a * WORLD + rank) * MICRO, (a * WORLD + rank + 1) * MICRO)
+    return x[rows], y[rows]
+
+
+def _loss_fn(model):
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    return loss_fn
+
+
+def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
+    """Every tensor's fp32 master and moments, whole (collective over every process): a
+    shard is placed at its plan rank's block (on the mesh the plan's ranks run along
+    ("local", "node"), not in process order)."""
+    plan, out = state.plan, {}
+    world = dist.get_world_size()
+    if plan.mesh is not None:
+        mesh = Mesh(plan.mesh.axes)
+        ranks = [mesh.index_in_group(p, plan.mesh.shard) for p in range(world)]
+    else:
+        ranks = list(range(world))
+    for index, unit in enumerate(plan.units):
+        u = state.units[index]
+        moments = {
+            k: v for k, v in u.optim._asdict().items() if isinstance(v, torch.Tensor) and v.dim()
+        }
+        for kind, part in {"master": u.master, **moments}.items():
+            part = part.float().contiguous()
+            if part.numel() != unit.numel:
+                parts = [torch.empty_like(part) for _ in range(world)]
+                dist.all_gather(parts, part)
+                whole = torch.empty(unit.numel)
+                for process, r in enumerate(ranks):
+                    whole[slice(*unit.shard_range(r))] = parts[process]
+            else:
+                whole = part
+            for pl in unit.placements:
+                out[f"{kind}:{pl.fqn}"] = partition_pieces(whole, pl, plan.manifest[pl.fqn].shape)
+    return out
+
+
+def _check_holdings(plan: partition.Plan, rank: int, units, params_split: bool) -> None:
+    """Each kind at its split on this process: the optimizer state and master a quarter
+    of the unit (the finer split: half if it were ignored), the gradient accumulator a
+    half, the parameters half or whole. `units`: (grad, master, moments, params numels)."""
+    for unit, (grad, master, moments, params) in zip(plan.units, units):
+        where = (unit.name, rank)
+        assert master == unit.numel // 4 and all(m == unit.numel // 4 for m in moments), where
+        assert grad == unit.numel // 2, where
+        assert params == (unit.numel // 2 if params_split else unit.numel), where
+
+
+# ---- both doors against torch.optim, bitwise alike; traffic; memory; holdings -------------------
+
+
+def doors_case(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        stage, params_split = CASES[name]
+        engine = _engine(name)
+        plan = _plan(name)
+        assert plan == engine.plan and plan.extra == 2 and plan.mesh.optimizer_extra == ("node",)
+        torch.manual_seed(0)
+        model = Net()
+        state = fzero.init(model, plan, _optimizer(), config=_config(stage))
+        step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(stage))
+        engine_losses, step_losses = [], []
+        sent: dict[str, tuple[int, int]] = {}
+        for i in range(STEPS):
+            for a in range(ACCUM):
+                x, y = _rows(rank, i, a)
+                before = comm.traffic()
+                loss = F.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                if i > 0:  # the first step records stage 3's trace
+                    for op, (calls, size) in _per_step(before, comm.traffic(), 1).items():
+                        was = sent.get(op, (0, 0))
+                        sent[op] = (was[0] + calls, was[1] + size)
+                state, metrics = step(state, (x, y))
+                engine_losses.append(loss.item())
+                step_losses.append(metrics["loss"].item())
+        sent = {op: (calls // (STEPS - 1), size // (STEPS - 1)) for op, (calls, size) in sent.items()}
+        _check_holdings(
+            plan,
+            rank,
+            [
+                (rt.grad.numel(), rt.master.numel(), _moments(rt.state),
+                 (rt.full if rt.full is not None else rt.param_shard).numel())
+                for rt in engine.runtime.units
+            ],
+            params_split,
+        )  # fmt: skip
+        _check_holdings(
+            plan,
+            rank,
+            [(u.grad.numel(), u.master.numel(), _moments(u.optim), u.params.numel())
+             for u in state.units],
+            params_split,
+        )  # fmt: skip
+        out[name] = {
+            "losses": (engine_losses, step_losses),
+            "engine": engine.state_dict(dtype=torch.float32),
+            "step": fzero.state_dict(state, module=model),
+            "held": (engine.memory_held(), engine.memory_planned()),
+            "traffic": (sent, _predicted(engine)),
+            "volume": engine.comm_volume(),
+        }
+        engine.destroy()
+    return out
+
+
+def _moments(optim) -> list[int]:
+    return [v.numel() for v in optim._asdict().values() if isinstance(v, torch.Tensor) and v.dim()]
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    _, ref_state = torch_reference(
+        lambda groups: torch.optim.AdamW(
+            [p for group in groups for p in group["params"]], lr=LR, weight_decay=0.01
+        ),
+        steps=STEPS, micro=MICRO, accum=ACCUM, world=WORLD, clip=CLIP,
+    )  # fmt: skip
+    return ref_state
+
+
+@pytest.mark.slow  # four ranks, two shapes: about 8 s on two cores
+def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors():
+    ref_state = _reference()
+    errors = {}
+    for name, result in run_world(doors_case, WORLD, list(CASES)).items():
+        engine_losses, step_losses = result["losses"]
+        assert engine_losses == step_losses, name  # both doors bitwise alike
+        for key, expected in result["engine"].items():
+            assert torch.equal(result["step"][key], expected), (name, key)
+        errors[name] = max(
+            (result["engine"][k] - v).abs().max().item() for k, v in ref_state.items()
+        )
+        assert errors[name] <= 1e-6, (name, errors[name])
+        held, planned = result["held"]
+        assert held == planned, (name, held, planned)
+        sent, predicted = result["traffic"]
+        assert sent == predicted, (name, sent, predicted)
+        print(name, partition.format_comm_volume(result["volume"]), sep="\n")
+    print("max abs error vs torch.optim, 2x2 mesh:", errors)
