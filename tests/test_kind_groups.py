@@ -307,9 +307,124 @@ def test_a_finer_optimizer_split_resumes_exactly_and_restores_under_zero3(tmp_pa
         result = run_world(save_case, WORLD, root, name)
         assert result["resumed"] and result["mid-window"], name
         report, intact = fzero.checkpoint.inspect(f"{root}/engine")
-        assert intact, report
+        assert intact and "split over local+node (gradients and parameters over local)" in report
         for world in (2, 1):
             restored = run_world(restore_case, world, f"{root}/engine")
             assert restored.keys() == result["saved"].keys(), name
             for key, value in result["saved"].items():
                 assert torch.equal(restored[key], value), (name, world, key)
+
+
+# ---- the plan alone: wire format, queries, refusals ------------------------------------------
+
+
+def _mesh_plan(rule, mesh: dict | None = None, stage: int = 3) -> partition.MeshPlan:
+    manifest = partition.describe(Net())
+    preset = partition.Custom("mine", rule, stage=stage)
+    return partition.mesh_plan(manifest, Mesh(mesh or MESH), preset, persistence_threshold=0)
+
+
+def test_the_finer_split_is_plain_data_and_old_plans_keep_their_bytes():
+    plan = _plan("mics zero3-like")
+    assert plan.mesh.shard == ("local", "node") and plan.mesh.grads_shard == ("local",)
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+    mics = partition.executable(_mesh_plan(lambda mesh, unit: partition.MiCS()(mesh, unit)))
+    assert b"optimizer_extra" in partition.to_bytes(plan)
+    assert b"optimizer_extra" not in partition.to_bytes(mics)  # written only when set
+    assert partition.plan_digest(plan) != partition.plan_digest(mics)
+    unit = plan.units[1]  # process (node=1, local=0) is plan rank 1: local 0's half, quarter 1
+    assert plan.grads_range(unit, 1) == (0, unit.numel // 2)
+    assert unit.shard_range(1) == (unit.numel // 4, unit.numel // 2)
+    assert plan.optimizer_in_grads(unit, 1) == slice(unit.numel // 4, unit.numel // 2)
+
+
+def test_comm_volume_and_memory_of_the_finer_split_beside_zero2_and_zero3_within_the_node():
+    """Per step (2 micro-steps): the gradients cross `node` once, as a reduce-scatter of
+    the half each rank accumulated (half the bytes of MiCS's all-reduce of it, which runs
+    every micro-step); the optimizer state is a quarter per rank, not a half."""
+    finer = {name: partition.executable(_mesh_plan(_rule(split), stage=stage))
+             for name, (stage, split) in CASES.items()}  # fmt: skip
+    within = {stage: partition.executable(_mesh_plan(partition.MiCS(stage=stage))) for stage in (2, 3)}
+    numel = sum(u.numel for u in within[2].units)
+    for name, plan in finer.items():
+        stage = CASES[name][0]
+        rows = partition.comm_volume(plan, accumulation_steps=ACCUM)
+        node = {(r.operation, r.what): r for r in rows if r.axes == ("node",)}
+        across = node[("reduce_scatter", "gradients across replicas")]
+        assert across.calls == len(plan.units) and across.bytes == numel // 2 * 4
+        publish = node[("all_gather", "parameters after the update")]
+        assert publish.bytes == numel // 2 * 4 and publish.world_size == 2
+        mics = partition.comm_volume(within[stage], accumulation_steps=ACCUM)
+        replicas = next(r for r in mics if r.what == "gradients across replicas")
+        assert replicas.operation == "all_reduce" and replicas.bytes == ACCUM * numel // 2 * 4
+        ours = partition.volume_by_axes(rows)[("node",)]
+        theirs = partition.volume_by_axes(mics)[("node",)]
+        assert ours < theirs
+        memory = partition.memory_per_rank(plan, 0)
+        assert memory.optimizer_state == 2 * numel // 4 * 4  # Adam's two moments, a quarter
+        assert memory == partition.memory_per_rank(partition._mesh_plan.as_mesh_plan(plan), 0)
+        assert partition.memory_per_rank(within[stage], 0).optimizer_state == 2 * memory.optimizer_state
+
+
+def _refusal(rule, mesh: dict | None = None, stage: int = 3) -> str:
+    with pytest.raises(PlanError) as caught:
+        _mesh_plan(rule, mesh, stage)
+    return str(caught.value)
+
+
+def _split(params=(), grads=(), optimizer=(), **more):
+    def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        return UnitSharding(
+            mesh.sharding(*params), mesh.sharding(*grads), mesh.sharding(*optimizer), **more
+        )
+
+    return rule
+
+
+def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
+    # the optimizer coarser than the gradients: an update needs its gradient reduced here
+    message = _refusal(_split(grads=("local", "node"), optimizer=("local",)), stage=2)
+    assert "unit 'embed' grads: split over ('local', 'node'), the optimizer state over " in message
+    assert "axis 'node' at position 1 is missing there" in message
+    # the optimizer's axes in another order than the gradients' first: its quarter would
+    # lie in another rank's gradient half
+    message = _refusal(_split(grads=("local",), optimizer=("node", "local")), stage=2)
+    assert "axis 'local' at position 0 is 'node' there" in message
+    assert "gradients over ('local',), the optimizer over ('local', 'node')" in message
+    # replicas beside the finer split: the optimizer over node, not pod too
+    message = _refusal(
+        _split(grads=("local",), optimizer=("local", "node")), {"pod": 2, **MESH}, stage=2
+    )
+    assert "unit 'embed' optimizer: split over ('local', 'node'), the gradients over " in message
+    assert "not every other axis ('pod', 'node')" in message and "not run yet" in message
+
+    # one unit's optimizer finer, another's as its gradients
+    def some_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        finer = ("local", "node") if unit.module == "head" else ("local",)
+        return _split(grads=("local",), optimizer=finer)(mesh, unit)
+
+    message = _refusal(some_finer, stage=2)
+    assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
+    assert "one optimizer split finer than the gradients for every unit" in message
+
+    # ZeRO-1 units (gradients whole) beside the finer split
+    def zero1_embed(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        grads = () if unit.module == "embed" else ("local",)
+        return _split(grads=grads, optimizer=("local", "node"))(mesh, unit)
+
+    message = _refusal(zero1_embed, stage=2)
+    assert "unit 'embed' optimizer: split over ('local', 'node') with its gradients whole" in message
+    # hpZ's secondary copy beside it
+    hpz = _split(("local",), ("local",), ("local", "node"), params_secondary=Mesh(MESH).replicated)
+    message = _refusal(hpz)
+    assert "with hpZ's secondary copy or a hierarchical gather" in message
+
+
+def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():
+    plan = _plan("zero2-like")
+    bad = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
+    with pytest.raises(PlanError, match=r"plan optimizer_extra \('local',\): the optimizer's"):
+        partition.validate(dataclasses.replace(plan, mesh=bad))
+    staged = dataclasses.replace(plan.units[0], stage=1)
+    with pytest.raises(PlanError, match=r"unit 'embed' optimizer: split over .* \(stage 1\)"):
+        partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
