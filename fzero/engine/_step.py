@@ -13,8 +13,8 @@ from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.groups import Groups
 from fzero.core.layout import UnitRuntime
 from fzero.core.reduce import reduce_to_optimizer_shards
-from fzero.core.state import owned_grad
 from fzero.core.residency import Residency
+from fzero.core.state import owned_grad
 from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
 from fzero.optim import LossScaleState, Optimizer, with_overrides
 from fzero.partition import Plan

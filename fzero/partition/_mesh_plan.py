@@ -283,9 +283,7 @@ def _unit_stages(
     split over the whole group or whole (the optimizer over `group` then `extra` where
     `extra` is given), else a `PlanError` naming the unit and kind. Units may differ
     (ZeRO-1 embeddings beside ZeRO-3 blocks: `Unit.stage`)."""
-    return [
-        _unit_stage(plan.mesh, u, s, group, extra) for u, s in zip(plan.units, plan.shardings)
-    ]
+    return [_unit_stage(plan.mesh, u, s, group, extra) for u, s in zip(plan.units, plan.shardings)]
 
 
 def _staged_units(

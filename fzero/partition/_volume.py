@@ -312,10 +312,11 @@ def _mesh_volume(
             add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * grad_bytes * steps)
         shard_bytes = unit.numel // mesh.group_size(grads.shard) * grad_bytes
         finer = plan.shardings[i].optimizer.shard[len(grads.shard) :]
+        across = "gradients across replicas"
         if finer:  # once, at the boundary: the accumulated shard into the optimizer's
-            add("reduce_scatter", "gradients across replicas", finer, 1, shard_bytes)
+            add("reduce_scatter", across, finer, 1, shard_bytes)
         else:
-            add("all_reduce", "gradients across replicas", grads.replicate, steps, shard_bytes * steps)
+            add("all_reduce", across, grads.replicate, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
         gathered = unit.numel // mesh.group_size(sharding.optimizer.shard)
         for hop in publish_hops(sharding):  # each gather multiplies what a rank holds
