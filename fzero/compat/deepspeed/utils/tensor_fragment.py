@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm
+from fzero.core.groups import gather_optimizer_shards
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.engine import Engine
 from fzero.partition import Placement
@@ -67,7 +68,8 @@ def _full(engine: Engine, rt: UnitRuntime, part: Tensor) -> Tensor:
     if engine.plan.stage_of(rt.unit) == 0 or engine.world_size == 1:
         return part.detach().to(torch.float32, copy=True)
     full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-    comm.all_gather_into(full, part.detach().to(engine.device, torch.float32).contiguous())
+    part = part.detach().to(engine.device, torch.float32).contiguous()
+    gather_optimizer_shards(full, part, engine.plan, rt.index, engine.groups, async_op=False)
     return full
 
 
@@ -164,11 +166,17 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
         )
+    if engine.plan.extra > 1:
+        raise NotImplementedError(
+            "deepspeed.utils.safe_get_full_grad with the optimizer state split over more axes "
+            f"than the gradients ({engine.plan.mesh.shard}) is not supported by fzero: the "
+            "gradients are reduced across the extra axes only at the step"
+        )
     if engine.plan.stage_of(rt.unit) < 2 or engine.world_size == 1:
         full = rt.grad.detach().to(torch.float32, copy=True)
     else:
         full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
-        comm.all_gather_into(full, rt.grad.detach().contiguous())
+        comm.all_gather_into(full, rt.grad.detach().contiguous(), group=engine.groups.grads)
     scale = engine.loss_scale_state.scale if engine.loss_scale_state is not None else 1.0
     return gather_pieces(full, placement, shape).clone() / scale
 
