@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
@@ -21,7 +20,7 @@ from fzero import comm, partition
 from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
-from tests.test_mixed_stages import _per_step, _predicted, partition_pieces
+from tests.test_mixed_stages import _per_step, _predicted, _tensor_states, engine_resumes
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
 MESH = {"node": 2, "local": 2}
@@ -92,37 +91,6 @@ def _loss_fn(model):
         return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
 
     return loss_fn
-
-
-def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
-    """Every tensor's fp32 master and moments, whole (collective over every process): a
-    shard is placed at its plan rank's block (on the mesh the plan's ranks run along
-    ("local", "node"), not in process order)."""
-    plan, out = state.plan, {}
-    world = dist.get_world_size()
-    if plan.mesh is not None:
-        mesh = Mesh(plan.mesh.axes)
-        ranks = [mesh.index_in_group(p, plan.mesh.shard) for p in range(world)]
-    else:
-        ranks = list(range(world))
-    for index, unit in enumerate(plan.units):
-        u = state.units[index]
-        moments = {
-            k: v for k, v in u.optim._asdict().items() if isinstance(v, torch.Tensor) and v.dim()
-        }
-        for kind, part in {"master": u.master, **moments}.items():
-            part = part.float().contiguous()
-            if part.numel() != unit.numel:
-                parts = [torch.empty_like(part) for _ in range(world)]
-                dist.all_gather(parts, part)
-                whole = torch.empty(unit.numel)
-                for process, r in enumerate(ranks):
-                    whole[slice(*unit.shard_range(r))] = parts[process]
-            else:
-                whole = part
-            for pl in unit.placements:
-                out[f"{kind}:{pl.fqn}"] = partition_pieces(whole, pl, plan.manifest[pl.fqn].shape)
-    return out
 
 
 def _check_holdings(plan: partition.Plan, rank: int, units, params_split: bool) -> None:
@@ -238,35 +206,14 @@ def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
 
 
 def save_case(rank: int, world: int, root: str, name: str) -> dict:
-    """The engine: 2 steps, save, 1 more; a fresh engine loads and runs that step bitwise.
-    train_step: save mid-window (3 micro-steps: the gradients at their split), resume
-    bitwise. Returns the saved tensor states."""
-    engine = _engine(name)
-    for i in range(2):
-        for a in range(ACCUM):
-            engine.backward(F.mse_loss(engine(_rows(rank, i, a)[0]), _rows(rank, i, a)[1]))
-            engine.step()
-    engine.save_checkpoint(f"{root}/engine", tag="t")
-    saved = _tensor_states(engine.train_state)
-
-    def last(engine) -> dict:
-        for a in range(ACCUM):
-            x, y = _rows(rank, 2, a)
-            engine.backward(F.mse_loss(engine(x), y))
-            engine.step()
-        return engine.state_dict(dtype=torch.float32)
-
-    straight = last(engine)
-    engine.destroy()
-    fresh = _engine(name, seed=7)
-    fresh.load_checkpoint(f"{root}/engine", tag="t")
-    resumed = last(fresh)
-    fresh.destroy()
-    return {
-        "saved": saved,
-        "resumed": all(torch.equal(straight[k], resumed[k]) for k in straight),
-        "mid-window": _state_resume(rank, f"{root}/state", name),
-    }
+    """The engine: 2 steps, save, 1 more; a fresh engine loads and runs that step bitwise
+    (`engine_resumes`). train_step: save mid-window (3 micro-steps: the gradients at
+    their split), resume bitwise. Returns the saved tensor states."""
+    saved, resumed = engine_resumes(
+        lambda seed: _engine(name, seed=seed), lambda i, a: _rows(rank, i, a), f"{root}/engine"
+    )
+    mid_window = _state_resume(rank, f"{root}/state", name)
+    return {"saved": saved, "resumed": resumed, "mid-window": mid_window}
 
 
 def _state_resume(rank: int, root: str, name: str) -> bool:
