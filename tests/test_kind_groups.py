@@ -113,7 +113,8 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
         stage, params_split = CASES[name]
         engine = _engine(name)
         plan = _plan(name)
-        assert plan == engine.plan and plan.extra == 2 and plan.mesh.optimizer_extra == ("node",)
+        assert plan == engine.plan and plan.optimizer_extra_size == 2
+        assert plan.mesh.optimizer_extra == ("node",)
         torch.manual_seed(0)
         model = Net()
         state = fzero.init(model, plan, _optimizer(), config=_config(stage))

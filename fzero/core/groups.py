@@ -144,12 +144,13 @@ def gather_optimizer_shards(
 ) -> Any:
     """All-gather unit `index`'s optimizer shards (`shard`, this rank's: its master, or
     what an update made of it) into the whole buffer `full` (`gather_unit` over the plan's
-    group). With an optimizer split finer than the gradients (`Plan.extra`) the plan's
-    ranks are not in process order, so in two hops: over the `optimizer` group into the
-    gradient shard, then over the `grads` group into `full`. The work in flight, or None
+    group). With an optimizer split finer than the gradients
+    (`Plan.optimizer_extra_size` > 1) the plan's ranks are not in process order, so in two
+    hops: over the `optimizer` group into the gradient shard, then over the `grads` group
+    into `full`. The work in flight, or None
     when not `async_op`."""
     unit = plan.units[index]
-    if plan.extra == 1:
+    if plan.optimizer_extra_size == 1:
         return gather_unit(
             full, shard, unit, plan.world_size, group=groups.shard, what=what, async_op=async_op
         )
@@ -161,8 +162,9 @@ def gather_optimizer_shards(
 def gather_to_grads_shard(shard: Tensor, plan: Plan, groups: Groups, *, what: str = "") -> Tensor:
     """This rank's gradient shard (`Plan.grads_range`: stage 3's parameter shard) of a
     unit from the optimizer shards within it (`shard`, this rank's), gathered over the
-    `optimizer` group (`Plan.extra` > 1; collective)."""
-    held = torch.empty(shard.numel() * plan.extra, dtype=shard.dtype, device=shard.device)
+    `optimizer` group (`Plan.optimizer_extra_size` > 1; collective)."""
+    numel = shard.numel() * plan.optimizer_extra_size
+    held = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into(held, shard, what=what, group=groups.optimizer)
     return held
 
@@ -194,8 +196,8 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
 
 def check_finer(plan: Plan, quantized: bool, key: str) -> None:
     """Quantized collectives are not run where the optimizer is split finer than the
-    gradients (`Plan.extra`): refuse naming the key and the plan's axes."""
-    if quantized and plan.extra > 1:
+    gradients (`Plan.optimizer_extra_size`): refuse naming the key and the plan's axes."""
+    if quantized and plan.optimizer_extra_size > 1:
         assert plan.mesh is not None
         raise ValueError(
             f"zero_optimization.{key.split()[0]} is true but the plan's optimizer state is "

@@ -2,10 +2,10 @@
 rank computes with — this rank's part, then an all-gather of the whole unit buffer at
 stages 1-3 (overlapping whatever runs before `finish_publish`), or the stage-3 shard to
 where shards live between uses (with an optimizer split finer than the gradients, first
-gathered from the optimizer shards within it: `Plan.extra`). The one implementation the
-engine's step, `train_step`
-and checkpoint restores (`fzero.checkpoint.restore`) all use, over `UnitRuntime` records
-(`runtime_of` makes one for a `TrainState`'s unit).
+gathered from the optimizer shards within it: `Plan.optimizer_extra_size`). The one
+implementation the engine's step, `train_step` and checkpoint restores
+(`fzero.checkpoint.restore`) all use, over `UnitRuntime` records (`runtime_of` makes one
+for a `TrainState`'s unit).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Publisher:
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
                 value = value.to(self.compute_dtype)
-                if self.plan.extra > 1:  # the optimizer's shards of the parameters' shard
+                if self.plan.optimizer_extra_size > 1:  # optimizer shards of the param shard
                     value = value.to(self.device, copy=self.swapped and written is None)
                     value = gather_to_grads_shard(value, self.plan, self.groups, what=_updated(rt))
                 self.param_shards.store_param_shard(rt, value, wait=False)

@@ -528,12 +528,13 @@ def reduce_to_optimizer_shards(
     wire_dtype: torch.dtype = torch.float32,
 ) -> None:
     """At the accumulation boundary of a plan whose optimizer state is split finer than
-    its gradients (`Plan.extra` > 1): average each stage 2-3 unit's accumulated gradient
-    shard (`grads`, in unit order) over `group` (the `optimizer_extra` axes) by one
-    reduce-scatter, leaving rank `rank`'s block at `Plan.optimizer_in_grads` (the rest of
-    the accumulator is stale until the step zeroes it). Collective; nothing otherwise.
+    its gradients (`Plan.optimizer_extra_size` > 1): average each stage 2-3 unit's
+    accumulated gradient shard (`grads`, in unit order) over `group` (the
+    `optimizer_extra` axes) by one reduce-scatter, leaving rank `rank`'s block at
+    `Plan.optimizer_in_grads` (the rest of the accumulator is stale until the step zeroes
+    it). Collective; nothing otherwise.
     `wire_dtype`: the dtype the sums travel in, as the micro-steps' reductions."""
-    if plan.extra == 1:
+    if plan.optimizer_extra_size == 1:
         return
     pending: Pending = []
     for index, unit in enumerate(plan.units):

@@ -166,7 +166,7 @@ def owned_grad(plan: Plan, unit: Unit, rank: int, grad: Tensor, for_update: bool
     gradient norm sums."""
     stage = plan.stage_of(unit)
     if stage >= 2:
-        return grad if plan.extra == 1 else grad[plan.optimizer_in_grads(unit, rank)]
+        return grad if plan.optimizer_extra_size == 1 else grad[plan.optimizer_in_grads(unit, rank)]
     if for_update:
         return grad[optimizer_partition(plan, unit, rank)]
     return grad[slice(*unit.shard_range(rank))]

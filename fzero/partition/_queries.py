@@ -292,7 +292,7 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
 def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
     unit as its own stage (`Plan.stage_of`), and of masters apart from the parameters
-    (stage-3 shards coarser than the optimizer's: `Plan.extra`)."""
+    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`)."""
     params = grads = optimizer_numel = apart = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
@@ -300,7 +300,7 @@ def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int]:
         params += stop - start if stage == 3 else full
         grads += stop - start if stage >= 2 else full
         optimizer_numel += shard if stage >= 1 else full
-        apart += shard if stage == 3 and plan.extra > 1 else 0
+        apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
     return params, grads, optimizer_numel, apart
 
 

@@ -166,7 +166,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
         )
-    if engine.plan.extra > 1:
+    if engine.plan.optimizer_extra_size > 1:
         raise NotImplementedError(
             "deepspeed.utils.safe_get_full_grad with the optimizer state split over more axes "
             f"than the gradients ({engine.plan.mesh.shard}) is not supported by fzero: the "
