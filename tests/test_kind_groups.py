@@ -295,7 +295,10 @@ def test_comm_volume_and_memory_of_the_finer_split_beside_zero2_and_zero3_within
     every micro-step); the optimizer state is a quarter per rank, not a half."""
     finer = {name: partition.executable(_mesh_plan(_rule(split), stage=stage))
              for name, (stage, split) in CASES.items()}  # fmt: skip
-    within = {s: partition.executable(_mesh_plan(partition.MiCS(stage=s))) for s in (2, 3)}
+    within = {  # ZeRO-2 and ZeRO-3 within the node (MiCS), replicated across it
+        s: partition.executable(_mesh_plan(_split(("local",) * (s == 3), ("local",), ("local",))))
+        for s in (2, 3)
+    }
     numel = sum(u.numel for u in within[2].units)
     for name, plan in finer.items():
         stage = CASES[name][0]
