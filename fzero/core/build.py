@@ -19,8 +19,9 @@ From the unit's values (its flat fp32 buffer, the same on every rank) a rank kee
 - a zeroed fp32 gradient accumulator (the whole buffer at stages 0-1 — a view of the
   reduction's bucket when given —, the gradient shard at stages 2-3);
 
-With the optimizer split finer than the gradients (`Plan.optimizer_extra_size`), a parameter and
-gradient shard is `Plan.grads_range`, the master and optimizer state the shard within it.
+With the optimizer split finer than the gradients (`Plan.optimizer_extra_size`), a
+parameter and gradient shard is `Plan.grads_range`, the master and optimizer state the
+shard within it.
 - the optimizer's initial state over the master, in `state_dtype`.
 
 `Holding` says where and in which dtypes (the precision and the offload settings).

@@ -122,10 +122,11 @@ class OnMesh:
     hierarchical all-gather: fewer, larger messages over the slow axis).
     `optimizer_extra`: the last axes of `shard` that only the optimizer state (and fp32
     master) is split over; gradients and stage 3's parameters are split over the axes of
-    `shard` before them, each such shard holding `Plan.optimizer_extra_size` consecutive optimizer
-    shards (the optimizer split over the world, the gradients within a node: the
-    gradients reduce-scattered over their axes every micro-step, then over these at the
-    accumulation boundary into the optimizer's shard)."""
+    `shard` before them (`grads_shard`), each such shard holding
+    `Plan.optimizer_extra_size` consecutive optimizer shards (the optimizer split over the
+    world, the gradients within a node: the gradients reduce-scattered over their axes
+    every micro-step, then over these at the accumulation boundary into the optimizer's
+    shard)."""
 
     axes: tuple[tuple[str, int], ...]
     shard: tuple[str, ...]
@@ -216,14 +217,14 @@ class Plan:
     @property
     def grads_world_size(self) -> int:
         """Ranks of the group gradients (and stage 3's parameters) are split over:
-        `world_size`, but `world_size / extra` with a finer optimizer split."""
+        `world_size`, over `optimizer_extra_size` with a finer optimizer split."""
         return self.world_size // self.optimizer_extra_size
 
     def grads_range(self, unit: Unit, rank: int) -> tuple[int, int]:
         """`(start, stop)` of `unit`'s buffer that plan rank `rank`'s gradient shard
         (stages 2-3) and parameter shard (stage 3) hold: its shard (`Unit.shard_range`),
-        or with a finer optimizer split the `extra` consecutive shards around it (plan
-        rank `r` is `r // extra` in the gradients' group)."""
+        or with a finer optimizer split the `optimizer_extra_size` consecutive shards around
+        it (plan rank `r` is `r // optimizer_extra_size` in the gradients' group)."""
         if self.optimizer_extra_size == 1:
             return unit.shard_range(rank)
         size = self.optimizer_extra_size * unit.shard_numel
