@@ -183,7 +183,8 @@ def _reference() -> dict[str, torch.Tensor]:
     "name",
     [
         "zero2-like",  # the fast job's world-4 case
-        pytest.param("mics zero3-like", marks=pytest.mark.slow),  # the same machinery, + gathers
+        # the same machinery plus stage 3's gathers: 26 s on two loaded cores (slow job)
+        pytest.param("mics zero3-like", marks=pytest.mark.slow),
     ],
 )
 def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
@@ -251,7 +252,7 @@ def restore_case(rank: int, world: int, root: str) -> dict:
     return _tensor_states(restored.state)
 
 
-@pytest.mark.slow  # four ranks, then two and one: about 10 s on two cores
+@pytest.mark.slow  # four ranks, then two and one: 29 s on two loaded cores
 def test_a_finer_optimizer_split_resumes_exactly_and_restores_under_zero3(tmp_path):
     for index, name in enumerate(CASES):
         root = str(tmp_path / f"case{index}")
