@@ -345,16 +345,14 @@ def test_validate_accepts_what_zero_and_fsdp_run():
     # ranks 1 and 3 share a local index: the same half on both nodes
     assert hsdp2.shard_range(0, "grads", 1) == hsdp2.shard_range(0, "grads", 3)
     assert hsdp2.shard_range(0, "optimizer", 1) == (numel // 2, numel)
-    # states finer than gradients, the gradients' axes first (ZeRO-1 inside MiCS groups):
-    # a layout whose ranges nest, but its kinds split over different groups, which the
-    # doors do not run yet: `validate` refuses it, naming the unit and the kinds
-    finer = _with(ZERO3, params=WHOLE, grads=LOCAL, optimizer=MESH.sharding("local", "node"))
+    # states finer than gradients, the gradients' axes first (the optimizer over the
+    # world, the gradients within the node): ranges that nest, run by both doors
+    # (tests/test_kind_groups.py)
+    finer = _with(ZERO3, None, params=WHOLE, grads=LOCAL, optimizer=MESH.sharding("local", "node"))
     start, stop = finer.shard_range(0, "optimizer", 2)  # inside rank 2's gradient half
     grad_start, grad_stop = finer.shard_range(0, "grads", 2)
     assert grad_start <= start < stop <= grad_stop and stop - start == numel // 4
-    with pytest.raises(PlanError, match=r"unit 'embed' grads: split over \('local',\), unit "
-                       r"'embed' optimizer over \('local', 'node'\); .*not run yet"):  # fmt: skip
-        validate(finer)
+    assert validate(finer) is finer
     # hpZ's secondary may equal the primary (zero_hpz_partition_size = world size)
     same = _with(ZERO3, None, params_secondary=EVERY)
     assert validate(same) is same
@@ -399,8 +397,8 @@ def test_a_user_preset_states_any_mix_and_validate_says_what_does_not_run():
             return HpZ()(mesh, unit)
         return Zero(2)(mesh, unit)
 
-    refused = r"unit 'blocks.0' optimizer: split over \('node', 'local'\), unit 'embed' "
-    with pytest.raises(PlanError, match=refused + r"optimizer over \('local',\); .*not run yet"):
+    refused = r"unit 'blocks.0' grads: split over \('node', 'local'\), unit 'embed' "
+    with pytest.raises(PlanError, match=refused + r"grads over \('local',\); .*not run yet"):
         mesh_plan(MANIFEST, MESH, Custom("mine", rule))
     shardings = tuple(rule(MESH, unit) for unit in ZERO3.units)
     mp = dataclasses.replace(ZERO3, shardings=shardings, preset="mine")

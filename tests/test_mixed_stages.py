@@ -130,9 +130,17 @@ def _rows(rank: int, world: int, step: int, a: int):
 
 
 def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
-    """Every tensor's fp32 master and optimizer moments, whole (collective): what a
-    restore must give back exactly, whatever the plan."""
+    """Every tensor's fp32 master and optimizer moments, whole (collective over every
+    process): what a restore must give back exactly, whatever the plan. A shard is placed
+    at its plan rank's block (on a mesh whose optimizer is split finer than its gradients
+    the plan's ranks are not in process order; with replicas a block is filled by each)."""
     plan, out = state.plan, {}
+    world = dist.get_world_size()
+    if plan.mesh is not None:
+        mesh = Mesh(plan.mesh.axes)
+        ranks = [mesh.index_in_group(p, plan.mesh.shard) for p in range(world)]
+    else:
+        ranks = list(range(world))
     for index, unit in enumerate(plan.units):
         u = state.units[index]
         moments = {
@@ -142,9 +150,12 @@ def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
         }
         for kind, part in {"master": u.master, **moments}.items():
             part = part.float().contiguous()
-            if part.numel() != unit.numel:  # a shard: gathered over the plan's world
+            if part.numel() != unit.numel:  # a shard: gathered over every process
+                parts = [torch.empty_like(part) for _ in range(world)]
+                dist.all_gather(parts, part)
                 whole = torch.empty(unit.numel)
-                dist.all_gather(list(whole.chunk(dist.get_world_size())), part)
+                for process, r in enumerate(ranks):
+                    whole[slice(*unit.shard_range(r))] = parts[process]
             else:
                 whole = part
             for pl in unit.placements:
@@ -443,13 +454,14 @@ def test_a_mixed_step_sends_what_comm_volume_predicts():
 # ---- checkpoints: resume exactly, restore under uniform ZeRO-3 elsewhere ---------------------
 
 
-def save_case(rank: int, world: int, root: str, name: str) -> dict:
-    """Train 2 steps, save, train 1 more; a fresh engine of the same plan loads and runs
-    the same step bitwise. Returns the saved tensor states."""
-    engine = _engine(name)
+def engine_resumes(make, rows, root: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """Train 2 steps of `make(seed)`'s engine (seed 0) on `rows(step, a)`, save under
+    `root`, train 1 more; a fresh engine (seed 7) loads and runs the same step. The saved
+    tensor states and whether both last steps end bitwise alike."""
+    engine = make(0)
     for i in range(2):
         for a in range(ACCUM):
-            x, y = _rows(rank, world, i, a)
+            x, y = rows(i, a)
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
     engine.save_checkpoint(root, tag="t")
@@ -457,18 +469,26 @@ def save_case(rank: int, world: int, root: str, name: str) -> dict:
 
     def last(engine) -> dict:
         for a in range(ACCUM):
-            x, y = _rows(rank, world, 2, a)
+            x, y = rows(2, a)
             engine.backward(F.mse_loss(engine(x), y))
             engine.step()
         return engine.state_dict(dtype=torch.float32)
 
     straight = last(engine)
     engine.destroy()
-    fresh = _engine(name, seed=7)
+    fresh = make(7)
     fresh.load_checkpoint(root, tag="t")
     resumed = last(fresh)
     fresh.destroy()
-    return {"saved": saved, "resumed": all(torch.equal(straight[k], resumed[k]) for k in straight)}
+    return saved, all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def save_case(rank: int, world: int, root: str, name: str) -> dict:
+    """`engine_resumes` for case `name`: the saved tensor states, whether it resumed."""
+    saved, resumed = engine_resumes(
+        lambda seed: _engine(name, seed=seed), lambda i, a: _rows(rank, world, i, a), root
+    )
+    return {"saved": saved, "resumed": resumed}
 
 
 def restore_case(rank: int, world: int, root: str) -> dict:

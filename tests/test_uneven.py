@@ -140,13 +140,13 @@ def test_whole_tensors_at_stages_1_to_3_match_torch_optim_through_both_doors():
 
 def _muon_case(rank: int, world: int, strategy: str) -> dict:
     gathers = []
-    original = fzero.core.apply.gather_unit
+    original = fzero.core.apply.gather_optimizer_shards
 
     def counting(*args, **kwargs):
         gathers.append(1)
         return original(*args, **kwargs)
 
-    fzero.core.apply.gather_unit = counting
+    fzero.core.apply.gather_optimizer_shards = counting
     try:
         optimizer = fzero.optim.muon(ns_dtype="fp32", **HP)
         config = {**_config(2), "strategy": strategy}
@@ -158,7 +158,7 @@ def _muon_case(rank: int, world: int, strategy: str) -> dict:
             engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
     finally:
-        fzero.core.apply.gather_unit = original
+        fzero.core.apply.gather_optimizer_shards = original
     return {"state": engine.state_dict(dtype=torch.float32), "gathers": len(gathers)}
 
 

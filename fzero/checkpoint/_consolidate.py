@@ -346,6 +346,8 @@ def _on_mesh(plan: partition.Plan) -> str:
         return ""
     mesh = " x ".join(f"{name}={size}" for name, size in on.axes)
     text = f"; preset {on.preset} on mesh {mesh}, split over {'+'.join(on.shard) or 'none'}"
+    if on.optimizer_extra:
+        text += f" (gradients and parameters over {'+'.join(on.grads_shard)})"
     if plan.replicas > 1:
         text += f", {plan.replicas} replicas over {'+'.join(on.replicate)}"
     return text + (f", hpZ secondary over {'+'.join(on.secondary)}" if on.secondary else "")

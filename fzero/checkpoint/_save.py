@@ -157,7 +157,7 @@ def _partition_start(state: TrainState, index: int) -> int:
 
 def grad_numel(plan: Plan, index: int, rank: int) -> int:
     unit = plan.units[index]
-    return unit.numel if plan.stage_of(unit) < 2 else unit.shard_size(rank)
+    return unit.numel if plan.stage_of(unit) < 2 else plan.grads_size(unit, rank)
 
 
 # One tensor of a rank file: its index record, the unit it belongs to (None: a module

@@ -27,12 +27,12 @@ from torch import Tensor
 
 from fzero import native
 from fzero.core import nvme as _nvme
-from fzero.core.groups import gather_unit, groups_of
+from fzero.core.groups import gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Residency
-from fzero.core.state import optimizer_partition, partition_numel
+from fzero.core.state import optimizer_partition, owned_grad, partition_numel
 from fzero.core.update import (
     Segments,
     add_tensor_squares,
@@ -171,8 +171,7 @@ class OptimizerApplication:
     def step_grad(self, rt: UnitRuntime) -> Tensor:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
-        whole = self.plan.stage_of(rt.unit) < 2  # the whole reduced gradient: take the part
-        grad = rt.grad[self.partition(rt.unit)] if whole else rt.grad
+        grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
         if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
             return grad
         if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
@@ -203,7 +202,7 @@ class OptimizerApplication:
             return torch.empty(
                 rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
             )
-        if rt.full is None:
+        if rt.full is None and self.plan.optimizer_extra_size == 1:
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.plan.stage_of(rt.unit) == 0 or self.world_size == 1:
             return rt.full[self.partition(rt.unit)]
@@ -267,9 +266,9 @@ class OptimizerApplication:
         whole = direction.to(self.device)
         if part.stop - part.start != unit.numel or part.start != 0:
             whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            group, world = groups_of(self.plan).shard, self.plan.world_size
             direction = direction.to(self.device).contiguous()
-            gather_unit(whole, direction, unit, world, group=group, async_op=False)
+            groups = groups_of(self.plan)
+            gather_optimizer_shards(whole, direction, self.plan, rt.index, groups, async_op=False)
         out = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
         for pl in unit.placements:
             if pl.fqn in mine:

@@ -12,11 +12,16 @@ From the unit's values (its flat fp32 buffer, the same on every rank) a rank kee
 - stages 0-2 and stage-3 persistent units: the whole buffer in the compute dtype
   (`params`), and its optimizer partition as the master — a view of `params` where
   the master is the compute dtype and held on the compute device, else a copy;
-- stage 3: its shard as the master, and its shard in the compute dtype (`params`),
-  except where the master itself serves (fp32 compute, master on the compute device,
-  parameter shards not offloaded: held once);
+- stage 3: its shard as the master, and its parameter shard in the compute dtype
+  (`params`), except where the master itself serves (fp32 compute, master on the
+  compute device, parameter shards not offloaded, and the optimizer split as the
+  parameters: held once);
 - a zeroed fp32 gradient accumulator (the whole buffer at stages 0-1 — a view of the
-  reduction's bucket when given —, the shard at stages 2-3);
+  reduction's bucket when given —, the gradient shard at stages 2-3);
+
+With the optimizer split finer than the gradients (`Plan.optimizer_extra_size`), a
+parameter and gradient shard is `Plan.grads_range`, the master and optimizer state the
+shard within it.
 - the optimizer's initial state over the master, in `state_dtype`.
 
 `Holding` says where and in which dtypes (the precision and the offload settings).
@@ -95,7 +100,7 @@ def values_on_rank(
         return values, 0
     start, stop = 0, unit.numel
     if plan.stage_of(unit) == 3:
-        start, stop = unit.shard_range(rank)
+        start, stop = plan.grads_range(unit, rank)
     flat = torch.zeros(stop - start, dtype=torch.float32, device=device)
     with torch.no_grad():
         for tensor, placement in zip(tensors, unit.placements):
@@ -140,8 +145,9 @@ def build_unit_state(
     zeroed one."""
     unit = plan.units[index]
     part = optimizer_partition(plan, unit, rank)
-    compute, serves = holding.compute_dtype, holding.master_serves
-    whole = plan.stage_of(unit) < 3
+    compute, whole = holding.compute_dtype, plan.stage_of(unit) < 3
+    serves = holding.master_serves and (whole or plan.optimizer_extra_size == 1)
+    held = slice(*plan.grads_range(unit, rank))  # stage 3's parameter shard
     if values_from or values.numel() != unit.numel:
         if whole or not values_from <= part.start <= part.stop <= values_from + values.numel():
             raise ValueError(
@@ -155,7 +161,10 @@ def build_unit_state(
         master = params[part] if serves else _to_host(values[part], holding.master_dtype, holding)
     else:
         master = _to_host(values[part], holding.master_dtype, holding)
-        params = None if serves else values[part].to(compute, copy=True)
+        if values_from:
+            held = slice(held.start - values_from, held.stop - values_from)
+        params = None if serves else values[held].to(compute, copy=True)
     if grad is None:
-        grad = torch.zeros(unit.shard_size(rank), dtype=torch.float32, device=holding.device)
+        numel = plan.grads_size(unit, rank)
+        grad = torch.zeros(numel, dtype=torch.float32, device=holding.device)
     return UnitState(master, init_state(optimizer, master, holding.state_dtype), params, grad)

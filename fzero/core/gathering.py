@@ -55,7 +55,7 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.core import nvme as _nvme
-from fzero.core.groups import check_even, gather_unit, groups_of, secondary_block
+from fzero.core.groups import check_even, check_finer, gather_unit, groups_of, secondary_block
 from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Plan
 
@@ -235,6 +235,7 @@ class Gatherer:
         unbind: Callable[[int], None] | None = None,
     ) -> None:
         check_even(plan, settings.quantized, "zero_quantized_weights (qwZ)")
+        check_finer(plan, settings.quantized, "zero_quantized_weights (qwZ)")
         self.plan, self.shards, self.dtype, self.device = plan, shards, dtype, device
         self.settings, self.timer = settings, timer
         self.trace = trace if trace is not None else UseTrace()
@@ -336,7 +337,7 @@ class Gatherer:
             return
         full = torch.empty(g.numel, dtype=self.dtype, device=self.device)
         if self.shards.on_disk:
-            into = _nvme.aligned_empty(unit.shard_size(self.rank), self.dtype)
+            into = _nvme.aligned_empty(self.plan.grads_size(unit, self.rank), self.dtype)
             g.reading(full, into, self.shards.read(g.index, into))
         elif self.phase == "backward" and g.index in self.secondary:  # hpZ
             source = self.secondary[g.index]
@@ -357,7 +358,7 @@ class Gatherer:
         unit = self.plan.units[g.index]
         if not g.exact:
             work = quantized_all_gather(full, shard.contiguous(), group=self.groups.shard)
-        elif self.plan.world_size == 1:
+        elif self.plan.grads_world_size == 1:
             work = _Done(full.copy_(shard))
         elif self.plan.mesh is not None and self.plan.mesh.hierarchical and self.groups.hops:
             work = _Done(self._gather_by_axis(g.index, full, shard.contiguous()))
@@ -366,9 +367,9 @@ class Gatherer:
                 full,
                 shard.contiguous(),
                 unit,
-                self.plan.world_size,
+                self.plan.grads_world_size,
                 what=f"parameters of unit {g.index} {unit.name!r}",
-                group=self.groups.shard,
+                group=self.groups.grads,
             )
         g.gathering(full, shard, work)  # the shard stays alive until the gather lands
 
@@ -411,7 +412,7 @@ class Gatherer:
         return (
             self.device.type == "cpu"
             and comm.get_world_size() == 1
-            and self.plan.units[index].shard_size(self.rank) == self.units[index].numel
+            and self.plan.grads_size(self.plan.units[index], self.rank) == self.units[index].numel
         )
 
     def holds(self, index: int) -> bool:

@@ -6,7 +6,11 @@ use the default group. A plan on a mesh (`fzero.partition.OnMesh`, made by
 the group along its `shard` axes, where the process's rank in the plan is its index;
 the processes along the other axes hold the same shards, and each reduced gradient shard
 is averaged over them by one all-reduce (MiCS/HSDP). With hpZ's `secondary` axes,
-backward gathers parameters within that smaller group. Control collectives (the
+backward gathers parameters within that smaller group. With an optimizer split finer
+than the gradients (`OnMesh.optimizer_extra`) the plan's ranks are the optimizer's
+shards: gradients and parameters move within the `grads` group (the shard axes before
+the extra ones), and the boundary's reduce-scatter and the first publishing gather run
+within the `optimizer` group (the extra axes). Control collectives (the
 overflow flag, join's flag, checkpoint agreement) stay on every process.
 
 `gather_unit` is a unit's all-gather in the plan's group, also for uneven shards
@@ -28,7 +32,9 @@ from fzero.partition import Mesh, MeshPlan, Plan, Unit
 __all__ = [
     "Groups",
     "check_even",
+    "check_finer",
     "check_same_plan",
+    "gather_optimizer_shards",
     "gather_unit",
     "groups_of",
     "secondary_block",
@@ -40,8 +46,11 @@ class Groups(NamedTuple):
     processes holding this one's shards (None: no replicas); `secondary`: hpZ's group
     (None: none); `rank`: this process's rank in the plan; `secondary_rank`: its index
     in `secondary`; `replica`: its index along the replicate axes (0 writes checkpoints);
-    `hops`: where the shard group spans two or more mesh axes, each axis's group and size
-    in mesh order (qgZ's hierarchical reduction runs one hop per axis)."""
+    `hops`: where the gradients' group spans two or more mesh axes, each axis's group and
+    size in mesh order (qgZ's hierarchical reduction runs one hop per axis); `grads`:
+    the group gradients and stage 3's parameters are split over (`shard`'s, but with
+    `OnMesh.optimizer_extra`); `optimizer`: the group along those extra axes (None:
+    none)."""
 
     shard: Any = None
     replicate: Any = None
@@ -50,6 +59,8 @@ class Groups(NamedTuple):
     secondary_rank: int = 0
     replica: int = 0
     hops: tuple[tuple[Any, int], ...] = ()
+    grads: Any = None
+    optimizer: Any = None
 
 
 def groups_of(plan: Plan) -> Groups:
@@ -61,16 +72,20 @@ def groups_of(plan: Plan) -> Groups:
         return Groups(rank=process)
     mesh = Mesh(on.axes)
     replicate = on.replicate
-    axes = [axis for axis in on.shard if mesh.axis_size(axis) > 1]
+    axes = [axis for axis in on.grads_shard if mesh.axis_size(axis) > 1]
     hops = tuple((comm.mesh_group(on.axes, (a,)), mesh.axis_size(a)) for a in axes)
+    shard = comm.mesh_group(on.axes, on.shard)
+    extra = on.optimizer_extra
     return Groups(
-        shard=comm.mesh_group(on.axes, on.shard),
+        shard=shard,
         replicate=comm.mesh_group(on.axes, replicate) if plan.replicas > 1 else None,
         secondary=comm.mesh_group(on.axes, on.secondary) if on.secondary else None,
         rank=mesh.index_in_group(process, on.shard),
         secondary_rank=mesh.index_in_group(process, on.secondary),
         replica=mesh.index_in_group(process, replicate),
         hops=hops if len(hops) > 1 else (),
+        grads=comm.mesh_group(on.axes, on.grads_shard) if extra else shard,
+        optimizer=comm.mesh_group(on.axes, extra) if extra else None,
     )
 
 
@@ -117,16 +132,54 @@ def gather_unit(
     return None
 
 
-class _Parts:
-    """Several collectives in flight as one (`wait()` waits for each, in order)."""
+def gather_optimizer_shards(
+    full: Tensor,
+    shard: Tensor,
+    plan: Plan,
+    index: int,
+    groups: Groups,
+    *,
+    what: str = "",
+    async_op: bool = True,
+) -> Any:
+    """All-gather unit `index`'s optimizer shards (`shard`, this rank's: its master, or
+    what an update made of it) into the whole buffer `full` (`gather_unit` over the plan's
+    group). With an optimizer split finer than the gradients
+    (`Plan.optimizer_extra_size` > 1) the plan's ranks are not in process order, so in two
+    hops: over the `optimizer` group into the gradient shard, then over the `grads` group
+    into `full`. The work in flight, or None
+    when not `async_op`."""
+    unit = plan.units[index]
+    if plan.optimizer_extra_size == 1:
+        return gather_unit(
+            full, shard, unit, plan.world_size, group=groups.shard, what=what, async_op=async_op
+        )
+    held = gather_to_grads_shard(shard, plan, groups, what=what)
+    work = comm.all_gather_into(full, held, async_op=async_op, what=what, group=groups.grads)
+    return _Parts([work], keep=held) if async_op else None
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
+
+def gather_to_grads_shard(shard: Tensor, plan: Plan, groups: Groups, *, what: str = "") -> Tensor:
+    """This rank's gradient shard (`Plan.grads_range`: stage 3's parameter shard) of a
+    unit from the optimizer shards within it (`shard`, this rank's), gathered over the
+    `optimizer` group (`Plan.optimizer_extra_size` > 1; collective)."""
+    numel = shard.numel() * plan.optimizer_extra_size
+    held = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into(held, shard, what=what, group=groups.optimizer)
+    return held
+
+
+class _Parts:
+    """Several collectives in flight as one (`wait()` waits for each, in order); `keep`:
+    a tensor they read, alive until they land."""
+
+    def __init__(self, works: list[Any], keep: Tensor | None = None) -> None:
+        self.works, self.keep = works, keep
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        self.works = []
+        self.works, self.keep = [], None
 
 
 def check_even(plan: Plan, quantized: bool, key: str) -> None:
@@ -138,6 +191,19 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
             f"zero_optimization.{key.split()[0]} is true but unit {uneven!r} of the plan "
             f"({plan.strategy}) has uneven shards; quantized collectives need equal shards: "
             "turn it off or use an even strategy (flat_even, per_tensor_dim0)"
+        )
+
+
+def check_finer(plan: Plan, quantized: bool, key: str) -> None:
+    """Quantized collectives are not run where the optimizer is split finer than the
+    gradients (`Plan.optimizer_extra_size`): refuse naming the key and the plan's axes."""
+    if quantized and plan.optimizer_extra_size > 1:
+        assert plan.mesh is not None
+        raise ValueError(
+            f"zero_optimization.{key.split()[0]} is true but the plan's optimizer state is "
+            f"split over {plan.mesh.shard}, finer than its gradients "
+            f"({plan.mesh.grads_shard}); quantized collectives are not run with such a "
+            "split yet: turn it off, or split the optimizer as the gradients"
         )
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
 from fzero.core.build import Holding, build_unit_state, values_on_rank
-from fzero.core.groups import check_same_plan, gather_unit, groups_of
+from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
 from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
@@ -357,8 +357,7 @@ def full_master(state: TrainState, index: int) -> Tensor:
         full = torch.empty(numel, dtype=dtype, device=device)
         if state.plan.world_size > 1:
             shard, plan = unit.master.to(device).contiguous(), state.plan
-            unit_plan, group = plan.units[index], groups_of(plan).shard
-            gather_unit(full, shard, unit_plan, plan.world_size, group=group, async_op=False)
+            gather_optimizer_shards(full, shard, plan, index, groups_of(plan), async_op=False)
         else:
             full.copy_(unit.master)
     return full

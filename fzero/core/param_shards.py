@@ -52,7 +52,7 @@ class ParamShardStore:
             self.swap = _nvme.SwapFile(
                 offload.nvme_path or "",
                 process_rank,
-                [u.shard_size(rank) * dtype.itemsize for u in plan.units],
+                [plan.grads_size(u, rank) * dtype.itemsize for u in plan.units],
                 threads=aio.thread_count,
                 block_size=aio.block_size,
                 what="param",

@@ -1,9 +1,11 @@
 """Publishing: writing updated fp32 masters back to the compute-dtype parameters every
 rank computes with — this rank's part, then an all-gather of the whole unit buffer at
 stages 1-3 (overlapping whatever runs before `finish_publish`), or the stage-3 shard to
-where shards live between uses. The one implementation the engine's step, `train_step`
-and checkpoint restores (`fzero.checkpoint.restore`) all use, over `UnitRuntime` records
-(`runtime_of` makes one for a `TrainState`'s unit).
+where shards live between uses (with an optimizer split finer than the gradients, first
+gathered from the optimizer shards within it: `Plan.optimizer_extra_size`). The one
+implementation the engine's step, `train_step` and checkpoint restores
+(`fzero.checkpoint.restore`) all use, over `UnitRuntime` records (`runtime_of` makes one
+for a `TrainState`'s unit).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.groups import gather_unit, groups_of
+from fzero.core.groups import gather_optimizer_shards, gather_to_grads_shard, groups_of
 from fzero.core.layout import UnitRuntime, bind, scatter_pieces
 from fzero.core.state import TrainState, UnitState, optimizer_partition
 from fzero.partition import Plan, Unit
@@ -82,7 +84,7 @@ class Publisher:
         """`swapped`: masters sit in reused NVMe swap buffers (the all-gather's input is
         copied out of them)."""
         self.plan, self.rank, self.stage, self.world_size = plan, rank, plan.stage, plan.world_size
-        self.group = groups_of(plan).shard
+        self.groups = groups_of(plan)
         self.compute_dtype, self.device, self.swapped = compute_dtype, device, swapped
         self.param_shards = param_shards or InMemoryShards()
         self.timer = timer
@@ -103,6 +105,9 @@ class Publisher:
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
                 value = value.to(self.compute_dtype)
+                if self.plan.optimizer_extra_size > 1:  # optimizer shards of the param shard
+                    value = value.to(self.device, copy=self.swapped and written is None)
+                    value = gather_to_grads_shard(value, self.plan, self.groups, what=_updated(rt))
                 self.param_shards.store_param_shard(rt, value, wait=False)
             return
         if stage == 0 or self.world_size == 1 or not exchange:
@@ -115,8 +120,8 @@ class Publisher:
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
         shard = shard.to(self.device, copy=self.swapped and written is None)
-        work = gather_unit(
-            rt.full, shard, rt.unit, self.world_size, group=self.group, what=_updated(rt)
+        work = gather_optimizer_shards(
+            rt.full, shard, self.plan, rt.index, self.groups, what=_updated(rt)
         )
         self.publishing.append((work, rt, shard))
 
@@ -132,8 +137,8 @@ class Publisher:
             self.publishing.append((None, rt, None))
             return
         shard = rt.full[self.partition(rt.unit)].clone()
-        work = gather_unit(
-            rt.full, shard, rt.unit, self.world_size, group=self.group, what=_updated(rt)
+        work = gather_optimizer_shards(
+            rt.full, shard, self.plan, rt.index, self.groups, what=_updated(rt)
         )
         self.publishing.append((work, rt, shard))
 
@@ -255,7 +260,7 @@ def accept_edits(
         rt.master.copy_(part)
     bind(rt, full)
     if rt.param_shard is not None:  # stage 3: the shard takes the edit (a gathered copy
-        start, stop = rt.unit.shard_range(rank)  # of it is released: stale from now on)
+        start, stop = plan.grads_range(rt.unit, rank)  # of it is released: stale from now on)
         param_shards.store_param_shard(rt, full[start:stop])
 
 

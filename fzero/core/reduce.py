@@ -20,6 +20,14 @@ A plan on a mesh reduces within its shard group, then averages each rank's reduc
 over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
 shard per rank, not the bucket); stages 0-1 all-reduce over every process at once.
 
+Where the optimizer state is split over more axes than the gradients
+(`OnMesh.optimizer_extra`: the optimizer over the world, the gradients within a node),
+each micro-step reduces within the gradients' group only and the shard accumulates at
+its split, without replicas' averages; at the accumulation boundary
+`reduce_to_optimizer_shards` reduce-scatters each accumulated shard over the extra axes
+into the optimizer's block of it (a reduce-scatter, not an all-reduce and a slice: each
+rank sends and receives half the bytes).
+
 Stages are per unit (`Plan.stage_of`): a plan of ZeRO-1 embeddings and ZeRO-3 blocks
 sums the embeddings' gradients into their whole accumulators and all-reduces them at the
 accumulation boundary, while the blocks' are reduce-scattered every pass; a bucket holds
@@ -38,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.groups import check_even, groups_of
+from fzero.core.groups import check_even, check_finer, groups_of
 from fzero.core.layout import add_pieces
 from fzero.core.quantize import quantized_reduce_scatter
 from fzero.partition import Placement, Plan
@@ -50,6 +58,7 @@ __all__ = [
     "bucket_accumulators",
     "finish",
     "reduce_bucket",
+    "reduce_to_optimizer_shards",
     "scatter_by_all_reduce",
 ]
 
@@ -339,10 +348,11 @@ class Reduction:
         self.sizes, self.accumulator, self.keep = list(sizes), accumulator, keep
         self.device, self.quantized, self.overlap = device, quantized, overlap
         self.bits = bits
-        self.world = plan.world_size
+        self.world = plan.grads_world_size  # the gradients' group
         self.whole = [stage < 2 for stage in plan.stages]  # gradients all-reduced whole
         self.groups = groups_of(plan)
         check_even(plan, quantized, "zero_quantized_gradients (qgZ)")
+        check_finer(plan, quantized, "zero_quantized_gradients (qgZ)")
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
             offset = 0
@@ -474,7 +484,7 @@ class Reduction:
         flats = [self.target(i) for i in indices]  # zeros for units this pass left unused
         buffer = self._buffers.pop(b)
         self._zeroed.difference_update(indices)
-        owned = [slice(*self.plan.units[i].shard_range(self.rank)) for i in indices]
+        owned = [slice(*self.plan.grads_range(self.plan.units[i], self.rank)) for i in indices]
         pending = reduce_bucket(
             buffer,
             flats,
@@ -484,7 +494,7 @@ class Reduction:
             quantized=self.quantized,
             what=_grads_of(indices),
             bits=self.bits,
-            group=self.groups.shard,
+            group=self.groups.grads,
             replicas=self.groups.replicate,
             hops=self.groups.hops,
             bounds=[self.plan.units[i].bounds for i in indices],
@@ -508,6 +518,35 @@ def _nothing() -> None:
 
 def _grads_of(indices: Sequence[int]) -> str:
     return f"gradients of units {list(indices)}"
+
+
+def reduce_to_optimizer_shards(
+    plan: Plan,
+    rank: int,
+    grads: Sequence[Tensor],
+    group: Any,
+    wire_dtype: torch.dtype = torch.float32,
+) -> None:
+    """At the accumulation boundary of a plan whose optimizer state is split finer than
+    its gradients (`Plan.optimizer_extra_size` > 1): average each stage 2-3 unit's
+    accumulated gradient shard (`grads`, in unit order) over `group` (the
+    `optimizer_extra` axes) by one reduce-scatter, leaving rank `rank`'s block at
+    `Plan.optimizer_in_grads` (the rest of the accumulator is stale until the step zeroes
+    it). Collective; nothing otherwise.
+    `wire_dtype`: the dtype the sums travel in, as the micro-steps' reductions."""
+    if plan.optimizer_extra_size == 1:
+        return
+    pending: Pending = []
+    for index, unit in enumerate(plan.units):
+        if plan.stage_of(unit) < 2:
+            continue
+        accumulated, part = grads[index], plan.optimizer_in_grads(unit, rank)
+        wire = accumulated.to(wire_dtype)
+        block = torch.empty(part.stop - part.start, dtype=wire_dtype, device=wire.device)
+        what = f"{_grads_of([index])} across replicas"
+        work = comm.reduce_scatter_into(block, wire, async_op=True, what=what, group=group)
+        pending.append((work, functools.partial(accumulated[part].copy_, block)))
+    finish(pending)
 
 
 def any_rank(flag: bool, world_size: int, what: str, device: torch.device) -> bool:

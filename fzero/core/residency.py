@@ -129,7 +129,7 @@ class Residency:
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = zero.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
-            sizes += [4 * u.shard_size(rank) for u in self.plan.units]
+            sizes += [4 * self.plan.grads_size(u, rank) for u in self.plan.units]
         # (bf16 moments: their staging buffers are half-size)
         per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
@@ -317,7 +317,7 @@ class Residency:
         if self._grad_failure:
             return  # this window is dropped at the end of backward
         pooled = self.pool.take()
-        buffer = pooled[: rt.unit.shard_size(self.rank)]
+        buffer = pooled[: self.plan.grads_size(rt.unit, self.rank)]
         region = self.grad_region(rt)
         try:
             if rt.grad_on_disk:

@@ -39,6 +39,7 @@ __all__ = [
     "TrainState",
     "UnitState",
     "optimizer_partition",
+    "owned_grad",
     "partition_numel",
 ]
 
@@ -154,6 +155,21 @@ def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
         return slice(0, unit.numel)
     start, stop = unit.shard_range(rank)
     return slice(start, stop)
+
+
+def owned_grad(plan: Plan, unit: Unit, rank: int, grad: Tensor, for_update: bool = False) -> Tensor:
+    """The part of `unit`'s reduced gradient accumulator `grad` that plan rank `rank`
+    owns: its shard of a whole gradient (stages 0-1; at stage 0 with `for_update` all of
+    it, which every rank updates), the accumulator (stages 2-3), or with an optimizer
+    split finer than the gradients the block the boundary's reduce-scatter left in it
+    (`Plan.optimizer_in_grads`). Each element is owned by one rank of the plan: what the
+    gradient norm sums."""
+    stage = plan.stage_of(unit)
+    if stage >= 2:
+        return grad if plan.optimizer_extra_size == 1 else grad[plan.optimizer_in_grads(unit, rank)]
+    if for_update:
+        return grad[optimizer_partition(plan, unit, rank)]
+    return grad[slice(*unit.shard_range(rank))]
 
 
 def partition_numel(plan: Plan, unit: Unit, rank: int) -> int:

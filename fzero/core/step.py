@@ -45,9 +45,9 @@ from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, sche
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import gradient_wire_dtype, loss_scaler
 from fzero.core.publish import attach_params, runtime_of, views
-from fzero.core.reduce import Reduction, any_rank
+from fzero.core.reduce import Reduction, any_rank, reduce_to_optimizer_shards
 from fzero.core.residency import Residency, SwapFileUnits
-from fzero.core.state import Counters, TrainState, UnitState, partition_numel
+from fzero.core.state import Counters, TrainState, UnitState, owned_grad, partition_numel
 from fzero.core.update import decide_step, grad_stats
 from fzero.optim import Optimizer, adamw
 from fzero.partition import MeshPlan, Placement, Plan
@@ -524,6 +524,9 @@ class _Micro:
         config, plan = self.step.config, self.plan  # gradients reduced in backward
         scaler = loss_scaler(config) if self.state.loss_scale is not None else None
         dynamic = scaler is not None and scaler.dynamic
+        grads = [u.grad for u in self.state.units]
+        wire = gradient_wire_dtype(config)
+        reduce_to_optimizer_shards(plan, self.rank, grads, groups_of(plan).optimizer, wire)
         stats = [
             grad_stats(self._owned_grad(i), clipping=config.gradient_clipping, dynamic=dynamic)
             for i in range(len(plan.units))
@@ -556,11 +559,8 @@ class _Micro:
         return counters, decision.loss_scale, units
 
     def _owned_grad(self, index: int) -> Tensor:
-        grad = self.state.units[index].grad
-        if self.plan.stage_of(index) < 2:
-            start, stop = self.plan.units[index].shard_range(self.rank)
-            return grad[start:stop]
-        return grad
+        unit = self.plan.units[index]
+        return owned_grad(self.plan, unit, self.rank, self.state.units[index].grad)
 
     def _update(self, factor: float, lr: float, clock: StepClock) -> tuple[UnitState, ...]:
         """Every unit's optimizer update (in place, through the core's

@@ -26,7 +26,7 @@ from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import StepClock
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import Precision
+from fzero.core.precision import Precision, gradient_wire_dtype
 from fzero.core.state import Counters, TrainState, optimizer_partition
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
@@ -283,6 +283,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
                     clipping=self.config.gradient_clipping, device=self.device,
                     lrs=self.hyperparams.current_lrs(), skipped=self.skipped_steps,
                     clock=StepClock(self.lr_steps, self.global_steps + 1),
+                    wire_dtype=gradient_wire_dtype(self.config),
                 )  # fmt: skip
         except (OSError, LossScaleError):  # not applied (NVMe I/O, fp16 stuck at the minimum)
             self.micro_steps -= 1

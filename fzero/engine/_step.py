@@ -12,7 +12,9 @@ import torch
 from fzero.core.apply import OptimizerApplication, StepClock
 from fzero.core.groups import Groups
 from fzero.core.layout import UnitRuntime
+from fzero.core.reduce import reduce_to_optimizer_shards
 from fzero.core.residency import Residency
+from fzero.core.state import owned_grad
 from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
 from fzero.optim import LossScaleState, Optimizer, with_overrides
 from fzero.partition import Plan
@@ -30,11 +32,7 @@ def unit_grad_stats(
     """`grad_stats` of every unit's owned gradient, in unit order (NVMe: taken when the
     last micro-step wrote the gradient; a unit without one has zeros)."""
     if not residency.grads_on_disk:
-        owned = [
-            rt.grad[slice(*rt.unit.shard_range(rank))] if plan.stage_of(rt.unit) < 2 else rt.grad
-            for rt in units
-        ]
-        return [grad_stats(grad) for grad in owned]
+        return [grad_stats(owned_grad(plan, rt.unit, rank, rt.grad)) for rt in units]
     zeros = grad_stats(torch.zeros(1))
     return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in units]
 
@@ -54,9 +52,14 @@ def take_step(
     lrs: list[float],
     clock: StepClock,
     skipped: int,
+    wire_dtype: torch.dtype = torch.float32,
 ) -> StepDecision:
-    """The step at an accumulation boundary: decide (collective), then skip it (fp16
-    overflow) or update every unit; gradients zeroed either way."""
+    """The step at an accumulation boundary: the accumulated gradient shards reduced into
+    the optimizer's where it is split finer (`reduce_to_optimizer_shards`, in
+    `wire_dtype`), decide (collective), then skip it (fp16 overflow) or update every
+    unit; gradients zeroed either way."""
+    grads = [rt.grad for rt in units]
+    reduce_to_optimizer_shards(plan, groups.rank, grads, groups.optimizer, wire_dtype)
     decision = decide_step(
         unit_grad_stats(units, plan, groups.rank, residency, grad_stats),
         loss_scaler=loss_scaler,

@@ -20,6 +20,16 @@ What is executable (`validate`), as ZeRO and FSDP run it:
   implies 2, as in DeepSpeed; FSDP reduces a gradient to its parameter's shard);
 - ZeRO++ hpZ's secondary parameter copy is split over a subset of the primary's axes
   (a coarser split: more memory, a gather within fewer ranks).
+
+Both doors run (`executable`) every unit's kinds split over one group of axes S, or
+whole; and the optimizer state split over more axes than the gradients: over S then
+axes E (every axis not in S, in mesh order), the gradients over S (stages 2-3), e.g. on
+`node` x `local` the optimizer over `("local", "node")` (a quarter each on 2x2) with the
+gradients over `("local",)`. A micro-step reduce-scatters the gradients over S into their
+shard, where they accumulate; the boundary reduce-scatters that shard over E into the
+optimizer's (a reduce-scatter: half the bytes of an all-reduce, each rank receiving only
+its block); after the update one all-gather over E gives the gradient shard's
+parameters, and one over S the whole unit where the parameters are whole.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ __all__ = [
     "from_plan",
     "mesh_plan_from_bytes",
     "process_groups",
+    "publish_hops",
     "to_bytes",
     "to_plan",
     "validate",
@@ -121,8 +132,8 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
 def _check_runs(plan: MeshPlan) -> None:
     """What both doors run (`executable`), checked here so that a plan `validate`
     accepts is one they run: the errors name the unit, kind and axes."""
-    group = _shard_group(plan)
-    _unit_stages(plan, group)
+    group, extra = _shard_group(plan)
+    _unit_stages(plan, group, extra)
     _secondary(plan, group)
 
 
@@ -185,7 +196,8 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
         optimizer.shard,
         "the optimizer state",
         "each rank updates only elements whose reduced gradient it holds, so the optimizer "
-        "state is split as finely as the gradients or finer, the same axes first",
+        "state is split as finely as the gradients or finer, the same axes first (e.g. "
+        "gradients over ('local',), the optimizer over ('local', 'node'))",
     )
     secondary = sharding.params_secondary
     if secondary is not None:
@@ -264,19 +276,24 @@ def to_plan(plan: MeshPlan) -> Plan:
     return _validate_stage_plan(result)
 
 
-def _unit_stages(plan: MeshPlan, group: tuple[str, ...] | None) -> list[int]:
+def _unit_stages(
+    plan: MeshPlan, group: tuple[str, ...] | None, extra: tuple[str, ...] = ()
+) -> list[int]:
     """The ZeRO stage each unit is split as over `group` (default every axis): each kind
-    split over the whole group or whole, else a `PlanError` naming the unit and kind.
-    Units may differ (ZeRO-1 embeddings beside ZeRO-3 blocks: `Unit.stage`)."""
-    return [_unit_stage(plan.mesh, u, s, group) for u, s in zip(plan.units, plan.shardings)]
+    split over the whole group or whole (the optimizer over `group` then `extra` where
+    `extra` is given), else a `PlanError` naming the unit and kind. Units may differ
+    (ZeRO-1 embeddings beside ZeRO-3 blocks: `Unit.stage`)."""
+    return [_unit_stage(plan.mesh, u, s, group, extra) for u, s in zip(plan.units, plan.shardings)]
 
 
-def _staged_units(plan: MeshPlan, group: tuple[str, ...] | None) -> tuple[int, tuple[Unit, ...]]:
+def _staged_units(
+    plan: MeshPlan, group: tuple[str, ...] | None, extra: tuple[str, ...] = ()
+) -> tuple[int, tuple[Unit, ...]]:
     """The stage plan's stage (the largest any unit is split as; a persistent unit's
     whole params count as stage 3's) and its units: a unit at the plan's stage as it is,
     a stage-2 unit of a stage-3 plan persistent (params whole, as today's stage-3
     plans keep small tensors), any other lower one with its own `Unit.stage`."""
-    stages = _unit_stages(plan, group)
+    stages = _unit_stages(plan, group, extra)
     said = [3 if u.persistent and s == 2 else s for u, s in zip(plan.units, stages)]
     stage = max(said, default=0)
     units = []
@@ -289,12 +306,17 @@ def _staged_units(plan: MeshPlan, group: tuple[str, ...] | None) -> tuple[int, t
 
 
 def _unit_stage(
-    mesh: Mesh, unit: Unit, sharding: UnitSharding, every: tuple[str, ...] | None = None
+    mesh: Mesh,
+    unit: Unit,
+    sharding: UnitSharding,
+    every: tuple[str, ...] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> int:
     """The ZeRO stage one unit's shardings are over the group along `every` (default:
     every axis, in mesh order), or a `PlanError` naming the kind split otherwise (a
     persistent unit, params whole and the rest split, is stage 2). Without `every`, a
-    secondary copy or a hierarchical gather is an error (they need subgroups)."""
+    secondary copy or a hierarchical gather is an error (they need subgroups). With
+    `extra`, a split optimizer is over `every` then `extra` and its gradients split."""
     where = f"unit {unit.name!r}"
     if every is None and (
         sharding.params_secondary is not None or sharding.hierarchical_params_gather
@@ -309,6 +331,9 @@ def _unit_stage(
     for kind in ("optimizer", "grads", "params"):
         given = sharding.of(kind).shard  # axes of size 1 change nothing
         shard = _significant(mesh, given)
+        if extra and kind == "optimizer" and shard:
+            _check_finer(unit, sharding, group, extra, shard)
+            shard = group
         if shard and shard != group:
             why = _ONE_GROUP if every is not None else _WORLD_ONLY
             raise PlanError(
@@ -324,9 +349,35 @@ _WORLD_ONLY = (
 )
 _ONE_GROUP = (
     "fzero runs plans whose every split is over one group of axes (each unit ZeRO-0/1/2/3 "
-    "over it, replicas along the rest: MiCS/HSDP); splits over different groups per kind "
-    "or unit are not run yet"
+    "over it, replicas along the rest: MiCS/HSDP), or whose optimizer state is split over "
+    "that group then more axes (the gradients' axes first); other splits over different "
+    "groups per kind or unit are not run yet"
 )
+
+
+def _check_finer(
+    unit: Unit,
+    sharding: UnitSharding,
+    group: tuple[str, ...],
+    extra: tuple[str, ...],
+    shard: tuple[str, ...],
+) -> None:
+    """In a plan whose optimizer state is split over `group` then `extra`, a unit whose
+    optimizer is split (over `shard`, its axes of size > 1) is so, and its gradients are
+    split (stages 2-3)."""
+    where = f"unit {unit.name!r} optimizer: split over {sharding.optimizer.shard}"
+    if shard != group + extra:
+        raise PlanError(
+            f"{where}, other units' over {group + extra} (gradients over {group}); "
+            "fzero runs one optimizer split finer than the gradients for every unit whose "
+            "optimizer state is split"
+        )
+    if not sharding.grads.shard:
+        raise PlanError(
+            f"{where} with its gradients whole (ZeRO-1); a finer optimizer split runs for "
+            f"units whose gradients are split over {group} (ZeRO-2/3 over it): split this "
+            "unit's gradients there too, or its optimizer over no axis"
+        )
 
 
 def _significant(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -345,18 +396,21 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     (as `to_plan` asks of the world's axes), each unit as its own ZeRO stage over S (the
     result's `Unit.stage` where below the plan's); hpZ's secondary over one subset of S, in
     mesh order; a hierarchical gather (MiCS's) as one all-gather per axis of S, the
-    outermost first. Anything else is a `PlanError` naming the unit, kind and axes."""
+    outermost first; the optimizer split over S then the other axes E (the gradients of
+    stage 2-3 units over S): the plan's ranks are then the optimizer's shards, along S
+    then E, and `OnMesh.optimizer_extra` is E. Anything else is a `PlanError` naming
+    the unit, kind and axes."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
     validate(plan)
     mesh = plan.mesh
-    group = _shard_group(plan)
-    stage, staged = _staged_units(plan, group)
+    group, extra = _shard_group(plan)
+    stage, staged = _staged_units(plan, group, extra)
     secondary = _secondary(plan, group)
-    size = mesh.group_size(group)
+    size = mesh.group_size(group + extra)  # the plan's ranks: the optimizer's shards
     units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
-    on = OnMesh(mesh.axes, group, secondary, plan.preset, hierarchical)
+    on = OnMesh(mesh.axes, group + extra, secondary, plan.preset, hierarchical, extra)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on)
     return _validate_stage_plan(result)
 
@@ -370,7 +424,8 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
     if on is None:
         return from_plan(plan)
     mesh = Mesh(on.axes)
-    split, whole = mesh.sharding(*on.shard), mesh.replicated
+    split, whole = mesh.sharding(*on.grads_shard), mesh.replicated
+    optimizer = mesh.sharding(*on.shard)  # finer than `split` with `optimizer_extra`
     secondary = mesh.sharding(*on.secondary) if on.secondary else None
     units, shardings = [], []
     for unit in plan.units:
@@ -380,7 +435,7 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
             UnitSharding(
                 params,
                 split if stage >= 2 else whole,
-                split if stage >= 1 else whole,
+                optimizer if stage >= 1 else whole,
                 secondary if params is split else None,
                 hierarchical_params_gather=on.hierarchical and params is split,
             )
@@ -392,27 +447,62 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
     )  # fmt: skip
 
 
-def _shard_group(plan: MeshPlan) -> tuple[str, ...]:
-    """The one set of axes (size > 1) any kind of any unit is split over, or a
-    `PlanError` naming two that differ; when nothing is split (stage 0), every axis: a
-    stage-0 plan of the whole world, as `to_plan` gives."""
+def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The one set of axes (size > 1) any unit's gradients and parameters are split over
+    (or, where none are, its optimizer state), and the axes the optimizer state alone is
+    split over after them (() when none); a `PlanError` names two splits that differ.
+    When nothing is split (stage 0), every axis: a stage-0 plan of the whole world, as
+    `to_plan` gives."""
     mesh, found = plan.mesh, None
-    for unit, sharding in zip(plan.units, plan.shardings):
-        for kind in ("optimizer", "grads", "params"):
-            axes = _significant(mesh, sharding.of(kind).shard)
-            if not axes:
-                continue
-            if found is None:
-                found = (axes, unit.name, kind)
-            elif axes != found[0]:
-                raise PlanError(
-                    f"unit {unit.name!r} {kind}: split over {axes}, unit {found[1]!r} "
-                    f"{found[2]} over {found[0]}; {_ONE_GROUP}"
-                )
+    for kinds in (("grads", "params"), ("optimizer",)):
+        for unit, sharding in zip(plan.units, plan.shardings):
+            for kind in kinds:
+                axes = _significant(mesh, sharding.of(kind).shard)
+                if not axes:
+                    continue
+                if found is None:
+                    found = (axes, unit.name, kind)
+                elif axes != found[0] and not (kind == "optimizer" and _finer(axes, found[0])):
+                    raise PlanError(
+                        f"unit {unit.name!r} {kind}: split over {axes}, unit {found[1]!r} "
+                        f"{found[2]} over {found[0]}; {_ONE_GROUP}"
+                    )
     if found is None:
-        return _significant(mesh, mesh.names)
+        return _significant(mesh, mesh.names), ()
     _in_mesh_order(mesh, found[0], f"unit {found[1]!r} {found[2]}")
-    return found[0]
+    return found[0], _optimizer_extra(plan, found[0])
+
+
+def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
+    """Whether `axes` are `group` then more (an optimizer split finer than the gradients)."""
+    return len(axes) > len(group) and axes[: len(group)] == group
+
+
+def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a split optimizer state is split over after `group` (the gradients'),
+    the same for every unit; they must be every other axis, in mesh order, without hpZ's
+    secondary copy or a hierarchical gather."""
+    mesh, extra = plan.mesh, ()
+    for unit, sharding in zip(plan.units, plan.shardings):
+        axes = _significant(mesh, sharding.optimizer.shard)
+        if not _finer(axes, group):
+            continue
+        where = f"unit {unit.name!r} optimizer: split over {axes}, the gradients over {group}"
+        rest = tuple(a for a in _significant(mesh, mesh.names) if a not in group)
+        if axes[len(group) :] != rest:
+            raise PlanError(
+                f"{where}: the optimizer's axes beyond the gradients' are {axes[len(group) :]}, "
+                f"not every other axis {rest} in mesh order; fzero runs an optimizer split "
+                "finer than the gradients over all of the gradients' replicas (the optimizer "
+                "split over the world), in mesh order; replicas beside it are not run yet"
+            )
+        if sharding.params_secondary is not None or sharding.hierarchical_params_gather:
+            raise PlanError(
+                f"{where}: with hpZ's secondary copy or a hierarchical gather, which are not "
+                "run beside a finer optimizer split yet"
+            )
+        extra = axes[len(group) :]
+    return extra
 
 
 def _secondary(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
@@ -452,8 +542,8 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
     its control all-reduces (norms, flags) use. Per unit: the parameters' gather
     (`params.shard`, or each of its axes for a hierarchical gather), hpZ's backward
     gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
-    all-reduce (`grads.replicate`), and the publishing gather after the update (the
-    optimizer's axes after the parameters')."""
+    all-reduce (`grads.replicate`), and the publishing gathers after the update
+    (`publish_hops`)."""
     found: dict[tuple[str, ...], None] = {}
     for sharding in plan.shardings:
         params = sharding.params.shard
@@ -464,11 +554,24 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
             secondary.shard if secondary is not None else (),
             sharding.grads.shard,
             sharding.grads.replicate,
-            sharding.optimizer.shard[len(params) :],
+            *publish_hops(sharding),
         ):
             if axes:
                 found.setdefault(axes, None)
     return tuple(found)
+
+
+def publish_hops(sharding: UnitSharding) -> tuple[tuple[str, ...], ...]:
+    """The all-gathers that publish a unit's updated parameters, in order, by their axes:
+    the optimizer's axes after the parameters', as one gather; where the optimizer is
+    split finer than split gradients, first over its axes beyond the gradients' (into the
+    gradient shard), then over the gradients' beyond the parameters' (none at stage 3).
+    Axes of size 1 are left to the caller (a gather over them moves nothing)."""
+    optimizer, grads = sharding.optimizer.shard, sharding.grads.shard
+    params = sharding.params.shard
+    if grads and len(optimizer) > len(grads):
+        return optimizer[len(grads) :], grads[len(params) :]
+    return (optimizer[len(params) :],)
 
 
 def _encode_sharding(sharding: Sharding | None) -> list[list[str]] | None:

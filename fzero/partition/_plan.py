@@ -119,13 +119,21 @@ class OnMesh:
     split over these axes only (a subset of `shard`: ZeRO++ hpZ), and backward gathers
     from that copy. `preset` names the mesh plan it came from. `hierarchical`: stage 3's
     parameter gathers run one all-gather per `shard` axis, the outermost first (MiCS's
-    hierarchical all-gather: fewer, larger messages over the slow axis)."""
+    hierarchical all-gather: fewer, larger messages over the slow axis).
+    `optimizer_extra`: the last axes of `shard` that only the optimizer state (and fp32
+    master) is split over; gradients and stage 3's parameters are split over the axes of
+    `shard` before them (`grads_shard`), each such shard holding
+    `Plan.optimizer_extra_size` consecutive optimizer shards (the optimizer split over the
+    world, the gradients within a node: the gradients reduce-scattered over their axes
+    every micro-step, then over these at the accumulation boundary into the optimizer's
+    shard)."""
 
     axes: tuple[tuple[str, int], ...]
     shard: tuple[str, ...]
     secondary: tuple[str, ...] = ()
     preset: str = "custom"
     hierarchical: bool = False
+    optimizer_extra: tuple[str, ...] = ()
 
     @property
     def processes(self) -> int:
@@ -136,6 +144,12 @@ class OnMesh:
     def replicate(self) -> tuple[str, ...]:
         """The axes along which processes hold the same shards, in mesh order."""
         return tuple(name for name, _ in self.axes if name not in self.shard)
+
+    @property
+    def grads_shard(self) -> tuple[str, ...]:
+        """The axes gradients and stage 3's parameters are split over: `shard` without
+        `optimizer_extra`."""
+        return self.shard[: len(self.shard) - len(self.optimizer_extra)]
 
 
 def unit_stage(plan_stage: int, unit: Unit) -> int:
@@ -190,6 +204,46 @@ class Plan:
         """Whether any unit's parameters may be split (`stage_of` says which)."""
         return self.stage >= 3
 
+    @property
+    def optimizer_extra_size(self) -> int:
+        """Optimizer shards per gradient shard: 1, or on a mesh whose optimizer state is
+        split over more axes than its gradients (`OnMesh.optimizer_extra`) the size of
+        the group along those axes."""
+        if self.mesh is None or not self.mesh.optimizer_extra:
+            return 1
+        sizes = dict(self.mesh.axes)
+        return math.prod(sizes[axis] for axis in self.mesh.optimizer_extra)
+
+    @property
+    def grads_world_size(self) -> int:
+        """Ranks of the group gradients (and stage 3's parameters) are split over:
+        `world_size`, over `optimizer_extra_size` with a finer optimizer split."""
+        return self.world_size // self.optimizer_extra_size
+
+    def grads_range(self, unit: Unit, rank: int) -> tuple[int, int]:
+        """`(start, stop)` of `unit`'s buffer that plan rank `rank`'s gradient shard
+        (stages 2-3) and parameter shard (stage 3) hold: its shard (`Unit.shard_range`),
+        or with a finer optimizer split the `optimizer_extra_size` consecutive shards around
+        it (plan rank `r` is `r // optimizer_extra_size` in the gradients' group)."""
+        if self.optimizer_extra_size == 1:
+            return unit.shard_range(rank)
+        size = self.optimizer_extra_size * unit.shard_numel
+        start = rank // self.optimizer_extra_size * size
+        return start, start + size
+
+    def grads_size(self, unit: Unit, rank: int) -> int:
+        """Elements of `grads_range(unit, rank)`."""
+        start, stop = self.grads_range(unit, rank)
+        return stop - start
+
+    def optimizer_in_grads(self, unit: Unit, rank: int) -> slice:
+        """Where rank `rank`'s optimizer shard lies in its gradient shard (stages 2-3):
+        all of it, or with a finer optimizer split the block the accumulation boundary's
+        reduce-scatter over `OnMesh.optimizer_extra` leaves there."""
+        start, stop = unit.shard_range(rank)
+        base = self.grads_range(unit, rank)[0]
+        return slice(start - base, stop - base)
+
     def stage_of(self, unit: Unit | int) -> int:
         """The ZeRO stage `unit` (a `Unit` of this plan or its index) runs as:
         `unit_stage(self.stage, unit)` (its own stage, else the plan's; a persistent unit
@@ -241,7 +295,8 @@ def validate(plan: Plan) -> Plan:
     - a unit's own `stage` in 0..3 and at most the plan's, which some unit uses (the plan's
       stage is the largest of its units'); `persistent` units only at stage 3;
     - on a mesh, `world_size` is the size of the `shard` axes' group, and a `secondary`
-      split names some of them, at stage 3.
+      split names some of them, at stage 3; `optimizer_extra` is a proper suffix of them,
+      at stage 2 or 3, its units even and none at stage 1.
     """
     if plan.world_size < 1:
         raise PlanError(f"world_size is {plan.world_size}; it must be >= 1")
@@ -295,6 +350,29 @@ def _validate_mesh(plan: Plan) -> None:
             f"{plan.stage}), over two or more shard axes, and without hpZ's secondary copy "
             f"({mesh.secondary})"
         )
+    extra = mesh.optimizer_extra
+    if extra and (
+        extra != mesh.shard[len(mesh.shard) - len(extra) :]
+        or len(extra) == len(mesh.shard)
+        or plan.stage < 2
+        or mesh.secondary
+        or mesh.hierarchical
+    ):
+        raise PlanError(
+            f"plan optimizer_extra {extra}: the optimizer's axes beyond the gradients' are "
+            f"the last of the shard axes {mesh.shard}, after at least one the gradients are "
+            f"split over, at stage 2 or 3 (stage {plan.stage}), without hpZ's secondary copy "
+            f"({mesh.secondary}) or a hierarchical gather ({mesh.hierarchical})"
+        )
+    for unit in plan.units if extra else ():
+        if unit.bounds or unit_stage(plan.stage, unit) == 1:
+            raise PlanError(
+                f"unit {unit.name!r} optimizer: split over {mesh.shard}, finer than the "
+                f"gradients ({mesh.grads_shard}), but the unit "
+                + ("has uneven shards" if unit.bounds else "keeps its gradients whole (stage 1)")
+                + "; a finer optimizer split runs for units with equal shards whose "
+                "gradients are split (stages 2-3), beside whole (stage 0) units"
+            )
     if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.shard)):
         raise PlanError(
             f"plan secondary split over {mesh.secondary}: hpZ's secondary copy is stage 3's "
@@ -462,6 +540,7 @@ def _encode_on_mesh(mesh: OnMesh) -> dict[str, Any]:
         "secondary": list(mesh.secondary),
         "preset": mesh.preset,
         **({"hierarchical": True} if mesh.hierarchical else {}),
+        **({"optimizer_extra": list(mesh.optimizer_extra)} if mesh.optimizer_extra else {}),
     }
 
 
@@ -474,6 +553,7 @@ def _decode_on_mesh(raw: dict[str, Any] | None) -> OnMesh | None:
         tuple(raw["secondary"]),
         raw["preset"],
         bool(raw.get("hierarchical", False)),
+        tuple(raw.get("optimizer_extra", ())),
     )
 
 

@@ -257,8 +257,9 @@ def memory_per_rank(
     if isinstance(plan, MeshPlan):
         held = _mesh_numel(plan)
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
+        apart = held["master apart"]
     else:
-        params, grads, optimizer_numel = _stage_numel(plan, rank)
+        params, grads, optimizer_numel, apart = _stage_numel(plan, rank)
         secondary = 0
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
@@ -267,9 +268,11 @@ def memory_per_rank(
     # params in the master's dtype are the master, unless it lives on the host (offload)
     held_once = dtype_of(master_dtype) == dtype_of(param_dtype) and not offload_optimizer
     master_size = 0 if held_once else dtype_of(master_dtype).itemsize
+    # a parameter shard coarser than the optimizer's holds no master of its own
+    apart_size = dtype_of(master_dtype).itemsize if held_once else 0
     return MemoryEstimate(
         params=params * param_size,
-        master=optimizer_numel * master_size,
+        master=optimizer_numel * master_size + apart * apart_size,
         grads=grads * grad_size,
         optimizer_state=optimizer_numel * state_size * slots,
         offload_optimizer=offload_optimizer,
@@ -286,29 +289,36 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int]:
+def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
-    unit as its own stage (`Plan.stage_of`)."""
-    params = grads = optimizer_numel = 0
+    unit as its own stage (`Plan.stage_of`), and of masters apart from the parameters
+    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`)."""
+    params = grads = optimizer_numel = apart = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
-        params += shard if stage == 3 else full
-        grads += shard if stage >= 2 else full
+        start, stop = plan.grads_range(unit, rank)
+        params += stop - start if stage == 3 else full
+        grads += stop - start if stage >= 2 else full
         optimizer_numel += shard if stage >= 1 else full
-    return params, grads, optimizer_numel
+        apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
+    return params, grads, optimizer_numel, apart
 
 
 _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
 
 
 def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
-    """Elements one rank holds of each kind under a mesh plan (blocks are equal)."""
-    held = dict.fromkeys(_HELD_KINDS, 0)
+    """Elements one rank holds of each kind under a mesh plan (blocks are equal), and of
+    masters apart from split parameters split coarser than the optimizer state."""
+    held = dict.fromkeys((*_HELD_KINDS, "master apart"), 0)
     for unit, sharding in zip(plan.units, plan.shardings):
         for kind in _HELD_KINDS:
             split = sharding.of(kind)
             if split is not None:
                 held[kind] += unit.numel // plan.mesh.group_size(split.shard)
+        params, optimizer = sharding.params.shard, sharding.optimizer.shard
+        if params and len(optimizer) > len(params):
+            held["master apart"] += unit.numel // plan.mesh.group_size(optimizer)
     return held
 
 

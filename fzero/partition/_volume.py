@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan
+from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan, publish_hops
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets
 
@@ -263,11 +263,15 @@ def _mesh_volume(
       per step, in buckets (stages 0-1); split: reduce-scattered over `grads.shard` every
       micro-step (each bucket all-reduced there with `scatter_as_all_reduce`) and each
       unit's shard all-reduced over `grads.replicate` every micro-step too (FSDP2's HSDP;
-      DeepSpeed's MiCS all-reduces once, at the accumulation boundary); with qgZ each
+      DeepSpeed's MiCS all-reduces once, at the accumulation boundary), or where the
+      optimizer is split over more axes, the shard reduce-scattered over those once, at
+      the accumulation boundary (the gradients accumulate at their split); with qgZ each
       bucket's quantized all-to-alls, one pair per axis of `grads.shard`, innermost first
       (ZeRO++'s hierarchical reduction);
     - after the update, the parameter shard gathered from optimizer shards over the
-      optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none);
+      optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none), in the
+      hops `publish_hops` says (a finer optimizer split: its extra axes, then the
+      gradients' beyond the parameters');
     - forward gathers every unit with split parameters over `params.shard` per
       micro-step (one gather per axis, outermost first, when hierarchical: MiCS's
       hierarchical all-gather); backward re-gathers the units in `regathered`, from hpZ's
@@ -307,12 +311,17 @@ def _mesh_volume(
         if not scatter_as_all_reduce and not gradients:
             add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * grad_bytes * steps)
         shard_bytes = unit.numel // mesh.group_size(grads.shard) * grad_bytes
-        add("all_reduce", "gradients across replicas", grads.replicate, steps, shard_bytes * steps)
+        finer = plan.shardings[i].optimizer.shard[len(grads.shard) :]
+        across = "gradients across replicas"
+        if finer:  # once, at the boundary: the accumulated shard into the optimizer's
+            add("reduce_scatter", across, finer, 1, shard_bytes)
+        else:
+            add("all_reduce", across, grads.replicate, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
-        params = sharding.params.shard
-        publish = sharding.optimizer.shard[len(params) :]
-        size = unit.numel // mesh.group_size(params) * param_bytes
-        add("all_gather", "parameters after the update", publish, 1, size)
+        gathered = unit.numel // mesh.group_size(sharding.optimizer.shard)
+        for hop in publish_hops(sharding):  # each gather multiplies what a rank holds
+            gathered *= mesh.group_size(hop)
+            add("all_gather", "parameters after the update", hop, 1, gathered * param_bytes)
     for what, indices in (
         ("parameters for forward", range(len(units))),
         ("parameters for backward", regathered),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fzero.core.groups import gather_unit
+from fzero.core.groups import gather_optimizer_shards
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.engine import Engine
 from fzero.partition import Placement
@@ -71,8 +71,7 @@ def _full(engine: Engine, rt: UnitRuntime, part: Tensor, what: str) -> Tensor:
         return part.detach().to(torch.float32, copy=True)
     full = torch.empty(rt.unit.numel, dtype=torch.float32, device=engine.device)
     shard = part.detach().to(engine.device, torch.float32).contiguous()
-    gather_unit(full, shard, rt.unit, plan.world_size, group=engine.groups.shard,
-                what=what, async_op=False)  # fmt: skip
+    gather_optimizer_shards(full, shard, plan, rt.index, engine.groups, what=what, async_op=False)
     return full
 
 
@@ -170,6 +169,12 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
         raise NotImplementedError(
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
+        )
+    if engine.plan.optimizer_extra_size > 1:
+        raise NotImplementedError(
+            "deepspeed.utils.safe_get_full_grad with the optimizer state split over more axes "
+            f"than the gradients ({engine.plan.mesh.shard}) is not supported by fzero: the "
+            "gradients are reduced across the extra axes only at the step"
         )
     if engine.plan.stage_of(rt.unit) < 2:
         full = rt.grad.detach().to(torch.float32, copy=True)

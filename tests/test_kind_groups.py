@@ -1,0 +1,386 @@
+"""Kinds split over different groups of axes: on a 2x2 mesh (`node` x `local`) the
+optimizer state split over the world (`("local", "node")`: a quarter of each unit per
+rank) with the gradients split within the node (`("local",)`), the parameters whole (a
+ZeRO-2 shape) or split as the gradients (MiCS's ZeRO-3 within the node). Both doors run
+it: they match a single-process torch.optim run, agree bitwise, send what `comm_volume`
+says, hold what `memory_per_rank` says, keep each kind at its split, save and resume
+exactly, and restore under plain ZeRO-3 at world 2 and 1. What is not run is refused by
+`validate`, naming the unit, the kind and the axes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import comm, partition
+from fzero.partition import Mesh, PlanError, UnitSharding
+from tests._dist import run_world
+from tests.models import Net, global_batch, parity_config, torch_reference
+from tests.test_mixed_stages import _per_step, _predicted, _tensor_states, engine_resumes
+
+MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
+MESH = {"node": 2, "local": 2}
+WORLD = 4
+
+# name -> (stage, whether the parameters are split over "local")
+CASES = {"zero2-like": (2, False), "mics zero3-like": (3, True)}
+
+
+def _rule(params_split: bool):
+    """Every unit: optimizer over ("local", "node"), gradients over ("local",), params
+    over ("local",) or whole."""
+
+    def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        local = mesh.sharding("local")
+        return UnitSharding(
+            params=local if params_split and not unit.persistent else mesh.replicated,
+            grads=local,
+            optimizer=mesh.sharding("local", "node"),
+        )
+
+    return rule
+
+
+def _preset(name: str) -> partition.Custom:
+    stage, params_split = CASES[name]
+    return partition.Custom("finer optimizer", _rule(params_split), stage=stage)
+
+
+def _config(stage: int) -> dict:
+    config = parity_config(MICRO, ACCUM, CLIP)
+    config["zero_optimization"]["stage"] = stage
+    return config
+
+
+def _optimizer() -> fzero.optim.Optimizer:
+    return fzero.optim.adamw(lr=LR, weight_decay=0.01)
+
+
+def _engine(name: str, seed: int = 0):
+    stage = CASES[name][0]
+    torch.manual_seed(seed)
+    return fzero.shard(
+        Net(),
+        stage=stage,
+        optimizer=_optimizer(),
+        config=_config(stage),
+        strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
+    )
+
+
+def _plan(name: str) -> partition.Plan:
+    torch.manual_seed(0)
+    manifest = partition.describe(Net())
+    laid = partition.mesh_plan(manifest, Mesh(MESH), _preset(name), persistence_threshold=0)
+    return partition.executable(laid)
+
+
+def _rows(rank: int, step: int, a: int):
+    x, y = global_batch(step, MICRO * ACCUM * WORLD)
+    rows = slice((a * WORLD + rank) * MICRO, (a * WORLD + rank + 1) * MICRO)
+    return x[rows], y[rows]
+
+
+def _loss_fn(model):
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    return loss_fn
+
+
+def _check_holdings(plan: partition.Plan, rank: int, units, params_split: bool) -> None:
+    """Each kind at its split on this process: the optimizer state and master a quarter
+    of the unit (the finer split: half if it were ignored), the gradient accumulator a
+    half, the parameters half or whole. `units`: (grad, master, moments, params numels)."""
+    for unit, (grad, master, moments, params) in zip(plan.units, units):
+        where = (unit.name, rank)
+        assert master == unit.numel // 4 and all(m == unit.numel // 4 for m in moments), where
+        assert grad == unit.numel // 2, where
+        assert params == (unit.numel // 2 if params_split else unit.numel), where
+
+
+# ---- both doors against torch.optim, bitwise alike; traffic; memory; holdings -------------------
+
+
+def doors_case(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        stage, params_split = CASES[name]
+        engine = _engine(name)
+        plan = _plan(name)
+        assert plan == engine.plan and plan.optimizer_extra_size == 2
+        assert plan.mesh.optimizer_extra == ("node",)
+        torch.manual_seed(0)
+        model = Net()
+        state = fzero.init(model, plan, _optimizer(), config=_config(stage))
+        step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(stage))
+        engine_losses, step_losses = [], []
+        sent: dict[str, tuple[int, int]] = {}
+        for i in range(STEPS):
+            for a in range(ACCUM):
+                x, y = _rows(rank, i, a)
+                before = comm.traffic()
+                loss = F.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                if i > 0:  # the first step records stage 3's trace
+                    for op, (calls, size) in _per_step(before, comm.traffic(), 1).items():
+                        was = sent.get(op, (0, 0))
+                        sent[op] = (was[0] + calls, was[1] + size)
+                state, metrics = step(state, (x, y))
+                engine_losses.append(loss.item())
+                step_losses.append(metrics["loss"].item())
+        sent = {op: (n // (STEPS - 1), size // (STEPS - 1)) for op, (n, size) in sent.items()}
+        _check_holdings(
+            plan,
+            rank,
+            [
+                (rt.grad.numel(), rt.master.numel(), _moments(rt.state),
+                 (rt.full if rt.full is not None else rt.param_shard).numel())
+                for rt in engine.runtime.units
+            ],
+            params_split,
+        )  # fmt: skip
+        _check_holdings(
+            plan,
+            rank,
+            [(u.grad.numel(), u.master.numel(), _moments(u.optim), u.params.numel())
+             for u in state.units],
+            params_split,
+        )  # fmt: skip
+        out[name] = {
+            "losses": (engine_losses, step_losses),
+            "engine": engine.state_dict(dtype=torch.float32),
+            "step": fzero.state_dict(state, module=model),
+            "held": (engine.memory_held(), engine.memory_planned()),
+            "traffic": (sent, _predicted(engine)),
+            "volume": engine.comm_volume(),
+        }
+        engine.destroy()
+    return out
+
+
+def _moments(optim) -> list[int]:
+    return [v.numel() for v in optim._asdict().values() if isinstance(v, torch.Tensor) and v.dim()]
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    _, ref_state = torch_reference(
+        lambda groups: torch.optim.AdamW(
+            [p for group in groups for p in group["params"]], lr=LR, weight_decay=0.01
+        ),
+        steps=STEPS, micro=MICRO, accum=ACCUM, world=WORLD, clip=CLIP,
+    )  # fmt: skip
+    return ref_state
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zero2-like",  # the fast job's world-4 case
+        # the same machinery plus stage 3's gathers: 26 s on two loaded cores (slow job)
+        pytest.param("mics zero3-like", marks=pytest.mark.slow),
+    ],
+)
+def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
+    result = run_world(doors_case, WORLD, [name])[name]
+    engine_losses, step_losses = result["losses"]
+    assert engine_losses == step_losses  # both doors bitwise alike
+    for key, expected in result["engine"].items():
+        assert torch.equal(result["step"][key], expected), key
+    ref_state = _reference()
+    error = max((result["engine"][k] - v).abs().max().item() for k, v in ref_state.items())
+    assert error <= 1e-6, error
+    held, planned = result["held"]
+    assert held == planned, (held, planned)
+    sent, predicted = result["traffic"]
+    assert sent == predicted, (sent, predicted)
+    print(partition.format_comm_volume(result["volume"]))
+    print(f"max abs error vs torch.optim, 2x2 mesh, {name}: {error:.3g}")
+
+
+# ---- checkpoints: resume exactly, restore under plain ZeRO-3 at world 2 and 1 -------------------
+
+
+def save_case(rank: int, world: int, root: str, name: str) -> dict:
+    """The engine: 2 steps, save, 1 more; a fresh engine loads and runs that step bitwise
+    (`engine_resumes`). train_step: save mid-window (3 micro-steps: the gradients at
+    their split), resume bitwise. Returns the saved tensor states."""
+    saved, resumed = engine_resumes(
+        lambda seed: _engine(name, seed=seed), lambda i, a: _rows(rank, i, a), f"{root}/engine"
+    )
+    mid_window = _state_resume(rank, f"{root}/state", name)
+    return {"saved": saved, "resumed": resumed, "mid-window": mid_window}
+
+
+def _state_resume(rank: int, root: str, name: str) -> bool:
+    stage = CASES[name][0]
+    plan = _plan(name)
+
+    def setup(seed: int):
+        torch.manual_seed(seed)
+        model = Net()
+        state = fzero.init(model, plan, _optimizer(), config=_config(stage))
+        return state, fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(stage))
+
+    def run(step, state, first, count):
+        for m in range(first, first + count):
+            state, _ = step(state, _rows(rank, m // ACCUM, m % ACCUM))
+        return state
+
+    state, step = setup(0)
+    state = run(step, state, 0, 3)
+    fzero.checkpoint.save(root, state, optimizer=_optimizer(), tag="s")
+    straight = fzero.state_dict(run(step, state, 3, 3))
+    fresh, step = setup(7)
+    restored = fzero.checkpoint.restore(root, fresh, optimizer=_optimizer())
+    resumed = fzero.state_dict(run(step, restored.state, 3, 3))
+    return all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def restore_case(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(5)
+    model = Net()
+    plan = partition.plan(partition.describe(model), world_size=world, stage=3)
+    state = fzero.init(model, plan, _optimizer())
+    restored = fzero.checkpoint.restore(root, state, optimizer=_optimizer(), module=model)
+    return _tensor_states(restored.state)
+
+
+@pytest.mark.slow  # four ranks, then two and one: 29 s on two loaded cores
+def test_a_finer_optimizer_split_resumes_exactly_and_restores_under_zero3(tmp_path):
+    for index, name in enumerate(CASES):
+        root = str(tmp_path / f"case{index}")
+        result = run_world(save_case, WORLD, root, name)
+        assert result["resumed"] and result["mid-window"], name
+        report, intact = fzero.checkpoint.inspect(f"{root}/engine")
+        assert intact and "split over local+node (gradients and parameters over local)" in report
+        for world in (2, 1):
+            restored = run_world(restore_case, world, f"{root}/engine")
+            assert restored.keys() == result["saved"].keys(), name
+            for key, value in result["saved"].items():
+                assert torch.equal(restored[key], value), (name, world, key)
+
+
+# ---- the plan alone: wire format, queries, refusals ------------------------------------------
+
+
+def _mesh_plan(rule, mesh: dict | None = None, stage: int = 3) -> partition.MeshPlan:
+    manifest = partition.describe(Net())
+    preset = partition.Custom("mine", rule, stage=stage)
+    return partition.mesh_plan(manifest, Mesh(mesh or MESH), preset, persistence_threshold=0)
+
+
+def test_the_finer_split_is_plain_data_and_old_plans_keep_their_bytes():
+    plan = _plan("mics zero3-like")
+    assert plan.mesh.shard == ("local", "node") and plan.mesh.grads_shard == ("local",)
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+    mics = partition.executable(_mesh_plan(lambda mesh, unit: partition.MiCS()(mesh, unit)))
+    assert b"optimizer_extra" in partition.to_bytes(plan)
+    assert b"optimizer_extra" not in partition.to_bytes(mics)  # written only when set
+    assert partition.plan_digest(plan) != partition.plan_digest(mics)
+    unit = plan.units[1]  # process (node=1, local=0) is plan rank 1: local 0's half, quarter 1
+    assert plan.grads_range(unit, 1) == (0, unit.numel // 2)
+    assert unit.shard_range(1) == (unit.numel // 4, unit.numel // 2)
+    assert plan.optimizer_in_grads(unit, 1) == slice(unit.numel // 4, unit.numel // 2)
+
+
+def test_comm_volume_and_memory_of_the_finer_split_beside_zero2_and_zero3_within_the_node():
+    """Per step (2 micro-steps): the gradients cross `node` once, as a reduce-scatter of
+    the half each rank accumulated (half the bytes of MiCS's all-reduce of it, which runs
+    every micro-step); the optimizer state is a quarter per rank, not a half."""
+    finer = {name: partition.executable(_mesh_plan(_rule(split), stage=stage))
+             for name, (stage, split) in CASES.items()}  # fmt: skip
+    within = {  # ZeRO-2 and ZeRO-3 within the node (MiCS), replicated across it
+        s: partition.executable(_mesh_plan(_split(("local",) * (s == 3), ("local",), ("local",))))
+        for s in (2, 3)
+    }
+    numel = sum(u.numel for u in within[2].units)
+    for name, plan in finer.items():
+        stage = CASES[name][0]
+        rows = partition.comm_volume(plan, accumulation_steps=ACCUM)
+        node = {(r.operation, r.what): r for r in rows if r.axes == ("node",)}
+        across = node[("reduce_scatter", "gradients across replicas")]
+        assert across.calls == len(plan.units) and across.bytes == numel // 2 * 4
+        publish = node[("all_gather", "parameters after the update")]
+        assert publish.bytes == numel // 2 * 4 and publish.world_size == 2
+        mics = partition.comm_volume(within[stage], accumulation_steps=ACCUM)
+        replicas = next(r for r in mics if r.what == "gradients across replicas")
+        assert replicas.operation == "all_reduce" and replicas.bytes == ACCUM * numel // 2 * 4
+        ours = partition.volume_by_axes(rows)[("node",)]
+        theirs = partition.volume_by_axes(mics)[("node",)]
+        assert ours < theirs
+        memory = partition.memory_per_rank(plan, 0)
+        assert memory.optimizer_state == 2 * numel // 4 * 4  # Adam's two moments, a quarter
+        assert memory == partition.memory_per_rank(partition._mesh_plan.as_mesh_plan(plan), 0)
+        mics_memory = partition.memory_per_rank(within[stage], 0)
+        assert mics_memory.optimizer_state == 2 * memory.optimizer_state
+
+
+def _refusal(rule, mesh: dict | None = None, stage: int = 3) -> str:
+    with pytest.raises(PlanError) as caught:
+        _mesh_plan(rule, mesh, stage)
+    return str(caught.value)
+
+
+def _split(params=(), grads=(), optimizer=(), **more):
+    def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        return UnitSharding(
+            mesh.sharding(*params), mesh.sharding(*grads), mesh.sharding(*optimizer), **more
+        )
+
+    return rule
+
+
+def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
+    # the optimizer coarser than the gradients: an update needs its gradient reduced here
+    message = _refusal(_split(grads=("local", "node"), optimizer=("local",)), stage=2)
+    assert "unit 'embed' grads: split over ('local', 'node'), the optimizer state over " in message
+    assert "axis 'node' at position 1 is missing there" in message
+    # the optimizer's axes in another order than the gradients' first: its quarter would
+    # lie in another rank's gradient half
+    message = _refusal(_split(grads=("local",), optimizer=("node", "local")), stage=2)
+    assert "axis 'local' at position 0 is 'node' there" in message
+    assert "gradients over ('local',), the optimizer over ('local', 'node')" in message
+    # replicas beside the finer split: the optimizer over node, not pod too
+    message = _refusal(
+        _split(grads=("local",), optimizer=("local", "node")), {"pod": 2, **MESH}, stage=2
+    )
+    assert "unit 'embed' optimizer: split over ('local', 'node'), the gradients over " in message
+    assert "not every other axis ('pod', 'node')" in message and "not run yet" in message
+
+    # one unit's optimizer finer, another's as its gradients
+    def some_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        finer = ("local", "node") if unit.module == "head" else ("local",)
+        return _split(grads=("local",), optimizer=finer)(mesh, unit)
+
+    message = _refusal(some_finer, stage=2)
+    assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
+    assert "one optimizer split finer than the gradients for every unit" in message
+
+    # ZeRO-1 units (gradients whole) beside the finer split
+    def zero1_embed(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        grads = () if unit.module == "embed" else ("local",)
+        return _split(grads=grads, optimizer=("local", "node"))(mesh, unit)
+
+    message = _refusal(zero1_embed, stage=2)
+    assert "optimizer: split over ('local', 'node') with its gradients whole" in message
+    # hpZ's secondary copy beside it
+    hpz = _split(("local",), ("local",), ("local", "node"), params_secondary=Mesh(MESH).replicated)
+    message = _refusal(hpz)
+    assert "with hpZ's secondary copy or a hierarchical gather" in message
+
+
+def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():
+    plan = _plan("zero2-like")
+    bad = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
+    with pytest.raises(PlanError, match=r"plan optimizer_extra \('local',\): the optimizer's"):
+        partition.validate(dataclasses.replace(plan, mesh=bad))
+    staged = dataclasses.replace(plan.units[0], stage=1)
+    with pytest.raises(PlanError, match=r"unit 'embed' optimizer: split over .* \(stage 1\)"):
+        partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
