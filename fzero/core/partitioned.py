@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from fzero import comm
+from fzero.core import nvme as _nvme
 from fzero.core.layout import ZeroParamStatus
 from fzero.core.tensor_files import (
     file_digest,
@@ -383,6 +384,11 @@ def gathered_partitions(
                 p.data = gather_whole(p)
     for p in fresh:
         _release(p)
+    if modifier_rank is not None and fresh:
+        # [Note: loading by byte range] A load is one such block per module; what each
+        # leaves freed between live blocks of glibc's heap (under the 1 MiB mapping
+        # threshold) added up to ~10 MB over a 125M-parameter model: to the OS (~3 ms)
+        _nvme.return_free_memory()
 
 
 def _ds_id(p: torch.nn.Parameter) -> int:
