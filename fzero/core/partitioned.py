@@ -23,6 +23,10 @@ block: a `param.copy_(source)` of a whole parameter is recorded instead of run, 
 Transformers loads from), every rank reads its own partition's bytes of that file on
 exit; the modifier rank never reads the rest. Any other use of the parameter or of the
 source first runs the recorded copy, so what the block sees is always what it wrote.
+The bytes go straight into the partition (converted piece by piece where the dtypes
+differ) after the block's whole copy is released, so a load holds the share, one
+parameter whole and nothing else model-sized (gathered without gloo's staging copy:
+`comm.all_gather_into_unstaged`).
 """
 
 from __future__ import annotations
