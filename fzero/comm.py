@@ -38,6 +38,7 @@ __all__ = [
     "agree",
     "all_gather_bytes",
     "all_gather_into",
+    "all_gather_into_unstaged",
     "all_reduce",
     "all_to_all_into",
     "backend_device",
@@ -306,6 +307,26 @@ def all_gather_into(
         lambda a: gather(output, shard, async_op=a, group=group),
         group,
     )
+
+
+def all_gather_into_unstaged(
+    output: torch.Tensor, shard: torch.Tensor, *, what: str = "", group: Any = None
+) -> None:
+    """`all_gather_into` (synchronous, `output` flat) without an `output`-sized copy.
+    Gloo's all-gather of host tensors gathers into a flat buffer of `output`'s size and
+    then copies it into `output` (`ProcessGroupGloo`'s allgather: a 98 MB gather peaks
+    at 196 MB), so over gloo each rank's `shard` is broadcast from that rank straight
+    into its slice of `output` instead: the same bytes reach each rank, in `world`
+    collectives instead of one. NCCL writes `output` in place: one all-gather there."""
+    if dist.get_backend(group) != "gloo":
+        all_gather_into(output, shard, what=what, group=group)
+        return
+    size, rank = shard.numel(), get_rank(group)
+    for source in range(get_world_size(group)):
+        part = output[source * size : (source + 1) * size]
+        if source == rank:
+            part.copy_(shard.reshape(-1))
+        broadcast_from(part, source, what=f"{what} (rank {source}'s part)", group=group)
 
 
 def reduce_scatter_into(

@@ -144,11 +144,19 @@ def test_the_engine_adopts_the_partitions_and_trains_as_the_plain_model(stage, t
         assert after == []  # which goes with the last one adopted
 
 
-def load_case(rank, world, path):
+def load_case(rank, world, path, nvme_dir="", chunk_bytes=0):
+    from fzero.core import tensor_files
+
     torch.manual_seed(123)  # other weights than the file's
-    with fzero.init_context(dtype=torch.bfloat16):
+    where = {"remote_device": "nvme", "nvme_path": nvme_dir} if nvme_dir else {}
+    with fzero.init_context(dtype=torch.bfloat16, **where):
         model = Net()
-    keys = fzero.load_safetensors(model, path)
+    default = tensor_files.CHUNK_BYTES
+    tensor_files.CHUNK_BYTES = chunk_bytes or default
+    try:
+        keys = fzero.load_safetensors(model, path)
+    finally:
+        tensor_files.CHUNK_BYTES = default
     manifest = fzero.partition.describe(model)
     plan = fzero.partition.plan(manifest, world_size=world, stage=3, persistence_threshold=0)
     state = fzero.init(model, plan, fzero.optim.adamw(lr=1e-3))
@@ -156,7 +164,11 @@ def load_case(rank, world, path):
     return tuple(keys), fzero.state_dict(state, dtype=torch.bfloat16), left
 
 
-def test_load_safetensors_reads_each_ranks_bytes_and_fzero_init_adopts_them(tmp_path):
+@pytest.mark.parametrize("where", ["memory", "nvme"])
+def test_load_safetensors_reads_each_ranks_bytes_and_fzero_init_adopts_them(where, tmp_path):
+    """fp32 files into bf16 partitions, converted on the way in: into the partitions in
+    memory, or piece by piece into their file (pieces of 24 bytes here: a part of a
+    tensor is never read whole to be converted)."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -167,7 +179,8 @@ def test_load_safetensors_reads_each_ranks_bytes_and_fzero_init_adopts_them(tmp_
     save_file({k: weights[k] for k in names[5:]}, tmp_path / "model-00002-of-00002.safetensors")
     index = {k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors" for i, k in enumerate(names)}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
-    keys, state, left = run_world(load_case, 2, str(tmp_path))
+    nvme = str(tmp_path / "swap") if where == "nvme" else ""
+    keys, state, left = run_world(load_case, 2, str(tmp_path), nvme, 24)
     assert keys == ([], []) and not left
     for name, value in weights.items():  # converted to the partitions' dtype
         assert torch.equal(state[name], value.bfloat16()), name
@@ -302,14 +315,20 @@ def from_pretrained_case(rank, world, path, out):
 
 def test_from_pretrained_under_zero3_reads_each_ranks_bytes_and_saves_stream(tmp_path):
     """`from_pretrained` under `HfDeepSpeedConfig` (bf16 partitions) loads Transformers'
-    shards into the partitions with each rank's peak below its share of the model plus
-    one shard file (the whole model would be twice that: the test fails if rank 0 reads
-    it all); one step; `save_16bit_model` in shards and the Trainer's consolidated state
-    dict load in plain Transformers bitwise equal to the engine's weights."""
+    fp32 shards into the partitions with each rank's peak below its share of the model
+    plus one shard file, and within a few MB of its share plus the largest parameter
+    whole (`GatheredParameters` holds it whole: DeepSpeed's contract); one step;
+    `save_16bit_model` in shards and the Trainer's consolidated state dict load in plain
+    Transformers bitwise equal to the engine's weights."""
     from transformers import AutoModelForCausalLM
 
-    saved = _llama(tmp_path / "llama", layers=8, hidden=512, vocab=4096, shard="10MB")
+    # the embedding and the output layer (12.3M parameters each, 49 MB in the files, each
+    # alone in its shard) are most of the model: what a load holds besides the share is
+    # mostly theirs
+    saved = _llama(tmp_path / "llama", layers=2, hidden=512, vocab=24000, shard="10MB")
     model_kb = sum(v.numel() * v.element_size() for v in saved.values()) / 1024
+    shard_kb = max(f.stat().st_size for f in (tmp_path / "llama").glob("*.safetensors")) / 1024
+    largest_kb = max(v.numel() for v in saved.values()) * 2 / 1024  # whole, in bf16
     out = tmp_path / "saved"
     # new processes: Transformers decides at its import whether DeepSpeed is there (an
     # earlier case's import, without it, would stay), and the peak is this case's own
@@ -319,11 +338,14 @@ def test_from_pretrained_under_zero3_reads_each_ranks_bytes_and_saves_stream(tmp
     for name, value in loaded.items():
         assert torch.equal(value, saved[name].bfloat16()), name
     share_kb = model_kb / 2 / 2  # bf16 partitions, world 2
-    # + what the process needs whatever the model's size (libraries' pages and buffers
-    # first used, the model's Python objects, the heap's free blocks between partitions
-    # of tensors under glibc's 1 MiB mapping threshold): 48 MiB; the whole 118 MB model
-    # is more than the bound
-    assert peak <= 1.1 * (share_kb + 10 * 1000**2 / 1024) + 48 * 1024, (peak, model_kb)
+    # the issue's target: the share plus one shard file (the largest), + 10%
+    assert peak <= 1.1 * (share_kb + shard_kb), (peak, share_kb, shard_kb)
+    # what is held besides the share: the largest parameter whole inside Transformers'
+    # `GatheredParameters` block, and what the process needs whatever the model
+    # (libraries' pages and buffers first used, the model's Python objects): 15-17 MiB
+    # measured, 24 allowed. Before gloo's gathers stopped staging a second whole copy and
+    # file reads went straight into the partitions, 53 MiB (the first bound failed too)
+    assert peak <= share_kb + largest_kb + 24 * 1024, (peak, share_kb, largest_kb)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
     plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
     assert state.keys() == plain.keys() == mapped.keys()

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from fzero.core.partitioned import is_partitioned, partition_range, shape_of, write_partition
+from fzero.core.partitioned import is_partitioned, read_partition_from_file, shape_of
 from fzero.core.tensor_files import SafetensorsIndex
 
 __all__ = ["LoadedKeys", "load_safetensors"]
@@ -54,11 +54,10 @@ def load_safetensors(
                 f"{shape_of(tensor)} in the model"
             )
         with torch.no_grad():
-            if is_partitioned(tensor):
-                store = tensor._fzero_partitions
-                start, stop, _ = partition_range(entry.numel, store.world, store.rank)
-                values = torch.empty(stop - start, dtype=tensor.dtype)
-                write_partition(tensor, index.read_range(key, start, stop, values))
+            if is_partitioned(tensor):  # straight into the partition, converted there
+                read_partition_from_file(tensor, entry.path, entry.offset, entry.dtype)
+            elif tensor.data.is_contiguous():
+                index.read_range(key, 0, entry.numel, tensor.data.view(-1))
             else:
                 values = torch.empty(entry.numel, dtype=tensor.dtype)
                 index.read_range(key, 0, entry.numel, values)

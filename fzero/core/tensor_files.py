@@ -30,6 +30,8 @@ __all__ = [
     "file_digest",
     "mapped_bytes",
     "read_bytes_into",
+    "read_chunks",
+    "read_elements_into",
 ]
 
 # safetensors' dtype names (the format's specification)
@@ -139,24 +141,48 @@ class SafetensorsIndex:
 
     def read_range(self, key: str, start: int, stop: int, out: Tensor) -> Tensor:
         """Elements `[start, stop)` of tensor `key` (flattened) into the first
-        `stop - start` elements of `out` (contiguous, host memory), converted to
-        `out`'s dtype; only those bytes are read. Returns the filled part of `out`."""
+        `stop - start` elements of `out` (contiguous, any device), converted to `out`'s
+        dtype; only those bytes are read (`read_elements_into`). Returns the filled part
+        of `out`."""
         entry = self.entries[key]
         if not 0 <= start <= stop <= entry.numel:
             raise ValueError(
                 f"elements [{start}, {stop}) of {key!r} are outside its {entry.numel} elements"
             )
-        count = stop - start
-        target = out[:count]
-        if count == 0:
-            return target
-        itemsize = entry.dtype.itemsize
-        same = out.dtype == entry.dtype and out.device.type == "cpu"
-        buffer = target if same else torch.empty(count, dtype=entry.dtype)
-        read_bytes_into(entry.path, entry.offset + start * itemsize, buffer)
-        if not same:
-            target.copy_(buffer)
+        target = out[: stop - start]
+        offset = entry.offset + start * entry.dtype.itemsize
+        read_elements_into(entry.path, offset, entry.dtype, target)
         return target
+
+
+CHUNK_BYTES = 16 * 2**20  # the most a converting read holds besides its target
+
+
+def read_chunks(
+    path: str, offset: int, dtype: torch.dtype, count: int
+) -> Iterator[tuple[int, Tensor]]:
+    """`count` elements of `dtype` in the file from byte `offset`, as `(first element,
+    values)` pieces of at most `CHUNK_BYTES` each, read one at a time into one buffer
+    (each piece is valid until the next is read)."""
+    step = max(1, CHUNK_BYTES // dtype.itemsize)
+    buffer = torch.empty(min(step, count), dtype=dtype)
+    for begin in range(0, count, step):
+        piece = buffer[: min(step, count - begin)]
+        read_bytes_into(path, offset + begin * dtype.itemsize, piece)
+        yield begin, piece
+
+
+def read_elements_into(path: str, offset: int, dtype: torch.dtype, out: Tensor) -> None:
+    """Fill contiguous `out` (any dtype, any device) with its `numel` elements of
+    `dtype` from the file's byte `offset`, converted: straight into `out` where it is in
+    host memory in `dtype`, else through `read_chunks`, so no `out`-sized copy is made
+    (a partition of an embedding read from an fp32 file into bf16 would be one)."""
+    if out.device.type == "cpu" and out.dtype == dtype:
+        read_bytes_into(path, offset, out)
+        return
+    flat = out.view(-1)
+    for begin, piece in read_chunks(path, offset, dtype, out.numel()):
+        flat[begin : begin + piece.numel()].copy_(piece)
 
 
 def read_bytes_into(path: str, offset: int, out: Tensor) -> None:
