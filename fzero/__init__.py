@@ -14,6 +14,7 @@ beside this one hand over the real ones).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from fzero import _logs
@@ -89,11 +90,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The public name `name`, imported on first use and kept in the module."""
-    try:
+    """The public name `name`, or the subpackage or module `fzero.<name>` (`fzero.native`,
+    `fzero.compat`, ... as an eager package had them), imported on first use and kept."""
+    if name in _PUBLIC:
         module_name, attribute = _PUBLIC[name]
-    except KeyError:
-        raise AttributeError(f"module 'fzero' has no attribute {name!r}") from None
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        module_name, attribute = f"{__name__}.{name}", None
+    else:
+        raise AttributeError(f"module 'fzero' has no attribute {name!r}")
     module = importlib.import_module(module_name)
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
