@@ -499,8 +499,8 @@ def test_train_step_errors_name_what_is_wrong():
     expected = {
         "both": r"TypeError: train_step takes exactly one of loss_fn and grad_fn",
         "world": r"ValueError: plan\.world_size is 2 but torch.distributed runs 1 ranks",
-        "nvme": r"ValueError: train_step: the config's zero_optimization\.offload_optimizer"
-        r"\.device is 'nvme' but the state's optimizer partitions are in memory",
+        "nvme": r"ValueError: train_step: state.plan is not the plan this step was made "
+        r"for; state.plan.memory.optimizer is 'device', the step's 'nvme'",
         "stage": r"ValueError: the config's zero_optimization\.stage is 3; the plan's 2",
         "model": r"ValueError: the model does not fit the plan: missing parameters \['embed",
         "meta": r"ValueError: .*on the meta device \(first: 'embed.weight'\)",

@@ -297,7 +297,8 @@ def _read(
     plan = like.plan
     _check_model(plan, like.rank, old_plan, index, directory, extras.module, strict)
     if index["mid_accumulation"] and (
-        index.get("processes", index["world_size"]) != plan.processes or old_plan != plan
+        index.get("processes", index["world_size"]) != plan.processes
+        or dataclasses.replace(old_plan, memory=plan.memory) != plan  # memory may differ
     ):
         raise CheckpointError(
             f"{directory} was saved mid gradient-accumulation at world size "

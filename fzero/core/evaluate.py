@@ -18,8 +18,9 @@ from fzero.core.gathering import GatherSettings
 from fzero.core.groups import check_same_plan
 from fzero.core.init import config_for_plan
 from fzero.core.layout import gather_pieces
+from fzero.core.precision import precision_of, run_plan
 from fzero.core.state import TrainState
-from fzero.core.step import check_state
+from fzero.core.step import adopt_memory, check_state
 from fzero.partition import Plan
 
 __all__ = ["eval_step"]
@@ -39,8 +40,9 @@ def eval_step(
     units stay gathered from one call to the next on the same state (generation calls
     `evaluate` once per token): each unit is gathered once, not once per call. A call
     with another state (a step returns a new one) drops them first."""
-    check_same_plan(plan, "fzero.eval_step")
     cfg = config_for_plan(config, plan)
+    plan, _ = run_plan(plan, cfg, precision_of(cfg))  # the state's may say more
+    check_same_plan(plan, "fzero.eval_step")
     zero = cfg.zero_optimization
     max_live, keep = int(zero.stage3_max_live_parameters), int(zero.stage3_eval_live_parameters)
     kept = _Kept()
@@ -53,7 +55,7 @@ def eval_step(
             return _evaluate(state, batch)
 
     def _evaluate(state: TrainState, batch: Any) -> Any:
-        check_state(state, plan, "eval_step")
+        check_state(state, adopt_memory(plan, state.plan), "eval_step")
         device = state.units[0].grad.device if state.units else torch.device("cpu")
         dtype = next(  # the parameters', or the master's where it serves as them
             (u.params.dtype if u.params is not None else u.master.dtype for u in state.units),

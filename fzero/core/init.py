@@ -20,9 +20,9 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
-from fzero.core.precision import Precision, check_precision, loss_scaler, precision_of
+from fzero.core.precision import Precision, loss_scaler, precision_of, run_plan
 from fzero.core.reduce import bucket_accumulators
-from fzero.core.residency import Residency, SwapFileUnits, check_offload_stages
+from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
     Counters,
     TrainState,
@@ -62,31 +62,32 @@ def init(
     `precision` is the compute dtype's name (`fp32`, `bf16`, `fp16`; masters and
     optimizer states as the config's `bf16` block says, else fp32) or a
     `fzero.Precision` (e.g. `Precision("bf16", master="bf16", states="bf16")`:
-    bf16 masters, held once as the parameters, and bf16 moments). `config`'s
-    `offload_optimizer.device: cpu` keeps masters and optimizer state in host memory;
-    `nvme` keeps them in a swap file under `offload_optimizer.nvme_path`
-    (`TrainState.residence`; gradients stay in memory). `seed` seeds the generator the
+    bf16 masters, held once as the parameters, and bf16 moments). Where masters and
+    optimizer state live is the plan's `memory.optimizer` (else the config's
+    `offload_optimizer.device`): "host" (`cpu`) keeps them in host memory, "nvme" in a
+    swap file under `offload_optimizer.nvme_path` (`TrainState.residence`; gradients
+    stay in memory); the plan's `memory.master` and `memory.states` are the dtypes
+    `precision` leaves unsaid, and the state's plan (`TrainState.plan`) says all of it.
+    `seed` seeds the generator the
     steps draw from (default: the process generator's state now). A model built inside
     `fzero.init_context()` is adopted from its partitions one unit at a time (they are
     dropped from the model as they are: read its weights from the state after)."""
     check_optimizer(optimizer)
     plan = partition.executable(plan)
     cfg = config_for_plan(config, plan)
-    dtypes = precision_of(cfg, precision)
-    check_precision(dtypes, cfg)
+    plan, dtypes = run_plan(plan, cfg, precision_of(cfg, precision))
     comm.init_distributed(report_s=cfg.collective_report_s)
     _check_world(plan)
     check_same_plan(plan, "fzero.init")
     rank, device = groups_of(plan).rank, comm.backend_device()
-    where = _offload_device(cfg, plan)
-    swapped = where == "nvme"
+    swapped = plan.memory.optimizer == "nvme"
     holding = Holding(
         compute_dtype=dtypes.compute_dtype,
         master_dtype=dtypes.master_dtype,
         # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
         state_dtype=torch.float32 if swapped else dtypes.state_dtype,
         device=device,
-        offload=where != "none",
+        offload=plan.memory.optimizer != "device",
     )
     named = dict(model.named_parameters())
     _check_model(plan, named)
@@ -255,19 +256,6 @@ def _check_model(plan: Plan, named: Mapping[str, Tensor]) -> None:
             f"the model does not fit the plan: missing parameters {missing}, shapes differ "
             f"{changed}"
         )
-
-
-def _offload_device(config: Config, plan: Plan) -> str:
-    """The config's `offload_optimizer.device`, which needs stage 1, 2 or 3 (of every unit:
-    `check_offload_stages`)."""
-    where = config.zero_optimization.offload_optimizer.device
-    if where != "none" and plan.stage == 0:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer.device is {where!r} but the plan is stage 0; "
-            "offload needs stage 1, 2 or 3"
-        )
-    check_offload_stages(plan, where)
-    return where
 
 
 # ---- views of a state ------------------------------------------------------------------------

@@ -26,10 +26,11 @@ __all__ = ["ParamShardStore", "PublishedShards"]
 
 
 class ParamShardStore:
-    """Stage 3's compute-dtype shards of `units` (the engine's records), where
-    `offload.device` says: "none" (as built), "cpu" (host memory, pinned with
-    `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`; the record keeps an
-    empty tensor). A shard of fp32 compute with no offload is the master itself."""
+    """Stage 3's compute-dtype shards of `units` (the engine's records), where the plan's
+    `memory.params` (`where`) says: "device" (as built), "host" (host memory, pinned with
+    `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`, the config's; the
+    record keeps an empty tensor). A shard of fp32 compute with no offload is the master
+    itself."""
 
     def __init__(
         self,
@@ -39,12 +40,13 @@ class ParamShardStore:
         rank: int,
         process_rank: int,
         dtype: torch.dtype,
+        where: str,
         offload: OffloadParamConfig,
         aio: AioConfig,
         pin_memory: bool,
     ) -> None:
         self.units, self.dtype, self.pin = units, dtype, pin_memory
-        self.where = offload.device if plan.stage == 3 else "none"
+        self.where = where if plan.stage == 3 else "device"
         self.swap: _nvme.SwapFile | None = None
         self._writes: list[tuple[Any, Tensor]] = []  # (ticket, buffer) in flight
         self._writes_in_flight = offload.buffer_count
@@ -101,7 +103,7 @@ class ParamShardStore:
                 while len(self._writes) > (0 if wait else self._writes_in_flight):
                     self._wait_write()
             rt.param_shard = torch.empty(0, dtype=self.dtype)
-        elif self.where == "cpu" and value is rt.param_shard:  # placed on the host
+        elif self.where == "host" and value is rt.param_shard:  # placed on the host
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
             rt.param_shard = host.copy_(value)
         elif rt.param_shard is not None and value is not rt.param_shard:

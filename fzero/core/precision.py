@@ -20,23 +20,25 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero import native
+from fzero import native, partition
 from fzero.config import Config
 from fzero.optim import DynamicLossScale, StaticLossScale, bf16_stochastic
+from fzero.partition import Memory, Plan
 
 __all__ = [
     "DTYPES",
     "STATE_DTYPES",
     "Precision",
     "cast_floats",
-    "check_precision",
     "gradient_wire_dtype",
     "init_state",
     "loss_scaler",
+    "memory_of",
     "narrowed",
     "precision_of",
     "round_bf16_",
     "rounding_seed",
+    "run_plan",
     "widened",
 ]
 
@@ -98,15 +100,34 @@ def precision_of(config: Config, given: str | Precision | None = None) -> Precis
     ).check()
 
 
-def check_precision(precision: Precision, config: Config) -> None:
-    """Refuse what fzero cannot hold yet: bf16 masters in the NVMe swap file."""
-    if precision.master == "bf16" and config.zero_optimization.offload_optimizer.device == "nvme":
-        raise ValueError(
-            "bf16 master weights ('bf16.bf16_master_weights_and_grads' or precision master "
-            "'bf16') with 'zero_optimization.offload_optimizer.device' 'nvme': the swap file "
-            "holds fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters "
-            "with 'bf16_optimizer_states' (bf16 moments in the file)"
-        )
+# DeepSpeed's offload devices as memory kinds (`partition.Memory`)
+_MEMORY_KINDS = {None: "device", "none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+def memory_of(config: Config, precision: Precision) -> Memory:
+    """Where the config's `offload_param` and `offload_optimizer` put the states, and the
+    master and state dtypes `precision` says, as a plan states them (`partition.Memory`)."""
+    zero = config.zero_optimization
+    return Memory(
+        params=_MEMORY_KINDS[zero.offload_param.device],
+        optimizer=_MEMORY_KINDS[zero.offload_optimizer.device],
+        master=precision.master,
+        states=precision.states,
+    )
+
+
+def run_plan(plan: Plan, config: Config, precision: Precision) -> tuple[Plan, Precision]:
+    """The plan a door runs and its precision. Where the plan's states live and their
+    dtypes are the plan's (`Plan.memory`); what it leaves at the defaults, the config's
+    offload devices and `precision`'s master and state dtypes say (`memory_of`), and a
+    field both state differently is an error naming it. The compute dtype is
+    `precision`'s; the master and state dtypes the plan's (so a strategy may say bf16
+    states). A `PlanError` also names what no plan may say (the optimizer off the device
+    at stage 0, parameters off it below stage 3, bf16 masters in the swap file)."""
+    said_by = "the config (offload_param, offload_optimizer, bf16) or precision"
+    plan = partition.with_memory(plan, memory_of(config, precision), said_by)
+    memory = plan.memory
+    return plan, Precision(precision.compute, memory.master, memory.states).check()
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -9,10 +9,11 @@ other, and the engine flips them only when every rank has written everything
 overwritten by the step: half the disk, and an I/O error mid-step leaves the file
 holding no single step, so the engine refuses to go on (`broken`) until a checkpoint
 is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
-(`grads_on_disk`). With `bf16.bf16_optimizer_states` the optimizer's moments rest
-there in bf16 (stochastically rounded on the way out, exact on the way in); in memory
-and in the update they are fp32. Host buffers for what moves every step come from
-pools of unit-sized aligned buffers.
+(`grads_on_disk`). With bf16 states (the plan's `memory.states`: DeepSpeed's
+`bf16.bf16_optimizer_states`) the optimizer's moments rest there in bf16
+(stochastically rounded on the way out, exact on the way in); in memory and in the
+update they are fp32. Host buffers for what moves every step come from pools of
+unit-sized aligned buffers.
 """
 
 from __future__ import annotations
@@ -33,27 +34,13 @@ from fzero.core.state import UnitState
 from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
 
-__all__ = ["Residency", "SwapFileUnits", "check_offload_stages"]
-
-
-def check_offload_stages(plan: Plan, where: str) -> None:
-    """Optimizer offload (`where`: the config's `offload_optimizer.device`) moves each
-    unit's optimizer partition to the host; a unit at stage 0 has none (every rank
-    updates the whole unit, as DeepSpeed's stage 0 is never offloaded): refused, naming
-    the unit."""
-    if where in ("none", None):
-        return
-    whole = [u.name for u in plan.units if plan.stage_of(u) == 0]
-    if whole:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer.device is {where!r} but unit {whole[0]!r} "
-            "is split as stage 0; offload needs stage 1, 2 or 3 for every unit (give that "
-            "unit stage 1 or more, or offload nothing)"
-        )
+__all__ = ["Residency", "SwapFileUnits"]
 
 
 class Residency:
-    """The swap file (if any), the host buffer pool, and moving units in and out."""
+    """The swap file (if any), the host buffer pool, and moving units in and out. Where
+    the optimizer partitions live and the moments' dtype are the plan's (`Plan.memory`:
+    `optimizer`, `states`); the config says where the file goes and how it is read."""
 
     def __init__(
         self,
@@ -68,15 +55,14 @@ class Residency:
         """`swap_gradients=False` keeps stage 2-3 gradient accumulators in memory even
         with `offload_optimizer.swap_gradients` (`fzero.train_step` reduces into its
         state's buffers)."""
-        zero = config.zero_optimization
-        check_offload_stages(plan, zero.offload_optimizer.device)
+        zero, memory = config.zero_optimization, plan.memory
         # units at stages 0-1 keep whole gradients in memory (all-reduced at the boundary)
         swap_gradients = swap_gradients and not plan.runs_stage(lambda s: s < 2)
         self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
         self.plan, self.partition_numel, self.rank = plan, partition_numel, rank
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
         # device keeps compute-dtype parameters and gradients.
-        self.offload = zero.offload_optimizer.on
+        self.offload = memory.optimizer != "device"
         self.pin = self.offload and zero.offload_optimizer.pin_memory and torch.cuda.is_available()
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
         self.kinds: list[str] = []
@@ -95,9 +81,9 @@ class Residency:
         self.pool = _nvme.BufferPool(largest)
         self.staging = _nvme.BufferPool(largest, torch.bfloat16)  # bf16 moments in transit
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
-        if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
+        if "nvme" in (memory.optimizer, memory.params):
             _nvme.map_large_buffers()
-        if zero.offload_optimizer.device == "nvme":
+        if memory.optimizer == "nvme":
             self._open_swap(zero, config, optimizer, rank)
 
     def _open_swap(self, zero: Any, config: Config, optimizer: Any, rank: int) -> None:
@@ -116,7 +102,7 @@ class Residency:
                 "direction waits in the second slot between its two passes); use commit "
                 "'two_slots'"
             )
-        if config.bf16.bf16_optimizer_states is True:
+        if self.plan.memory.states == "bf16":
             self.state_dtype = torch.bfloat16
         self.seed = rank
         sizes = [
@@ -127,7 +113,7 @@ class Residency:
         ]
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
-        self.grads_on_disk = zero.stage >= 2 and self.swap_gradients
+        self.grads_on_disk = self.plan.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
             sizes += [4 * self.plan.grads_size(u, rank) for u in self.plan.units]
         # (bf16 moments: their staging buffers are half-size)

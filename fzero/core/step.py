@@ -27,6 +27,7 @@ model state. Copy first (`tree_map_only(torch.Tensor, torch.clone, state)`) to k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -43,7 +44,7 @@ from fzero.core.gathering import GatherSettings, UseTrace
 from fzero.core.groups import check_same_plan, groups_of
 from fzero.core.init import check_optimizer, config_for_plan, optimizer_of, schedule_of
 from fzero.core.layout import UnitRuntime, gather_pieces
-from fzero.core.precision import gradient_wire_dtype, loss_scaler
+from fzero.core.precision import gradient_wire_dtype, loss_scaler, precision_of, run_plan
 from fzero.core.publish import attach_params, runtime_of, views
 from fzero.core.reduce import Reduction, any_rank, reduce_to_optimizer_shards
 from fzero.core.residency import Residency, SwapFileUnits
@@ -116,8 +117,9 @@ def train_step(
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
     plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
-    check_same_plan(plan, "fzero.train_step")
     cfg = config_for_plan(config, plan)
+    plan, _ = run_plan(plan, cfg, precision_of(cfg))  # the state's may say more (`_take`)
+    check_same_plan(plan, "fzero.train_step")
     optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)
     schedule = schedule_of(cfg, schedule)
@@ -163,13 +165,13 @@ class _Step:
         """The core's update over `state`'s units (the engine's too): through its swap file
         with NVMe offload, else through host buffers of this step's own."""
         swap = state.residence.residency if isinstance(state.residence, SwapFileUnits) else None
-        where = self.config.zero_optimization.offload_optimizer.device
+        where = self.plan.memory.optimizer
         if (where == "nvme") != (swap is not None):
             held = "in a swap file" if swap is not None else "in memory"
             raise ValueError(
-                f"train_step: the config's zero_optimization.offload_optimizer.device is "
-                f"{where!r} but the state's optimizer partitions are {held}: build the state "
-                "(fzero.init) and the step with the same config"
+                f"train_step: the plan's memory.optimizer is {where!r} but the state's "
+                f"optimizer partitions are {held}: build the state (fzero.init) and the "
+                "step with the same plan and config"
             )
         key = (id(swap), dtype, device)
         if key not in self._applications:
@@ -311,7 +313,11 @@ class _Step:
         return new, metrics
 
     def _take(self, state: TrainState) -> None:
-        """Check `state` fits this step and was not given to a step before."""
+        """Check `state` fits this step and was not given to a step before. A state whose
+        plan says more of where its states live and their dtypes than the step's (what
+        `fzero.init`'s `precision` said) is the step's plan from then on."""
+        if state.plan is not self.plan and isinstance(state, TrainState):
+            self.plan = adopt_memory(self.plan, state.plan)
         check_state(state, self.plan, "train_step")
 
     def _lrs(self, lr_steps: int) -> list[float]:
@@ -321,13 +327,32 @@ class _Step:
         return [self.schedule(lr_steps, base)]
 
 
+def adopt_memory(plan: Plan, state_plan: Plan) -> Plan:
+    """`state_plan` where it is `plan` with fields of `Plan.memory` that `plan` leaves at
+    the defaults stated, else `plan` (`check_state` then names the difference)."""
+    try:
+        merged = partition.with_memory(plan, state_plan.memory, "the state's plan")
+    except partition.PlanError:
+        return plan
+    return state_plan if merged == state_plan else plan
+
+
 def check_state(state: TrainState, plan: Plan, where: str) -> None:
     """`state` is a TrainState of `plan`, not given to a step before (NVMe: its file
     holds a whole step)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{where}: state is a {type(state).__name__}; expected fzero.TrainState")
     if state.plan is not plan and state.plan != plan:
-        raise ValueError(f"{where}: state.plan is not the plan this step was made for")
+        said = ""
+        if dataclasses.replace(state.plan, memory=plan.memory) == plan:  # only where it lives
+            said = "".join(
+                f"; state.plan.memory.{f.name} is {getattr(state.plan.memory, f.name)!r}, the "
+                f"step's {getattr(plan.memory, f.name)!r}"
+                for f in dataclasses.fields(plan.memory)
+                if getattr(state.plan.memory, f.name) != getattr(plan.memory, f.name)
+            )
+            said += ": build the state (fzero.init) and the step with the same plan and config"
+        raise ValueError(f"{where}: state.plan is not the plan this step was made for{said}")
     if state.residence is not None:
         state.residence.check_usable()
     seen = _DONATED.get(id(state))

@@ -21,6 +21,7 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.partitioned import is_partitioned, materialise, release_partition, shape_of
+from fzero.core.precision import Precision, run_plan
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
 from fzero.engine.meta_init import MetaInitializer
@@ -40,15 +41,19 @@ def plan_for(
     world_size: int,
     strategy: Callable[..., Plan] | None,
     where: str,
-) -> Plan:
+    precision: Precision,
+) -> tuple[Plan, Precision]:
     """The engine's plan: the module's trainable tensors by group, split as the config's
     stage (and stage 3's persistence threshold) and `strategy` say (else the config's
     `strategy` key, else `flat_even`), some units at lower stages where the config's
     `unit_stages` says so. DeepSpeed's `zero_hpz_partition_size` and
     `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
     secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
-    by the same strategy; a strategy may also return a `MeshPlan` itself. Every rank must
-    hold the same plan: checked (`where` names the engine in the error)."""
+    by the same strategy; a strategy may also return a `MeshPlan` itself. Where its
+    states live and their dtypes are the plan's, what it leaves unsaid the config's
+    offload devices and `precision`'s (`run_plan`, which also gives the precision the
+    engine runs). Every rank must hold the same plan: checked (`where` names the engine in
+    the error)."""
     zero = config.zero_optimization
     if strategy is None and config.strategy is not None:
         strategy = partition.strategy_from_name(config.strategy)
@@ -92,8 +97,9 @@ def plan_for(
             unit_stages=config.unit_stages,
             **options,
         )
+    plan, precision = run_plan(plan, config, precision)
     check_same_plan(plan, where)  # before any state is built
-    return plan
+    return plan, precision
 
 
 def _takes(strategy: Callable[..., Plan], option: str) -> bool:

@@ -26,7 +26,7 @@ from fzero.config import Config, accumulation_steps, batch_sizes_or_none
 from fzero.config.auto import check_resolved
 from fzero.core.apply import StepClock
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import Precision, gradient_wire_dtype
+from fzero.core.precision import Precision, gradient_wire_dtype, precision_of
 from fzero.core.state import Counters, TrainState, optimizer_partition
 from fzero.core.update import GradStats, grad_stats
 from fzero.engine import _views
@@ -150,10 +150,13 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
         self.client_optimizer, self.client_lr_scheduler = client_optimizer, lr_scheduler
         groups = list(param_groups) if param_groups else [{"params": list(module.parameters())}]
-        plan = plan_for(module, groups, config, self.world_size, strategy, f"engine {self.name}")
+        plan, run_precision = plan_for(
+            module, groups, config, self.world_size, strategy, f"engine {self.name}",
+            precision_of(config, precision),
+        )  # fmt: skip
         self.runtime = build_runtime(
             module, plan, self.config, optimizer if trainable else _NO_OPTIMIZER,
-            precision=precision, schedule=schedule, param_groups=groups, trainable=trainable,
+            precision=run_precision, schedule=schedule, param_groups=groups, trainable=trainable,
             client_optimizer=client_optimizer, param_init_fn=param_init_fn, owner=self,
         )  # fmt: skip
         self.precision = self.runtime.precision.compute  # "fp32", "bf16" or "fp16"

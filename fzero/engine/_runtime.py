@@ -28,13 +28,7 @@ from fzero.core.gathering import Gatherer, GatherSettings
 from fzero.core.groups import Groups, groups_of
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.param_shards import ParamShardStore, PublishedShards
-from fzero.core.precision import (
-    Precision,
-    check_precision,
-    gradient_wire_dtype,
-    loss_scaler,
-    precision_of,
-)
+from fzero.core.precision import Precision, gradient_wire_dtype, loss_scaler
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency
 from fzero.core.stage3 import ModuleGathering
@@ -91,7 +85,7 @@ def build_runtime(
     config: Config,
     optimizer: Optimizer,
     *,
-    precision: str | Precision | None,
+    precision: Precision,
     schedule: Schedule | None,
     param_groups: list[dict[str, Any]],
     trainable: bool,
@@ -100,12 +94,11 @@ def build_runtime(
     owner: Owner,
 ) -> Runtime:
     """The parts that run `plan` for `module` on this rank (collective: every rank starts
-    from rank 0's weights). `precision`: the compute dtype's name or a `Precision` (else
-    the config's); `owner`: what the reduction reads of the engine's counters."""
+    from rank 0's weights). `precision`: the one the plan runs at (`run_plan`'s);
+    `owner`: what the reduction reads of the engine's counters. Where the states live is
+    the plan's (`Plan.memory`); the config says where files go and how they are read."""
     zero = config.zero_optimization
     groups, device = groups_of(plan), comm.backend_device()
-    precision = precision_of(config, precision)
-    check_precision(precision, config)
     rank, compute_dtype, timers = groups.rank, precision.compute_dtype, Timers()
     residency = Residency(
         config,
@@ -131,7 +124,7 @@ def build_runtime(
         device=device,
         offload=residency.offload,
         pin_memory=residency.pin,
-        shards_offloaded=zero.offload_param.device != "none",
+        shards_offloaded=plan.memory.params != "device",
     )
     units = build_units(
         module,
@@ -150,6 +143,7 @@ def build_runtime(
         rank=rank,
         process_rank=torch.distributed.get_rank(),
         dtype=compute_dtype,
+        where=plan.memory.params,
         offload=zero.offload_param,
         aio=config.aio,
         pin_memory=residency.pin,
@@ -180,7 +174,7 @@ def build_runtime(
         compute_dtype=compute_dtype,
         device=device,
         param_shards=param_shards,
-        param_offload=zero.offload_param.device,
+        param_offload=plan.memory.params,
         timer=timers,
     )
     overlap = zero.overlap_comm if zero.overlap_comm is not None else plan.stage == 3

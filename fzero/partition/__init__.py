@@ -31,6 +31,8 @@ from fzero.partition._mesh_plan import (
     validate,
 )
 from fzero.partition._plan import (
+    MEMORY_KINDS,
+    Memory,
     OnMesh,
     Piece,
     Placement,
@@ -39,6 +41,7 @@ from fzero.partition._plan import (
     Unit,
     from_bytes,
     unit_stage,
+    with_memory,
 )
 from fzero.partition._plot import plot_plan
 from fzero.partition._presets import (
@@ -92,6 +95,7 @@ __all__ = [
     "DEFAULT_ALIGNMENT",
     "DEFAULT_PERSISTENCE_THRESHOLD",
     "KINDS",
+    "MEMORY_KINDS",
     "PRESETS",
     "AxisTime",
     "Collective",
@@ -100,6 +104,7 @@ __all__ = [
     "Link",
     "LocalSlice",
     "Manifest",
+    "Memory",
     "MemoryEstimate",
     "Mesh",
     "MeshError",
@@ -166,5 +171,6 @@ __all__ = [
     "validate",
     "volume_by_axes",
     "whole_tensors",
+    "with_memory",
     "with_unit_stages",
 ]

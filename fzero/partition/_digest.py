@@ -21,7 +21,7 @@ import msgpack
 from fzero.partition._mesh import KINDS
 from fzero.partition._mesh_plan import MeshPlan
 from fzero.partition._mesh_plan import to_bytes as _to_bytes
-from fzero.partition._plan import Plan, encode_manifest, encode_unit
+from fzero.partition._plan import Plan, encode_manifest, encode_memory, encode_unit
 
 __all__ = ["PlanPart", "part_fields", "plan_digest", "plan_parts"]
 
@@ -50,6 +50,7 @@ def _encoded_parts(plan: Plan | MeshPlan) -> list[tuple[str, dict[str, Any]]]:
             "strategy": plan.strategy,
             "preset": plan.preset,
             "units": len(plan.units),
+            "memory": list(encode_memory(plan.memory).get("memory", ())),
         }
     else:
         mesh = plan.mesh
@@ -62,6 +63,8 @@ def _encoded_parts(plan: Plan | MeshPlan) -> list[tuple[str, dict[str, Any]]]:
             "mesh": None if mesh is None else [[list(a) for a in mesh.axes], list(mesh.shard)],
             "secondary": None if mesh is None else list(mesh.secondary),
             "hierarchical": None if mesh is None else mesh.hierarchical,
+            "optimizer_extra": None if mesh is None else list(mesh.optimizer_extra),
+            "memory": list(encode_memory(plan.memory).get("memory", ())),
         }
     parts = [("the plan's header", header), ("the manifest", encode_manifest(plan.manifest))]
     for index, unit in enumerate(plan.units):
@@ -77,7 +80,7 @@ def _encoded_parts(plan: Plan | MeshPlan) -> list[tuple[str, dict[str, Any]]]:
 
 def plan_parts(plan: Plan | MeshPlan) -> tuple[PlanPart, ...]:
     """`plan` as named parts in a fixed order — its header (world size, stage, mesh,
-    strategy, unit count), its manifest, then each unit — each with a digest."""
+    strategy, unit count, memory), its manifest, then each unit — each with a digest."""
     return tuple(
         PlanPart(name, _hex(msgpack.packb(fields))) for name, fields in _encoded_parts(plan)
     )

@@ -34,20 +34,23 @@ parameters, and one over S the whole unit where the parameters are whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import msgpack
 
 from fzero.partition._manifest import Manifest
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._plan import (
+    Memory,
     OnMesh,
     Plan,
     PlanError,
     Unit,
     decode_manifest,
+    decode_memory,
     decode_unit,
     encode_manifest,
+    encode_memory,
     encode_unit,
 )
 from fzero.partition._plan import from_bytes as _stage_plan_from_bytes
@@ -77,6 +80,7 @@ class MeshPlan:
 
     `units[i]` is laid out as in a stage plan; `shardings[i]` says how each kind of its
     state is split. `strategy` names the layout's function, `preset` the shardings'.
+    `memory`: where its states live and their dtypes, as a stage plan's (`Memory`).
     """
 
     manifest: Manifest
@@ -86,6 +90,7 @@ class MeshPlan:
     shardings: tuple[UnitSharding, ...]
     strategy: str = "custom"
     preset: str = "custom"
+    memory: Memory = field(default_factory=Memory)
 
     @property
     def world_size(self) -> int:
@@ -158,7 +163,10 @@ def _check_no_unit_stage(units: tuple[Unit, ...]) -> None:
 
 def _layout(plan: MeshPlan) -> Plan:
     """The units as a stage-3 plan (which allows persistent units), to check the layout."""
-    return Plan(plan.manifest, plan.mesh.size, 3, plan.alignment, plan.units, plan.strategy)
+    return Plan(
+        plan.manifest, plan.mesh.size, 3, plan.alignment, plan.units, plan.strategy,
+        memory=plan.memory,
+    )  # fmt: skip
 
 
 def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
@@ -256,6 +264,7 @@ def from_plan(plan: Plan, axis: str = "dp") -> MeshPlan:
         shardings,
         strategy=plan.strategy,
         preset="custom" if plan.mixed else f"zero{plan.stage}",
+        memory=plan.memory,
     )
 
 
@@ -272,7 +281,10 @@ def to_plan(plan: MeshPlan) -> Plan:
     in mesh order; units split as different ZeRO stages keep theirs (`Unit.stage`)."""
     validate(plan)
     stage, units = _staged_units(plan, None)
-    result = Plan(plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy)
+    result = Plan(
+        plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy,
+        memory=plan.memory,
+    )  # fmt: skip
     return _validate_stage_plan(result)
 
 
@@ -411,7 +423,7 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
     on = OnMesh(mesh.axes, group + extra, secondary, plan.preset, hierarchical, extra)
-    result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on)
+    result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
     return _validate_stage_plan(result)
 
 
@@ -443,7 +455,7 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
         units.append(replace(unit, shard_numel=unit.numel // mesh.size, stage=None))
     return MeshPlan(
         plan.manifest, mesh, plan.alignment, tuple(units), tuple(shardings), plan.strategy,
-        on.preset,
+        on.preset, plan.memory,
     )  # fmt: skip
 
 
@@ -604,6 +616,7 @@ def to_bytes(plan: Plan | MeshPlan) -> bytes:
             "preset": plan.preset,
             "units": [encode_unit(u) for u in plan.units],
             "shardings": shardings,
+            **encode_memory(plan.memory),
         }
     )
 
@@ -636,6 +649,7 @@ def mesh_plan_from_bytes(data: bytes) -> MeshPlan:
             ),
             strategy=raw["strategy"],
             preset=raw["preset"],
+            memory=decode_memory(raw),
         )
     except (PlanError, MeshError):
         raise

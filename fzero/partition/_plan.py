@@ -23,7 +23,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -31,6 +31,8 @@ import msgpack
 from fzero.partition._manifest import Manifest, TensorSpec
 
 __all__ = [
+    "MEMORY_KINDS",
+    "Memory",
     "OnMesh",
     "Piece",
     "Placement",
@@ -41,6 +43,7 @@ __all__ = [
     "to_bytes",
     "unit_stage",
     "validate",
+    "with_memory",
 ]
 
 FORMAT_VERSION = 1
@@ -152,6 +155,52 @@ class OnMesh:
         return self.shard[: len(self.shard) - len(self.optimizer_extra)]
 
 
+MEMORY_KINDS = ("device", "host", "nvme")
+MEMORY_DTYPES = ("fp32", "bf16")
+_DEEPSPEED_DEVICE = {"device": "none", "host": "cpu", "nvme": "nvme"}  # offload_*.device
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where each kind of a plan's state lives between uses (JAX's `memory_kind`), and
+    the dtypes of the masters and optimizer states.
+
+    `params`: stage 3's parameter shards; `optimizer`: the masters, the optimizer state
+    and the update (with "nvme", stages 2-3 keep the gradient accumulators in the swap
+    file too). Each is "device" (with the compute), "host" (host memory: ZeRO-Offload,
+    Ren et al. 2021) or "nvme" (a swap file: ZeRO-Infinity, Rajbhandari et al. 2021).
+    `master`: the masters' dtype, "fp32" or "bf16" (bf16 masters are the bf16 parameters
+    themselves, so the compute dtype is bf16 too); `states`: the optimizer moments'.
+    Gradients accumulate in fp32 whatever these say. DeepSpeed's config says the same as
+    `offload_param.device`, `offload_optimizer.device` ("none", "cpu", "nvme"),
+    `bf16.bf16_master_weights_and_grads` and `bf16.bf16_optimizer_states`; where a
+    strategy's plan says nothing (the defaults), a door takes the config's
+    (`with_memory`). Where files go and how they are read (paths, buffers, threads) stay
+    the config's."""
+
+    params: str = "device"
+    optimizer: str = "device"
+    master: str = "fp32"
+    states: str = "fp32"
+
+
+def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan:
+    """`plan` with each field of its `memory` that it leaves at the default taken from
+    `memory` (what `said_by` states); a field both state differently raises `PlanError`
+    naming it and both values."""
+    merged = {}
+    default = Memory()
+    for name in ("params", "optimizer", "master", "states"):
+        own, other = getattr(plan.memory, name), getattr(memory, name)
+        if own != getattr(default, name) and other not in (own, getattr(default, name)):
+            raise PlanError(
+                f"the plan's memory.{name} is {own!r} but {said_by} says {other!r}: state it "
+                "in one place or make them agree"
+            )
+        merged[name] = own if own != getattr(default, name) else other
+    return validate(replace(plan, memory=Memory(**merged)))
+
+
 def unit_stage(plan_stage: int, unit: Unit) -> int:
     """The ZeRO stage `unit` runs as in a plan of stage `plan_stage`: its own `stage`, or
     the plan's when it has none; a persistent unit (parameters kept whole) at stage 3
@@ -178,6 +227,7 @@ class Plan:
     units: tuple[Unit, ...]
     strategy: str = "custom"
     mesh: OnMesh | None = None
+    memory: Memory = Memory()
 
     @property
     def processes(self) -> int:
@@ -324,7 +374,53 @@ def validate(plan: Plan) -> Plan:
             "the plan's stage is the largest of its units' (set it to "
             f"{max(said)}, or leave a unit's stage None to take the plan's)"
         )
+    _validate_memory(plan)
     return plan
+
+
+def _validate_memory(plan: Plan) -> None:
+    """Where the plan's states live and their dtypes (`Memory`): known values; the
+    optimizer off the device only where every unit has an optimizer partition (stage 1
+    or more: DeepSpeed never offloads stage 0); parameters off the device only at stage
+    3 (only its parameters are shards between uses); bf16 masters not in the swap file
+    (it holds fp32 masters; bf16 moments are fine)."""
+    memory = plan.memory
+    if not isinstance(memory, Memory):
+        raise PlanError(f"memory is a {type(memory).__name__}; expected partition.Memory")
+    for name, allowed in (
+        ("params", MEMORY_KINDS),
+        ("optimizer", MEMORY_KINDS),
+        ("master", MEMORY_DTYPES),
+        ("states", MEMORY_DTYPES),
+    ):
+        if getattr(memory, name) not in allowed:
+            raise PlanError(
+                f"memory.{name} is {getattr(memory, name)!r}; allowed: {', '.join(allowed)}"
+            )
+    if memory.optimizer != "device":
+        whole = [u.name for u in plan.units if plan.stage_of(u) == 0]
+        if whole:
+            raise PlanError(
+                f"memory.optimizer is {memory.optimizer!r} (DeepSpeed's "
+                "zero_optimization.offload_optimizer.device is "
+                f"{_DEEPSPEED_DEVICE[memory.optimizer]!r}) but unit {whole[0]!r} is split as "
+                "stage 0 (every rank updates it whole); the optimizer lives off the device "
+                "only at stage 1, 2 or 3 (give that unit stage 1 or more, or keep the "
+                "optimizer on the device)"
+            )
+    if memory.params != "device" and plan.stage != 3:
+        raise PlanError(
+            f"memory.params is {memory.params!r} (DeepSpeed's "
+            "zero_optimization.offload_param.device is "
+            f"{_DEEPSPEED_DEVICE[memory.params]!r}) but the plan is stage {plan.stage}: only "
+            "stage 3's parameters are shards between uses; keep them on the device"
+        )
+    if memory.master == "bf16" and memory.optimizer == "nvme":
+        raise PlanError(
+            "memory.master is 'bf16' with memory.optimizer 'nvme': the swap file holds fp32 "
+            "masters only; keep the optimizer on the device or host, or use fp32 masters "
+            "with bf16 states (bf16 moments in the file)"
+        )
 
 
 def _validate_mesh(plan: Plan) -> None:
@@ -529,8 +625,22 @@ def to_bytes(plan: Plan) -> bytes:
             "strategy": plan.strategy,
             "units": [encode_unit(u) for u in plan.units],
             **({"mesh": _encode_on_mesh(plan.mesh)} if plan.mesh is not None else {}),
+            **encode_memory(plan.memory),
         }
     )
+
+
+def encode_memory(memory: Memory) -> dict[str, Any]:
+    """`{"memory": {...}}` for a plan that says where its states live, else `{}`: a plan
+    at the defaults keeps the bytes (and digest) it had before plans said so."""
+    if memory == Memory():
+        return {}
+    return {"memory": [memory.params, memory.optimizer, memory.master, memory.states]}
+
+
+def decode_memory(raw: dict[str, Any]) -> Memory:
+    """Inverse of `encode_memory` (on the plan's whole msgpack dict)."""
+    return Memory(*raw["memory"]) if "memory" in raw else Memory()
 
 
 def _encode_on_mesh(mesh: OnMesh) -> dict[str, Any]:
@@ -575,6 +685,7 @@ def from_bytes(data: bytes) -> Plan:
             units=tuple(decode_unit(u) for u in raw["units"]),
             strategy=raw["strategy"],
             mesh=_decode_on_mesh(raw.get("mesh")),
+            memory=decode_memory(raw),
         )
     except PlanError:
         raise

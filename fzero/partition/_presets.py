@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from fzero.partition._manifest import Manifest
 from fzero.partition._mesh import Mesh, UnitSharding
 from fzero.partition._mesh_plan import MeshPlan, stage_shardings, validate
-from fzero.partition._plan import Plan, PlanError, Unit
+from fzero.partition._plan import Memory, Plan, PlanError, Unit
 from fzero.partition._strategies import Strategy, flat_even, plan
 
 __all__ = [
@@ -155,6 +155,7 @@ def mesh_plan(
     preset: Preset | str = "zero3",
     *,
     strategy: Strategy | Callable[..., Plan] = flat_even,
+    memory: Memory | None = None,
     **options: object,
 ) -> MeshPlan:
     """Lay `manifest` out with `strategy` on `mesh.size` ranks (with `options`, as
@@ -162,7 +163,8 @@ def mesh_plan(
     validate. `mesh_plan(m, Mesh.single(W), "zero2")` is `from_plan(plan(m,
     world_size=W, stage=2))`. To hand it to an engine as its `strategy`, use
     `on_mesh(mesh, preset)`: the engine passes `world_size` and `stage`, which the mesh
-    and the preset decide here."""
+    and the preset decide here. `memory`: where its states live and their dtypes
+    (`Memory`), as `plan` takes it."""
     decided = sorted(set(options) & {"world_size", "stage"})
     if decided:
         raise PlanError(
@@ -181,6 +183,7 @@ def mesh_plan(
         tuple(chosen(mesh, unit) for unit in layout.units),
         strategy=layout.strategy,
         preset=chosen.name,
+        memory=memory if memory is not None else Memory(),
     )
     validate(result)
     return result

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh import KINDS
 from fzero.partition._mesh_plan import MeshPlan
-from fzero.partition._plan import Plan, PlanError, Unit
+from fzero.partition._plan import Memory, Plan, PlanError, Unit
 
 __all__ = [
     "LocalSlice",
@@ -223,9 +223,9 @@ def memory_per_rank(
     param_dtype: str = "float32",
     grad_dtype: str | None = "float32",
     optimizer: str | int | object = "adam",
-    offload_optimizer: bool = False,
-    master_dtype: str = "float32",
-    state_dtype: str = "float32",
+    offload_optimizer: bool | None = None,
+    master_dtype: str | None = None,
+    state_dtype: str | None = None,
     eval_live_parameters: int = 0,
 ) -> MemoryEstimate:
     """Model-state bytes on `rank`, the ZeRO paper's formula made exact for this plan.
@@ -239,6 +239,8 @@ def memory_per_rank(
     (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures),
     fp32 masters and states. A master in the parameters' dtype is the parameters
     (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless offloaded.
+    `offload_optimizer`, `master_dtype` and `state_dtype` default to what the plan says
+    (`Plan.memory`: the optimizer off the device, bf16 masters or states).
 
     On a mesh each kind holds its unit's buffer over the group size of its shard axes
     (`MeshPlan.shard_range`), plus hpZ's secondary copy in `params_secondary`. MiCS (Zhang
@@ -261,6 +263,13 @@ def memory_per_rank(
     else:
         params, grads, optimizer_numel, apart = _stage_numel(plan, rank)
         secondary = 0
+    memory = plan.memory
+    if offload_optimizer is None:
+        offload_optimizer = memory.optimizer != "device"
+    if master_dtype is None:
+        master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
+    if state_dtype is None:
+        state_dtype = "bfloat16" if memory.states == "bf16" else "float32"
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
     state_size = dtype_of(state_dtype).itemsize
@@ -404,6 +413,7 @@ def format_plan(plan: Plan | MeshPlan) -> str:
     lines = [
         f"plan: strategy={plan.strategy} stage={plan.stage} world_size={plan.world_size} "
         f"alignment={plan.alignment} units={len(plan.units)} params={plan.manifest.numel:,}"
+        + _memory_text(plan.memory)
     ]
     slices = [local_slices(plan, rank) for rank in range(plan.world_size)]
     for index, unit in enumerate(plan.units):
@@ -435,12 +445,22 @@ def format_plan(plan: Plan | MeshPlan) -> str:
     return "\n".join(lines)
 
 
+def _memory_text(memory: Memory) -> str:
+    """The fields of `memory` off their defaults, as " memory=optimizer:nvme,states:bf16"."""
+    said = [
+        f"{f.name}:{getattr(memory, f.name)}"
+        for f in fields(memory)
+        if getattr(memory, f.name) != f.default
+    ]
+    return f" memory={','.join(said)}" if said else ""
+
+
 def _format_mesh_plan(plan: MeshPlan) -> str:
     mesh = plan.mesh
     lines = [
         f"plan: strategy={plan.strategy} preset={plan.preset} mesh={mesh} "
         f"({mesh.size} ranks) alignment={plan.alignment} units={len(plan.units)} "
-        f"params={plan.manifest.numel:,}"
+        f"params={plan.manifest.numel:,}" + _memory_text(plan.memory)
     ]
     kinds = [k for k in KINDS if any(s.of(k) is not None for s in plan.shardings)]
     updates = [kind_slices(plan, rank, "optimizer") for rank in range(mesh.size)]

@@ -25,7 +25,16 @@ from typing import Protocol
 
 from fzero.partition._manifest import Manifest, TensorSpec
 from fzero.partition._mesh_plan import MeshPlan, executable
-from fzero.partition._plan import Piece, Placement, Plan, PlanError, Unit, validate
+from fzero.partition._plan import (
+    Memory,
+    Piece,
+    Placement,
+    Plan,
+    PlanError,
+    Unit,
+    validate,
+    with_memory,
+)
 
 __all__ = [
     "BUILT_IN",
@@ -326,6 +335,7 @@ def plan(
     stage: int,
     strategy: Strategy | Callable[..., Plan] = flat_even,
     unit_stages: Mapping[str, int] | None = None,
+    memory: Memory | None = None,
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
@@ -340,7 +350,11 @@ def plan(
     `unit_stages` splits some units as a lower ZeRO stage than `stage` (`set_unit_stages`:
     keys are unit names or module paths, a path covering the modules under it): e.g.
     `stage=3, unit_stages={"embed": 1}` is ZeRO-1 for the embeddings, ZeRO-3 for the
-    rest. The engine's doors take it as a strategy: `with_unit_stages`."""
+    rest. The engine's doors take it as a strategy: `with_unit_stages`.
+
+    `memory` says where the plan's states live and their dtypes (`Memory`, e.g.
+    `Memory(optimizer="nvme", states="bf16")`: ZeRO-Infinity's optimizer with bf16
+    moments); a door takes what the plan leaves at the defaults from its config."""
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
     if stage not in (0, 1, 2, 3):
@@ -367,6 +381,8 @@ def plan(
         )
     if unit_stages:
         result = set_unit_stages(result, unit_stages)
+    if memory is not None:
+        result = with_memory(result, memory, "the memory argument")
     return validate(result)
 
 

@@ -1,0 +1,215 @@
+"""Where a plan's states live and their dtypes are plan data (`partition.Memory`): pure
+checks in one process, and runs where a strategy's plan says what a config would (the
+optimizer on the host or in a swap file, bf16 moments) and trains exactly as the config
+saying it does, in both doors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import msgpack
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero import partition
+from fzero.partition import Memory, PlanError
+from fzero.partition._mesh_plan import as_mesh_plan
+from tests._dist import run_world
+
+STEPS, MICRO = 4, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4))
+
+
+def _manifest() -> partition.Manifest:
+    return partition.describe(_model())
+
+
+def test_memory_round_trips_and_plans_that_say_nothing_keep_their_bytes():
+    plain = partition.plan(_manifest(), world_size=2, stage=3)
+    assert plain.memory == Memory()
+    assert "memory" not in msgpack.unpackb(partition.to_bytes(plain))  # old digests hold
+    said = Memory(params="host", optimizer="nvme", states="bf16")
+    plan = partition.plan(_manifest(), world_size=2, stage=3, memory=said)
+    assert plan.memory == said and partition.from_bytes(partition.to_bytes(plan)) == plan
+    assert partition.plan_digest(plan) != partition.plan_digest(plain)
+    header = partition.part_fields(plan, 0)["memory"]
+    assert header == "['host', 'nvme', 'fp32', 'bf16']"
+    mesh = partition.mesh_plan(
+        _manifest(), partition.Mesh({"node": 2, "local": 2}), "mics", memory=said
+    )
+    assert partition.mesh_plan_from_bytes(partition.to_bytes(mesh)) == mesh
+    assert partition.executable(mesh).memory == said
+    assert as_mesh_plan(partition.executable(mesh)).memory == said
+
+
+@pytest.mark.parametrize(
+    ("stage", "memory", "message"),
+    [
+        (3, Memory(optimizer="disk"), "memory.optimizer is 'disk'; allowed: device, host, nvme"),
+        (3, Memory(states="fp16"), "memory.states is 'fp16'; allowed: fp32, bf16"),
+        (
+            0,
+            Memory(optimizer="host"),
+            "memory.optimizer is 'host' (DeepSpeed's zero_optimization.offload_optimizer.device "
+            "is 'cpu') but unit '0' is split as stage 0",
+        ),
+        (
+            2,
+            Memory(params="nvme"),
+            "memory.params is 'nvme' (DeepSpeed's zero_optimization.offload_param.device is "
+            "'nvme') but the plan is stage 2",
+        ),
+        (3, Memory(optimizer="nvme", master="bf16"), "the swap file holds fp32 masters only"),
+    ],
+)
+def test_validate_names_what_no_plan_may_say(stage, memory, message):
+    with pytest.raises(PlanError) as error:
+        partition.plan(_manifest(), world_size=2, stage=stage, memory=memory)
+    assert message in str(error.value)
+
+
+def test_with_memory_fills_what_the_plan_leaves_unsaid_and_refuses_contradictions():
+    plan = partition.plan(_manifest(), world_size=2, stage=3, memory=Memory(optimizer="nvme"))
+    merged = partition.with_memory(plan, Memory(params="host", states="bf16"))
+    assert merged.memory == Memory(params="host", optimizer="nvme", states="bf16")
+    assert partition.with_memory(plan, Memory(optimizer="nvme")) == plan
+    with pytest.raises(PlanError, match=r"memory\.optimizer is 'nvme' but the config says 'host'"):
+        partition.with_memory(plan, Memory(optimizer="host"))
+
+
+def test_memory_per_rank_reads_where_the_plan_keeps_its_states():
+    said = Memory(optimizer="host", states="bf16")
+    plan = partition.plan(_manifest(), world_size=2, stage=2, memory=said)
+    plain = dataclasses.replace(plan, memory=Memory())
+    estimate = partition.memory_per_rank(plan, 1)
+    assert estimate == partition.memory_per_rank(
+        plain, 1, offload_optimizer=True, state_dtype="bfloat16"
+    )
+    assert estimate.host == estimate.optimizer_state + estimate.master > 0
+    assert estimate.optimizer_state * 2 == partition.memory_per_rank(plain, 1).optimizer_state
+
+
+def _said_by(memory: Memory):
+    """A strategy of a researcher's own that says where the states live."""
+
+    def strategy(manifest, *, world_size, stage, **options):
+        laid = partition.flat_even(manifest, world_size=world_size, stage=stage, **options)
+        return dataclasses.replace(laid, memory=memory)
+
+    return strategy
+
+
+def _config(stage: int, where: str, nvme_path: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "aio": {"block_size": 8192, "thread_count": 1},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": where, "nvme_path": nvme_path},
+        },
+    }
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator)
+
+
+def _train_engine(engine) -> list[float]:
+    rank, losses = torch.distributed.get_rank(), []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _doors_case(rank: int, world: int, stage: int, kind: str, root: str) -> dict:
+    """The same training three ways: the config says where the optimizer lives (engine),
+    a strategy's plan says it and the config only where files go (engine), and a plan
+    that says it through `fzero.init` and `train_step` (no offload key at all)."""
+    said = Memory(optimizer=kind)
+    device = {"host": "cpu", "nvme": "nvme"}[kind]
+    path = f"{root}/rank{rank}"
+    for where in ("config", "plan", "state"):
+        os.makedirs(f"{path}/{where}")
+    out: dict = {}
+    by_config = fzero.shard(_model(), config=_config(stage, device, f"{path}/config"))
+    out["config"] = _train_engine(by_config), by_config.state_dict(dtype=torch.float32)
+    out["config memory"] = by_config.plan.memory == said
+    by_plan = fzero.shard(
+        _model(), config=_config(stage, "none", f"{path}/plan"), strategy=_said_by(said)
+    )
+    out["plan"] = _train_engine(by_plan), by_plan.state_dict(dtype=torch.float32)
+    out["plan swaps"] = (by_plan.nvme is not None) == (kind == "nvme") and by_plan.offload
+    out["plan memory"] = by_plan.plan.memory == said
+    by_config.destroy()
+    by_plan.destroy()
+
+    model = _model()
+    plan = partition.plan(partition.describe(model), world_size=world, stage=stage, memory=said)
+    config = _config(stage, "none", f"{path}/state")
+    state = fzero.init(model, plan, fzero.optim.adamw(), config=config)
+    out["state swaps"] = (state.residence is not None) == (kind == "nvme")
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan, fzero.optim.adamw(), config=config)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(rank, i))
+        losses.append(metrics["loss"].item())
+    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    try:  # a plan and a config that say different things: named, nothing built
+        fzero.shard(_model(), config=_config(stage, "cpu" if kind == "nvme" else "nvme", path),
+                    strategy=_said_by(said))  # fmt: skip
+        out["conflict"] = "no error"
+    except ValueError as error:
+        out["conflict"] = str(error)
+    return out
+
+
+@pytest.mark.parametrize(("stage", "kind"), [(2, "nvme"), (3, "host")])
+def test_a_plan_that_says_where_the_optimizer_lives_trains_as_the_config_saying_it(
+    stage, kind, tmp_path
+):
+    out = run_world(_doors_case, 2, stage, kind, str(tmp_path))
+    assert out["config memory"] and out["plan memory"]
+    assert out["plan swaps"] and out["state swaps"]
+    losses, weights = out["config"]
+    for door in ("plan", "train_step"):
+        assert out[door][0] == losses, door  # bit for bit
+        for name, value in weights.items():
+            assert torch.equal(out[door][1][name], value), (door, name)
+    other = "cpu" if kind == "nvme" else "nvme"
+    assert f"the plan's memory.optimizer is {kind!r} but the config" in out["conflict"]
+    assert f"says {dict(cpu='host', nvme='nvme')[other]!r}" in out["conflict"]
+
+
+def _rank_memory_case(rank: int, world: int) -> str:
+    memory = Memory(optimizer="host") if rank == 0 else Memory()
+    try:
+        fzero.shard(_model(), stage=2, strategy=_said_by(memory))
+    except fzero.comm.RankDisagreement as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_that_keep_states_in_different_places_are_named():
+    message = run_world(_rank_memory_case, 2)  # rank 0's; rank 1 raising fails run_world
+    assert "the ranks hold different plans" in message
+    assert "the plan's header" in message and "field 'memory'" in message
