@@ -179,7 +179,7 @@ def comm_volume(
     add("all_reduce", "gradient norm", 1, 8)
     if loss_scaling:
         add("all_reduce", "fp16 overflow flag", 1, 4)
-    if norms:
+    if norms and stage > 0:  # at stage 0 every rank's sums are whole already
         add("all_reduce", "LAMB tensor norms", 1, 2 * len(plan.manifest.tensors) * 8)
     checks = steps if stage >= 2 else 1  # per micro-step once any unit's are split
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
@@ -240,7 +240,8 @@ def _control(plan: MeshPlan, loss_scaling: bool, norms: bool) -> list[tuple[str,
     rows = [("gradient norm", 8, False)]
     if loss_scaling:
         rows.append(("fp16 overflow flag", 4, True))
-    if norms:
+    split = any(s.optimizer is not None and s.optimizer.shard for s in plan.shardings)
+    if norms and split:  # optimizer state whole everywhere: every rank's sums are whole
         rows.append(("LAMB tensor norms", 2 * len(plan.manifest.tensors) * 8, False))
     return rows
 
