@@ -213,3 +213,171 @@ def test_ranks_that_keep_states_in_different_places_are_named():
     message = run_world(_rank_memory_case, 2)  # rank 0's; rank 1 raising fails run_world
     assert "the ranks hold different plans" in message
     assert "the plan's header" in message and "field 'memory'" in message
+
+
+# ---- NVMe units beside units in memory, in one plan -----------------------------------
+
+SPLIT = {"0": "nvme", "3": "nvme"}  # the first and last units in the swap file, "2" not
+
+
+def _nvme_config(stage: int, path: str, accumulation: int = 2) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.5,
+        "aio": {"block_size": 8192, "thread_count": 1},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "none", "nvme_path": path},
+        },
+    }
+
+
+def _mixed_case(rank: int, world: int, stage: int, root: str) -> dict:
+    path = f"{root}/swap{rank}"
+    os.makedirs(path, exist_ok=True)
+    config = _nvme_config(stage, path)
+    out: dict = {}
+    plain = fzero.shard(_model(), config=config)
+    out["plain"] = _train_engine(plain), plain.state_dict(dtype=torch.float32)
+    plain.destroy()
+
+    mixed = fzero.shard(_model(), config=config, strategy=partition.with_unit_memory(SPLIT))
+    residency = mixed.runtime.residency
+    out["held"] = [residency.holds(i) for i in range(len(mixed.plan.units))]
+    out["masters"] = [rt.master.numel() for rt in mixed.runtime.units]
+    losses = _train_range(mixed, 0, STEPS // 2)
+    mixed.save_checkpoint(f"{root}/ckpt", tag="mid")
+    losses += _train_range(mixed, STEPS // 2, STEPS)
+    out["mixed"] = losses, mixed.state_dict(dtype=torch.float32)
+    mixed.destroy()
+
+    resumed = fzero.shard(_model(), config=config, strategy=partition.with_unit_memory(SPLIT))
+    resumed.load_checkpoint(f"{root}/ckpt", tag="mid")
+    out["resumed"] = _continue(resumed), resumed.state_dict(dtype=torch.float32)
+    resumed.destroy()
+    zero3 = fzero.shard(_model(), config=_nvme_config(3, path))  # all in memory, stage 3
+    zero3.load_checkpoint(f"{root}/ckpt", tag="mid")
+    out["zero3"] = _continue(zero3), zero3.state_dict(dtype=torch.float32)
+    zero3.destroy()
+
+    model = _model()
+    plan = partition.plan(
+        partition.describe(model), world_size=world, stage=stage, unit_memory=SPLIT
+    )
+    state = fzero.init(model, plan, fzero.optim.adamw(), config=config)
+    out["state held"] = [state.residence.holds(i) for i in range(len(plan.units))]
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan, fzero.optim.adamw(), config=config)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(rank, i))
+        losses.append(metrics["loss"].item())
+    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    try:
+        fzero.shard(_model(), config=config, optimizer=fzero.optim.lamb(),
+                    strategy=partition.with_unit_memory(SPLIT))  # fmt: skip
+        out["lamb"] = "no error"
+    except ValueError as error:
+        out["lamb"] = str(error)
+    return out
+
+
+def _continue(engine) -> list[float]:
+    return _train_range(engine, STEPS // 2, STEPS)
+
+
+def _train_range(engine, start: int, stop: int) -> list[float]:
+    rank, losses = torch.distributed.get_rank(), []
+    for step in range(start, stop):
+        x, y = _batch(rank, step)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_units_beside_units_in_memory_train_as_all_in_memory(stage, tmp_path):
+    out = run_world(_mixed_case, 2, stage, str(tmp_path))
+    assert out["held"] == [True, False, True] == out["state held"]
+    assert out["masters"][0] == out["masters"][2] == 0 < out["masters"][1]  # evicted: on disk
+    losses, weights = out["plain"]
+    for run in ("mixed", "train_step"):
+        assert out[run][0] == losses, run  # bit for bit: where states live changes nothing
+        for name, value in weights.items():
+            assert torch.equal(out[run][1][name], value), (run, name)
+    for run in ("resumed", "zero3"):  # from the checkpoint saved mid-run
+        assert out[run][0] == losses[STEPS // 2 :], run
+        for name, value in weights.items():
+            assert torch.equal(out[run][1][name], value), (run, name)
+    assert "needs tensor norms" in out["lamb"]
+    assert "units ['0', '3'] in the swap file" in out["lamb"]
+
+
+def test_unit_memory_keys_and_values_are_checked():
+    with pytest.raises(PlanError, match=r"unit_memory key 'embed' names no unit"):
+        partition.plan(_manifest(), world_size=2, stage=2, unit_memory={"embed": "nvme"})
+    with pytest.raises(PlanError, match=r"unit '0': optimizer_memory is 'disk'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=2, unit_memory={"0": "disk"})
+    with pytest.raises(PlanError, match=r"unit '0''s optimizer_memory is 'nvme' but unit '0' is"):
+        partition.plan(
+            _manifest(), world_size=2, stage=1, unit_stages={"0": 0}, unit_memory={"0": "nvme"}
+        )
+    plan = partition.plan(_manifest(), world_size=2, stage=2, unit_memory={"3": "host"})
+    assert [plan.optimizer_memory(u) for u in plan.units] == ["device", "device", "host"]
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+
+
+def _mesh_case(rank: int, world: int, root: str) -> dict:
+    """MiCS on 2 x 2 (stage 3 within `local`, replicas over `node`): everything in memory,
+    then the first and last units' optimizer in the swap file, in both doors."""
+    path = f"{root}/swap{rank}"
+    os.makedirs(path, exist_ok=True)
+    config = _nvme_config(3, path)
+    mesh = partition.Mesh({"node": 2, "local": 2})
+    out: dict = {}
+    plain = fzero.shard(_model(), config=config, strategy=partition.on_mesh(mesh, "mics"))
+    out["plain"] = _train_engine(plain), plain.state_dict(dtype=torch.float32)
+    plain.destroy()
+    on_mesh = partition.with_unit_memory(SPLIT, strategy=partition.on_mesh(mesh, "mics"))
+    mixed = fzero.shard(_model(), config=config, strategy=on_mesh)
+    out["held"] = [mixed.runtime.residency.holds(i) for i in range(len(mixed.plan.units))]
+    out["mixed"] = _train_engine(mixed), mixed.state_dict(dtype=torch.float32)
+    mixed.destroy()
+
+    model = _model()
+    laid = partition.mesh_plan(
+        partition.describe(model), mesh, "mics", strategy=partition.with_unit_memory(SPLIT),
+        persistence_threshold=0,
+    )  # fmt: skip
+    state = fzero.init(model, laid, fzero.optim.adamw(), config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, laid, fzero.optim.adamw(), config=config)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(rank, i))
+        losses.append(metrics["loss"].item())
+    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    return out
+
+
+@pytest.mark.slow  # four ranks on two cores
+def test_nvme_units_beside_units_in_memory_on_a_2x2_mesh(tmp_path):
+    out = run_world(_mesh_case, 4, str(tmp_path))
+    assert out["held"] == [True, False, True]
+    losses, weights = out["plain"]
+    for run in ("mixed", "train_step"):
+        assert out[run][0] == losses, run
+        for name, value in weights.items():
+            assert torch.equal(out[run][1][name], value), (run, name)

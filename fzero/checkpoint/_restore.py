@@ -146,7 +146,7 @@ def _restore(
             failure = str(error)
         # Every rank learns whether every rank could read its part before anything changes.
         _agree(failure, group, CheckpointError)
-        if like.residence is None:  # the second pass, into the state's buffers
+        if _in_memory(like):  # the second pass, into the state's buffers
             try:
                 read.fill()
             except (CheckpointError, OSError) as error:
@@ -163,11 +163,22 @@ def _restore(
         rng = torch.tensor(list(saved["torch"]), dtype=torch.uint8)
     if install and like.residence is not None:  # NVMe: the stored slots become current
         like.residence.commit()
-        units = tuple(_install_swapped(like, i, unit) for i, unit in enumerate(units))
+        units = tuple(
+            _install_swapped(like, i, unit) if like.residence.holds(i) else _install(like, i, unit)
+            for i, unit in enumerate(units)
+        )
     elif install:
         units = tuple(_install(like, i, unit) for i, unit in enumerate(units))
     state = like.replace(units=units, counters=counters, loss_scale=loss_scale, rng=rng)
     return Restored(state, read.client_state, read.module, found, index)
+
+
+def _in_memory(like: TrainState) -> bool:
+    """Whether some unit of `like` keeps its master and state in memory (not all in a
+    swap file): restored into its buffers in place."""
+    if like.residence is None:
+        return True
+    return not all(like.residence.holds(i) for i in range(len(like.units)))
 
 
 def _install(like: TrainState, i: int, unit: UnitState) -> UnitState:
@@ -319,7 +330,7 @@ def _read(
             grad = torch.empty(grad_numel(plan, i, like.rank), dtype=torch.float32)
             reader.read_whole(like.rank, f"grad/unit{i}", grad)
             read.grads[i] = grad
-        if like.residence is None:
+        if like.residence is None or not like.residence.holds(i):
             for kind in kinds:
                 out = _in_place(like, i, kind)
                 for _, r in reads.get(i, []):

@@ -80,9 +80,9 @@ class OptimizerApplication:
         self.compute_dtype, self.device = compute_dtype, device
         self.param_shards = param_shards or InMemoryShards()
         self.param_offload, self.timer = param_offload, timer
-        self.offload = residency.offload
+        self.offload = residency.offload  # some unit's optimizer off the device
         check_needs(optimizer)
-        if isinstance(optimizer.needs, WholeTensors) and residency.nvme is not None:
+        if isinstance(optimizer.needs, WholeTensors) and residency.swapped:
             raise ValueError(
                 "Muon with 'zero_optimization.offload_optimizer.device' 'nvme' is refused, as "
                 f"is any optimizer that needs whole tensors ({optimizer.name!r} declares "
@@ -90,14 +90,27 @@ class OptimizerApplication:
                 "direction, which the swap file's unit-at-a-time pipeline does not gather; "
                 "use offload device 'cpu' or 'none'"
             )
+        if isinstance(optimizer.needs, TensorNorms) and 0 < len(residency.swapped) < len(
+            plan.units
+        ):
+            raise ValueError(
+                f"{optimizer.name!r} needs tensor norms (it declares TensorNorms, as LAMB "
+                "does) and the plan keeps some units' optimizer on 'nvme' and others in "
+                f"memory (units {[plan.units[i].name for i in residency.swapped]} in the "
+                "swap file): its two passes over the swap file and over memory are not run "
+                "together; keep every unit's optimizer on 'nvme' or none"
+            )
         # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
         # state lives: on the host with optimizer offload, else on the compute device
-        where = torch.device("cpu") if self.offload else torch.device(device)
-        self.native = native.available(where)
-        kernel = optimizer.native
-        self.kernel: NativeKernel | None = (
-            kernel if self.native and kernel is not None and where.type in kernel.devices else None
-        )
+        self.natives: dict[bool, bool] = {}
+        self.kernels: dict[bool, NativeKernel | None] = {}
+        for on_host in (False, True):
+            where = torch.device("cpu") if on_host else torch.device(device)
+            usable, kernel = native.available(where), optimizer.native
+            self.natives[on_host] = usable
+            self.kernels[on_host] = (
+                kernel if usable and kernel is not None and where.type in kernel.devices else None
+            )
         self.tensor_index = {fqn: i for i, fqn in enumerate(plan.manifest.fqns)}
         self.publisher = Publisher(
             plan,
@@ -105,10 +118,11 @@ class OptimizerApplication:
             compute_dtype=compute_dtype,
             device=device,
             param_shards=self.param_shards,
-            swapped=residency.nvme is not None,
+            swapped=set(residency.swapped),
             timer=timer,
         )
         self.units: list[UnitRuntime] = []
+        self.swapped_units: list[UnitRuntime] = []  # those in the swap file, this step
         self.clock = StepClock(0, 0)
 
     def partition(self, unit: Unit) -> slice:
@@ -121,23 +135,31 @@ class OptimizerApplication:
         self, units: list[UnitRuntime], factor: float, lrs: list[float], clock: StepClock
     ) -> None:
         """Update every unit of `units` with gradients scaled by `factor` at the groups'
-        `lrs`, and publish the new parameters."""
+        `lrs`, and publish the new parameters: the units in the swap file first (all or
+        nothing on every rank), then those in memory."""
         self.units, self.clock = units, clock
         needs = self.optimizer.needs
-        if self.residency.nvme is not None:
+        self.swapped_units = [rt for rt in units if self.residency.holds(rt.index)]
+        if self.swapped_units:  # an optimizer that needs tensor norms: all of them (refused else)
             self.nvme_updates(factor, lrs)
-        elif isinstance(needs, WholeTensors):
+            units = [rt for rt in units if not self.residency.holds(rt.index)]
+        if isinstance(needs, WholeTensors):  # never with NVMe (refused)
             for rt in units:
                 with self.widened_if_narrow(rt):
                     self.whole_tensors_unit(rt, factor, lrs, needs)
                 self.residency.give_back(self.residency.lent)
                 self.publish(rt)
         elif isinstance(needs, TensorNorms):
-            self.tensor_norms_step(factor, lrs, needs)
+            if units:
+                self.tensor_norms_step(factor, lrs, needs)
         else:
             for rt in units:
                 self.publish(rt, self.update_unit(rt, factor, lrs))
         self.finish_publish()
+
+    def kernel_of(self, rt: UnitRuntime) -> NativeKernel | None:
+        """The native kernel for where the unit's optimizer lives (None: the pure one)."""
+        return self.kernels[self.residency.offloaded[rt.index]]
 
     def update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
         """Update the unit's master and state; returns the compute-dtype copy of the new
@@ -172,7 +194,8 @@ class OptimizerApplication:
         """The gradient of the rank's optimizer partition, where the optimizer runs
         (offload: a host copy, made per step)."""
         grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
-        if not self.offload or self.residency.grads_on_disk:  # NVMe: read into a host swap buffer
+        # in memory where the optimizer is; NVMe: read into a host swap buffer
+        if not self.residency.offloaded[rt.index] or self.residency.grad_on_disk(rt.index):
             return grad
         if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
             return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
@@ -185,20 +208,22 @@ class OptimizerApplication:
         """The update through the optimizer's native kernel (`NativeKernel.update_`), the
         gradient scaled by `factor` and the compute-dtype copy written into `out` in the
         same pass; False when it has none for this device."""
-        if self.kernel is None or self.kernel.update_ is None:
+        kernel = self.kernel_of(rt)
+        if kernel is None or kernel.update_ is None:
             return False
-        rt.state = self.kernel.update_(native, rt.master, grad, rt.state, hp, factor, out)
+        rt.state = kernel.update_(native, rt.master, grad, rt.state, hp, factor, out)
         return True
 
     def copy_target(self, rt: UnitRuntime) -> Tensor | None:
         """Where a native update writes the compute-dtype copy of the new master."""
-        if self.kernel is None or self.kernel.update_ is None:
+        kernel = self.kernel_of(rt)
+        if kernel is None or kernel.update_ is None:
             return None
         if self.compute_dtype == torch.float32:
             return None
         if rt.full is None and self.param_offload == "nvme":  # written as it is
             return _nvme.aligned_empty(rt.master.numel(), self.compute_dtype)
-        if self.offload:  # a host buffer; `publish` moves it to the device
+        if self.residency.offloaded[rt.index]:  # a host buffer; `publish` moves it to the device
             return torch.empty(
                 rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
             )
@@ -339,12 +364,17 @@ class OptimizerApplication:
         grad = self.step_grad(rt)
         hp = self.step_hparams(rt, lrs)
         rt.state, direction = norms_direction(
-            needs, self.kernel, rt.master, grad, rt.state, hp, factor, out=out
+            needs, self.kernel_of(rt), rt.master, grad, rt.state, hp, factor, out=out
         )
         self.residency.give_back(self.residency.lent)
         segments = self.segments(rt)
         add_tensor_squares(
-            sums, self.tensor_index, segments, rt.master, direction, use_native=self.native
+            sums,
+            self.tensor_index,
+            segments,
+            rt.master,
+            direction,
+            use_native=self.natives[self.residency.offloaded[rt.index]],
         )
         return rt, hp, direction, segments
 
@@ -362,7 +392,7 @@ class OptimizerApplication:
     ) -> None:
         """The second half: each tensor's piece moves given its whole tensor's norms."""
         norms_apply(
-            needs, self.kernel, rt.master, hp, direction, segments, norms, self.tensor_index
+            needs, self.kernel_of(rt), rt.master, hp, direction, segments, norms, self.tensor_index
         )
 
     def publish(
@@ -385,7 +415,7 @@ class OptimizerApplication:
         succeeded. Either all flip their slots and exchange parameters, or all put back
         the parameters from the untouched slots and raise: no rank keeps half a step.
         """
-        steps = [rt.state.step for rt in self.units]
+        steps = [rt.state.step for rt in self.swapped_units]
         updated: list[UnitRuntime] = []
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
@@ -402,9 +432,9 @@ class OptimizerApplication:
         if isinstance(needs, TensorNorms):
             self.nvme_tensor_norms(factor, lrs, updated, steps, needs)
         else:
-            failure = self.residency.step_pass(self.units, self.residency.swap_in, update)
+            failure = self.residency.step_pass(self.swapped_units, self.residency.swap_in, update)
             self.agree(self.settle(failure), updated, steps)
-        for rt in self.units:
+        for rt in self.swapped_units:
             rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
         if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
@@ -466,12 +496,14 @@ class OptimizerApplication:
             return tickets
 
         self.agree(
-            self.residency.step_pass(self.units, self.residency.swap_in, direction, extra=1),
+            self.residency.step_pass(
+                self.swapped_units, self.residency.swap_in, direction, extra=1
+            ),
             updated,
             steps,
         )
         norms = self.tensor_norms(sums)
-        failure = self.residency.step_pass(self.units, read_direction, apply, extra=1)
+        failure = self.residency.step_pass(self.swapped_units, read_direction, apply, extra=1)
         self.agree(self.settle(failure), updated, steps)
 
     def settle(self, failure: str) -> str:
@@ -486,7 +518,7 @@ class OptimizerApplication:
         if messages and self.residency.slots == 1:
             self.residency.broken = (
                 f"NVMe offload with commit 'in_place': step {self.clock.step} "
-                f"failed after {len(updated)} of {len(self.units)} units on this rank "
+                f"failed after {len(updated)} of {len(self.swapped_units)} units on this rank "
                 f"were overwritten in {self.residency.nvme.path}, so it holds no single step "
                 "and training will not go on from it; load the last checkpoint "
                 "(engine.load_checkpoint or fzero.load) to continue, or use commit "
@@ -504,7 +536,7 @@ class OptimizerApplication:
     def roll_back(self, updated: list[UnitRuntime], steps: list[int]) -> None:
         """Undo a failed NVMe step: parameters from the masters in the current slots
         (never written by the step), step counts restored."""
-        for rt, step in zip(self.units, steps):
+        for rt, step in zip(self.swapped_units, steps):
             rt.state = rt.state._replace(step=step)
         try:
             for rt in updated:

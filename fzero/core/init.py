@@ -80,14 +80,12 @@ def init(
     _check_world(plan)
     check_same_plan(plan, "fzero.init")
     rank, device = groups_of(plan).rank, comm.backend_device()
-    swapped = plan.memory.optimizer == "nvme"
+    where = [plan.optimizer_memory(u) for u in plan.units]
     holding = Holding(
         compute_dtype=dtypes.compute_dtype,
         master_dtype=dtypes.master_dtype,
-        # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
-        state_dtype=torch.float32 if swapped else dtypes.state_dtype,
+        state_dtype=dtypes.state_dtype,
         device=device,
-        offload=plan.memory.optimizer != "device",
     )
     named = dict(model.named_parameters())
     _check_model(plan, named)
@@ -108,9 +106,13 @@ def init(
         tensors = [named[pl.fqn] for pl in unit.placements]
         values, start = values_on_rank(plan, index, tensors, rank=rank, device=device)
         grad = accumulators[index] if accumulators is not None else None
+        held = holding._replace(  # NVMe: fp32 moments in memory, bf16 (if so) in the file
+            offload=where[index] != "device",
+            state_dtype=torch.float32 if where[index] == "nvme" else holding.state_dtype,
+        )
         units.append(
             build_unit_state(
-                plan, index, values, rank=rank, holding=holding, optimizer=optimizer,
+                plan, index, values, rank=rank, holding=held, optimizer=optimizer,
                 grad=grad, values_from=start,
             )
         )  # fmt: skip
@@ -120,15 +122,16 @@ def init(
                 release_partition(tensor)
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None
-    residence = _swap_out(cfg, plan, rank, optimizer, units) if swapped else None
+    residence = _swap_out(cfg, plan, rank, optimizer, units) if "nvme" in where else None
     return TrainState(plan, rank, tuple(units), Counters(), scale, rng, residence)
 
 
 def _swap_out(
     config: Config, plan: Plan, rank: int, optimizer: Optimizer, units: list[UnitState]
 ) -> SwapFileUnits:
-    """NVMe offload: each unit's master and optimizer state written to the current slot of
-    a new swap file and dropped from memory (`units` are replaced by their evicted form)."""
+    """NVMe offload: the master and optimizer state of each unit the plan keeps there
+    written to the current slot of a new swap file and dropped from memory (those `units`
+    are replaced by their evicted form)."""
 
     residency = Residency(
         config,
@@ -141,9 +144,10 @@ def _swap_out(
     runtimes = []
     for i, u in enumerate(units):
         rt = UnitRuntime(i, plan.units[i], [], u.master, u.optim, u.grad)
-        residency.swap_out(rt, rt.slot, wait=True)
-        residency.evict(rt)
-        units[i] = u._replace(master=rt.master, optim=rt.state)
+        if residency.holds(i):
+            residency.swap_out(rt, rt.slot, wait=True)
+            residency.evict(rt)
+            units[i] = u._replace(master=rt.master, optim=rt.state)
         runtimes.append(rt)
     return SwapFileUnits(residency, runtimes)
 

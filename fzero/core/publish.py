@@ -11,7 +11,7 @@ for a `TrainState`'s unit).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -78,11 +78,11 @@ class Publisher:
         compute_dtype: torch.dtype,
         device: torch.device,
         param_shards: ParamShards | None = None,
-        swapped: bool = False,
+        swapped: Container[int] = (),
         timer: Timer = untimed,
     ) -> None:
-        """`swapped`: masters sit in reused NVMe swap buffers (the all-gather's input is
-        copied out of them)."""
+        """`swapped`: the units whose masters sit in reused NVMe swap buffers (the
+        all-gather's input is copied out of them)."""
         self.plan, self.rank, self.stage, self.world_size = plan, rank, plan.stage, plan.world_size
         self.groups = groups_of(plan)
         self.compute_dtype, self.device, self.swapped = compute_dtype, device, swapped
@@ -106,7 +106,7 @@ class Publisher:
                 value = written if written is not None else rt.master
                 value = value.to(self.compute_dtype)
                 if self.plan.optimizer_extra_size > 1:  # optimizer shards of the param shard
-                    value = value.to(self.device, copy=self.swapped and written is None)
+                    value = value.to(self.device, copy=rt.index in self.swapped and written is None)
                     value = gather_to_grads_shard(value, self.plan, self.groups, what=_updated(rt))
                 self.param_shards.store_param_shard(rt, value, wait=False)
             return
@@ -119,7 +119,7 @@ class Publisher:
             return
         shard = written if written is not None else rt.master.to(self.compute_dtype)
         # offload: the updated parameters move back (NVMe: out of a reused swap buffer)
-        shard = shard.to(self.device, copy=self.swapped and written is None)
+        shard = shard.to(self.device, copy=rt.index in self.swapped and written is None)
         work = gather_optimizer_shards(
             rt.full, shard, self.plan, rt.index, self.groups, what=_updated(rt)
         )
@@ -196,7 +196,7 @@ def install(units: Sequence[UnitRuntime], like: TrainState, state: TrainState) -
         for rt, old, unit in zip(units, like.units, state.units):
             if unit.grad is not old.grad and rt.grad.numel():
                 rt.grad.copy_(unit.grad)
-            if like.residence is not None:
+            if like.residence is not None and like.residence.holds(rt.index):
                 continue
             if rt.master._base is None:
                 rt.master = unit.master

@@ -61,8 +61,12 @@ class Residency:
         self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
         self.plan, self.partition_numel, self.rank = plan, partition_numel, rank
         # ZeRO-Offload: fp32 masters, optimizer state and the update on the host; the
-        # device keeps compute-dtype parameters and gradients.
-        self.offload = memory.optimizer != "device"
+        # device keeps compute-dtype parameters and gradients. Per unit (`Plan.optimizer_memory`)
+        where = [plan.optimizer_memory(u) for u in plan.units]
+        self.offloaded = [kind != "device" for kind in where]  # by unit index
+        self.offload = any(self.offloaded)
+        self.swapped = [i for i, kind in enumerate(where) if kind == "nvme"]  # in the file
+        self._position = {index: at for at, index in enumerate(self.swapped)}
         self.pin = self.offload and zero.offload_optimizer.pin_memory and torch.cuda.is_available()
         self.nvme: Any = None  # the swap file when offloading the optimizer to NVMe
         self.kinds: list[str] = []
@@ -81,9 +85,9 @@ class Residency:
         self.pool = _nvme.BufferPool(largest)
         self.staging = _nvme.BufferPool(largest, torch.bfloat16)  # bf16 moments in transit
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
-        if "nvme" in (memory.optimizer, memory.params):
+        if "nvme" in (*where, memory.params):
             _nvme.map_large_buffers()
-        if memory.optimizer == "nvme":
+        if self.swapped:
             self._open_swap(zero, config, optimizer, rank)
 
     def _open_swap(self, zero: Any, config: Config, optimizer: Any, rank: int) -> None:
@@ -105,17 +109,18 @@ class Residency:
         if self.plan.memory.states == "bf16":
             self.state_dtype = torch.bfloat16
         self.seed = rank
+        held = [self.plan.units[i] for i in self.swapped]
         sizes = [
             self.kind_bytes(k) * self.partition_numel(u)
             for _slot in range(self.slots)
-            for u in self.plan.units
+            for u in held
             for k in range(len(self.kinds))
         ]
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = self.plan.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
-            sizes += [4 * self.plan.grads_size(u, rank) for u in self.plan.units]
+            sizes += [4 * self.plan.grads_size(u, rank) for u in held]
         # (bf16 moments: their staging buffers are half-size)
         per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
@@ -159,11 +164,20 @@ class Residency:
         """Where a step writes the unit: the other slot, or (in_place) the same one."""
         return (rt.slot + 1) % self.slots
 
+    def holds(self, index: int) -> bool:
+        """Whether unit `index`'s master and optimizer state live in the swap file."""
+        return index in self._position
+
+    def grad_on_disk(self, index: int) -> bool:
+        """Whether unit `index`'s gradient accumulator lives in the swap file."""
+        return self.grads_on_disk and index in self._position
+
     def region(self, rt: UnitRuntime, kind_index: int, slot: int) -> int:
-        return (slot * len(self.plan.units) + rt.index) * len(self.kinds) + kind_index
+        at = self._position[rt.index]
+        return (slot * len(self.swapped) + at) * len(self.kinds) + kind_index
 
     def grad_region(self, rt: UnitRuntime) -> int:
-        return self.slots * len(self.plan.units) * len(self.kinds) + rt.index
+        return self.slots * len(self.swapped) * len(self.kinds) + self._position[rt.index]
 
     def check_usable(self) -> None:
         """Raise if an in-place step failed midway (the file holds no single step)."""
@@ -297,7 +311,7 @@ class Residency:
         the window's first micro-step), added to, and written back asynchronously, at
         most `offload_optimizer.buffer_count` writes in flight. At the window's last
         micro-step its norm and finiteness are taken before it leaves memory."""
-        if not self.grads_on_disk:
+        if not self.grad_on_disk(rt.index):
             rt.grad.add_(value)
             return
         if self._grad_failure:
@@ -358,7 +372,7 @@ class Residency:
         """The unit's master, optimizer state and gradient accumulator in host memory
         inside the block (a no-op unless they live on NVMe); written back on exit with
         `write_back`."""
-        if self.nvme is None:
+        if not self.holds(rt.index):
             yield
             return
         buffers = self.swap_buffers()
@@ -446,14 +460,6 @@ class Residency:
                 ticket, _ = tickets.pop(0)
                 self.nvme.io.wait(ticket)
 
-    def to_host(self, tensor: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """A new copy in `dtype` where the optimizer runs: the host when offloading
-        (pinned with CUDA and `pin_memory`), else the device."""
-        if not self.offload:
-            return tensor.to(dtype, copy=True)
-        copy = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
-        return copy.copy_(tensor)
-
 
 class SwapFileUnits:
     """The NVMe residency as a `TrainState`'s `SwappedUnits`: units by index (checkpoints
@@ -474,6 +480,10 @@ class SwapFileUnits:
         """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
         return self.residency.state_dtype
 
+    def holds(self, index: int) -> bool:
+        """Whether unit `index` lives in the file (else in the state's own buffers)."""
+        return self.residency.holds(index)
+
     def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
         """Write `unit` to the other slot of unit `index`'s regions (current after
         `commit`); memory keeps none of it."""
@@ -492,7 +502,8 @@ class SwapFileUnits:
         """Make what `store_next` wrote current, every unit at once (after every rank
         has written its part): the file holds the stored step from now on."""
         for rt in self.units:
-            rt.slot = self.residency.next_slot(rt)
+            if self.residency.holds(rt.index):
+                rt.slot = self.residency.next_slot(rt)
         self.residency.broken = ""
 
     def check_usable(self) -> None:

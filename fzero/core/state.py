@@ -69,10 +69,13 @@ class SwappedUnits(Protocol):
     file, `fzero.core.residency`): `resident(i)` makes unit i's tensors readable inside
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
-    `state_dtype` is the dtype the file keeps the optimizer's moments in."""
+    `state_dtype` is the dtype the file keeps the optimizer's moments in; `holds(i)`
+    whether unit i lives there (a plan may keep some units in memory)."""
 
     @property
     def state_dtype(self) -> torch.dtype: ...
+
+    def holds(self, index: int) -> bool: ...
 
     def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
 
@@ -89,9 +92,9 @@ class TrainState:
     `rank`'s partitions), `counters`, `loss_scale` (fp16) and `rng` (the torch generator
     state the next step draws dropout from; None: the process's own generator).
     `residence` is None when every unit is in memory; with NVMe offload it is the swap
-    file (see `SwappedUnits`), the units' `master` and `optim` tensors here are empty and
-    `resident(i)` reads them. A step updates the file in place: like the buffers, it
-    belongs to the state the step returns."""
+    file (see `SwappedUnits`), the `master` and `optim` tensors here of the units it
+    holds are empty and `resident(i)` reads them. A step updates the file in place:
+    like the buffers, it belongs to the state the step returns."""
 
     plan: Plan
     rank: int
@@ -113,7 +116,7 @@ class TrainState:
     @contextlib.contextmanager
     def resident(self, index: int) -> Iterator[UnitState]:
         """Unit `index`'s tensors, readable inside the block (NVMe: read back first)."""
-        if self.residence is None:
+        if self.residence is None or not self.residence.holds(index):
             yield self.units[index]
         else:
             with self.residence.resident(index) as unit:

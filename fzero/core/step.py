@@ -165,13 +165,13 @@ class _Step:
         """The core's update over `state`'s units (the engine's too): through its swap file
         with NVMe offload, else through host buffers of this step's own."""
         swap = state.residence.residency if isinstance(state.residence, SwapFileUnits) else None
-        where = self.plan.memory.optimizer
-        if (where == "nvme") != (swap is not None):
+        swapped = any(self.plan.optimizer_memory(u) == "nvme" for u in self.plan.units)
+        if swapped != (swap is not None):
             held = "in a swap file" if swap is not None else "in memory"
             raise ValueError(
-                f"train_step: the plan's memory.optimizer is {where!r} but the state's "
-                f"optimizer partitions are {held}: build the state (fzero.init) and the "
-                "step with the same plan and config"
+                f"train_step: the plan keeps {'some' if swapped else 'no'} unit's optimizer "
+                f"on 'nvme' but the state's optimizer partitions are {held}: build the "
+                "state (fzero.init) and the step with the same plan and config"
             )
         key = (id(swap), dtype, device)
         if key not in self._applications:
@@ -205,6 +205,8 @@ class _Step:
             records = state.residence.units
             for rt, u in zip(records, state.units):
                 rt.grad, rt.hparams = u.grad, optimizer.hparams
+                if not state.residence.holds(rt.index):  # a unit the plan keeps in memory
+                    rt.master, rt.state = u.master, u.optim
                 attach_params(plan, rt, u)
             return records
         if not (

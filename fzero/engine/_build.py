@@ -162,11 +162,11 @@ def build_units(
         tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
         values, start = values_on_rank(plan, index, tensors, rank=rank, device=holding.device)
         grad = accumulators[index] if accumulators else None
-        if grad is None and residency.grads_on_disk:  # NVMe: in the swap file
+        if grad is None and residency.grad_on_disk(index):  # NVMe: in the swap file
             grad = torch.zeros(0, dtype=torch.float32, device=holding.device)
         state = build_unit_state(
-            plan, index, values, rank=rank, holding=holding, optimizer=optimizer, grad=grad,
-            values_from=start,
+            plan, index, values, rank=rank, holding=held_by(holding, residency, index),
+            optimizer=optimizer, grad=grad, values_from=start,
         )  # fmt: skip
         del values
         for tensor in tensors:
@@ -182,6 +182,16 @@ def build_units(
     if residency.nvme is not None:
         _nvme.return_free_memory()
     return units
+
+
+def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
+    """How unit `index` is held: on the host where its optimizer lives off the device
+    (`Plan.optimizer_memory`), its moments fp32 in memory where they rest in the swap
+    file (bf16 there, if so)."""
+    return holding._replace(
+        offload=residency.offloaded[index],
+        state_dtype=torch.float32 if residency.holds(index) else holding.state_dtype,
+    )
 
 
 def _bind_unit(
@@ -216,7 +226,7 @@ def _bind_unit(
         bind(rt)
     else:  # where the shard lives between uses: `fzero.core.param_shards`
         unbind(rt, holding.compute_dtype, holding.device)
-    if residency.nvme is not None:  # to the swap file; the host keeps nothing of it
+    if residency.holds(index):  # to the swap file; the host keeps nothing of it
         residency.swap_out(rt, rt.slot, wait=True)
         residency.evict(rt)
     return rt

@@ -150,13 +150,11 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.name = name or type(module).__name__ + (f"#{self.serial}" if self.serial else "")
         self.client_optimizer, self.client_lr_scheduler = client_optimizer, lr_scheduler
         groups = list(param_groups) if param_groups else [{"params": list(module.parameters())}]
-        plan, run_precision = plan_for(
-            module, groups, config, self.world_size, strategy, f"engine {self.name}",
-            precision_of(config, precision),
-        )  # fmt: skip
+        where, asked = f"engine {self.name}", precision_of(config, precision)
+        plan, run = plan_for(module, groups, config, self.world_size, strategy, where, asked)
         self.runtime = build_runtime(
             module, plan, self.config, optimizer if trainable else _NO_OPTIMIZER,
-            precision=run_precision, schedule=schedule, param_groups=groups, trainable=trainable,
+            precision=run, schedule=schedule, param_groups=groups, trainable=trainable,
             client_optimizer=client_optimizer, param_init_fn=param_init_fn, owner=self,
         )  # fmt: skip
         self.precision = self.runtime.precision.compute  # "fp32", "bf16" or "fp16"

@@ -119,8 +119,7 @@ def build_runtime(
     holding = Holding(
         compute_dtype=compute_dtype,
         master_dtype=precision.master_dtype,
-        # NVMe: moments are fp32 in memory, and bf16 (if so) only in the swap file
-        state_dtype=torch.float32 if residency.nvme is not None else precision.state_dtype,
+        state_dtype=precision.state_dtype,  # NVMe units: fp32 in memory (`held_by`)
         device=device,
         offload=residency.offload,
         pin_memory=residency.pin,

@@ -31,10 +31,13 @@ def unit_grad_stats(
 ) -> list[GradStats]:
     """`grad_stats` of every unit's owned gradient, in unit order (NVMe: taken when the
     last micro-step wrote the gradient; a unit without one has zeros)."""
-    if not residency.grads_on_disk:
-        return [grad_stats(owned_grad(plan, rt.unit, rank, rt.grad)) for rt in units]
     zeros = grad_stats(torch.zeros(1))
-    return [rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros for rt in units]
+    return [
+        (rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros)
+        if residency.grad_on_disk(rt.index)
+        else grad_stats(owned_grad(plan, rt.unit, rank, rt.grad))
+        for rt in units
+    ]
 
 
 def take_step(

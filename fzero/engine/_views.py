@@ -110,16 +110,19 @@ def memory_held(runtime: Runtime) -> MemoryEstimate:
         seen.add(key)
         return t.untyped_storage().nbytes()
 
-    params = master = grads = state = 0
+    params = master = grads = state = offloaded = 0
     for rt in runtime.units:
         params += size(rt.full) + size(rt.param_shard) + size(runtime.gatherer.units[rt.index].full)
         if rt.full is None and rt.param_shard is None:
             params += size(rt.master)  # fp32 stage 3: the master is the shard
         for p, _, _ in rt.params:
             params += size(p.data)
-        master += size(rt.master)
+        unit_master = size(rt.master)
+        unit_state = sum(size(t) for t in rt.state if isinstance(t, Tensor))
+        master, state = master + unit_master, state + unit_state
         grads += size(rt.grad)
-        state += sum(size(t) for t in rt.state if isinstance(t, Tensor))
+        if runtime.residency.offloaded[rt.index]:
+            offloaded += unit_master + unit_state
     grads += runtime.reduction.held_numel() * 4  # fp32 buckets of a reduction in flight
     return MemoryEstimate(
         params=params,
@@ -127,6 +130,7 @@ def memory_held(runtime: Runtime) -> MemoryEstimate:
         grads=grads,
         optimizer_state=state,
         offload_optimizer=runtime.residency.offload,
+        offloaded=offloaded,
     )
 
 
@@ -139,8 +143,7 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         runtime.rank,
         param_dtype=partition.dtype_name(precision.compute_dtype),
         grad_dtype="float32",
-        optimizer=runtime.optimizer,
-        offload_optimizer=runtime.residency.offload,
+        optimizer=runtime.optimizer,  # off the device: unit by unit, as the plan says
         master_dtype=partition.dtype_name(precision.master_dtype),
         # NVMe: the moments are in the swap file, not counted here
         state_dtype=partition.dtype_name(precision.state_dtype),
@@ -164,7 +167,7 @@ def train_state(
         for rt in runtime.units
     )
     residency = runtime.residency
-    residence = SwapFileUnits(residency, runtime.units) if residency.nvme is not None else None
+    residence = SwapFileUnits(residency, runtime.units) if residency.swapped else None
     return TrainState(runtime.plan, runtime.rank, units, counters, loss_scale, residence=residence)
 
 

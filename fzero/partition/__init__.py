@@ -82,9 +82,11 @@ from fzero.partition._strategies import (
     module_key,
     per_tensor_dim0,
     plan,
+    set_unit_memory,
     set_unit_stages,
     strategy_from_name,
     whole_tensors,
+    with_unit_memory,
     with_unit_stages,
 )
 from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
@@ -162,6 +164,7 @@ __all__ = [
     "process_groups",
     "reduction_buckets",
     "reshard_reads",
+    "set_unit_memory",
     "set_unit_stages",
     "stage_shardings",
     "strategy_from_name",
@@ -172,5 +175,6 @@ __all__ = [
     "volume_by_axes",
     "whole_tensors",
     "with_memory",
+    "with_unit_memory",
     "with_unit_stages",
 ]

@@ -81,6 +81,9 @@ class Unit:
     `numel`; `shard_numel` is then the largest); () for equal shards. `stage`: the ZeRO
     stage this unit is split as, at most the plan's (None: the plan's): "ZeRO-1 for the
     embeddings, ZeRO-3 for the blocks" in one plan. `Plan.stage_of` reads it.
+    `optimizer_memory`: where this unit's masters and optimizer state live, one of
+    `MEMORY_KINDS` (None: the plan's `memory.optimizer`): "nvme" units beside units in
+    memory in one plan. `Plan.optimizer_memory` reads it.
     """
 
     name: str
@@ -93,6 +96,7 @@ class Unit:
     persistent: bool = False
     bounds: tuple[int, ...] = ()
     stage: int | None = None
+    optimizer_memory: str | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -317,6 +321,13 @@ class Plan:
         unit's gradients are all-reduced whole)."""
         return any(test(stage) for stage in self.stages)
 
+    def optimizer_memory(self, unit: Unit | int) -> str:
+        """Where `unit`'s (a `Unit` of this plan or its index) masters and optimizer state
+        live: its own `optimizer_memory`, else the plan's `memory.optimizer`."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return self.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
+
     def unit_of(self, fqn: str) -> int:
         """Index of the unit that holds tensor `fqn` (a name or an alias)."""
         for index, unit in enumerate(self.units):
@@ -397,16 +408,31 @@ def _validate_memory(plan: Plan) -> None:
             raise PlanError(
                 f"memory.{name} is {getattr(memory, name)!r}; allowed: {', '.join(allowed)}"
             )
-    if memory.optimizer != "device":
-        whole = [u.name for u in plan.units if plan.stage_of(u) == 0]
-        if whole:
+    for unit in plan.units:
+        if unit.optimizer_memory not in (None, *MEMORY_KINDS):
             raise PlanError(
-                f"memory.optimizer is {memory.optimizer!r} (DeepSpeed's "
+                f"unit {unit.name!r}: optimizer_memory is {unit.optimizer_memory!r}; allowed: "
+                f"None (the plan's memory.optimizer), {', '.join(MEMORY_KINDS)}"
+            )
+        where = plan.optimizer_memory(unit)
+        if where != "device" and plan.stage_of(unit) == 0:
+            said = (
+                f"memory.optimizer is {where!r} (DeepSpeed's "
                 "zero_optimization.offload_optimizer.device is "
-                f"{_DEEPSPEED_DEVICE[memory.optimizer]!r}) but unit {whole[0]!r} is split as "
-                "stage 0 (every rank updates it whole); the optimizer lives off the device "
-                "only at stage 1, 2 or 3 (give that unit stage 1 or more, or keep the "
-                "optimizer on the device)"
+                f"{_DEEPSPEED_DEVICE[where]!r})"
+                if unit.optimizer_memory is None
+                else f"unit {unit.name!r}'s optimizer_memory is {where!r}"
+            )
+            raise PlanError(
+                f"{said} but unit {unit.name!r} is split as stage 0 (every rank updates it "
+                "whole); the optimizer lives off the device only at stage 1, 2 or 3 (give "
+                "that unit stage 1 or more, or keep its optimizer on the device)"
+            )
+        if where == "nvme" and memory.master == "bf16":
+            raise PlanError(
+                f"memory.master is 'bf16' with unit {unit.name!r}'s optimizer on 'nvme': the "
+                "swap file holds fp32 masters only; keep the optimizer on the device or "
+                "host, or use fp32 masters with bf16 states (bf16 moments in the file)"
             )
     if memory.params != "device" and plan.stage != 3:
         raise PlanError(
@@ -414,12 +440,6 @@ def _validate_memory(plan: Plan) -> None:
             "zero_optimization.offload_param.device is "
             f"{_DEEPSPEED_DEVICE[memory.params]!r}) but the plan is stage {plan.stage}: only "
             "stage 3's parameters are shards between uses; keep them on the device"
-        )
-    if memory.master == "bf16" and memory.optimizer == "nvme":
-        raise PlanError(
-            "memory.master is 'bf16' with memory.optimizer 'nvme': the swap file holds fp32 "
-            "masters only; keep the optimizer on the device or host, or use fp32 masters "
-            "with bf16 states (bf16 moments in the file)"
         )
 
 
@@ -581,6 +601,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         "persistent": unit.persistent,
         **({"bounds": list(unit.bounds)} if unit.bounds else {}),
         **({"stage": unit.stage} if unit.stage is not None else {}),
+        **({"optimizer_memory": unit.optimizer_memory} if unit.optimizer_memory else {}),
     }
 
 
@@ -610,6 +631,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         persistent=raw["persistent"],
         bounds=tuple(raw.get("bounds", ())),
         stage=raw.get("stage"),
+        optimizer_memory=raw.get("optimizer_memory"),
     )
 
 

@@ -201,6 +201,9 @@ class MemoryEstimate:
     params_kept: int = 0
     """Stage 3: whole units kept gathered between forwards without gradients
     (generation, evaluation) up to `stage3_eval_live_parameters` elements."""
+    offloaded: int | None = None
+    """Bytes of masters and optimizer state off the device (host or NVMe), unit by unit
+    (`Plan.optimizer_memory`); None: all of them with `offload_optimizer`, else none."""
 
     @property
     def total(self) -> int:
@@ -209,6 +212,8 @@ class MemoryEstimate:
 
     @property
     def host(self) -> int:
+        if self.offloaded is not None:
+            return self.offloaded
         return self.master + self.optimizer_state if self.offload_optimizer else 0
 
     @property
@@ -259,13 +264,14 @@ def memory_per_rank(
     if isinstance(plan, MeshPlan):
         held = _mesh_numel(plan)
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
-        apart = held["master apart"]
+        apart, off_device = held["master apart"], held["optimizer off the device"]
     else:
-        params, grads, optimizer_numel, apart = _stage_numel(plan, rank)
+        params, grads, optimizer_numel, apart, off_device = _stage_numel(plan, rank)
         secondary = 0
     memory = plan.memory
-    if offload_optimizer is None:
-        offload_optimizer = memory.optimizer != "device"
+    if offload_optimizer is not None:  # said for every unit
+        off_device = optimizer_numel if offload_optimizer else 0
+    offload_optimizer = off_device > 0
     if master_dtype is None:
         master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
     if state_dtype is None:
@@ -274,19 +280,23 @@ def memory_per_rank(
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
     state_size = dtype_of(state_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
-    # params in the master's dtype are the master, unless it lives on the host (offload)
-    held_once = dtype_of(master_dtype) == dtype_of(param_dtype) and not offload_optimizer
-    master_size = 0 if held_once else dtype_of(master_dtype).itemsize
+    full_master = dtype_of(master_dtype).itemsize
+    # params in the master's dtype are the master, unless it lives off the device
+    held_once = dtype_of(master_dtype) == dtype_of(param_dtype)
+    on_device = optimizer_numel - off_device
+    master = on_device * (0 if held_once else full_master) + off_device * full_master
     # a parameter shard coarser than the optimizer's holds no master of its own
-    apart_size = dtype_of(master_dtype).itemsize if held_once else 0
+    if held_once and not off_device:
+        master += apart * full_master
     return MemoryEstimate(
         params=params * param_size,
-        master=optimizer_numel * master_size + apart * apart_size,
+        master=master,
         grads=grads * grad_size,
         optimizer_state=optimizer_numel * state_size * slots,
         offload_optimizer=offload_optimizer,
         params_secondary=secondary * param_size,
         params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
+        offloaded=off_device * (full_master + state_size * slots),
     )
 
 
@@ -298,11 +308,12 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int]:
+def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
-    unit as its own stage (`Plan.stage_of`), and of masters apart from the parameters
-    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`)."""
-    params = grads = optimizer_numel = apart = 0
+    unit as its own stage (`Plan.stage_of`), of masters apart from the parameters
+    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), and of
+    optimizer state off the device (`Plan.optimizer_memory`)."""
+    params = grads = optimizer_numel = apart = off_device = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
         start, stop = plan.grads_range(unit, rank)
@@ -310,7 +321,8 @@ def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int]:
         grads += stop - start if stage >= 2 else full
         optimizer_numel += shard if stage >= 1 else full
         apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
-    return params, grads, optimizer_numel, apart
+        off_device += shard if plan.optimizer_memory(unit) != "device" else 0
+    return params, grads, optimizer_numel, apart, off_device
 
 
 _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
@@ -319,8 +331,13 @@ _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
 def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
     """Elements one rank holds of each kind under a mesh plan (blocks are equal), and of
     masters apart from split parameters split coarser than the optimizer state."""
-    held = dict.fromkeys((*_HELD_KINDS, "master apart"), 0)
+    held = dict.fromkeys((*_HELD_KINDS, "master apart", "optimizer off the device"), 0)
     for unit, sharding in zip(plan.units, plan.shardings):
+        where = plan.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
+        if where != "device":
+            held["optimizer off the device"] += unit.numel // plan.mesh.group_size(
+                sharding.optimizer.shard
+            )
         for kind in _HELD_KINDS:
             split = sharding.of(kind)
             if split is not None:

@@ -45,9 +45,11 @@ __all__ = [
     "module_key",
     "per_tensor_dim0",
     "plan",
+    "set_unit_memory",
     "set_unit_stages",
     "strategy_from_name",
     "whole_tensors",
+    "with_unit_memory",
     "with_unit_stages",
 ]
 
@@ -336,6 +338,7 @@ def plan(
     strategy: Strategy | Callable[..., Plan] = flat_even,
     unit_stages: Mapping[str, int] | None = None,
     memory: Memory | None = None,
+    unit_memory: Mapping[str, str] | None = None,
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
@@ -354,7 +357,10 @@ def plan(
 
     `memory` says where the plan's states live and their dtypes (`Memory`, e.g.
     `Memory(optimizer="nvme", states="bf16")`: ZeRO-Infinity's optimizer with bf16
-    moments); a door takes what the plan leaves at the defaults from its config."""
+    moments); a door takes what the plan leaves at the defaults from its config.
+    `unit_memory` keeps some units' optimizer elsewhere (`set_unit_memory`: e.g.
+    `{"embed": "nvme"}`, the embeddings' masters and moments in the swap file, the rest
+    where `memory` says)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
     if stage not in (0, 1, 2, 3):
@@ -383,6 +389,8 @@ def plan(
         result = set_unit_stages(result, unit_stages)
     if memory is not None:
         result = with_memory(result, memory, "the memory argument")
+    if unit_memory:
+        result = set_unit_memory(result, unit_memory)
     return validate(result)
 
 
@@ -442,6 +450,62 @@ def set_unit_stages(plan: Plan, unit_stages: Mapping[str, int]) -> Plan:
             f"module path above one); its units: {names}"
         )
     return validate(dataclasses.replace(plan, units=tuple(units)))
+
+
+def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str]) -> Plan:
+    """`plan` with the masters and optimizer state of the units `unit_memory` names kept
+    where it says ("device", "host" or "nvme": `Unit.optimizer_memory`), the rest where
+    they were; keys as `set_unit_stages` takes them (a unit name or a module path, the most
+    specific winning). A key naming no unit is an error listing the units."""
+    if not isinstance(unit_memory, Mapping):
+        raise PlanError(
+            f"unit_memory is a {type(unit_memory).__name__}; give a mapping of unit name or "
+            "module path to a memory kind, e.g. {'embed': 'nvme'}"
+        )
+    used: set[str] = set()
+    units = []
+    for unit in plan.units:
+        found = [(_matches(k, unit), k) for k in unit_memory if _matches(k, unit) >= 0]
+        if not found:
+            units.append(unit)
+            continue
+        key = max(found)[1]
+        used.add(key)
+        units.append(dataclasses.replace(unit, optimizer_memory=unit_memory[key]))
+    unknown = [key for key in unit_memory if key not in used and not _names_any(key, plan)]
+    if unknown:
+        raise PlanError(
+            f"unit_memory key {unknown[0]!r} names no unit of the plan (a unit name or a "
+            f"module path above one); its units: {[u.name for u in plan.units]}"
+        )
+    return validate(dataclasses.replace(plan, units=tuple(units)))
+
+
+def with_unit_memory(
+    unit_memory: Mapping[str, str],
+    strategy: Strategy | Callable[..., Plan] = flat_even,
+) -> Callable[..., Plan]:
+    """A strategy (for the engine's doors or `plan`) that lays a model out with
+    `strategy` and keeps the optimizer of the units `unit_memory` names where it says
+    (`set_unit_memory`): `fzero.shard(model, stage=2, strategy=with_unit_memory({"embed":
+    "nvme"}), config=...)` keeps the embeddings' masters and moments in the swap file
+    under the config's `offload_optimizer.nvme_path`, the rest in memory."""
+    kinds = dict(unit_memory)
+
+    def strategy_with_unit_memory(
+        manifest: Manifest, *, world_size: int, stage: int, **options: object
+    ) -> Plan:
+        return plan(
+            manifest,
+            world_size=world_size,
+            stage=stage,
+            strategy=strategy,
+            unit_memory=kinds,
+            **options,
+        )
+
+    strategy_with_unit_memory.__name__ = getattr(strategy, "__name__", "strategy")
+    return strategy_with_unit_memory
 
 
 def _names_any(key: str, plan: Plan) -> bool:

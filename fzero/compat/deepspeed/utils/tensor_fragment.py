@@ -165,7 +165,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
     if found is None:
         return None
     engine, rt, placement, shape = found
-    if engine.residency.grads_on_disk:
+    if engine.residency.grad_on_disk(rt.index):
         raise NotImplementedError(
             "deepspeed.utils.safe_get_full_grad with gradients swapped to NVMe "
             "(offload_optimizer nvme at stage 2/3) is not supported by fzero"
