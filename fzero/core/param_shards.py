@@ -10,7 +10,7 @@ master serves as the shard (`UnitRuntime.param_shard` is None): held once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,15 +26,20 @@ __all__ = ["ParamShardStore", "PublishedShards"]
 
 
 class ParamShardStore:
-    """Stage 3's compute-dtype shards of `units` (the engine's records), where the plan's
-    `memory.params` (`where`) says: "device" (as built), "host" (host memory, pinned with
-    `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`, the config's; the
-    record keeps an empty tensor). A shard of fp32 compute with no offload is the master
-    itself."""
+    """Stage 3's compute-dtype shards of `units` (the engine's records, in plan order),
+    where the plan's `memory.params` (`where`) says: "device" (as built), "host" (host
+    memory, pinned with `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`,
+    the config's; the record keeps an empty tensor). A shard of fp32 compute with no
+    offload is the master itself.
+
+    `units` may be an iterator that builds them (`fzero.engine._build.build_units`):
+    each unit's shard is placed before the next is taken, so with "nvme" one unit's
+    shard is in memory at a time while the engine is built, never the rank's share
+    (which `units` holds once drawn)."""
 
     def __init__(
         self,
-        units: Sequence[UnitRuntime],
+        units: Iterable[UnitRuntime],
         plan: Plan,
         *,
         rank: int,
@@ -45,7 +50,8 @@ class ParamShardStore:
         aio: AioConfig,
         pin_memory: bool,
     ) -> None:
-        self.units, self.dtype, self.pin = units, dtype, pin_memory
+        self.units: list[UnitRuntime] = []
+        self.dtype, self.pin = dtype, pin_memory
         self.where = where if plan.stage == 3 else "device"
         self.swap: _nvme.SwapFile | None = None
         self._writes: list[tuple[Any, Tensor]] = []  # (ticket, buffer) in flight
@@ -61,6 +67,7 @@ class ParamShardStore:
                 key="zero_optimization.offload_param.nvme_path",
             )
         for rt in units:
+            self.units.append(rt)
             if rt.param_shard is not None:
                 self.store(rt.index, rt.param_shard)
 

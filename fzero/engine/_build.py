@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -144,19 +144,22 @@ def build_units(
     group_hparams: Sequence[Any],
     param_init_fn: Callable[[torch.nn.Module], None] | None,
     accumulators: Sequence[Tensor | None] | None,
-) -> list[UnitRuntime]:
+) -> Iterator[UnitRuntime]:
     """Every unit of the plan on plan rank `rank`, built in order by the core's unit
-    builder (`fzero.core.build`) and bound to the module's parameters (a model on the meta
-    device is materialised a few tensors at a time, as the units need them; partitions
-    made at construction are adopted one unit at a time and dropped as they are).
-    `accumulators`: units at stages 0-1, each one's fp32 gradient accumulator (views of
-    the reduction's bucket buffers; None for a unit at stages 2-3); `group_hparams`: each
-    param group's hyper-parameters."""
+    builder (`fzero.core.build`), bound to the module's parameters and yielded one at a
+    time (a model on the meta device is materialised a few tensors at a time, as the
+    units need them; partitions made at construction are adopted one unit at a time and
+    dropped as they are). Nothing of a unit is kept here once it is yielded: a consumer
+    that places each unit's shard before taking the next (`ParamShardStore`, into its
+    swap file) holds one unit's buffers at a time, not the rank's share; the last steps
+    (the meta model finished, frozen parameters described) run when the iterator is
+    exhausted. `accumulators`: units at stages 0-1, each one's fp32 gradient accumulator
+    (views of the reduction's bucket buffers; None for a unit at stages 2-3);
+    `group_hparams`: each param group's hyper-parameters."""
     named = dict(module.named_parameters())
     meta = None
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         meta = MetaInitializer(module, holding.device, param_init_fn)
-    units = []
     for index, unit in enumerate(plan.units):
         fqns = [pl.fqn for pl in unit.placements]
         tensors = meta.until(fqns) if meta is not None else [named[fqn] for fqn in fqns]
@@ -172,7 +175,9 @@ def build_units(
         for tensor in tensors:
             if is_partitioned(tensor):
                 release_partition(tensor)
-        units.append(_bind_unit(plan, index, tensors, state, group_hparams, holding, residency))
+        unit_runtime = _bind_unit(plan, index, tensors, state, group_hparams, holding, residency)
+        del state  # the record holds what stays; the rest goes before the next unit
+        yield unit_runtime
     if meta is not None:
         meta.finish()
     if plan.stage == 3:  # frozen parameters stay whole: DeepSpeed's attributes say so
@@ -181,7 +186,6 @@ def build_units(
                 describe_zero3_param(p, tuple(p.shape), persistent=True, available=True)
     if residency.nvme is not None:
         _nvme.return_free_memory()
-    return units
 
 
 def held_by(holding: Holding, residency: Residency, index: int) -> Holding:

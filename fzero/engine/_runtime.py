@@ -5,10 +5,10 @@ precision, the parts before it — and nothing is wired in after construction. T
 `Engine` holds a `Runtime`, its counters and DeepSpeed's surface.
 
 The order is the order of dependence: the units' buffers (`fzero.core.build`, bound to
-the module), where stage 3's shards live (`ParamShardStore`), the one stage-3
-`Gatherer`, the optimizer's application (publishing to the store), the gradient
-reduction (reading its owner's counters through the `Owner` protocol), the module hooks
-that drive the gatherer, and the root's forward hooks.
+the module), each placed as it is built where stage 3's shards live (`ParamShardStore`),
+the one stage-3 `Gatherer`, the optimizer's application (publishing to the store), the
+gradient reduction (reading its owner's counters through the `Owner` protocol), the
+module hooks that drive the gatherer, and the root's forward hooks.
 """
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ def build_runtime(
         pin_memory=residency.pin,
         shards_offloaded=plan.memory.params != "device",
     )
-    units = build_units(
+    # each unit is built and its shard placed (NVMe: written) before the next is built:
+    # the rank's share of the parameters is never in memory at once
+    built = build_units(
         module,
         plan,
         rank=rank,
@@ -137,7 +139,7 @@ def build_runtime(
         accumulators=accumulators,
     )
     store = ParamShardStore(
-        units,
+        built,
         plan,
         rank=rank,
         process_rank=torch.distributed.get_rank(),
@@ -147,6 +149,7 @@ def build_runtime(
         aio=config.aio,
         pin_memory=residency.pin,
     )
+    units = store.units
     gatherer = Gatherer(
         plan,
         store,
