@@ -125,15 +125,23 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MICRO, 8, generator=generator), torch.randn(MICRO, 4, generator=generator)
 
 
-def _train_engine(engine) -> list[float]:
+def _train_functional(model, plan, state, config) -> tuple[list[float], dict]:
+    """`STEPS` steps of `train_step` from `state`: the losses and the weights."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan, fzero.optim.adamw(), config=config)
     rank, losses = torch.distributed.get_rank(), []
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        loss = nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    for i in range(STEPS):
+        state, metrics = step(state, _batch(rank, i))
+        losses.append(metrics["loss"].item())
+    return losses, fzero.state_dict(state, module=model)
+
+
+def _train_engine(engine) -> list[float]:
+    return _train_range(engine, 0, STEPS)
 
 
 def _doors_case(rank: int, world: int, stage: int, kind: str, root: str) -> dict:
@@ -163,17 +171,7 @@ def _doors_case(rank: int, world: int, stage: int, kind: str, root: str) -> dict
     config = _config(stage, "none", f"{path}/state")
     state = fzero.init(model, plan, fzero.optim.adamw(), config=config)
     out["state swaps"] = (state.residence is not None) == (kind == "nvme")
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-    step = fzero.train_step(loss_fn, plan, fzero.optim.adamw(), config=config)
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, _batch(rank, i))
-        losses.append(metrics["loss"].item())
-    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    out["train_step"] = _train_functional(model, plan, state, config)
     try:  # a plan and a config that say different things: named, nothing built
         fzero.shard(_model(), config=_config(stage, "cpu" if kind == "nvme" else "nvme", path),
                     strategy=_said_by(said))  # fmt: skip
@@ -268,17 +266,7 @@ def _mixed_case(rank: int, world: int, stage: int, root: str) -> dict:
     )
     state = fzero.init(model, plan, fzero.optim.adamw(), config=config)
     out["state held"] = [state.residence.holds(i) for i in range(len(plan.units))]
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-    step = fzero.train_step(loss_fn, plan, fzero.optim.adamw(), config=config)
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, _batch(rank, i))
-        losses.append(metrics["loss"].item())
-    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    out["train_step"] = _train_functional(model, plan, state, config)
     try:
         fzero.shard(_model(), config=config, optimizer=fzero.optim.lamb(),
                     strategy=partition.with_unit_memory(SPLIT))  # fmt: skip
@@ -358,17 +346,7 @@ def _mesh_case(rank: int, world: int, root: str) -> dict:
         persistence_threshold=0,
     )  # fmt: skip
     state = fzero.init(model, laid, fzero.optim.adamw(), config=config)
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-    step = fzero.train_step(loss_fn, laid, fzero.optim.adamw(), config=config)
-    losses = []
-    for i in range(STEPS):
-        state, metrics = step(state, _batch(rank, i))
-        losses.append(metrics["loss"].item())
-    out["train_step"] = losses, fzero.state_dict(state, module=model)
+    out["train_step"] = _train_functional(model, laid, state, config)
     return out
 
 

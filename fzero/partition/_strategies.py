@@ -432,24 +432,28 @@ def set_unit_stages(plan: Plan, unit_stages: Mapping[str, int]) -> Plan:
     A unit at stage 2 in a stage-3 plan is made persistent (its parameters kept whole),
     as stage 3's small tensors are; a persistent unit set below 2 stops being one."""
     _check_unit_stages(unit_stages, plan.stage)
-    used: set[str] = set()
-    units = []
+    units = tuple(
+        unit if key is None else _at_stage(unit, unit_stages[key], plan.stage)
+        for unit, key in _named_by(plan, unit_stages, "unit_stages")
+    )
+    return validate(dataclasses.replace(plan, units=units))
+
+
+def _named_by(plan: Plan, keys: Mapping[str, object], what: str) -> list[tuple[Unit, str | None]]:
+    """Each unit of `plan` with the most specific of `keys` naming it (a name, then the
+    longest module path: `_matches`), or None; a key naming no unit is an error (`what`
+    names the mapping) listing the units."""
+    named = []
     for unit in plan.units:
-        found = [(_matches(k, unit), k) for k in unit_stages if _matches(k, unit) >= 0]
-        if not found:
-            units.append(unit)
-            continue
-        key = max(found)[1]
-        used.add(key)
-        units.append(_at_stage(unit, unit_stages[key], plan.stage))
-    unknown = [key for key in unit_stages if key not in used and not _names_any(key, plan)]
+        found = [(_matches(k, unit), k) for k in keys if _matches(k, unit) >= 0]
+        named.append((unit, max(found)[1] if found else None))
+    unknown = [key for key in keys if not _names_any(key, plan)]
     if unknown:
-        names = [u.name for u in plan.units]
         raise PlanError(
-            f"unit_stages key {unknown[0]!r} names no unit of the plan (a unit name or a "
-            f"module path above one); its units: {names}"
+            f"{what} key {unknown[0]!r} names no unit of the plan (a unit name or a module "
+            f"path above one); its units: {[u.name for u in plan.units]}"
         )
-    return validate(dataclasses.replace(plan, units=tuple(units)))
+    return named
 
 
 def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str]) -> Plan:
@@ -462,23 +466,11 @@ def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str]) -> Plan:
             f"unit_memory is a {type(unit_memory).__name__}; give a mapping of unit name or "
             "module path to a memory kind, e.g. {'embed': 'nvme'}"
         )
-    used: set[str] = set()
-    units = []
-    for unit in plan.units:
-        found = [(_matches(k, unit), k) for k in unit_memory if _matches(k, unit) >= 0]
-        if not found:
-            units.append(unit)
-            continue
-        key = max(found)[1]
-        used.add(key)
-        units.append(dataclasses.replace(unit, optimizer_memory=unit_memory[key]))
-    unknown = [key for key in unit_memory if key not in used and not _names_any(key, plan)]
-    if unknown:
-        raise PlanError(
-            f"unit_memory key {unknown[0]!r} names no unit of the plan (a unit name or a "
-            f"module path above one); its units: {[u.name for u in plan.units]}"
-        )
-    return validate(dataclasses.replace(plan, units=tuple(units)))
+    units = tuple(
+        unit if key is None else dataclasses.replace(unit, optimizer_memory=unit_memory[key])
+        for unit, key in _named_by(plan, unit_memory, "unit_memory")
+    )
+    return validate(dataclasses.replace(plan, units=units))
 
 
 def with_unit_memory(
@@ -490,22 +482,21 @@ def with_unit_memory(
     (`set_unit_memory`): `fzero.shard(model, stage=2, strategy=with_unit_memory({"embed":
     "nvme"}), config=...)` keeps the embeddings' masters and moments in the swap file
     under the config's `offload_optimizer.nvme_path`, the rest in memory."""
-    kinds = dict(unit_memory)
+    return _laid_out_with(strategy, unit_memory=dict(unit_memory))
 
-    def strategy_with_unit_memory(
-        manifest: Manifest, *, world_size: int, stage: int, **options: object
-    ) -> Plan:
+
+def _laid_out_with(strategy: Strategy | Callable[..., Plan], **said: object) -> Callable[..., Plan]:
+    """A strategy running `plan` with `strategy` and `said` (`unit_stages`,
+    `unit_memory`) beside the options a door gives; named as `strategy`."""
+
+    def laid_out(manifest: Manifest, *, world_size: int, stage: int, **options: object) -> Plan:
         return plan(
-            manifest,
-            world_size=world_size,
-            stage=stage,
-            strategy=strategy,
-            unit_memory=kinds,
-            **options,
-        )
+            manifest, world_size=world_size, stage=stage, strategy=strategy,
+            **said, **options,  # type: ignore[arg-type]
+        )  # fmt: skip
 
-    strategy_with_unit_memory.__name__ = getattr(strategy, "__name__", "strategy")
-    return strategy_with_unit_memory
+    laid_out.__name__ = getattr(strategy, "__name__", "strategy")
+    return laid_out
 
 
 def _names_any(key: str, plan: Plan) -> bool:
@@ -530,22 +521,7 @@ def with_unit_stages(
     `fzero.shard(model, stage=3, strategy=with_unit_stages({"embed": 1}))` is ZeRO-1 for
     the embeddings and ZeRO-3 for the rest. Checked when called (each stage at most the
     run's)."""
-    stages = dict(unit_stages)
-
-    def strategy_with_unit_stages(
-        manifest: Manifest, *, world_size: int, stage: int, **options: object
-    ) -> Plan:
-        return plan(
-            manifest,
-            world_size=world_size,
-            stage=stage,
-            strategy=strategy,
-            unit_stages=stages,
-            **options,
-        )
-
-    strategy_with_unit_stages.__name__ = getattr(strategy, "__name__", "strategy")
-    return strategy_with_unit_stages
+    return _laid_out_with(strategy, unit_stages=dict(unit_stages))
 
 
 def _check_accepts(strategy: Callable[..., Plan], options: dict[str, object]) -> None:
