@@ -21,6 +21,7 @@ from fzero.partition._manifest import (
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._mesh_plan import (
     MeshPlan,
+    as_mesh_plan,
     executable,
     from_plan,
     mesh_plan_from_bytes,
@@ -127,6 +128,7 @@ __all__ = [
     "UnitGroup",
     "UnitSharding",
     "Zero",
+    "as_mesh_plan",
     "comm_time",
     "comm_volume",
     "describe",

@@ -1,0 +1,121 @@
+"""Every mesh plan `validate` accepts is one the doors run, holding what it says.
+
+Both doors run `partition.executable(mesh_plan)`. Over every way of splitting each kind
+of a unit on a 2x2 mesh (each kind over no axis, one axis or both in either order, with
+or without hpZ's secondary copy) — every unit alike, or one unit so beside units split
+as ZeRO-3 or MiCS — a plan `validate` accepts must lower, and each rank must hold of
+each kind exactly the elements the mesh plan says (`kind_slices`) in the plan the doors
+run; a plan it refuses must be refused naming the unit and the kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+from fzero import partition
+from fzero.partition import (
+    KINDS,
+    Manifest,
+    Mesh,
+    MeshPlan,
+    PlanError,
+    TensorSpec,
+    UnitSharding,
+    as_mesh_plan,
+    executable,
+    kind_slices,
+    validate,
+)
+
+MANIFEST = Manifest(
+    (
+        TensorSpec("embed.weight", (33, 4)),
+        TensorSpec("blocks.0.w", (10, 3)),
+        TensorSpec("blocks.0.b", (10,)),
+        TensorSpec("blocks.1.w", (7, 5)),
+        TensorSpec("blocks.1.b", (7,)),
+    )
+)
+MESH = Mesh({"node": 2, "local": 2})
+SPLITS = [(), ("node",), ("local",), ("node", "local"), ("local", "node")]
+SECONDARY = [None, ("node",), ("local",)]
+BASE = partition.mesh_plan(MANIFEST, MESH, "zero3", persistence_threshold=0)
+OTHERS = {
+    "alike": None,
+    "zero3": BASE.shardings[0],
+    "mics": UnitSharding(*(MESH.sharding("local"),) * 3),
+}
+
+
+def _sharding(params, grads, optimizer, secondary) -> UnitSharding:
+    return UnitSharding(
+        MESH.sharding(*params),
+        MESH.sharding(*grads),
+        MESH.sharding(*optimizer),
+        None if secondary is None else MESH.sharding(*secondary),
+    )
+
+
+def _held(plan: MeshPlan, rank: int, kind: str) -> set[tuple[str, int]]:
+    return {(s.fqn, i) for s in kind_slices(plan, rank, kind) for i in range(s.start, s.stop)}
+
+
+def _cases():
+    for params, grads, optimizer, secondary in itertools.product(SPLITS, SPLITS, SPLITS, SECONDARY):
+        one = _sharding(params, grads, optimizer, secondary)
+        for name, other in OTHERS.items():
+            rest = one if other is None else other
+            yield name, one, (one,) + (rest,) * (len(BASE.units) - 1)
+
+
+def test_every_plan_validate_accepts_lowers_to_what_it_says():
+    accepted = refused = 0
+    for name, one, shardings in _cases():
+        mp = dataclasses.replace(BASE, shardings=shardings)
+        try:
+            validate(mp)
+        except PlanError as error:
+            refused += 1
+            message = str(error)
+            assert re.search(r"unit '[\w.]+'", message), (one, message)
+            assert any(kind in message for kind in KINDS), (one, message)
+            continue
+        accepted += 1
+        ran = as_mesh_plan(executable(mp))  # what both doors run, said per kind
+        for rank, kind in itertools.product(range(MESH.size), KINDS[:3]):
+            assert _held(ran, rank, kind) == _held(mp, rank, kind), (name, one, rank, kind)
+        for index, sharding in enumerate(shardings):
+            second = sharding.params_secondary
+            if second is None or second.shard == sharding.params.shard:
+                continue  # as fine as the primary: the primary serves backward
+            assert ran.shardings[index].params_secondary is not None, (name, one)
+            for rank in range(MESH.size):
+                assert _held(ran, rank, "params_secondary") == _held(
+                    mp, rank, "params_secondary"
+                ), (name, one, rank)
+    # ZeRO-0..3, MiCS, HSDP, hpZ and the finer optimizer splits are among the accepted
+    assert accepted >= 26 and refused > accepted, (accepted, refused)  # 26 and 1,099 today
+
+
+@pytest.mark.parametrize(
+    ("params", "grads", "optimizer", "secondary"),
+    [
+        ((), (), (), None),  # ZeRO-0
+        ((), (), ("node", "local"), None),  # ZeRO-1
+        ((), ("node", "local"), ("node", "local"), None),  # ZeRO-2
+        (("node", "local"), ("node", "local"), ("node", "local"), None),  # ZeRO-3
+        (("node", "local"), ("node", "local"), ("node", "local"), ("local",)),  # hpZ
+        (("local",), ("local",), ("local",), None),  # MiCS
+        ((), ("local",), ("local",), None),  # HSDP's gradients, ZeRO-2 within the node
+        (("local",), ("local",), ("local", "node"), None),  # the optimizer over the world
+        ((), ("local",), ("local", "node"), None),
+    ],
+)
+def test_what_zero_fsdp_mics_and_hpz_run_is_accepted(params, grads, optimizer, secondary):
+    one = _sharding(params, grads, optimizer, secondary)
+    mp = validate(dataclasses.replace(BASE, shardings=(one,) * len(BASE.units)))
+    expected = MESH.group_size(optimizer) if optimizer else MESH.size  # ZeRO-0: the world
+    assert executable(mp).world_size == expected
