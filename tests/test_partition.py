@@ -155,6 +155,22 @@ def test_user_strategy_is_accepted_and_validated():
         plan(manifest, world_size=3, stage=1, strategy=broken)
 
 
+def test_a_strategy_returning_a_mesh_plan_of_another_size_is_named():
+    """A strategy that builds its mesh without the world size it is given (an example's
+    fixed 2x2 run at 64 ranks by `fzero estimate`) names the mesh and the world size."""
+    manifest = Manifest((TensorSpec("w", (64,)),))
+
+    def fixed(manifest, *, world_size, stage, **options):
+        return partition.mesh_plan(manifest, partition.Mesh({"node": 2, "local": 2}), "mics")
+
+    with pytest.raises(
+        PlanError,
+        match=r"'fixed' returned a MeshPlan on mesh node=2 x local=2 \(4 processes\) "
+        r"for world_size=64",
+    ):
+        plan(manifest, world_size=64, stage=3, strategy=fixed)
+
+
 def test_a_strategy_given_an_option_it_does_not_take_is_named():
     """The engine gives stage 3 strategies `persistence_threshold`; one that neither
     names it nor takes **options is an error naming the strategy and the option, not a

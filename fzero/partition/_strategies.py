@@ -372,6 +372,13 @@ def plan(
     if isinstance(result, MeshPlan) and result.mesh.size == world_size:
         result = executable(result)
         world_size = result.world_size  # the ranks of its shard group
+    if isinstance(result, MeshPlan):
+        raise PlanError(
+            f"strategy {getattr(strategy, '__name__', strategy)!r} returned a MeshPlan on "
+            f"mesh {result.mesh} ({result.mesh.size} processes) for world_size={world_size}; "
+            "a mesh plan runs on as many processes as its mesh has: build the mesh from "
+            "the world_size the strategy is given"
+        )
     if not isinstance(result, Plan):
         raise PlanError(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
