@@ -134,6 +134,15 @@ def test_comm_volume_rows_by_stage():
         ("all_reduce", "gradient norm"): (1, 8),
         ("all_reduce", "left-over gradients check"): (1, 4),
     }
+    # ZeRO-1: once per step, each whole gradient reduced into the shards (half an
+    # all-reduce's wire bytes: the ZeRO paper's ZeRO-1), or on gloo the bucket all-reduced
+    stage1 = rows(1, accumulation_steps=3)
+    assert stage1[("reduce_scatter", "gradients")] == (2, 8192)
+    assert ("all_reduce", "gradients") not in stage1
+    assert rows(1, scatter_as_all_reduce=True)[("all_reduce", "gradients")] == (1, 8192)
+    p1 = plan(manifest, world_size=4, stage=1, unit_numel=1024)
+    wire = {r.what: r.wire_bytes for r in comm_volume(p1) if r.operation != "all_reduce"}
+    assert wire["gradients"] == wire["parameters after the update"] == 8192 * 3 // 4
     stage2 = rows(2, accumulation_steps=3, param_dtype="bfloat16")
     assert stage2[("reduce_scatter", "gradients")] == (6, 3 * 8192)
     assert stage2[("all_gather", "parameters after the update")] == (2, 4096)

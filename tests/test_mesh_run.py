@@ -231,7 +231,7 @@ def _traffic_case(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["mics", "hpz", "hsdp2", "mixed", "hierarchical"])
+@pytest.mark.parametrize("preset", ["mics", "hpz", "hsdp2", "hsdp1", "mixed", "hierarchical"])
 def test_mesh_collectives_run_on_their_axes_as_comm_volume_predicts(preset):
     """Bytes per group and operation of a step equal `engine.comm_volume()` (2
     micro-steps, units released after forward: `stage3_max_reuse_distance` 0). MiCS
@@ -246,6 +246,8 @@ def test_mesh_collectives_run_on_their_axes_as_comm_volume_predicts(preset):
     if preset == "hpz":
         assert sent[("local", "all_gather")] > 0  # backward, from the secondary copy
         assert sent[("world", "all_gather")] > 0  # forward, from the primary shards
+    if preset == "hsdp1":  # ZeRO-1 in the node: reduced into the node's shards, then across
+        assert 0 < sent[("node", "all_reduce")] * 2 <= sent[("local", "all_reduce")]
     if preset == "hierarchical":  # one gather per axis, the outermost first
         assert sent[("node", "all_gather")] * 2 == sent[("local", "all_gather")]
         assert ("world", "all_gather") not in sent

@@ -83,7 +83,7 @@ class ZeroConfig(Section):
     zero_quantized_gradients: bool = False
     """ZeRO++'s qgZ: stages 2-3 reduce gradients by one all-to-all of blockwise int8
     (each rank's contribution rounded within its block, summed in fp32 by the owner)
-    instead of a reduce-scatter; no effect at stages 0-1 (whole gradients all-reduced)."""
+    instead of a reduce-scatter; no effect at stages 0-1 (whole gradients reduced once per step)."""
     zero_quantized_gradients_bits: Literal[4, 8] = 8
     """fzero: the code width of qgZ's blocks (`zero_quantized_gradients`): 8 (int8, 1.016
     bytes per element) or 4 (int4, two codes a byte, 0.516 bytes per element; the rounding

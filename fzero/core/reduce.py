@@ -18,7 +18,11 @@ gives each element exactly what one collective per unit gives.
 
 A plan on a mesh reduces within its shard group, then averages each rank's reduced part
 over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
-shard per rank, not the bucket); stages 0-1 all-reduce over every process at once.
+shard per rank, not the bucket). Stage 0 all-reduces over every process at once; stage
+1 reduces each whole accumulated gradient into the shards as stage 2 does, once, at the
+accumulation boundary (`Reduction._reduce_to_shards`: the ZeRO paper's ZeRO-1 traffic, a
+reduce-scatter and the parameters' all-gather, where an all-reduce would send twice the
+gradient bytes).
 
 Where the optimizer state is split over more axes than the gradients
 (`OnMesh.optimizer_extra`: the optimizer over the world, the gradients within a node),
@@ -473,6 +477,9 @@ class Reduction:
                 return  # inside an accumulation window: keep summing locally
             grads = [self.accumulator(i) for i in indices]
             span = _span(grads)
+            if span is not None and all(self.plan.stage_of(i) == 1 for i in indices):
+                self._launches.append(self._reduce_to_shards(indices, span, grads))
+                return
             launched: Pending = []
             for tensor in [span] if span is not None else grads:
                 wire = tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
@@ -506,6 +513,34 @@ class Reduction:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
         else:
             self._launches.append(pending)
+
+    def _reduce_to_shards(self, indices: list[int], span: Tensor, grads: list[Tensor]) -> Pending:
+        """A bucket of ZeRO-1 units at the accumulation boundary: each rank updates only
+        its shard, so each unit's whole accumulated gradient is reduced into it as a
+        stage-2 gradient is (a reduce-scatter per even unit, each owned part of an uneven
+        unit reduced to its owner; gloo: the bucket all-reduced), within the plan's group
+        then over its replicas: the ZeRO paper's ZeRO-1 traffic, a reduce-scatter and
+        the parameters' all-gather, not an all-reduce before it. The rest of each
+        accumulator is stale until the step zeroes it."""
+        owned = [slice(*self.plan.units[i].shard_range(self.rank)) for i in indices]
+
+        def keep(k: int, part: Tensor) -> None:
+            target = grads[k][owned[k]]
+            if part.data_ptr() != target.data_ptr():
+                target.copy_(part)
+
+        return reduce_bucket(
+            span,
+            grads,
+            owned,
+            keep,
+            world_size=self.world,
+            what=_grads_of(indices),
+            group=self.groups.grads,
+            replicas=self.groups.replicate,
+            bounds=[self.plan.units[i].bounds for i in indices],
+            wire_dtype=self.wire_dtype,
+        )
 
     def _reuse(self, buffer: Tensor) -> None:
         del self._in_flight[id(buffer)]

@@ -12,9 +12,10 @@ PyTorch: the user's `zero_grad()` clears it, and what is still there at the engi
 next own pass or `step()` is added as it is (`take_left_grads`).
 
 The reductions themselves are the core's (`fzero.core.reduce.Reduction`, which
-`train_step` runs too): stages 0-1 sum into persistent bucket buffers and all-reduce
-them at the accumulation boundary; stages 2-3 reduce each bucket as soon as its units'
-gradients are in (overlapping backward when `overlap_comm`) and keep this rank's part.
+`train_step` runs too): stages 0-1 sum into persistent bucket buffers and reduce
+them at the accumulation boundary (stage 0 all-reduces, stage 1 reduces into the
+shards); stages 2-3 reduce each bucket as soon as its units' gradients are in
+(overlapping backward when `overlap_comm`) and keep this rank's part.
 This module decides which pass is whose and drives it; it reads the engine through
 `Owner`, and writes no unit's record.
 """

@@ -76,10 +76,13 @@ def comm_volume(
 ) -> list[Collective]:
     """The collectives one optimizer step of the engine issues under `plan`.
 
-    - gradients: stages 0-1 all-reduce each bucket (`bucket_numel`, the config's
-      `reduce_bucket_size`) once per step; stages 2-3 every micro-step, each unit
+    - gradients: stage 0 all-reduces each bucket (`bucket_numel`, the config's
+      `reduce_bucket_size`) once per step; stage 1 reduces each bucket into the ranks'
+      shards once per step, stages 2-3 every micro-step: each even unit
       reduce-scattered, or each bucket all-reduced with `scatter_as_all_reduce` (what
-      fzero does on gloo, where it measured faster);
+      fzero does on gloo, where it measured faster), each uneven unit's owned parts
+      reduced to their owners (ZeRO-1 sends the ZeRO paper's reduce-scatter and
+      all-gather, as DeepSpeed's does, not an all-reduce and an all-gather);
     - parameters: stages 1-2 (and stage 3's persistent units) all-gather each unit
       after the update; stage 3 gathers each other unit once per micro-step in forward,
       and again in backward for the units in `regathered` (those released between, by
@@ -102,7 +105,7 @@ def comm_volume(
     in when reduced (fp32 by default; "bfloat16"/"float16": half the bytes).
 
     Each unit counts as its own stage (`Plan.stage_of`): a plan of ZeRO-1 embeddings and
-    ZeRO-3 blocks all-reduces the embeddings' buckets once per step and reduce-scatters
+    ZeRO-3 blocks reduces the embeddings' buckets into their shards once per step and
     the blocks' every micro-step.
 
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
@@ -152,8 +155,11 @@ def comm_volume(
     every_bucket = reduction_buckets(plan, bucket_numel)
     whole_buckets = [b for b in every_bucket if not grads_split(plan, b[0])]
     buckets = [b for b in every_bucket if grads_split(plan, b[0])]
-    total = sum(units[i].numel for b in whole_buckets for i in b)
-    add("all_reduce", "gradients", len(whole_buckets), total * grad_bytes)
+    zero1 = [b for b in whole_buckets if all(plan.stage_of(i) == 1 for i in b)]
+    total = sum(units[i].numel for b in whole_buckets if b not in zero1 for i in b)
+    add("all_reduce", "gradients", len(whole_buckets) - len(zero1), total * grad_bytes)
+    # ZeRO-1 at the boundary: each whole gradient reduced into the shards, as stage 2's
+    _add_split_reductions(plan, zero1, 1, scatter_as_all_reduce, add, grad_bytes)
     if buckets and quantized_gradients:
         # one row of blocks per rank: every unit's shard of that rank, concatenated
         per_rank = [sum(units[i].shard_numel for i in bucket) for bucket in buckets]
@@ -261,13 +267,16 @@ def _mesh_volume(
     """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
 
     - gradients whole on every rank (`grads.shard` empty): all-reduced over the world once
-      per step, in buckets (stages 0-1); split: reduce-scattered over `grads.shard` every
-      micro-step (each bucket all-reduced there with `scatter_as_all_reduce`) and each
-      unit's shard all-reduced over `grads.replicate` every micro-step too (FSDP2's HSDP;
-      DeepSpeed's MiCS all-reduces once, at the accumulation boundary), or where the
-      optimizer is split over more axes, the shard reduce-scattered over those once, at
-      the accumulation boundary (the gradients accumulate at their split); with qgZ each
-      bucket's quantized all-to-alls, one pair per axis of `grads.shard`, innermost first
+      per step, in buckets (stage 0); where the optimizer is split (ZeRO-1), once per step
+      reduce-scattered over its axes (a bucket all-reduced there with
+      `scatter_as_all_reduce`) and each shard all-reduced over the rest;
+    - split gradients: reduce-scattered over `grads.shard` every micro-step (each bucket
+      all-reduced there with `scatter_as_all_reduce`) and each unit's shard all-reduced
+      over `grads.replicate` every micro-step too (FSDP2's HSDP; DeepSpeed's MiCS
+      all-reduces once, at the accumulation boundary), or where the optimizer is split
+      over more axes, the shard reduce-scattered over those once, at the accumulation
+      boundary (the gradients accumulate at their split); with qgZ each bucket's
+      quantized all-to-alls, one pair per axis of `grads.shard`, innermost first
       (ZeRO++'s hierarchical reduction);
     - after the update, the parameter shard gathered from optimizer shards over the
       optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none), in the
@@ -293,10 +302,22 @@ def _mesh_volume(
     whole = [i for i, s in enumerate(plan.shardings) if not s.grads.shard]
     every_bucket = reduction_buckets(plan, bucket_numel)  # a bucket is whole or split
     split_buckets = [b for b in every_bucket if grads_split(plan, b[0])]
+    whole_buckets = [b for b in every_bucket if not grads_split(plan, b[0])]
+    zero1 = [b for b in whole_buckets if all(_zero1(plan, i) for i in b)]
     if whole:
-        buckets = [b for b in every_bucket if not grads_split(plan, b[0])]
-        size = sum(units[i].numel for i in whole) * grad_bytes
-        add("all_reduce", "gradients", every, len(buckets), size)
+        size = sum(units[i].numel for b in whole_buckets if b not in zero1 for i in b)
+        add("all_reduce", "gradients", every, len(whole_buckets) - len(zero1), size * grad_bytes)
+    for bucket in zero1:  # at the boundary, into the optimizer's shards (as stage 2's)
+        axes = plan.shardings[bucket[0]].optimizer.shard
+        size = sum(units[i].numel for i in bucket) * grad_bytes
+        if scatter_as_all_reduce:
+            add("all_reduce", "gradients", axes, 1, size)
+        for i in bucket:
+            optimizer = plan.shardings[i].optimizer
+            if not scatter_as_all_reduce:
+                add("reduce_scatter", "gradients", axes, 1, units[i].numel * grad_bytes)
+            shard_bytes = units[i].numel // mesh.group_size(axes) * grad_bytes
+            add("all_reduce", "gradients across replicas", optimizer.replicate, 1, shard_bytes)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
     weights, gradients, bits = quantized
     if split and gradients:
@@ -341,6 +362,12 @@ def _mesh_volume(
         Collective(op, what, calls, size, mesh.group_size(axes), axes)
         for (op, what, axes), (calls, size) in found.items()
     ]
+
+
+def _zero1(plan: MeshPlan, index: int) -> bool:
+    """Whether unit `index` is ZeRO-1: its gradients whole, its optimizer state split."""
+    sharding = plan.shardings[index]
+    return not sharding.grads.shard and plan.mesh.group_size(sharding.optimizer.shard) > 1
 
 
 def _add_quantized_reduction(

@@ -176,10 +176,12 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Tensor | None:
             f"than the gradients ({engine.plan.mesh.shard}) is not supported by fzero: the "
             "gradients are reduced across the extra axes only at the step"
         )
-    if engine.plan.stage_of(rt.unit) < 2:
+    stage, what = engine.plan.stage_of(rt.unit), "deepspeed.utils.safe_get_full_grad"
+    if stage == 0:
         full = rt.grad.detach().to(torch.float32, copy=True)
-    else:
-        full = _full(engine, rt, rt.grad, "deepspeed.utils.safe_get_full_grad")
+    else:  # ZeRO-1's whole accumulator is reduced into each rank's shard only
+        owned = rt.grad[engine.partition(rt.unit)] if stage == 1 else rt.grad
+        full = _full(engine, rt, owned, what)
     scale = engine.loss_scale_state.scale if engine.loss_scale_state is not None else 1.0
     return gather_pieces(full, placement, shape).clone() / scale
 
