@@ -27,18 +27,27 @@ MESH = {"node": 2, "local": 2}
 WORLD = 4
 
 # name -> (stage, whether the parameters are split over "local")
-CASES = {"zero2-like": (2, False), "mics zero3-like": (3, True)}
+CASES = {
+    "zero2-like": (2, False),
+    "mics zero3-like": (3, True),
+    "zero1 embed + zero2-like": (2, False),
+}
 
 
-def _rule(params_split: bool):
-    """Every unit: optimizer over ("local", "node"), gradients over ("local",), params
-    over ("local",) or whole."""
+def _zero1(name: str) -> tuple[str, ...]:
+    """The modules whose units keep whole gradients (ZeRO-1) beside the finer split."""
+    return ("embed",) if name.startswith("zero1 embed") else ()
+
+
+def _rule(params_split: bool, zero1: tuple[str, ...] = ()):
+    """Every unit: optimizer over ("local", "node"), gradients over ("local",) (whole
+    for the modules in `zero1`), params over ("local",) or whole."""
 
     def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
         local = mesh.sharding("local")
         return UnitSharding(
             params=local if params_split and not unit.persistent else mesh.replicated,
-            grads=local,
+            grads=mesh.replicated if unit.module in zero1 else local,
             optimizer=mesh.sharding("local", "node"),
         )
 
@@ -47,7 +56,7 @@ def _rule(params_split: bool):
 
 def _preset(name: str) -> partition.Custom:
     stage, params_split = CASES[name]
-    return partition.Custom("finer optimizer", _rule(params_split), stage=stage)
+    return partition.Custom("finer optimizer", _rule(params_split, _zero1(name)), stage=stage)
 
 
 def _config(stage: int) -> dict:
@@ -93,14 +102,17 @@ def _loss_fn(model):
     return loss_fn
 
 
-def _check_holdings(plan: partition.Plan, rank: int, units, params_split: bool) -> None:
+def _check_holdings(
+    plan: partition.Plan, rank: int, units, params_split: bool, zero1: tuple[str, ...] = ()
+) -> None:
     """Each kind at its split on this process: the optimizer state and master a quarter
     of the unit (the finer split: half if it were ignored), the gradient accumulator a
-    half, the parameters half or whole. `units`: (grad, master, moments, params numels)."""
+    half (whole for the `zero1` modules' units), the parameters half or whole. `units`:
+    (grad, master, moments, params numels)."""
     for unit, (grad, master, moments, params) in zip(plan.units, units):
         where = (unit.name, rank)
         assert master == unit.numel // 4 and all(m == unit.numel // 4 for m in moments), where
-        assert grad == unit.numel // 2, where
+        assert grad == unit.numel // (1 if unit.module in zero1 else 2), where
         assert params == (unit.numel // 2 if params_split else unit.numel), where
 
 
@@ -145,6 +157,7 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
                 for rt in engine.runtime.units
             ],
             params_split,
+            _zero1(name),
         )  # fmt: skip
         _check_holdings(
             plan,
@@ -152,6 +165,7 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
             [(u.grad.numel(), u.master.numel(), _moments(u.optim), u.params.numel())
              for u in state.units],
             params_split,
+            _zero1(name),
         )  # fmt: skip
         out[name] = {
             "losses": (engine_losses, step_losses),
@@ -185,6 +199,8 @@ def _reference() -> dict[str, torch.Tensor]:
         "zero2-like",  # the fast job's world-4 case
         # the same machinery plus stage 3's gathers: 26 s on two loaded cores (slow job)
         pytest.param("mics zero3-like", marks=pytest.mark.slow),
+        # ZeRO-1 embeddings: reduced whole at the boundary within the node, then across
+        pytest.param("zero1 embed + zero2-like", marks=pytest.mark.slow),
     ],
 )
 def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
@@ -362,14 +378,6 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     message = _refusal(some_finer, stage=2)
     assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
     assert "one optimizer split finer than the gradients for every unit" in message
-
-    # ZeRO-1 units (gradients whole) beside the finer split
-    def zero1_embed(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
-        grads = () if unit.module == "embed" else ("local",)
-        return _split(grads=grads, optimizer=("local", "node"))(mesh, unit)
-
-    message = _refusal(zero1_embed, stage=2)
-    assert "optimizer: split over ('local', 'node') with its gradients whole" in message
     # hpZ's secondary copy beside it
     hpz = _split(("local",), ("local",), ("local", "node"), params_secondary=Mesh(MESH).replicated)
     message = _refusal(hpz)
@@ -381,6 +389,9 @@ def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():
     bad = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
     with pytest.raises(PlanError, match=r"plan optimizer_extra \('local',\): the optimizer's"):
         partition.validate(dataclasses.replace(plan, mesh=bad))
-    staged = dataclasses.replace(plan.units[0], stage=1)
-    with pytest.raises(PlanError, match=r"unit 'embed' optimizer: split over .* \(stage 1\)"):
-        partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
+    staged = dataclasses.replace(plan.units[0], stage=1)  # ZeRO-1 beside it runs
+    partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
+    numel = plan.units[0].numel
+    uneven = dataclasses.replace(plan.units[0], bounds=(0, numel, numel, numel, numel))
+    with pytest.raises(PlanError, match=r"unit 'embed' optimizer: .* has uneven shards"):
+        partition.validate(dataclasses.replace(plan, units=(uneven, *plan.units[1:])))

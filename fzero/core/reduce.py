@@ -522,7 +522,7 @@ class Reduction:
         then over its replicas: the ZeRO paper's ZeRO-1 traffic, a reduce-scatter and
         the parameters' all-gather, not an all-reduce before it. The rest of each
         accumulator is stale until the step zeroes it."""
-        owned = [slice(*self.plan.units[i].shard_range(self.rank)) for i in indices]
+        owned = [slice(*self.plan.grads_range(self.plan.units[i], self.rank)) for i in indices]
 
         def keep(k: int, part: Tensor) -> None:
             target = grads[k][owned[k]]
@@ -563,8 +563,9 @@ def reduce_to_optimizer_shards(
     wire_dtype: torch.dtype = torch.float32,
 ) -> None:
     """At the accumulation boundary of a plan whose optimizer state is split finer than
-    its gradients (`Plan.optimizer_extra_size` > 1): average each stage 2-3 unit's
-    accumulated gradient shard (`grads`, in unit order) over `group` (the
+    its gradients (`Plan.optimizer_extra_size` > 1): average each stage 1-3 unit's
+    accumulated gradient shard (`grads`, in unit order; a ZeRO-1 unit's whole
+    accumulator, reduced into that shard within the gradients' group) over `group` (the
     `optimizer_extra` axes) by one reduce-scatter, leaving rank `rank`'s block at
     `Plan.optimizer_in_grads` (the rest of the accumulator is stale until the step zeroes
     it). Collective; nothing otherwise.
@@ -573,9 +574,12 @@ def reduce_to_optimizer_shards(
         return
     pending: Pending = []
     for index, unit in enumerate(plan.units):
-        if plan.stage_of(unit) < 2:
+        stage = plan.stage_of(unit)
+        if stage == 0:
             continue
         accumulated, part = grads[index], plan.optimizer_in_grads(unit, rank)
+        if stage == 1:  # its whole accumulator, reduced into this gradient shard already
+            accumulated = accumulated[slice(*plan.grads_range(unit, rank))]
         wire = accumulated.to(wire_dtype)
         block = torch.empty(part.stop - part.start, dtype=wire_dtype, device=wire.device)
         what = f"{_grads_of([index])} across replicas"

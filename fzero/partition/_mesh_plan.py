@@ -375,20 +375,15 @@ def _check_finer(
     shard: tuple[str, ...],
 ) -> None:
     """In a plan whose optimizer state is split over `group` then `extra`, a unit whose
-    optimizer is split (over `shard`, its axes of size > 1) is so, and its gradients are
-    split (stages 2-3)."""
+    optimizer is split (over `shard`, its axes of size > 1) is so: its gradients split
+    over `group` (stages 2-3) or whole (ZeRO-1: the whole gradient reduced at the
+    accumulation boundary over `group`, then over `extra`, as a stage-2 shard is)."""
     where = f"unit {unit.name!r} optimizer: split over {sharding.optimizer.shard}"
     if shard != group + extra:
         raise PlanError(
             f"{where}, other units' over {group + extra} (gradients over {group}); "
             "fzero runs one optimizer split finer than the gradients for every unit whose "
             "optimizer state is split"
-        )
-    if not sharding.grads.shard:
-        raise PlanError(
-            f"{where} with its gradients whole (ZeRO-1); a finer optimizer split runs for "
-            f"units whose gradients are split over {group} (ZeRO-2/3 over it): split this "
-            "unit's gradients there too, or its optimizer over no axis"
         )
 
 
@@ -566,21 +561,36 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
             secondary.shard if secondary is not None else (),
             sharding.grads.shard,
             sharding.grads.replicate,
-            *publish_hops(sharding),
+            *publish_hops(sharding, _gradients_group(plan)),
         ):
             if axes:
                 found.setdefault(axes, None)
     return tuple(found)
 
 
-def publish_hops(sharding: UnitSharding) -> tuple[tuple[str, ...], ...]:
+def _gradients_group(plan: MeshPlan) -> tuple[str, ...]:
+    """The axes the first unit with split gradients splits them over (() when none)."""
+    return next((s.grads.shard for s in plan.shardings if s.grads.shard), ())
+
+
+def publish_hops(
+    sharding: UnitSharding, gradients: tuple[str, ...] = ()
+) -> tuple[tuple[str, ...], ...]:
     """The all-gathers that publish a unit's updated parameters, in order, by their axes:
     the optimizer's axes after the parameters', as one gather; where the optimizer is
     split finer than split gradients, first over its axes beyond the gradients' (into the
     gradient shard), then over the gradients' beyond the parameters' (none at stage 3).
-    Axes of size 1 are left to the caller (a gather over them moves nothing)."""
+    `gradients`: the axes the plan's other units split their gradients over, which a
+    ZeRO-1 unit's finer optimizer split follows the same way. Axes of size 1 are left
+    to the caller (a gather over them moves nothing)."""
     optimizer, grads = sharding.optimizer.shard, sharding.grads.shard
     params = sharding.params.shard
+    if (
+        not grads
+        and 0 < len(gradients) < len(optimizer)
+        and optimizer[: len(gradients)] == gradients
+    ):
+        grads = gradients  # ZeRO-1 beside a finer split: published as the plan's others'
     if grads and len(optimizer) > len(grads):
         return optimizer[len(grads) :], grads[len(params) :]
     return (optimizer[len(params) :],)

@@ -481,13 +481,11 @@ def _validate_mesh(plan: Plan) -> None:
             f"({mesh.secondary}) or a hierarchical gather ({mesh.hierarchical})"
         )
     for unit in plan.units if extra else ():
-        if unit.bounds or unit_stage(plan.stage, unit) == 1:
+        if unit.bounds:
             raise PlanError(
                 f"unit {unit.name!r} optimizer: split over {mesh.shard}, finer than the "
-                f"gradients ({mesh.grads_shard}), but the unit "
-                + ("has uneven shards" if unit.bounds else "keeps its gradients whole (stage 1)")
-                + "; a finer optimizer split runs for units with equal shards whose "
-                "gradients are split (stages 2-3), beside whole (stage 0) units"
+                f"gradients ({mesh.grads_shard}), but the unit has uneven shards; a finer "
+                "optimizer split runs for units with equal shards"
             )
     if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.shard)):
         raise PlanError(

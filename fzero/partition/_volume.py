@@ -307,17 +307,25 @@ def _mesh_volume(
     if whole:
         size = sum(units[i].numel for b in whole_buckets if b not in zero1 for i in b)
         add("all_reduce", "gradients", every, len(whole_buckets) - len(zero1), size * grad_bytes)
+    grads_group = next((s.grads.shard for s in plan.shardings if s.grads.shard), ())
     for bucket in zero1:  # at the boundary, into the optimizer's shards (as stage 2's)
         axes = plan.shardings[bucket[0]].optimizer.shard
+        # where the optimizer is split finer than other units' gradients: within their
+        # group first, then over the extra axes, as their accumulated shards are
+        finer = 0 < len(grads_group) < len(axes) and axes[: len(grads_group)] == grads_group
+        inner = grads_group if finer else axes
         size = sum(units[i].numel for i in bucket) * grad_bytes
         if scatter_as_all_reduce:
-            add("all_reduce", "gradients", axes, 1, size)
+            add("all_reduce", "gradients", inner, 1, size)
         for i in bucket:
             optimizer = plan.shardings[i].optimizer
             if not scatter_as_all_reduce:
-                add("reduce_scatter", "gradients", axes, 1, units[i].numel * grad_bytes)
-            shard_bytes = units[i].numel // mesh.group_size(axes) * grad_bytes
-            add("all_reduce", "gradients across replicas", optimizer.replicate, 1, shard_bytes)
+                add("reduce_scatter", "gradients", inner, 1, units[i].numel * grad_bytes)
+            shard_bytes = units[i].numel // mesh.group_size(inner) * grad_bytes
+            across = "gradients across replicas"
+            if finer:
+                add("reduce_scatter", across, axes[len(inner) :], 1, shard_bytes)
+            add("all_reduce", across, optimizer.replicate, 1, shard_bytes)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
     weights, gradients, bits = quantized
     if split and gradients:
@@ -341,7 +349,7 @@ def _mesh_volume(
             add("all_reduce", across, grads.replicate, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
         gathered = unit.numel // mesh.group_size(sharding.optimizer.shard)
-        for hop in publish_hops(sharding):  # each gather multiplies what a rank holds
+        for hop in publish_hops(sharding, grads_group):  # each multiplies what a rank holds
             gathered *= mesh.group_size(hop)
             add("all_gather", "parameters after the update", hop, 1, gathered * param_bytes)
     for what, indices in (
