@@ -220,6 +220,115 @@ def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
     print(f"max abs error vs torch.optim, 2x2 mesh, {name}: {error:.3g}")
 
 
+# ---- replicas beside the finer split: pod x node x local, 8 processes ---------------------------
+
+PODS = {"pod": 2, "node": 2, "local": 2}
+
+
+def _pods_engine(seed: int = 0):
+    preset = partition.Custom("finer with replicas", _rule(False), stage=2)
+    torch.manual_seed(seed)
+    return fzero.shard(
+        Net(),
+        stage=2,
+        optimizer=_optimizer(),
+        config=_config(2),
+        strategy=partition.on_mesh(Mesh(PODS), preset),
+    )
+
+
+def replicas_save_case(rank: int, world: int, root: str) -> dict:
+    def rows(i: int, a: int):
+        x, y = global_batch(i, MICRO * ACCUM * world)
+        part = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+        return x[part], y[part]
+
+    saved, resumed = engine_resumes(_pods_engine, rows, root)
+    return {"saved": saved, "resumed": resumed}
+
+
+def replicas_case(rank: int, world: int) -> dict:
+    """The finer split of "zero2-like" with the mesh replicated over `pod`: each
+    micro-step's gradient shard averaged over the pods, the optimizer over
+    (`local`, `node`) within a pod. Both doors; the engine's traffic by group."""
+    preset = partition.Custom("finer with replicas", _rule(False), stage=2)
+    engine = _pods_engine()
+    torch.manual_seed(0)
+    model = Net()
+    manifest = partition.describe(model)
+    plan = partition.executable(
+        partition.mesh_plan(manifest, Mesh(PODS), preset, persistence_threshold=0)
+    )
+    assert plan == engine.plan and plan.replicas == 2 and plan.mesh.optimizer_extra == ("node",)
+    state = fzero.init(model, plan, _optimizer(), config=_config(2))
+    step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(2))
+    losses, sent = ([], []), {}
+    for i in range(STEPS):
+        before = comm.traffic_by_group()
+        for a in range(ACCUM):
+            x, y = global_batch(i, MICRO * ACCUM * world)
+            rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+            loss = F.mse_loss(engine(x[rows]), y[rows])
+            engine.backward(loss)
+            engine.step()
+            losses[0].append(loss.item())
+        after = comm.traffic_by_group()
+        for a in range(ACCUM):
+            x, y = global_batch(i, MICRO * ACCUM * world)
+            rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+            state, metrics = step(state, (x[rows], y[rows]))
+            losses[1].append(metrics["loss"].item())
+        if i == STEPS - 1:
+            for group, ops in after.items():
+                for op, (_, size) in ops.items():
+                    moved = size - before.get(group, {}).get(op, (0, 0))[1]
+                    if moved:
+                        sent[(frozenset(group.split("+")), op)] = moved
+    predicted: dict = {}
+    for row in engine.comm_volume():
+        axes = frozenset(["world"] if set(row.axes) == set(PODS) else row.axes)
+        predicted[(axes, row.operation)] = predicted.get((axes, row.operation), 0) + row.bytes
+    result = {
+        "losses": losses,
+        "engine": engine.state_dict(dtype=torch.float32),
+        "step": fzero.state_dict(state, module=model),
+        "traffic": (sent, predicted),
+    }
+    engine.destroy()
+    return result
+
+
+@pytest.mark.slow  # eight processes on two cores: about 20 s
+def test_the_finer_split_runs_with_replicas_beside_it():
+    result = run_world(replicas_case, 8)
+    engine_losses, step_losses = result["losses"]
+    assert engine_losses == step_losses
+    for key, expected in result["engine"].items():
+        assert torch.equal(result["step"][key], expected), key
+    _, ref_state = torch_reference(
+        lambda groups: torch.optim.AdamW(
+            [p for group in groups for p in group["params"]], lr=LR, weight_decay=0.01
+        ),
+        steps=STEPS, micro=MICRO, accum=ACCUM, world=8, clip=CLIP,
+    )  # fmt: skip
+    error = max((result["engine"][k] - v).abs().max().item() for k, v in ref_state.items())
+    assert error <= 1e-6, error
+    sent, predicted = result["traffic"]
+    assert sent == predicted, (sent, predicted)
+    assert sent[(frozenset({"pod"}), "all_reduce")] > 0  # each shard averaged over the pods
+
+
+@pytest.mark.slow  # eight processes, then two and one
+def test_the_finer_split_with_replicas_resumes_and_restores_under_zero3(tmp_path):
+    result = run_world(replicas_save_case, 8, str(tmp_path))
+    assert result["resumed"]
+    for world in (2, 1):
+        restored = run_world(restore_case, world, str(tmp_path))
+        assert restored.keys() == result["saved"].keys()
+        for key, value in result["saved"].items():
+            assert torch.equal(restored[key], value), (world, key)
+
+
 # ---- checkpoints: resume exactly, restore under plain ZeRO-3 at world 2 and 1 -------------------
 
 
@@ -363,12 +472,12 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     message = _refusal(_split(grads=("local",), optimizer=("node", "local")), stage=2)
     assert "axis 'local' at position 0 is 'node' there" in message
     assert "gradients over ('local',), the optimizer over ('local', 'node')" in message
-    # replicas beside the finer split: the optimizer over node, not pod too
+    # the optimizer's extra axes out of mesh order (replicas beside the split run)
     message = _refusal(
-        _split(grads=("local",), optimizer=("local", "node")), {"pod": 2, **MESH}, stage=2
+        _split(grads=("local",), optimizer=("local", "node", "pod")), {"pod": 2, **MESH}, stage=2
     )
-    assert "unit 'embed' optimizer: split over ('local', 'node'), the gradients over " in message
-    assert "not every other axis ('pod', 'node')" in message and "not run yet" in message
+    assert "unit 'embed' optimizer: split over ('local', 'node', 'pod'), the gradients " in message
+    assert "beyond the gradients' are ('node', 'pod'), not in mesh order ('pod', 'node')" in message
 
     # one unit's optimizer finer, another's as its gradients
     def some_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:

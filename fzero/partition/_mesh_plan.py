@@ -23,7 +23,9 @@ What is executable (`validate`), as ZeRO and FSDP run it:
 
 Both doors run (`executable`) every unit's kinds split over one group of axes S, or
 whole; and the optimizer state split over more axes than the gradients: over S then
-axes E (every axis not in S, in mesh order), the gradients over S (stages 2-3), e.g. on
+axes E (other axes, in mesh order; any axis left holds pure replicas, over which each
+micro-step's gradient shard is averaged, as MiCS's), the gradients over S (stages 2-3;
+ZeRO-1 units beside them keep whole gradients, reduced at the boundary over S then E), e.g. on
 `node` x `local` the optimizer over `("local", "node")` (a quarter each on 2x2) with the
 gradients over `("local",)`. A micro-step reduce-scatters the gradients over S into their
 shard, where they accumulate; the boundary reduce-scatters that shard over E into the
@@ -487,7 +489,8 @@ def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
 
 def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """The axes a split optimizer state is split over after `group` (the gradients'),
-    the same for every unit; they must be every other axis, in mesh order, without hpZ's
+    the same for every unit: other axes, in mesh order (any axis left is a pure replica
+    axis: each micro-step's gradient shard averaged over it, as MiCS's), without hpZ's
     secondary copy or a hierarchical gather."""
     mesh, extra = plan.mesh, ()
     for unit, sharding in zip(plan.units, plan.shardings):
@@ -495,13 +498,13 @@ def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
         if not _finer(axes, group):
             continue
         where = f"unit {unit.name!r} optimizer: split over {axes}, the gradients over {group}"
+        beyond = axes[len(group) :]
         rest = tuple(a for a in _significant(mesh, mesh.names) if a not in group)
-        if axes[len(group) :] != rest:
+        if beyond != tuple(a for a in rest if a in beyond):
             raise PlanError(
-                f"{where}: the optimizer's axes beyond the gradients' are {axes[len(group) :]}, "
-                f"not every other axis {rest} in mesh order; fzero runs an optimizer split "
-                "finer than the gradients over all of the gradients' replicas (the optimizer "
-                "split over the world), in mesh order; replicas beside it are not run yet"
+                f"{where}: the optimizer's axes beyond the gradients' are {beyond}, not in "
+                f"mesh order {tuple(a for a in rest if a in beyond)}; fzero runs splits whose "
+                "axes keep the mesh's order (a process group's ranks are in rank order)"
             )
         if sharding.params_secondary is not None or sharding.hierarchical_params_gather:
             raise PlanError(

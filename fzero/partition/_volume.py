@@ -345,8 +345,8 @@ def _mesh_volume(
         across = "gradients across replicas"
         if finer:  # once, at the boundary: the accumulated shard into the optimizer's
             add("reduce_scatter", across, finer, 1, shard_bytes)
-        else:
-            add("all_reduce", across, grads.replicate, steps, shard_bytes * steps)
+        replicas = tuple(a for a in grads.replicate if a not in finer)  # pure replicas
+        add("all_reduce", across, replicas, steps, shard_bytes * steps)
     for unit, sharding in zip(units, plan.shardings):
         gathered = unit.numel // mesh.group_size(sharding.optimizer.shard)
         for hop in publish_hops(sharding, grads_group):  # each multiplies what a rank holds
