@@ -225,15 +225,41 @@ def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
 PODS = {"pod": 2, "node": 2, "local": 2}
 
 
-def _pods_engine(seed: int = 0):
-    preset = partition.Custom("finer with replicas", _rule(False), stage=2)
+def _hpz_rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+    """ZeRO-3 over (`node`, `local`) with hpZ's secondary copy within `local`, the
+    optimizer over `pod` too."""
+    both = mesh.sharding("node", "local")
+    if unit.persistent:
+        return UnitSharding(mesh.replicated, both, mesh.sharding("node", "local", "pod"))
+    return UnitSharding(both, both, mesh.sharding("node", "local", "pod"), mesh.sharding("local"))
+
+
+# name -> (stage, the rule, the axes the optimizer alone is split over)
+POD_CASES = {
+    "replicas": (2, _rule(False), ("node",)),  # pure replicas over pod
+    "hpz": (3, _hpz_rule, ("pod",)),  # hpZ's secondary copy beside the finer split
+}
+
+
+def _pod_config(name: str) -> dict:
+    config = _config(POD_CASES[name][0])
+    config["zero_optimization"]["stage3_max_reuse_distance"] = 0  # backward gathers again
+    return config
+
+
+def _pod_preset(name: str) -> partition.Custom:
+    stage, rule, _ = POD_CASES[name]
+    return partition.Custom(f"finer, {name}", rule, stage=stage)
+
+
+def _pods_engine(seed: int = 0, name: str = "replicas"):
     torch.manual_seed(seed)
     return fzero.shard(
         Net(),
-        stage=2,
+        stage=POD_CASES[name][0],
         optimizer=_optimizer(),
-        config=_config(2),
-        strategy=partition.on_mesh(Mesh(PODS), preset),
+        config=_pod_config(name),
+        strategy=partition.on_mesh(Mesh(PODS), _pod_preset(name)),
     )
 
 
@@ -247,21 +273,24 @@ def replicas_save_case(rank: int, world: int, root: str) -> dict:
     return {"saved": saved, "resumed": resumed}
 
 
-def replicas_case(rank: int, world: int) -> dict:
-    """The finer split of "zero2-like" with the mesh replicated over `pod`: each
-    micro-step's gradient shard averaged over the pods, the optimizer over
-    (`local`, `node`) within a pod. Both doors; the engine's traffic by group."""
-    preset = partition.Custom("finer with replicas", _rule(False), stage=2)
-    engine = _pods_engine()
+def pods_case(rank: int, world: int, name: str) -> dict:
+    """On `pod` x `node` x `local`: "replicas", the finer split of "zero2-like" with the
+    mesh replicated over `pod` (each micro-step's gradient shard averaged over the
+    pods, the optimizer over (`local`, `node`) within a pod); "hpz", ZeRO-3 over
+    (`node`, `local`) with hpZ's secondary copy within `local` and the optimizer over
+    `pod` too. Both doors; the engine's traffic by group in the last step."""
+    extra = POD_CASES[name][2]
+    engine = _pods_engine(name=name)
     torch.manual_seed(0)
     model = Net()
     manifest = partition.describe(model)
     plan = partition.executable(
-        partition.mesh_plan(manifest, Mesh(PODS), preset, persistence_threshold=0)
+        partition.mesh_plan(manifest, Mesh(PODS), _pod_preset(name), persistence_threshold=0)
     )
-    assert plan == engine.plan and plan.replicas == 2 and plan.mesh.optimizer_extra == ("node",)
-    state = fzero.init(model, plan, _optimizer(), config=_config(2))
-    step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(2))
+    assert plan == engine.plan and plan.mesh.optimizer_extra == extra
+    assert plan.replicas == (2 if name == "replicas" else 1)
+    state = fzero.init(model, plan, _optimizer(), config=_pod_config(name))
+    step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_pod_config(name))
     losses, sent = ([], []), {}
     for i in range(STEPS):
         before = comm.traffic_by_group()
@@ -298,9 +327,10 @@ def replicas_case(rank: int, world: int) -> dict:
     return result
 
 
-@pytest.mark.slow  # eight processes on two cores: about 20 s
-def test_the_finer_split_runs_with_replicas_beside_it():
-    result = run_world(replicas_case, 8)
+@pytest.mark.slow  # eight processes on two cores: about 20 s each
+@pytest.mark.parametrize("name", list(POD_CASES))
+def test_the_finer_split_runs_with_replicas_or_hpz_beside_it(name):
+    result = run_world(pods_case, 8, name)
     engine_losses, step_losses = result["losses"]
     assert engine_losses == step_losses
     for key, expected in result["engine"].items():
@@ -315,7 +345,10 @@ def test_the_finer_split_runs_with_replicas_beside_it():
     assert error <= 1e-6, error
     sent, predicted = result["traffic"]
     assert sent == predicted, (sent, predicted)
-    assert sent[(frozenset({"pod"}), "all_reduce")] > 0  # each shard averaged over the pods
+    if name == "replicas":  # each shard averaged over the pods
+        assert sent[(frozenset({"pod"}), "all_reduce")] > 0
+    else:  # backward gathers within the node, from hpZ's secondary copy
+        assert sent[(frozenset({"local"}), "all_gather")] > 0
 
 
 @pytest.mark.slow  # eight processes, then two and one
@@ -487,10 +520,11 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     message = _refusal(some_finer, stage=2)
     assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
     assert "one optimizer split finer than the gradients for every unit" in message
-    # hpZ's secondary copy beside it
-    hpz = _split(("local",), ("local",), ("local", "node"), params_secondary=Mesh(MESH).replicated)
-    message = _refusal(hpz)
-    assert "with hpZ's secondary copy or a hierarchical gather" in message
+    # MiCS's hierarchical gather beside it (hpZ's secondary copy runs: test above)
+    both = ("node", "local")
+    hierarchical = _split(both, both, (*both, "pod"), hierarchical_params_gather=True)
+    message = _refusal(hierarchical, {"pod": 2, **MESH})
+    assert "with a hierarchical gather, which is not run beside a finer" in message
 
 
 def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():

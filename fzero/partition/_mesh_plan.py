@@ -490,8 +490,8 @@ def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
 def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """The axes a split optimizer state is split over after `group` (the gradients'),
     the same for every unit: other axes, in mesh order (any axis left is a pure replica
-    axis: each micro-step's gradient shard averaged over it, as MiCS's), without hpZ's
-    secondary copy or a hierarchical gather."""
+    axis: each micro-step's gradient shard averaged over it, as MiCS's), without a
+    hierarchical gather (hpZ's secondary copy, within the parameters' axes, runs)."""
     mesh, extra = plan.mesh, ()
     for unit, sharding in zip(plan.units, plan.shardings):
         axes = _significant(mesh, sharding.optimizer.shard)
@@ -506,10 +506,10 @@ def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
                 f"mesh order {tuple(a for a in rest if a in beyond)}; fzero runs splits whose "
                 "axes keep the mesh's order (a process group's ranks are in rank order)"
             )
-        if sharding.params_secondary is not None or sharding.hierarchical_params_gather:
+        if sharding.hierarchical_params_gather:
             raise PlanError(
-                f"{where}: with hpZ's secondary copy or a hierarchical gather, which are not "
-                "run beside a finer optimizer split yet"
+                f"{where}: with a hierarchical gather, which is not run beside a finer "
+                "optimizer split yet"
             )
         extra = axes[len(group) :]
     return extra

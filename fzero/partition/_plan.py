@@ -471,14 +471,13 @@ def _validate_mesh(plan: Plan) -> None:
         extra != mesh.shard[len(mesh.shard) - len(extra) :]
         or len(extra) == len(mesh.shard)
         or plan.stage < 2
-        or mesh.secondary
         or mesh.hierarchical
     ):
         raise PlanError(
             f"plan optimizer_extra {extra}: the optimizer's axes beyond the gradients' are "
             f"the last of the shard axes {mesh.shard}, after at least one the gradients are "
-            f"split over, at stage 2 or 3 (stage {plan.stage}), without hpZ's secondary copy "
-            f"({mesh.secondary}) or a hierarchical gather ({mesh.hierarchical})"
+            f"split over, at stage 2 or 3 (stage {plan.stage}), without a hierarchical gather "
+            f"({mesh.hierarchical})"
         )
     for unit in plan.units if extra else ():
         if unit.bounds:
@@ -487,10 +486,11 @@ def _validate_mesh(plan: Plan) -> None:
                 f"gradients ({mesh.grads_shard}), but the unit has uneven shards; a finer "
                 "optimizer split runs for units with equal shards"
             )
-    if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.shard)):
+    if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.grads_shard)):
         raise PlanError(
             f"plan secondary split over {mesh.secondary}: hpZ's secondary copy is stage 3's "
-            f"(stage {plan.stage}) and a subset of the shard axes {mesh.shard}"
+            f"(stage {plan.stage}) and a subset of the parameters' shard axes "
+            f"{mesh.grads_shard}"
         )
 
 
