@@ -121,23 +121,30 @@ def test_a_step_sends_what_comm_volume_predicts_on_the_reduce_scatter_path():
         assert control < reduced / 4 or case[-1] == "whole_tensors", case
 
 
-def every_mesh_case(rank: int, world: int) -> dict:
-    from tests.test_mesh_run import _every_case
+def every_mesh_case(rank: int, world: int, presets: list[str]) -> dict:
+    from tests.test_mesh_run import STEPS as MESH_STEPS
+    from tests.test_mesh_run import _engine, _train_engine, _train_step
 
+    results = {}
     with reduce_scattered():
-        return _every_case(rank, world)
+        for preset in presets:
+            engine = _engine(preset)
+            losses = _train_engine(engine, rank, range(MESH_STEPS))
+            results[("engine", preset)] = (losses, engine.state_dict(dtype=torch.float32))
+            engine.destroy()
+            results[("train_step", preset)] = _train_step(rank, preset)
+    return results
 
 
 def test_every_preset_at_2x2_matches_torch_optim_on_the_reduce_scatter_path():
-    """MiCS, hpZ, HSDP at stages 1-2 and mixed plans, both doors, on 2x2: each reduced
-    within its shard group by reduce-scatters, then across the replicas."""
+    """MiCS, HSDP at stages 1-2 and a mixed plan, both doors, on 2x2: each reduced
+    within its shard group by reduce-scatters, then across the replicas (ZeRO-3, hpZ
+    and the hierarchical gather reduce as the world-2 case does)."""
     from tests.test_mesh_run import MESH, reference
 
-    results = run_world(every_mesh_case, MESH.size)
+    results = run_world(every_mesh_case, MESH.size, ["mics", "hsdp1", "hsdp2", "mixed"])
     ref_losses, ref_state = reference()
     for case, value in results.items():
-        if case[0] == "mesh":  # the DeepSpeed keys' presets, checked by test_mesh_run
-            continue
         losses, state = value
         torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, msg=str(case))
         for name, expected in ref_state.items():
