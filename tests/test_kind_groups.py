@@ -234,10 +234,21 @@ def _hpz_rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
     return UnitSharding(both, both, mesh.sharding("node", "local", "pod"), mesh.sharding("local"))
 
 
+def _hierarchical_rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+    """ZeRO-3 over (`node`, `local`) gathered one axis at a time (MiCS's hierarchical
+    all-gather), the optimizer over `pod` too."""
+    both = mesh.sharding("node", "local")
+    optimizer = mesh.sharding("node", "local", "pod")
+    if unit.persistent:
+        return UnitSharding(mesh.replicated, both, optimizer)
+    return UnitSharding(both, both, optimizer, hierarchical_params_gather=True)
+
+
 # name -> (stage, the rule, the axes the optimizer alone is split over)
 POD_CASES = {
     "replicas": (2, _rule(False), ("node",)),  # pure replicas over pod
     "hpz": (3, _hpz_rule, ("pod",)),  # hpZ's secondary copy beside the finer split
+    "hierarchical": (3, _hierarchical_rule, ("pod",)),
 }
 
 
@@ -347,8 +358,11 @@ def test_the_finer_split_runs_with_replicas_or_hpz_beside_it(name):
     assert sent == predicted, (sent, predicted)
     if name == "replicas":  # each shard averaged over the pods
         assert sent[(frozenset({"pod"}), "all_reduce")] > 0
-    else:  # backward gathers within the node, from hpZ's secondary copy
+    elif name == "hpz":  # backward gathers within the node, from hpZ's secondary copy
         assert sent[(frozenset({"local"}), "all_gather")] > 0
+    else:  # one gather per axis, never over both at once
+        assert (frozenset({"node", "local"}), "all_gather") not in sent
+        assert sent[(frozenset({"node"}), "all_gather")] > 0
 
 
 @pytest.mark.slow  # eight processes, then two and one
@@ -520,11 +534,6 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     message = _refusal(some_finer, stage=2)
     assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
     assert "one optimizer split finer than the gradients for every unit" in message
-    # MiCS's hierarchical gather beside it (hpZ's secondary copy runs: test above)
-    both = ("node", "local")
-    hierarchical = _split(both, both, (*both, "pod"), hierarchical_params_gather=True)
-    message = _refusal(hierarchical, {"pod": 2, **MESH})
-    assert "with a hierarchical gather, which is not run beside a finer" in message
 
 
 def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():

@@ -490,8 +490,8 @@ def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
 def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """The axes a split optimizer state is split over after `group` (the gradients'),
     the same for every unit: other axes, in mesh order (any axis left is a pure replica
-    axis: each micro-step's gradient shard averaged over it, as MiCS's), without a
-    hierarchical gather (hpZ's secondary copy, within the parameters' axes, runs)."""
+    axis: each micro-step's gradient shard averaged over it, as MiCS's); hpZ's secondary
+    copy (within the parameters' axes) and MiCS's hierarchical gather run beside it."""
     mesh, extra = plan.mesh, ()
     for unit, sharding in zip(plan.units, plan.shardings):
         axes = _significant(mesh, sharding.optimizer.shard)
@@ -505,11 +505,6 @@ def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
                 f"{where}: the optimizer's axes beyond the gradients' are {beyond}, not in "
                 f"mesh order {tuple(a for a in rest if a in beyond)}; fzero runs splits whose "
                 "axes keep the mesh's order (a process group's ranks are in rank order)"
-            )
-        if sharding.hierarchical_params_gather:
-            raise PlanError(
-                f"{where}: with a hierarchical gather, which is not run beside a finer "
-                "optimizer split yet"
             )
         extra = axes[len(group) :]
     return extra

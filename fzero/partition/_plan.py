@@ -460,24 +460,22 @@ def _validate_mesh(plan: Plan) -> None:
             f"plan world_size {plan.world_size} on mesh {mesh.axes} split over {mesh.shard}: "
             f"the shard axes' group has {group} ranks; they must be equal"
         )
-    if mesh.hierarchical and (plan.stage != 3 or mesh.secondary or len(mesh.shard) < 2):
+    if mesh.hierarchical and (plan.stage != 3 or mesh.secondary or len(mesh.grads_shard) < 2):
         raise PlanError(
-            f"plan hierarchical gather over {mesh.shard}: it is stage 3's (stage "
-            f"{plan.stage}), over two or more shard axes, and without hpZ's secondary copy "
-            f"({mesh.secondary})"
+            f"plan hierarchical gather over {mesh.grads_shard}: it is stage 3's (stage "
+            f"{plan.stage}), over two or more of the parameters' shard axes, and without "
+            f"hpZ's secondary copy ({mesh.secondary})"
         )
     extra = mesh.optimizer_extra
     if extra and (
         extra != mesh.shard[len(mesh.shard) - len(extra) :]
         or len(extra) == len(mesh.shard)
         or plan.stage < 2
-        or mesh.hierarchical
     ):
         raise PlanError(
             f"plan optimizer_extra {extra}: the optimizer's axes beyond the gradients' are "
             f"the last of the shard axes {mesh.shard}, after at least one the gradients are "
-            f"split over, at stage 2 or 3 (stage {plan.stage}), without a hierarchical gather "
-            f"({mesh.hierarchical})"
+            f"split over, at stage 2 or 3 (stage {plan.stage})"
         )
     for unit in plan.units if extra else ():
         if unit.bounds:
