@@ -352,7 +352,9 @@ def _both(rank: int, result: dict, directory: str) -> dict:
     import json
 
     path = Path(directory) / f"rank{rank}.json"
-    path.write_text(json.dumps(result))
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(result))
+    partial.replace(path)  # whole or absent: rank 0 may look while it is written
     if rank != 0:
         return result
     other = Path(directory) / "rank1.json"
