@@ -77,7 +77,7 @@ class Residency:
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
         self.pipeline_depth = 2
-        self.write_buffers = zero.offload_optimizer.buffer_count
+        self.write_buffers = 2  # backward's gradient writes in flight: `_open_swap`
         self._grad_writes: list[tuple[Any, Tensor]] = []
         self._grad_failure = ""  # the first gradient I/O error of this backward
         # host buffers of the largest unit partition, for what offload moves every step
@@ -124,6 +124,11 @@ class Residency:
         # (bf16 moments: their staging buffers are half-size)
         per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+        # Backward writes one gradient shard per unit: as many in flight as the step has
+        # units in its pipeline. More queue behind the same I/O threads and hold a
+        # unit-sized buffer each (`buffer_count` of them held 1.8 GB per rank of a 3B
+        # model through backward, and from one step to the next)
+        self.write_buffers = self.pipeline_depth
         self._check_memory(per_unit)
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
@@ -279,6 +284,17 @@ class Residency:
         rt.state = rt.state._replace(**dict.fromkeys(self.kinds[1:], empty))
         if self.grads_on_disk:
             rt.grad = empty
+
+    def trim_after_step(self) -> None:
+        """After a step over the swap file: with gradients in it, the pool keeps only the
+        buffers backward's gradient writes take (`write_buffers` in flight and the one
+        being filled), and no bf16 staging buffer is kept; the step's buffer sets are
+        made again at the next step (page faults of a few ms per unit, against seconds
+        of its I/O), so forward, backward and a save between steps do not hold the
+        step's pipeline."""
+        if self.grads_on_disk:
+            self.pool.trim(self.write_buffers + 1)
+        self.staging.trim(0)
 
     def swap_buffers(self, extra: int = 0) -> list[Tensor]:
         """One pooled host buffer per swapped kind (and the gradient, a bf16 staging
