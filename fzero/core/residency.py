@@ -294,7 +294,12 @@ class Residency:
         """Write the unit's master and state to `slot` of its regions (from aligned
         copies when they are not already in aligned swap buffers; bf16 moments rounded
         in place in `buffers`, the unit's swap set, when given: their fp32 values are
-        gone once written)."""
+        gone once written). Without `buffers`, waited for: one kind at a time, so one
+        aligned or bf16 copy is alive at once, not one per kind."""
+        if buffers is None and wait:
+            for k, tensor in enumerate(self.resident_tensors(rt)):
+                self.wait_swap([self.write_kind(rt, k, slot, tensor)], "writing")
+            return []
         tickets = [
             self.write_kind(rt, k, slot, tensor, buffers)
             for k, tensor in enumerate(self.resident_tensors(rt))
