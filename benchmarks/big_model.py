@@ -478,6 +478,8 @@ def infinity_table(row: dict[str, Any], size: str, count: int) -> _harness.Table
         "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()),
     ]
     for rank, mine in enumerate(row["ranks"]):
+        notes.append(f"r{rank} losses: {', '.join(repr(x) for x in mine['losses'])}")
+    for rank, mine in enumerate(row["ranks"]):
         phases = mine.get("phases_kb", {})
         notes.append(
             f"r{rank} the steps' peak MB by phase: "
