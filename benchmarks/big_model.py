@@ -40,7 +40,9 @@ tokens, and `save_16bit_model`; fzero only, world 2. Bytes on disk per parameter
 bf16 checkpoint 2, the swap files 14 (fp32 master 4, bf16 moments 2 + 2, fp32 gradient
 4, bf16 parameter 2), the saved model 2: 18 at the end, when all exist at once (the
 construction's partitions, 2 more, are gone by then: adopted before the save). The disk
-in use is sampled every second; each rank's peak RSS per stage as above.
+in use is sampled every second; each rank's peak RSS per stage as above, the steps'
+also by phase (forward, backward, step), and with `--where` the fzero frames each
+phase's highest RSS was seen in (a thread samples it every 10 ms).
 
 Targets (fzero): after `from_pretrained`, at most the rank's share of the parameters
 (in the partitions' dtype) plus one shard file, + 10%; after the steps, at most 1.1 x
