@@ -437,7 +437,7 @@ class OptimizerApplication:
         for rt in self.swapped_units:
             rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
-        self.residency.trim_after_step()  # memory first: keep what backward's writes take
+        self.residency.trim_after_step()  # memory first: nothing kept between steps
         _nvme.return_free_memory()
 
     def nvme_tensor_norms(

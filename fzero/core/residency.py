@@ -358,13 +358,12 @@ class Residency:
             rt.grad = empty
 
     def trim_after_step(self) -> None:
-        """After a step over the swap file, with gradients in it: the pool keeps only the
-        buffers backward's gradient writes take (`write_buffers` in flight and the one
-        being filled); the rest of the step's buffer sets are made again at the next
-        step (page faults of a few ms per unit, against seconds of its I/O), so
-        forward, backward and a save between steps do not hold the step's pipeline."""
-        if self.grads_on_disk:
-            self.pool.trim(self.write_buffers + 1)
+        """After a step over the swap file the pool keeps no buffer: backward's gradient
+        writes and the next step take theirs afresh (page faults of a few ms per unit,
+        against seconds of its I/O), so forward and a save between steps hold none of
+        them (3B: 0.6 GB for the three buffers backward's writes take), and backward
+        only what its writes take."""
+        self.pool.trim(0)
 
     def swap_buffers(self, extra: int = 0) -> list[Tensor]:
         """One pooled fp32 host buffer per swapped kind (bf16 moments too: [Note: bf16
