@@ -40,7 +40,9 @@ tokens, and `save_16bit_model`; fzero only, world 2. Bytes on disk per parameter
 bf16 checkpoint 2, the swap files 14 (fp32 master 4, bf16 moments 2 + 2, fp32 gradient
 4, bf16 parameter 2), the saved model 2: 18 at the end, when all exist at once (the
 construction's partitions, 2 more, are gone by then: adopted before the save). The disk
-in use is sampled every second; each rank's peak RSS per stage as above.
+in use is sampled every second; each rank's peak RSS per stage as above, the steps'
+also by phase (forward, backward, step), and with `--where` the fzero frames each
+phase's highest RSS was seen in (a thread samples it every 10 ms).
 
 Targets (fzero): after `from_pretrained`, at most the rank's share of the parameters
 (in the partitions' dtype) plus one shard file, + 10%; after the steps, at most 1.1 x
@@ -186,6 +188,48 @@ def reset_peak() -> None:
         f.write("5")
 
 
+class _PeakWhere:
+    """`--where`: a thread reading this process's RSS every 10 ms that records, for each
+    phase (`enter`), the highest RSS it saw and the fzero frames the main thread was in
+    then (a sample: a peak shorter than 10 ms may be missed)."""
+
+    def __init__(self, base_kb: int) -> None:
+        import threading
+
+        self.base_kb = base_kb
+        self.main = threading.main_thread().ident
+        self.phase = "initialize"
+        self.found: dict[str, dict[str, Any]] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+
+    def _sample(self) -> None:
+        import traceback
+
+        page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
+        with open("/proc/self/statm") as statm:
+            while not self.done.wait(0.01):
+                statm.seek(0)
+                rss = int(statm.read().split()[1]) * page_kb - self.base_kb
+                best = self.found.get(self.phase)
+                if best is not None and best["rss_kb"] >= rss:
+                    continue
+                frame = sys._current_frames().get(self.main)
+                stack = traceback.extract_stack(frame) if frame is not None else []
+                mine = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack
+                        if "/fzero/" in f.filename]  # fmt: skip
+                self.found[self.phase] = {"rss_kb": rss, "stack": mine[-6:]}
+
+    def stop(self) -> dict[str, dict[str, Any]]:
+        self.done.set()
+        self.thread.join()
+        return self.found
+
+
 # ---- one row's process ------------------------------------------------------------------
 
 
@@ -318,18 +362,31 @@ def infinity_worker(args: argparse.Namespace) -> None:
         ),
     )
     losses, step_seconds = [], []
+    phases: dict[str, int] = {}  # the steps' peak, by where in a step it was reached
+    where = _PeakWhere(base) if args.where else None
+
+    def phase(name: str, call: Any) -> Any:
+        reset_peak()
+        if where is not None:
+            where.enter(name)
+        result = call()
+        phases[name] = max(phases.get(name, 0), _status_kb("VmHWM") - base)
+        return result
 
     def steps() -> None:
         for step in range(args.steps):
             start = time.perf_counter()
             x = batch(step, rank, model.config.vocab_size)[:, : args.sequence]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
+            loss = phase("forward", lambda x=x: engine(input_ids=x, labels=x).loss)
+            phase("backward", lambda loss=loss: engine.backward(loss))
+            phase("step", engine.step)
             losses.append(loss.item())
             step_seconds.append(time.perf_counter() - start)
 
     stage("steps", steps)
+    peaks["steps"] = max(phases.values())  # each phase reset the high-water mark
+    if where is not None:
+        where.enter("save")
     out = os.path.join(work, "saved")
     stage("save", lambda: engine.save_16bit_model(out, max_shard_size="2GB"))
     done.set()
@@ -348,8 +405,10 @@ def infinity_worker(args: argparse.Namespace) -> None:
         with safe_open(os.path.join(out, file or "model.safetensors"), framework="pt") as f:
             same = bool(torch.equal(f.get_tensor(name), mine))
         disk["saved_equal"] = same
-    mine = {"peaks_kb": peaks, "seconds": seconds, "losses": losses}
+    mine = {"peaks_kb": peaks, "seconds": seconds, "losses": losses, "phases_kb": phases}
     mine.update(step_seconds=step_seconds, disk=disk)
+    if where is not None:
+        mine["where"] = where.stop()
     Path(f"{args.json}.rank{rank}").write_text(json.dumps(mine))
     torch.distributed.barrier()
     if rank == 0:
@@ -389,7 +448,7 @@ def infinity(args: argparse.Namespace) -> None:
             sys.executable, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2", __file__,
             "--checkpoint", args.checkpoint, "--steps", str(args.steps), "--sequence",
             str(args.sequence), "--role", "infinity", "--json", os.path.join(directory, "row.json"),
-            "--zero", args.zero,
+            "--zero", args.zero, *(["--where"] if args.where else []),
         ]  # fmt: skip
         done = subprocess.run(command, env=_harness.row_environment())
         if done.returncode != 0:
@@ -414,17 +473,30 @@ def infinity_table(row: dict[str, Any], size: str, count: int) -> _harness.Table
         ("s/step", ".1f"), ("loss1", ".5f"), ("lossN", ".5f"),
     )  # fmt: skip
     seconds = row["ranks"][0]["seconds"]
-    notes = (
+    notes = [
         f"disk at its peak {disk['peak'] / 1e9:.1f} GB = {disk['peak'] / count:.1f} B/param "
         f"(checkpoint, swap files, saved model); saved embedding equal to the engine's: "
         f"{disk.get('saved_equal')}",
         "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()),
-    )
+    ]
+    for rank, mine in enumerate(row["ranks"]):
+        notes.append(f"r{rank} losses: {', '.join(repr(x) for x in mine['losses'])}")
+    for rank, mine in enumerate(row["ranks"]):
+        phases = mine.get("phases_kb", {})
+        notes.append(
+            f"r{rank} the steps' peak MB by phase: "
+            + ", ".join(f"{k} {v * 1024 / 1e6:.0f}" for k, v in phases.items())
+        )
+        for phase, found in mine.get("where", {}).items():  # --where
+            notes.append(
+                f"r{rank} {phase}: {found['rss_kb'] * 1024 / 1e6:.0f} MB above base at "
+                + " < ".join(reversed(found["stack"]))
+            )
     title = (
         f"big_model --infinity: Llama-shaped {count / 1e9:.2f}B parameters ({size}), ZeRO-3, "
         "world 2, parameters + gradients + optimizer on NVMe, peak RSS above each rank's base"
     )
-    return _harness.Table(title, "rank", columns, tuple(rows), notes)
+    return _harness.Table(title, "rank", columns, tuple(rows), tuple(notes))
 
 
 def plain(args: argparse.Namespace) -> None:
@@ -566,6 +638,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--where", action="store_true", help="--infinity: where each phase's peak RSS was seen"
+    )
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     args = parser.parse_args()
     if args.role == "worker":

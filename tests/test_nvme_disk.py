@@ -248,3 +248,36 @@ def test_a_damaged_load_in_place_stops_the_engine_until_a_good_one_loads(tmp_pat
     assert refused.startswith("loading ") and "overwritten in place" in refused
     assert "load a checkpoint again to go on" in refused
     assert losses == expected
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_bf16_moments_round_and_widen_in_their_fp32_buffers_bit_for_bit(use_native, monkeypatch):
+    """A bf16 moment is rounded into its fp32 swap buffer's bf16 view and widened back
+    from the buffer's upper part in place, in chunks (1,000 elements here): the bits of
+    one rounding of the whole partition into a separate buffer, and the read target on a
+    4 KiB boundary within the buffer, the whole pages read included."""
+    from fzero import native
+    from fzero.core import residency
+    from fzero.core.nvme import ALIGN, aligned_empty
+
+    if use_native and not native.available():
+        pytest.skip("native kernels not built")
+    monkeypatch.setattr(native, "available", lambda *_: use_native)
+    monkeypatch.setattr(residency, "_CHUNK", 1000)
+    largest, seed = 10_000, 2**70 + 12_345  # a seed past 2^64, as the swap file's are
+    for numel in (1, 999, 1000, 2049, 4097, largest):
+        buffer = aligned_empty(residency.swap_buffer_numel(largest))
+        moment = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        buffer[:numel].copy_(moment)
+        rounded = residency.narrow_in_place(buffer, numel, seed)
+        assert rounded.data_ptr() == buffer.data_ptr()
+        assert torch.equal(rounded, bf16_stochastic(moment, seed)), numel
+        target = residency.packed(buffer, numel)
+        assert target.data_ptr() % ALIGN == 0
+        end = target.data_ptr() + -(-2 * numel // ALIGN) * ALIGN
+        assert end <= buffer.data_ptr() + 4 * buffer.numel()
+        expected = rounded.clone()
+        target.copy_(expected)  # as the swap file's read puts it there
+        below = (target.data_ptr() - buffer.data_ptr()) // 2  # nothing else is read back
+        buffer.view(torch.bfloat16)[:below].fill_(float("nan"))
+        assert torch.equal(residency.widen_packed(buffer, numel), expected.float()), numel

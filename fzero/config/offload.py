@@ -28,7 +28,7 @@ class OffloadOptimizerConfig(Section):
     """NVMe: host buffers (each one unit's partition of one state tensor) in the swap
     pool. The step pipelines max(2, buffer_count // tensors per unit) units (tensors per
     unit: master, each optimizer state, and the gradient in stages 2-3); backward keeps
-    at most `buffer_count` gradient writes in flight."""
+    as many gradient writes in flight as the step has units in its pipeline."""
     swap_gradients: bool = True
     """fzero: with `device` nvme in stages 2-3, the gradient accumulators live in the swap
     file too, so host memory holds no whole-model buffer (a step moves 8 more bytes per

@@ -437,8 +437,7 @@ class OptimizerApplication:
         for rt in self.swapped_units:
             rt.slot = self.residency.next_slot(rt)
             self.exchange(rt)
-        if self.residency.grads_on_disk:  # memory first: keep only what backward's writes take
-            self.residency.pool.trim(self.residency.write_buffers + 1)
+        self.residency.trim_after_step()  # memory first: nothing kept between steps
         _nvme.return_free_memory()
 
     def nvme_tensor_norms(

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm
+from fzero.core import nvme as _nvme
 from fzero.core.layout import scatter_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned
 from fzero.core.precision import init_state
@@ -51,7 +52,9 @@ class Holding(NamedTuple):
     masters (`master_dtype`) and optimizer state (`state_dtype`, in memory) on `host`
     (the compute device, or the CPU with optimizer offload: `offload`, pinned with
     `pin_memory`); `shards_offloaded`: stage 3's parameter shards live off the compute
-    device (`offload_param` cpu or nvme)."""
+    device (`offload_param` cpu or nvme); `to_file`: the master goes to a swap file once
+    built (NVMe), so it is made 4 KiB-aligned and written from where it is (O_DIRECT),
+    not from an aligned copy."""
 
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
@@ -60,6 +63,7 @@ class Holding(NamedTuple):
     offload: bool = False
     pin_memory: bool = False
     shards_offloaded: bool = False
+    to_file: bool = False
 
     @property
     def host(self) -> torch.device:
@@ -120,7 +124,10 @@ def values_on_rank(
 
 
 def _to_host(tensor: Tensor, dtype: torch.dtype, holding: Holding) -> Tensor:
-    """A new copy in `dtype` where the optimizer runs (pinned on the host when asked)."""
+    """A new copy in `dtype` where the optimizer runs (pinned on the host when asked;
+    4 KiB-aligned for a swap file)."""
+    if holding.to_file:
+        return _nvme.aligned_empty(tensor.numel(), dtype).view(tensor.shape).copy_(tensor)
     if not holding.offload:
         return tensor.to(holding.device, dtype, copy=True)
     copy = torch.empty(tensor.shape, dtype=dtype, pin_memory=holding.pin_memory)

@@ -12,8 +12,10 @@ is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
 (`grads_on_disk`). With bf16 states (the plan's `memory.states`: DeepSpeed's
 `bf16.bf16_optimizer_states`) the optimizer's moments rest there in bf16
 (stochastically rounded on the way out, exact on the way in); in memory and in the
-update they are fp32. Host buffers for what moves every step come from pools of
-unit-sized aligned buffers.
+update they are fp32. Host buffers for what moves every step come from a pool of
+unit-sized aligned fp32 buffers; a bf16 moment travels inside its kind's fp32 buffer
+(read into its upper part and widened in place, rounded in place into its lower part
+to be written: [Note: bf16 moments in their fp32 buffers]).
 """
 
 from __future__ import annotations
@@ -35,6 +37,73 @@ from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
 
 __all__ = ["Residency", "SwapFileUnits"]
+
+# [Note: bf16 moments in their fp32 buffers]
+#
+# With bf16 moments in the swap file, each moment is read into the upper part of its
+# kind's fp32 swap buffer (from the first 4 KiB boundary at or after element n of the
+# buffer's bf16 view, n the partition's elements) and widened to fp32 into the buffer's
+# first n elements, CHUNK elements at a time in ascending order through a small fp32
+# buffer: chunk [a, b) writes bytes [4a, 4b), and the bf16 chunks not yet read start at
+# byte 2n + 2b >= 4b. Written back, the fp32 moment is rounded (stochastically) into the
+# buffer's bf16 view from element 0, chunk by chunk in ascending order through a small
+# bf16 buffer: chunk [a, b) writes bytes [2a, 2b), below the fp32 elements not yet read
+# (from byte 4b). Each chunk's rounding draws the bits the whole partition's would
+# (the seed moved by a x golden: `fzero.optim.bf16_stochastic` hashes seed + (i + 1) x
+# golden), and widening is exact, so the values are those of separate bf16 buffers,
+# bit for bit; a unit in the step holds 4 bytes per element per moment instead of 5.
+_CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
+_BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def swap_buffer_numel(largest: int) -> int:
+    """Elements of each fp32 swap buffer for partitions of up to `largest` elements:
+    whole 4 KiB pages, and room for a bf16 moment of `largest` elements read into the
+    upper part at a 4 KiB boundary, with its read rounded up to whole pages."""
+    return -(-largest // 1024) * 1024 + 2048
+
+
+def packed(buffer: Tensor, numel: int) -> Tensor:
+    """Where a bf16 moment of `numel` elements is read into fp32 swap `buffer` (see the
+    Note above): `numel` bf16 elements from the first 4 KiB boundary at or after element
+    `numel` of the buffer's bf16 view."""
+    start = -(-numel // _BF16_PAGE) * _BF16_PAGE
+    return buffer.view(torch.bfloat16)[start : start + numel]
+
+
+def widen_packed(buffer: Tensor, numel: int) -> Tensor:
+    """The bf16 moment `packed(buffer, numel)` holds, widened to fp32 into the buffer's
+    first `numel` elements (in place, in ascending chunks; exact); returns them."""
+    source, wide = packed(buffer, numel), buffer[:numel]
+    chunk = torch.empty(min(numel, _CHUNK), dtype=torch.float32)
+    for start in range(0, numel, _CHUNK):
+        stop = min(numel, start + _CHUNK)
+        part = chunk[: stop - start].copy_(source[start:stop])
+        wide[start:stop].copy_(part)
+    return wide
+
+
+def round_bf16_into(tensor: Tensor, out: Tensor, seed: int) -> Tensor:
+    """fp32 `tensor` rounded stochastically into bf16 `out` (native kernel when built),
+    the bits drawn from `seed` and each element's index."""
+    if native.available():
+        return native.bf16_stochastic_(tensor, out, seed)
+    return bf16_stochastic(tensor, seed, out=out)
+
+
+def narrow_in_place(buffer: Tensor, numel: int, seed: int) -> Tensor:
+    """The fp32 moment in `buffer`'s first `numel` elements rounded stochastically into
+    the buffer's bf16 view from element 0 (in place, in ascending chunks, each seeded
+    as the whole partition's rounding would be: see the Note above); returns that
+    bf16 view."""
+    wide, out = buffer[:numel], buffer.view(torch.bfloat16)[:numel]
+    chunk = torch.empty(min(numel, _CHUNK), dtype=torch.bfloat16)
+    for start in range(0, numel, _CHUNK):
+        stop = min(numel, start + _CHUNK)
+        part = round_bf16_into(wide[start:stop], chunk[: stop - start], seed + start * _GOLDEN)
+        out[start:stop].copy_(part)
+    return out
 
 
 class Residency:
@@ -77,13 +146,12 @@ class Residency:
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
         self.pipeline_depth = 2
-        self.write_buffers = zero.offload_optimizer.buffer_count
+        self.write_buffers = 2  # backward's gradient writes in flight: `_open_swap`
         self._grad_writes: list[tuple[Any, Tensor]] = []
         self._grad_failure = ""  # the first gradient I/O error of this backward
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
-        self.pool = _nvme.BufferPool(largest)
-        self.staging = _nvme.BufferPool(largest, torch.bfloat16)  # bf16 moments in transit
+        self.pool = _nvme.BufferPool(swap_buffer_numel(largest))
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
         if "nvme" in (*where, memory.params):
             _nvme.map_large_buffers()
@@ -121,9 +189,13 @@ class Residency:
         self.grads_on_disk = self.plan.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
             sizes += [4 * self.plan.grads_size(u, rank) for u in held]
-        # (bf16 moments: their staging buffers are half-size)
-        per_unit = len(self.kinds) + self.grads_on_disk + -(-self.staged // 2)
+        per_unit = len(self.kinds) + self.grads_on_disk  # bf16 moments too: in their own
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+        # Backward writes one gradient shard per unit: as many in flight as the step has
+        # units in its pipeline. More queue behind the same I/O threads and hold a
+        # unit-sized buffer each (`buffer_count` of them held 1.8 GB per rank of a 3B
+        # model through backward, and from one step to the next)
+        self.write_buffers = self.pipeline_depth
         self._check_memory(per_unit)
         self.nvme = _nvme.SwapFile(
             zero.offload_optimizer.nvme_path,
@@ -152,9 +224,9 @@ class Residency:
             )
 
     @property
-    def staged(self) -> int:
-        """Host staging buffers a unit's bf16 moments take (0 with fp32 moments)."""
-        return len(self.kinds) - 1 if self.state_dtype != torch.float32 else 0
+    def narrow_states(self) -> bool:
+        """Whether the moments rest in the file in bf16 (fp32 in memory and the update)."""
+        return self.state_dtype != torch.float32
 
     def kind_bytes(self, kind_index: int) -> int:
         """Bytes per element of `kinds[kind_index]` in the file."""
@@ -184,13 +256,6 @@ class Residency:
         if self.broken:
             raise RuntimeError(self.broken)
 
-    def staging_of(self, buffers: list[Tensor] | None, kind_index: int, numel: int) -> Tensor:
-        """Where kind `kind_index`'s bf16 copy goes: its staging buffer in `buffers`
-        (a swap buffer set), or a new aligned one."""
-        if buffers is None:
-            return _nvme.aligned_empty(numel, self.state_dtype)
-        return buffers[len(self.kinds) + self.grads_on_disk + kind_index - 1][:numel]
-
     def write_kind(
         self,
         rt: UnitRuntime,
@@ -199,16 +264,22 @@ class Residency:
         tensor: Tensor,
         buffers: list[Tensor] | None = None,
     ) -> tuple[Any, Tensor]:
-        """Start writing fp32 `tensor` as kind `kind_index` of the unit (bf16 moments
-        rounded stochastically into a staging buffer first); a (ticket, buffer) pair."""
-        if kind_index > 0 and self.state_dtype != torch.float32:
+        """Start writing fp32 `tensor` as kind `kind_index` of the unit; a (ticket,
+        buffer) pair. A bf16 moment is rounded stochastically first: in place, into the
+        bf16 view of its kind's buffer in `buffers` (a swap buffer set: see [Note: bf16
+        moments in their fp32 buffers]), or into a new aligned buffer without one."""
+        if kind_index > 0 and self.narrow_states:
             step = int(getattr(rt.state, "step", 0))
             seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
-            staged = self.staging_of(buffers, kind_index, tensor.numel())
-            if native.available():
-                tensor = native.bf16_stochastic_(tensor, staged, seed)
+            numel = tensor.numel()
+            if buffers is None:
+                staged = _nvme.aligned_empty(numel, self.state_dtype)
+                tensor = round_bf16_into(tensor, staged, seed)
             else:
-                tensor = bf16_stochastic(tensor, seed, out=staged)
+                buffer = buffers[kind_index]
+                if tensor.data_ptr() != buffer.data_ptr():  # the moment into its buffer
+                    buffer[:numel].copy_(tensor)
+                tensor = narrow_in_place(buffer, numel, seed)
         elif tensor.data_ptr() % _nvme.ALIGN:
             tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
         region = self.region(rt, kind_index, slot)
@@ -221,8 +292,14 @@ class Residency:
         self, rt: UnitRuntime, slot: int, wait: bool, buffers: list[Tensor] | None = None
     ) -> list[Any]:
         """Write the unit's master and state to `slot` of its regions (from aligned
-        copies when they are not already in aligned swap buffers; bf16 moments through
-        the staging buffers of `buffers`, the unit's swap set)."""
+        copies when they are not already in aligned swap buffers; bf16 moments rounded
+        in place in `buffers`, the unit's swap set, when given: their fp32 values are
+        gone once written). Without `buffers`, waited for: one kind at a time, so one
+        aligned or bf16 copy is alive at once, not one per kind."""
+        if buffers is None and wait:
+            for k, tensor in enumerate(self.resident_tensors(rt)):
+                self.wait_swap([self.write_kind(rt, k, slot, tensor)], "writing")
+            return []
         tickets = [
             self.write_kind(rt, k, slot, tensor, buffers)
             for k, tensor in enumerate(self.resident_tensors(rt))
@@ -240,8 +317,8 @@ class Residency:
         for k in range(len(self.kinds)):
             region = self.region(rt, k, rt.slot)
             target = buffers[k][:numel]
-            if k > 0 and self.staged:  # widened to fp32 by `bind_swapped`
-                target = self.staging_of(buffers, k, numel)
+            if k > 0 and self.narrow_states:  # widened to fp32 by `bind_swapped`
+                target = packed(buffers[k], numel)
             tickets.append((self.nvme.submit(region, target, False), target))
         if self.grads_on_disk:
             grad = buffers[len(self.kinds)][:numel]
@@ -265,8 +342,8 @@ class Residency:
         """Point the unit's master and state (and gradient) at the swap set `buffers`,
         read by `swap_in` (bf16 moments widened to fp32 here)."""
         numel = self.partition_numel(rt.unit)
-        for k in range(1, len(self.kinds)) if self.staged else ():
-            buffers[k][:numel].copy_(self.staging_of(buffers, k, numel))
+        for k in range(1, len(self.kinds)) if self.narrow_states else ():
+            widen_packed(buffers[k], numel)
         rt.master = buffers[0][:numel]
         fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
         rt.state = rt.state._replace(**fields)
@@ -280,20 +357,24 @@ class Residency:
         if self.grads_on_disk:
             rt.grad = empty
 
+    def trim_after_step(self) -> None:
+        """After a step over the swap file the pool keeps no buffer: backward's gradient
+        writes and the next step take theirs afresh (page faults of a few ms per unit,
+        against seconds of its I/O), so forward and a save between steps hold none of
+        them (3B: 0.6 GB for the three buffers backward's writes take), and backward
+        only what its writes take."""
+        self.pool.trim(0)
+
     def swap_buffers(self, extra: int = 0) -> list[Tensor]:
-        """One pooled host buffer per swapped kind (and the gradient, a bf16 staging
-        buffer per bf16 moment, and `extra` more), each the largest unit's partition;
-        give them back with `give_back`."""
-        count = len(self.kinds) + self.grads_on_disk
-        return (
-            [self.pool.take() for _ in range(count)]
-            + [self.staging.take() for _ in range(self.staged)]
-            + [self.pool.take() for _ in range(extra)]
-        )
+        """One pooled fp32 host buffer per swapped kind (bf16 moments too: [Note: bf16
+        moments in their fp32 buffers]), the gradient, and `extra` more, each for the
+        largest unit's partition (`swap_buffer_numel`); give them back with
+        `give_back`."""
+        return [self.pool.take() for _ in range(len(self.kinds) + self.grads_on_disk + extra)]
 
     def give_back(self, buffers: list[Tensor]) -> None:
         for buffer in buffers:
-            (self.staging if buffer.dtype == torch.bfloat16 else self.pool).give(buffer)
+            self.pool.give(buffer)
         buffers.clear()
 
     def zero_grads(self, units: list[UnitRuntime]) -> None:
