@@ -19,27 +19,17 @@ import pytest
 from fzero import partition
 from fzero.partition import (
     KINDS,
-    Manifest,
     Mesh,
     MeshPlan,
     PlanError,
-    TensorSpec,
     UnitSharding,
     as_mesh_plan,
     executable,
     kind_slices,
     validate,
 )
+from tests.test_mesh_plan import MANIFEST  # five tensors in two groups
 
-MANIFEST = Manifest(
-    (
-        TensorSpec("embed.weight", (33, 4)),
-        TensorSpec("blocks.0.w", (10, 3)),
-        TensorSpec("blocks.0.b", (10,)),
-        TensorSpec("blocks.1.w", (7, 5)),
-        TensorSpec("blocks.1.b", (7,)),
-    )
-)
 MESH = Mesh({"node": 2, "local": 2})
 SPLITS = [(), ("node",), ("local",), ("node", "local"), ("local", "node")]
 SECONDARY = [None, ("node",), ("local",)]
