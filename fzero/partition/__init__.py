@@ -24,10 +24,8 @@ from fzero.partition._mesh_plan import (
     as_mesh_plan,
     executable,
     from_plan,
-    mesh_plan_from_bytes,
     process_groups,
     stage_shardings,
-    to_bytes,
     to_plan,
     validate,
 )
@@ -40,7 +38,6 @@ from fzero.partition._plan import (
     Plan,
     PlanError,
     Unit,
-    from_bytes,
     unit_stage,
     with_memory,
 )
@@ -92,6 +89,7 @@ from fzero.partition._strategies import (
 )
 from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
+from fzero.partition._wire import from_bytes, mesh_plan_from_bytes, to_bytes
 
 __all__ = [
     "BUILT_IN",

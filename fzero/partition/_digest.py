@@ -20,8 +20,9 @@ import msgpack
 
 from fzero.partition._mesh import KINDS
 from fzero.partition._mesh_plan import MeshPlan
-from fzero.partition._mesh_plan import to_bytes as _to_bytes
-from fzero.partition._plan import Plan, encode_manifest, encode_memory, encode_unit
+from fzero.partition._plan import Plan
+from fzero.partition._wire import encode_manifest, encode_memory, encode_unit
+from fzero.partition._wire import to_bytes as _to_bytes
 
 __all__ = ["PlanPart", "part_fields", "plan_digest", "plan_parts"]
 

@@ -38,42 +38,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import msgpack
-
 from fzero.partition._manifest import Manifest
-from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
-from fzero.partition._plan import (
-    Memory,
-    OnMesh,
-    Plan,
-    PlanError,
-    Unit,
-    decode_manifest,
-    decode_memory,
-    decode_unit,
-    encode_manifest,
-    encode_memory,
-    encode_unit,
-)
-from fzero.partition._plan import from_bytes as _stage_plan_from_bytes
-from fzero.partition._plan import to_bytes as _stage_plan_to_bytes
+from fzero.partition._mesh import KINDS, Mesh, Sharding, UnitSharding
+from fzero.partition._plan import Memory, OnMesh, Plan, PlanError, Unit
 from fzero.partition._plan import validate as _validate_stage_plan
 
 __all__ = [
-    "MESH_FORMAT_VERSION",
     "MeshPlan",
     "as_mesh_plan",
     "executable",
     "from_plan",
-    "mesh_plan_from_bytes",
     "process_groups",
     "publish_hops",
-    "to_bytes",
     "to_plan",
     "validate",
 ]
-
-MESH_FORMAT_VERSION = 2  # format 1: a stage plan (`Plan`), read as a one-axis mesh plan
 
 
 @dataclass(frozen=True)
@@ -592,76 +571,3 @@ def publish_hops(
     if grads and len(optimizer) > len(grads):
         return optimizer[len(grads) :], grads[len(params) :]
     return (optimizer[len(params) :],)
-
-
-def _encode_sharding(sharding: Sharding | None) -> list[list[str]] | None:
-    return None if sharding is None else [list(sharding.shard), list(sharding.replicate)]
-
-
-def _decode_sharding(raw: list[list[str]] | None) -> Sharding | None:
-    return None if raw is None else Sharding(tuple(raw[0]), tuple(raw[1]))
-
-
-def to_bytes(plan: Plan | MeshPlan) -> bytes:
-    """Serialise a plan with msgpack (no pickle): a stage `Plan` as format 1 (what
-    `from_bytes` reads), a `MeshPlan` as format 2 (`mesh_plan_from_bytes`)."""
-    if isinstance(plan, Plan):
-        return _stage_plan_to_bytes(plan)
-    shardings = [
-        {
-            **{kind: _encode_sharding(s.of(kind)) for kind in KINDS},
-            "hierarchical_params_gather": s.hierarchical_params_gather,
-        }
-        for s in plan.shardings
-    ]
-    return msgpack.packb(
-        {
-            "format": MESH_FORMAT_VERSION,
-            "manifest": encode_manifest(plan.manifest),
-            "mesh": [list(axis) for axis in plan.mesh.axes],
-            "alignment": plan.alignment,
-            "strategy": plan.strategy,
-            "preset": plan.preset,
-            "units": [encode_unit(u) for u in plan.units],
-            "shardings": shardings,
-            **encode_memory(plan.memory),
-        }
-    )
-
-
-def mesh_plan_from_bytes(data: bytes) -> MeshPlan:
-    """Read a plan written by `to_bytes`: format 2 as it was; format 1 (a stage plan, as
-    every checkpoint before meshes holds) as the one-axis mesh plan `from_plan` makes.
-    Anything else is a `PlanError`."""
-    try:
-        raw = msgpack.unpackb(data)
-        version = raw.get("format")
-        if version == 1:
-            return from_plan(_stage_plan_from_bytes(data))
-        if version != MESH_FORMAT_VERSION:
-            raise PlanError(f"plan format {version!r}; this fzero reads 1 and 2")
-        plan = MeshPlan(
-            manifest=decode_manifest(raw["manifest"]),
-            mesh=Mesh((name, size) for name, size in raw["mesh"]),
-            alignment=raw["alignment"],
-            units=tuple(decode_unit(u) for u in raw["units"]),
-            shardings=tuple(
-                UnitSharding(
-                    params=_decode_sharding(s["params"]),
-                    grads=_decode_sharding(s["grads"]),
-                    optimizer=_decode_sharding(s["optimizer"]),
-                    params_secondary=_decode_sharding(s["params_secondary"]),
-                    hierarchical_params_gather=s["hierarchical_params_gather"],
-                )
-                for s in raw["shardings"]
-            ),
-            strategy=raw["strategy"],
-            preset=raw["preset"],
-            memory=decode_memory(raw),
-        )
-    except (PlanError, MeshError):
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
-        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
-    validate(plan)
-    return plan

@@ -1,0 +1,254 @@
+"""A plan's wire format: msgpack, never pickle. Format 1 is a stage `Plan` (every
+checkpoint before meshes holds one); format 2 a `MeshPlan`. Fields a plan leaves at their
+defaults (memory, `OnMesh.optimizer_extra`, ...) are written only when set, so older plans
+keep their bytes and digests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from fzero.partition._manifest import Manifest, TensorSpec
+from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
+from fzero.partition._mesh_plan import MeshPlan, from_plan, validate
+from fzero.partition._plan import (
+    Memory,
+    OnMesh,
+    Piece,
+    Placement,
+    Plan,
+    PlanError,
+    Unit,
+)
+from fzero.partition._plan import validate as _validate_stage_plan
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MESH_FORMAT_VERSION",
+    "decode_manifest",
+    "decode_memory",
+    "decode_unit",
+    "encode_manifest",
+    "encode_memory",
+    "encode_unit",
+    "from_bytes",
+    "mesh_plan_from_bytes",
+    "to_bytes",
+]
+
+FORMAT_VERSION = 1
+MESH_FORMAT_VERSION = 2  # format 1: a stage plan (`Plan`), read as a one-axis mesh plan
+
+
+def encode_manifest(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as msgpack-ready lists (shared by both plan formats)."""
+    return {
+        "tensors": [
+            [s.fqn, list(s.shape), s.dtype, s.group, list(s.aliases)] for s in manifest.tensors
+        ],
+        "frozen": list(manifest.frozen),
+    }
+
+
+def encode_unit(unit: Unit) -> dict[str, Any]:
+    """One unit as a msgpack-ready dict (shared by both plan formats)."""
+    return {
+        "name": unit.name,
+        "module": unit.module,
+        "group": unit.group,
+        "dtype": unit.dtype,
+        "placements": [
+            [p.fqn, [[x.start, x.offset, x.numel] for x in p.pieces]] for p in unit.placements
+        ],
+        "shard_numel": unit.shard_numel,
+        "numel": unit.numel,
+        "persistent": unit.persistent,
+        **({"bounds": list(unit.bounds)} if unit.bounds else {}),
+        **({"stage": unit.stage} if unit.stage is not None else {}),
+        **({"optimizer_memory": unit.optimizer_memory} if unit.optimizer_memory else {}),
+    }
+
+
+def decode_manifest(raw: dict[str, Any]) -> Manifest:
+    """Inverse of `encode_manifest`."""
+    return Manifest(
+        tensors=tuple(
+            TensorSpec(fqn, tuple(shape), dtype, group, tuple(aliases))
+            for fqn, shape, dtype, group, aliases in raw["tensors"]
+        ),
+        frozen=tuple(raw["frozen"]),
+    )
+
+
+def decode_unit(raw: dict[str, Any]) -> Unit:
+    """Inverse of `encode_unit`."""
+    return Unit(
+        name=raw["name"],
+        module=raw["module"],
+        group=raw["group"],
+        dtype=raw["dtype"],
+        placements=tuple(
+            Placement(fqn, tuple(Piece(*x) for x in pieces)) for fqn, pieces in raw["placements"]
+        ),
+        shard_numel=raw["shard_numel"],
+        numel=raw["numel"],
+        persistent=raw["persistent"],
+        bounds=tuple(raw.get("bounds", ())),
+        stage=raw.get("stage"),
+        optimizer_memory=raw.get("optimizer_memory"),
+    )
+
+
+def _stage_plan_to_bytes(plan: Plan) -> bytes:
+    """Serialise a plan with msgpack (no pickle); `from_bytes` inverts it exactly."""
+    return msgpack.packb(
+        {
+            "format": FORMAT_VERSION,
+            "manifest": encode_manifest(plan.manifest),
+            "world_size": plan.world_size,
+            "stage": plan.stage,
+            "alignment": plan.alignment,
+            "strategy": plan.strategy,
+            "units": [encode_unit(u) for u in plan.units],
+            **({"mesh": _encode_on_mesh(plan.mesh)} if plan.mesh is not None else {}),
+            **encode_memory(plan.memory),
+        }
+    )
+
+
+def encode_memory(memory: Memory) -> dict[str, Any]:
+    """`{"memory": {...}}` for a plan that says where its states live, else `{}`: a plan
+    at the defaults keeps the bytes (and digest) it had before plans said so."""
+    if memory == Memory():
+        return {}
+    return {"memory": [memory.params, memory.optimizer, memory.master, memory.states]}
+
+
+def decode_memory(raw: dict[str, Any]) -> Memory:
+    """Inverse of `encode_memory` (on the plan's whole msgpack dict)."""
+    return Memory(*raw["memory"]) if "memory" in raw else Memory()
+
+
+def _encode_on_mesh(mesh: OnMesh) -> dict[str, Any]:
+    return {
+        "axes": [list(axis) for axis in mesh.axes],
+        "shard": list(mesh.shard),
+        "secondary": list(mesh.secondary),
+        "preset": mesh.preset,
+        **({"hierarchical": True} if mesh.hierarchical else {}),
+        **({"optimizer_extra": list(mesh.optimizer_extra)} if mesh.optimizer_extra else {}),
+    }
+
+
+def _decode_on_mesh(raw: dict[str, Any] | None) -> OnMesh | None:
+    if raw is None:
+        return None
+    return OnMesh(
+        tuple((name, size) for name, size in raw["axes"]),
+        tuple(raw["shard"]),
+        tuple(raw["secondary"]),
+        raw["preset"],
+        bool(raw.get("hierarchical", False)),
+        tuple(raw.get("optimizer_extra", ())),
+    )
+
+
+def from_bytes(data: bytes) -> Plan:
+    """Read a plan written by `to_bytes`; raise `PlanError` on any other input (a plan
+    on a mesh, format 2, is read by `mesh_plan_from_bytes`)."""
+    try:
+        raw = msgpack.unpackb(data)
+        if raw.get("format") != FORMAT_VERSION:
+            raise PlanError(
+                f"plan format {raw.get('format')!r}; this function reads {FORMAT_VERSION} "
+                "(a plan on a mesh, format 2, is read by partition.mesh_plan_from_bytes)"
+            )
+        plan = Plan(
+            manifest=decode_manifest(raw["manifest"]),
+            world_size=raw["world_size"],
+            stage=raw["stage"],
+            alignment=raw["alignment"],
+            units=tuple(decode_unit(u) for u in raw["units"]),
+            strategy=raw["strategy"],
+            mesh=_decode_on_mesh(raw.get("mesh")),
+            memory=decode_memory(raw),
+        )
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
+        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
+    return _validate_stage_plan(plan)
+
+
+def _encode_sharding(sharding: Sharding | None) -> list[list[str]] | None:
+    return None if sharding is None else [list(sharding.shard), list(sharding.replicate)]
+
+
+def _decode_sharding(raw: list[list[str]] | None) -> Sharding | None:
+    return None if raw is None else Sharding(tuple(raw[0]), tuple(raw[1]))
+
+
+def to_bytes(plan: Plan | MeshPlan) -> bytes:
+    """Serialise a plan with msgpack (no pickle): a stage `Plan` as format 1 (what
+    `from_bytes` reads), a `MeshPlan` as format 2 (`mesh_plan_from_bytes`)."""
+    if isinstance(plan, Plan):
+        return _stage_plan_to_bytes(plan)
+    shardings = [
+        {
+            **{kind: _encode_sharding(s.of(kind)) for kind in KINDS},
+            "hierarchical_params_gather": s.hierarchical_params_gather,
+        }
+        for s in plan.shardings
+    ]
+    return msgpack.packb(
+        {
+            "format": MESH_FORMAT_VERSION,
+            "manifest": encode_manifest(plan.manifest),
+            "mesh": [list(axis) for axis in plan.mesh.axes],
+            "alignment": plan.alignment,
+            "strategy": plan.strategy,
+            "preset": plan.preset,
+            "units": [encode_unit(u) for u in plan.units],
+            "shardings": shardings,
+            **encode_memory(plan.memory),
+        }
+    )
+
+
+def mesh_plan_from_bytes(data: bytes) -> MeshPlan:
+    """Read a plan written by `to_bytes`: format 2 as it was; format 1 (a stage plan, as
+    every checkpoint before meshes holds) as the one-axis mesh plan `from_plan` makes.
+    Anything else is a `PlanError`."""
+    try:
+        raw = msgpack.unpackb(data)
+        version = raw.get("format")
+        if version == 1:
+            return from_plan(from_bytes(data))
+        if version != MESH_FORMAT_VERSION:
+            raise PlanError(f"plan format {version!r}; this fzero reads 1 and 2")
+        plan = MeshPlan(
+            manifest=decode_manifest(raw["manifest"]),
+            mesh=Mesh((name, size) for name, size in raw["mesh"]),
+            alignment=raw["alignment"],
+            units=tuple(decode_unit(u) for u in raw["units"]),
+            shardings=tuple(
+                UnitSharding(
+                    params=_decode_sharding(s["params"]),
+                    grads=_decode_sharding(s["grads"]),
+                    optimizer=_decode_sharding(s["optimizer"]),
+                    params_secondary=_decode_sharding(s["params_secondary"]),
+                    hierarchical_params_gather=s["hierarchical_params_gather"],
+                )
+                for s in raw["shardings"]
+            ),
+            strategy=raw["strategy"],
+            preset=raw["preset"],
+            memory=decode_memory(raw),
+        )
+    except (PlanError, MeshError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
+        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
+    validate(plan)
+    return plan
