@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan, publish_hops
+from fzero.partition._mesh_plan import MeshPlan, _gradients_group, as_mesh_plan, publish_hops
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets
 
@@ -307,7 +307,7 @@ def _mesh_volume(
     if whole:
         size = sum(units[i].numel for b in whole_buckets if b not in zero1 for i in b)
         add("all_reduce", "gradients", every, len(whole_buckets) - len(zero1), size * grad_bytes)
-    grads_group = next((s.grads.shard for s in plan.shardings if s.grads.shard), ())
+    grads_group = _gradients_group(plan)
     for bucket in zero1:  # at the boundary, into the optimizer's shards (as stage 2's)
         axes = plan.shardings[bucket[0]].optimizer.shard
         # where the optimizer is split finer than other units' gradients: within their

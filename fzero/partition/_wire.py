@@ -1,4 +1,4 @@
-"""A plan's wire format: msgpack, never pickle. Format 1 is a stage `Plan` (every
+"""A plan's wire format: msgpack (no pickle); format 1 is a stage `Plan` (every
 checkpoint before meshes holds one); format 2 a `MeshPlan`. Fields a plan leaves at their
 defaults (memory, `OnMesh.optimizer_extra`, ...) are written only when set, so older plans
 keep their bytes and digests."""
