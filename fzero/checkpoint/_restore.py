@@ -327,7 +327,8 @@ def _read(
     reads = _reads_by_unit(plan, like.rank, old_plan)
     for i, old in enumerate(like.units):
         if index["mid_accumulation"]:
-            grad = torch.empty(grad_numel(plan, i, like.rank), dtype=torch.float32)
+            # in the accumulator's dtype (the plan's memory.grads), cast as it is read
+            grad = torch.empty(grad_numel(plan, i, like.rank), dtype=old.grad.dtype)
             reader.read_whole(like.rank, f"grad/unit{i}", grad)
             read.grads[i] = grad
         if like.residence is None or not like.residence.holds(i):

@@ -185,7 +185,8 @@ def _save_entries(
         if mid_accumulation:
             key, numel = f"grad/unit{index}", grad_numel(state.plan, index, state.rank)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
-            entries.append((record, index, (key, torch.float32, (numel,)), _grad_of))
+            dtype = state.units[index].grad.dtype  # the plan's memory.grads; fp32 on NVMe
+            entries.append((record, index, (key, dtype, (numel,)), _grad_of))
     if state.rank == 0:
         for name, t in module.items():
             key = f"module/{name}"

@@ -181,10 +181,9 @@ class Config(Section):
     default: fp32 at every precision, the average rounded once); "bf16" or "fp16" cast each
     bucket to it for its collectives and back to fp32 after (half the bytes on the wire,
     the sum rounded to it), as DeepSpeed does."""
-    data_types: DataTypesConfig = field(
-        default_factory=DataTypesConfig,
-        metadata={"no_effect": "a section: its one key, grad_accum_dtype, says why"},
-    )
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """The dtypes DeepSpeed lets a config say apart from the precision blocks: its one
+    key, `grad_accum_dtype`, the dtype gradients are summed in across micro-steps."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     csv_monitor: CSVConfig = field(default_factory=CSVConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -209,6 +208,30 @@ class Config(Section):
     collectives or agreements prints who is where (each rank's last collective and
     operation, or what it does outside fzero), then again after twice as long, ...;
     0 never. Default: `FZERO_REPORT_S`, else 30."""
+
+
+def _check_grad_accum_dtype(config: Config) -> None:
+    """`data_types.grad_accum_dtype`: fp32, or the dtype the run computes in (a half dtype
+    whose block is off is refused), and not half beside NVMe's fp32 accumulators."""
+    accum = config.data_types.grad_accum_dtype
+    if accum not in ("fp16", "bf16"):
+        return
+    block = getattr(config, accum)
+    if block.enabled is False:
+        raise ConfigError(
+            f"config key 'data_types.grad_accum_dtype' is {accum!r} but '{accum}.enabled' is "
+            "false: gradients accumulate in fp32 or in the dtype the model computes in "
+            f"(DeepSpeed's ZeRO accumulates in the model's dtype whatever this key says); "
+            f"enable the {accum} block or set grad_accum_dtype 'fp32' or null"
+        )
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device == "nvme" and zero.stage in (2, 3):
+        raise ConfigError(
+            f"config key 'data_types.grad_accum_dtype' is {accum!r} with "
+            f"'zero_optimization.offload_optimizer.device' 'nvme' at stage {zero.stage}: "
+            "the gradient accumulators live in the swap file, which holds fp32 ones; set "
+            "grad_accum_dtype 'fp32' or null, or offload to 'cpu'"
+        )
 
 
 def _check_params(
@@ -321,6 +344,7 @@ def _check(config: Config) -> None:
             "fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters with "
             "'bf16.bf16_optimizer_states' (bf16 moments in the file)"
         )
+    _check_grad_accum_dtype(config)
     if config.communication_data_type in ("fp16", "bf16") and zero.zero_quantized_gradients is True:
         raise ConfigError(
             f"config key 'communication_data_type' is {config.communication_data_type!r} "

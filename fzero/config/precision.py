@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fzero.config._base import ConfigError, Section, no_effect
+from fzero.config._base import Section, no_effect
 
 __all__ = ["BF16Config", "DataTypesConfig", "FP16Config", "TorchAutocastConfig"]
 
@@ -75,21 +75,12 @@ class TorchAutocastConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class DataTypesConfig(Section):
-    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = no_effect(
-        None,
-        "gradients are summed across micro-steps in fp32 at every precision (the "
-        "reduction's fp32 buckets): null and fp32 are what fzero does; fp16 and bf16 are "
-        "refused",
-    )
-    """The dtype gradients are summed in across micro-steps. fzero accumulates them in
-    fp32 at every precision (its accumulators are the reduction's fp32 buckets), so
-    null and "fp32" are accepted and "fp16" / "bf16" are refused by name."""
-
-    def __post_init__(self) -> None:
-        if self.grad_accum_dtype in ("fp16", "bf16"):
-            raise ConfigError(
-                f"config key 'data_types.grad_accum_dtype' is {self.grad_accum_dtype!r}; "
-                "fzero accumulates gradients in fp32 at every precision (allowed: 'fp32' or "
-                "null); for half the gradient bytes on the wire set "
-                "communication_data_type instead"
-            )
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    """The dtype gradients are summed in across micro-steps and held until the update:
+    null or "fp32" (fzero's default at every precision), or the compute dtype ("bf16"
+    with `bf16.enabled`, "fp16" with `fp16.enabled`): half the accumulators' bytes, each
+    micro-step's reduced gradient rounded into the sum, as DeepSpeed's ZeRO accumulates
+    in the model's dtype. The plan's `memory.grads` says the same. A half dtype other
+    than the compute dtype is refused by name (DeepSpeed's ZeRO ignores it there, and
+    refuses it without ZeRO); so is one with the optimizer on NVMe at stages 2-3 (the
+    swap file holds fp32 accumulators)."""

@@ -191,12 +191,13 @@ class OptimizerApplication:
         return written
 
     def step_grad(self, rt: UnitRuntime) -> Tensor:
-        """The gradient of the rank's optimizer partition, where the optimizer runs
-        (offload: a host copy, made per step)."""
+        """The gradient of the rank's optimizer partition in fp32, where the optimizer runs
+        (offload: a host copy, made per step; a half-precision accumulator, `Memory.grads`:
+        an fp32 copy of this unit's part, made per step)."""
         grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
         # in memory where the optimizer is; NVMe: read into a host swap buffer
         if not self.residency.offloaded[rt.index] or self.residency.grad_on_disk(rt.index):
-            return grad
+            return grad if grad.dtype == torch.float32 else grad.float()
         if self.residency.pin:  # CUDA's pinned host allocator caches these blocks itself
             return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
         self.residency.lent.append(self.residency.pool.take())  # given back after the unit's update

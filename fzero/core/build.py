@@ -16,8 +16,8 @@ From the unit's values (its flat fp32 buffer, the same on every rank) a rank kee
   (`params`), except where the master itself serves (fp32 compute, master on the
   compute device, parameter shards not offloaded, and the optimizer split as the
   parameters: held once);
-- a zeroed fp32 gradient accumulator (the whole buffer at stages 0-1 — a view of the
-  reduction's bucket when given —, the gradient shard at stages 2-3);
+- a zeroed gradient accumulator in `Holding.grad_dtype` (the whole buffer at stages 0-1
+  — a view of the reduction's bucket when given —, the gradient shard at stages 2-3);
 
 With the optimizer split finer than the gradients (`Plan.optimizer_extra_size`), a
 parameter and gradient shard is `Plan.grads_range`, the master and optimizer state the
@@ -54,7 +54,7 @@ class Holding(NamedTuple):
     `pin_memory`); `shards_offloaded`: stage 3's parameter shards live off the compute
     device (`offload_param` cpu or nvme); `to_file`: the master goes to a swap file once
     built (NVMe), so it is made 4 KiB-aligned and written from where it is (O_DIRECT),
-    not from an aligned copy."""
+    not from an aligned copy; `grad_dtype`: the gradient accumulators' (`Memory.grads`)."""
 
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
@@ -64,6 +64,7 @@ class Holding(NamedTuple):
     pin_memory: bool = False
     shards_offloaded: bool = False
     to_file: bool = False
+    grad_dtype: torch.dtype = torch.float32
 
     @property
     def host(self) -> torch.device:
@@ -173,5 +174,5 @@ def build_unit_state(
         params = None if serves else values[held].to(compute, copy=True)
     if grad is None:
         numel = plan.grads_size(unit, rank)
-        grad = torch.zeros(numel, dtype=torch.float32, device=holding.device)
+        grad = torch.zeros(numel, dtype=holding.grad_dtype, device=holding.device)
     return UnitState(master, init_state(optimizer, master, holding.state_dtype), params, grad)

@@ -86,6 +86,7 @@ def init(
         master_dtype=dtypes.master_dtype,
         state_dtype=dtypes.state_dtype,
         device=device,
+        grad_dtype=dtypes.grad_dtype,
     )
     named = dict(model.named_parameters())
     _check_model(plan, named)
@@ -100,7 +101,7 @@ def init(
     accumulators = None  # units at stages 0-1: views of one buffer per reduction bucket
     if plan.runs_stage(lambda s: s < 2):
         buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
-        accumulators = bucket_accumulators(plan, buckets, device)
+        accumulators = bucket_accumulators(plan, buckets, device, dtypes.grad_dtype)
     units: list[UnitState] = []
     for index, unit in enumerate(plan.units):
         tensors = [named[pl.fqn] for pl in unit.placements]

@@ -4,7 +4,11 @@ the fp16 loss scale's setup, and the update over bf16 masters and optimizer stat
 `Precision` says three dtypes: `compute` (the parameters forward and backward run in:
 fp32, bf16 or fp16), `master` (the weights the optimizer updates: fp32, or bf16 — then,
 in memory, the compute parameters themselves, held once) and `states` (the optimizer's
-moments: fp32 or bf16). Gradients are reduced and accumulated in fp32 whatever these say.
+moments: fp32 or bf16) and `grads` (the gradient accumulators: fp32, or the compute
+dtype when asked: DeepSpeed's `data_types.grad_accum_dtype`). Gradients are reduced in
+fp32 (or `communication_data_type`) whatever these say; a half-precision accumulator
+takes each micro-step's reduced gradient rounded into its sum, and the update widens it
+to fp32 unit by unit.
 An update over bf16 tensors runs in fp32 (`widened`) and rounds its results back
 stochastically, from a seed that depends on the step, the unit, the kind of tensor and
 each element's position in the unit only: the same at every stage and world size, and
@@ -49,12 +53,14 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Precision(NamedTuple):
     """The dtypes of a run (see the module docstring). DeepSpeed's `bf16` block spells
     them as `enabled` (compute), `bf16_master_weights_and_grads` (master) and
-    `bf16_optimizer_states` (states); `fzero.Precision("bf16", master="bf16",
-    states="bf16")` is the same in fzero's own API."""
+    `bf16_optimizer_states` (states), and `data_types.grad_accum_dtype` says `grads`;
+    `fzero.Precision("bf16", master="bf16", states="bf16", grads="bf16")` is the same
+    in fzero's own API."""
 
     compute: str = "fp32"
     master: str = "fp32"
     states: str = "fp32"
+    grads: str = "fp32"
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -68,6 +74,10 @@ class Precision(NamedTuple):
     def state_dtype(self) -> torch.dtype:
         return STATE_DTYPES[self.states]
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return DTYPES[self.grads]
+
     def check(self) -> Precision:
         """This precision, or a ValueError naming the field, its value and what is allowed."""
         if self.compute not in DTYPES:
@@ -80,6 +90,16 @@ class Precision(NamedTuple):
             raise ValueError(
                 f"precision master is 'bf16' but compute is {self.compute!r}: bf16 master "
                 "weights are the bf16 parameters themselves, so compute must be 'bf16' too"
+            )
+        if self.grads not in DTYPES:
+            raise ValueError(f"precision grads is {self.grads!r}; allowed: {sorted(DTYPES)}")
+        if self.grads not in ("fp32", self.compute):
+            raise ValueError(
+                f"precision grads (DeepSpeed's data_types.grad_accum_dtype) is "
+                f"{self.grads!r} but compute is {self.compute!r}: gradients accumulate in "
+                "fp32 or in the compute dtype (DeepSpeed's ZeRO accumulates in the model's "
+                "dtype whatever this key says, and refuses other mixes without ZeRO); set "
+                f"'fp32' or {self.compute!r}"
             )
         return self
 
@@ -97,6 +117,7 @@ def precision_of(config: Config, given: str | Precision | None = None) -> Precis
         compute,
         master="bf16" if bf16.enabled and bf16.bf16_master_weights_and_grads else "fp32",
         states="bf16" if bf16.enabled and bf16.bf16_optimizer_states else "fp32",
+        grads=config.data_types.grad_accum_dtype or "fp32",
     ).check()
 
 
@@ -113,6 +134,7 @@ def memory_of(config: Config, precision: Precision) -> Memory:
         optimizer=_MEMORY_KINDS[zero.offload_optimizer.device],
         master=precision.master,
         states=precision.states,
+        grads=precision.grads,
     )
 
 
@@ -127,7 +149,7 @@ def run_plan(plan: Plan, config: Config, precision: Precision) -> tuple[Plan, Pr
     said_by = "the config (offload_param, offload_optimizer, bf16) or precision"
     plan = partition.with_memory(plan, memory_of(config, precision), said_by)
     memory = plan.memory
-    return plan, Precision(precision.compute, memory.master, memory.states).check()
+    return plan, Precision(precision.compute, memory.master, memory.states, memory.grads).check()
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:

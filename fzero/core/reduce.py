@@ -280,16 +280,21 @@ def finish(pending: Pending) -> None:
 
 
 def bucket_accumulators(
-    plan: Plan, buckets: Sequence[Sequence[int]], device: torch.device
+    plan: Plan,
+    buckets: Sequence[Sequence[int]],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> list[Tensor | None]:
-    """Units at stages 0-1: each one's fp32 gradient accumulator as a view of one zeroed
-    buffer per bucket, so that a bucket is all-reduced by one collective (`Reduction`);
-    None for a unit at stages 2-3 (its accumulator is its shard, made with its state)."""
+    """Units at stages 0-1: each one's gradient accumulator (in `dtype`: the plan's
+    `memory.grads`) as a view of one zeroed buffer per bucket, so that a bucket is
+    all-reduced by one collective (`Reduction`); None for a unit at stages 2-3 (its
+    accumulator is its shard, made with its state)."""
     grads: list[Tensor | None] = [None] * len(plan.units)
     for indices in buckets:
         if plan.stage_of(indices[0]) >= 2:
             continue
-        buffer = torch.zeros(sum(plan.units[i].numel for i in indices), device=device)
+        numel = sum(plan.units[i].numel for i in indices)
+        buffer = torch.zeros(numel, dtype=dtype, device=device)
         offset = 0
         for i in indices:
             grads[i] = buffer[offset : offset + plan.units[i].numel]

@@ -52,7 +52,8 @@ def grad_stats(grad: Tensor, *, clipping: float, dynamic: bool) -> GradStats:
     if clipping > 0:  # squared in place: one float64 copy of the shard at a time, not two
         sq = grad.to(torch.float64, copy=True).square_().sum()
     else:
-        sq = torch.linalg.vector_norm(grad).double().square()
+        wide = None if grad.dtype == torch.float32 else torch.float32  # half accumulators
+        sq = torch.linalg.vector_norm(grad, dtype=wide).double().square()
     return sq, bool(torch.isfinite(grad).all()) if dynamic else True
 
 

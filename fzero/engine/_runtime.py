@@ -115,12 +115,13 @@ def build_runtime(
     buckets = partition.reduction_buckets(plan, int(zero.reduce_bucket_size))
     accumulators = None  # units at stages 0-1: one buffer per bucket (one all-reduce each)
     if plan.runs_stage(lambda s: s < 2):
-        accumulators = bucket_accumulators(plan, buckets, device)
+        accumulators = bucket_accumulators(plan, buckets, device, precision.grad_dtype)
     holding = Holding(
         compute_dtype=compute_dtype,
         master_dtype=precision.master_dtype,
         state_dtype=precision.state_dtype,  # NVMe units: fp32 in memory (`held_by`)
         device=device,
+        grad_dtype=precision.grad_dtype,
         offload=residency.offload,
         pin_memory=residency.pin,
         shards_offloaded=plan.memory.params != "device",

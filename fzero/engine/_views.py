@@ -142,7 +142,7 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         runtime.plan,
         runtime.rank,
         param_dtype=partition.dtype_name(precision.compute_dtype),
-        grad_dtype="float32",
+        grad_dtype=partition.dtype_name(precision.grad_dtype),
         optimizer=runtime.optimizer,  # off the device: unit by unit, as the plan says
         master_dtype=partition.dtype_name(precision.master_dtype),
         # NVMe: the moments are in the swap file, not counted here

@@ -154,6 +154,7 @@ class OnMesh:
 
 MEMORY_KINDS = ("device", "host", "nvme")
 MEMORY_DTYPES = ("fp32", "bf16")
+GRAD_DTYPES = ("fp32", "bf16", "fp16")
 _DEEPSPEED_DEVICE = {"device": "none", "host": "cpu", "nvme": "nvme"}  # offload_*.device
 
 
@@ -167,10 +168,14 @@ class Memory:
     file too). Each is "device" (with the compute), "host" (host memory: ZeRO-Offload,
     Ren et al. 2021) or "nvme" (a swap file: ZeRO-Infinity, Rajbhandari et al. 2021).
     `master`: the masters' dtype, "fp32" or "bf16" (bf16 masters are the bf16 parameters
-    themselves, so the compute dtype is bf16 too); `states`: the optimizer moments'.
-    Gradients accumulate in fp32 whatever these say. DeepSpeed's config says the same as
+    themselves, so the compute dtype is bf16 too); `states`: the optimizer moments';
+    `grads`: the gradient accumulators' (summed across micro-steps and held until the
+    update), "fp32" or the compute dtype ("bf16", "fp16": half the accumulators' bytes,
+    each micro-step's reduced gradient rounded into the sum; the update widens each
+    unit's part to fp32). DeepSpeed's config says the same as
     `offload_param.device`, `offload_optimizer.device` ("none", "cpu", "nvme"),
-    `bf16.bf16_master_weights_and_grads` and `bf16.bf16_optimizer_states`; where a
+    `bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states` and
+    `data_types.grad_accum_dtype`; where a
     strategy's plan says nothing (the defaults), a door takes the config's
     (`with_memory`). Where files go and how they are read (paths, buffers, threads) stay
     the config's."""
@@ -179,6 +184,7 @@ class Memory:
     optimizer: str = "device"
     master: str = "fp32"
     states: str = "fp32"
+    grads: str = "fp32"
 
 
 def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan:
@@ -187,7 +193,7 @@ def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan
     naming it and both values."""
     merged = {}
     default = Memory()
-    for name in ("params", "optimizer", "master", "states"):
+    for name in ("params", "optimizer", "master", "states", "grads"):
         own, other = getattr(plan.memory, name), getattr(memory, name)
         if own != getattr(default, name) and other not in (own, getattr(default, name)):
             raise PlanError(
@@ -387,7 +393,8 @@ def _validate_memory(plan: Plan) -> None:
     optimizer off the device only where every unit has an optimizer partition (stage 1
     or more: DeepSpeed never offloads stage 0); parameters off the device only at stage
     3 (only its parameters are shards between uses); bf16 masters not in the swap file
-    (it holds fp32 masters; bf16 moments are fine)."""
+    (it holds fp32 masters; bf16 moments are fine); half-precision gradient accumulators
+    not in the swap file (stages 2-3 with the optimizer on NVMe keep fp32 ones there)."""
     memory = plan.memory
     if not isinstance(memory, Memory):
         raise PlanError(f"memory is a {type(memory).__name__}; expected partition.Memory")
@@ -396,6 +403,7 @@ def _validate_memory(plan: Plan) -> None:
         ("optimizer", MEMORY_KINDS),
         ("master", MEMORY_DTYPES),
         ("states", MEMORY_DTYPES),
+        ("grads", GRAD_DTYPES),
     ):
         if getattr(memory, name) not in allowed:
             raise PlanError(
@@ -426,6 +434,14 @@ def _validate_memory(plan: Plan) -> None:
                 f"memory.master is 'bf16' with unit {unit.name!r}'s optimizer on 'nvme': the "
                 "swap file holds fp32 masters only; keep the optimizer on the device or "
                 "host, or use fp32 masters with bf16 states (bf16 moments in the file)"
+            )
+        if where == "nvme" and memory.grads != "fp32" and plan.stage_of(unit) >= 2:
+            raise PlanError(
+                f"memory.grads is {memory.grads!r} (DeepSpeed's data_types.grad_accum_dtype) "
+                f"with unit {unit.name!r}'s optimizer on 'nvme' at stage "
+                f"{plan.stage_of(unit)}: its gradient accumulator lives in the swap file, "
+                "which holds fp32 accumulators only; accumulate in fp32 (grad_accum_dtype "
+                "'fp32' or null) or keep the optimizer on the device or host"
             )
     if memory.params != "device" and plan.stage != 3:
         raise PlanError(

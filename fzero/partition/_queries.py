@@ -226,7 +226,7 @@ def memory_per_rank(
     rank: int,
     *,
     param_dtype: str = "float32",
-    grad_dtype: str | None = "float32",
+    grad_dtype: str | None = "plan",
     optimizer: str | int | object = "adam",
     offload_optimizer: bool | None = None,
     master_dtype: str | None = None,
@@ -240,8 +240,9 @@ def memory_per_rank(
     stage 1 shards the K part; stage 2 also the grads; stage 3 also the params
     (except persistent units), each unit as its own stage (`Plan.stage_of`). Buffers are
     counted padded, as allocated.
-    The defaults are what fzero keeps: fp32 gradient accumulators at every precision
-    (`grad_dtype`; None: the parameters' dtype, the paper's mixed-precision figures),
+    The defaults are what the plan says fzero keeps (`Plan.memory`): gradient
+    accumulators in `memory.grads` (fp32 unless it says bf16 or fp16; `grad_dtype`
+    names another, None: the parameters' dtype, the paper's mixed-precision figures),
     fp32 masters and states. A master in the parameters' dtype is the parameters
     (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless offloaded.
     `offload_optimizer`, `master_dtype` and `state_dtype` default to what the plan says
@@ -276,6 +277,8 @@ def memory_per_rank(
         master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
     if state_dtype is None:
         state_dtype = "bfloat16" if memory.states == "bf16" else "float32"
+    if grad_dtype == "plan":
+        grad_dtype = _GRAD_DTYPES[memory.grads]
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
     state_size = dtype_of(state_dtype).itemsize
@@ -298,6 +301,9 @@ def memory_per_rank(
         params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
         offloaded=off_device * (full_master + state_size * slots),
     )
+
+
+_GRAD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _gathered_numel(plan: Plan | MeshPlan) -> int:

@@ -122,7 +122,10 @@ def encode_memory(memory: Memory) -> dict[str, Any]:
     at the defaults keeps the bytes (and digest) it had before plans said so."""
     if memory == Memory():
         return {}
-    return {"memory": [memory.params, memory.optimizer, memory.master, memory.states]}
+    said = [memory.params, memory.optimizer, memory.master, memory.states]
+    if memory.grads != Memory().grads:  # written only when said: older bytes unchanged
+        said.append(memory.grads)
+    return {"memory": said}
 
 
 def decode_memory(raw: dict[str, Any]) -> Memory:
