@@ -215,6 +215,52 @@ def test_bf16_gradient_accumulation_trains_as_under_deepspeed(tmp_path, stage):
     assert max(mean, their_mean) < 0.9 * sum(ours[:4]) / 4  # both learn (ten updates)
 
 
+def _full_values(python: str, tmp: Path, name: str, config: dict, fzero: bool) -> list:
+    """tests/ds_scripts/full_grads.py on 2 processes with `config`: per step, the
+    `deepspeed.utils` accessors' values rank 0 read."""
+    path, out = tmp / f"{name}.json", tmp / f"{name}-values.json"
+    path.write_text(json.dumps(config))
+    script = str(ROOT / "tests" / "ds_scripts" / "full_grads.py")
+    port = str(_port())
+    launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", port]  # fmt: skip
+    if fzero:
+        launcher = [python, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": port}
+    done = subprocess.run(
+        [*launcher, script, "--deepspeed_config", str(path), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_safe_get_full_accessors_return_what_deepspeeds_do(tmp_path, stage):
+    """`safe_get_full_grad` at the accumulation boundary (two micro-batches per rank, 2
+    processes), `safe_get_full_fp32_param` and `safe_get_full_optimizer_state` after the
+    step: the same values under DeepSpeed and fzero (fp32 rounding of their own Adam
+    kernels and reduction orders: 1e-6), at ZeRO-1, where each rank holds only its
+    shard of the reduced gradient, as at 2 and 3."""
+    config = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 100,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    theirs = _full_values(DEEPSPEED_PYTHON, tmp_path, "deepspeed", config, fzero=False)
+    ours = _full_values(sys.executable, tmp_path, "fzero", config, fzero=True)
+    assert len(ours) == len(theirs) == 2
+    for step, (mine, their) in enumerate(zip(ours, theirs)):
+        for kind, values in their.items():
+            for name, expected in values.items():
+                got = mine[kind][name]
+                assert len(got) == len(expected), (step, kind, name)
+                error = max(abs(a - b) for a, b in zip(got, expected))
+                assert error <= 1e-6, (step, kind, name, error)
+
+
 def _muon_config(stage: int, **top: object) -> dict:
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if stage == 3:
