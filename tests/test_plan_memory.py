@@ -84,6 +84,32 @@ def test_with_memory_fills_what_the_plan_leaves_unsaid_and_refuses_contradiction
         partition.with_memory(plan, Memory(optimizer="host"))
 
 
+@pytest.mark.parametrize("where", ["host", "nvme"])
+def test_the_functional_doors_refuse_parameter_shards_they_would_keep_in_memory(where):
+    """Only the engine places stage 3's parameter shards off the device; `fzero.init`,
+    `train_step` and `eval_step` name a plan (or config) that says so rather than keep
+    them in memory against it."""
+    plan = partition.plan(
+        _manifest(), world_size=1, stage=3, memory=Memory(params=where), persistence_threshold=0
+    )
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": MICRO}
+    for door, call in (
+        ("fzero.init", lambda: fzero.init(_model(), plan, optimizer, config=config)),
+        (
+            "fzero.train_step",
+            lambda: fzero.train_step(lambda p, b: 0, plan, optimizer, config=config),
+        ),
+        ("fzero.eval_step", lambda: fzero.eval_step(lambda p, b: 0, plan, config=config)),
+    ):
+        with pytest.raises(PlanError, match=rf"{door}: memory\.params is '{where}' .*the engine"):
+            call()
+    offload = {"stage": 3, "offload_param": {"device": "cpu"}}
+    plain = partition.plan(_manifest(), world_size=1, stage=3, persistence_threshold=0)
+    with pytest.raises(PlanError, match=r"fzero\.init: memory\.params is 'host'"):
+        fzero.init(_model(), plain, optimizer, config={**config, "zero_optimization": offload})
+
+
 def test_memory_per_rank_reads_where_the_plan_keeps_its_states():
     said = Memory(optimizer="host", states="bf16")
     plan = partition.plan(_manifest(), world_size=2, stage=2, memory=said)
@@ -307,6 +333,87 @@ def test_nvme_units_beside_units_in_memory_train_as_all_in_memory(stage, tmp_pat
             assert torch.equal(out[run][1][name], value), (run, name)
     assert "needs tensor norms" in out["lamb"]
     assert "units ['0', '3'] in the swap file" in out["lamb"]
+
+
+PARAMS_SPLIT = {"0": {"params": "nvme"}, "3": {"params": "host", "optimizer": "nvme"}}
+
+
+def _params_case(rank: int, world: int, root: str) -> dict:
+    """Stage 3 with some units' parameter shards in the swap file or on the host (per
+    unit, `Unit.params_memory`) beside units on the device, against all on the device;
+    and a plan-wide `offload_param` nvme with one unit kept on the device."""
+    path = f"{root}/swap{rank}"
+    os.makedirs(path, exist_ok=True)
+    config = _nvme_config(3, path)
+    config["zero_optimization"]["offload_param"] = {"device": "none", "nvme_path": path}
+    out: dict = {}
+    plain = fzero.shard(_model(), config=config)
+    out["plain"] = _train_engine(plain), plain.state_dict(dtype=torch.float32)
+    plain.destroy()
+
+    mixed = fzero.shard(_model(), config=config, strategy=partition.with_unit_memory(PARAMS_SPLIT))
+    store = mixed.runtime.param_shards.store
+    out["where"] = [mixed.plan.params_memory(u) for u in mixed.plan.units]
+    out["on disk"] = [store.on_disk(i) for i in range(len(mixed.plan.units))]
+    out["shards"] = [rt.param_shard.numel() if rt.param_shard is not None else None
+                     for rt in mixed.runtime.units]  # fmt: skip
+    losses = _train_range(mixed, 0, STEPS // 2)
+    mixed.save_checkpoint(f"{root}/ckpt", tag="mid")
+    losses += _train_range(mixed, STEPS // 2, STEPS)
+    out["mixed"] = losses, mixed.state_dict(dtype=torch.float32)
+    mixed.destroy()
+    resumed = fzero.shard(_model(), config=config)  # all on the device, from the checkpoint
+    resumed.load_checkpoint(f"{root}/ckpt", tag="mid")
+    out["resumed"] = _continue(resumed), resumed.state_dict(dtype=torch.float32)
+    resumed.destroy()
+
+    config["zero_optimization"]["offload_param"]["device"] = "nvme"
+    kept = partition.with_unit_memory({"2": {"params": "device"}})
+    most = fzero.shard(_model(), config=config, strategy=kept)
+    out["most where"] = [most.plan.params_memory(u) for u in most.plan.units]
+    out["most"] = _train_engine(most), most.state_dict(dtype=torch.float32)
+    most.destroy()
+    return out
+
+
+def test_parameter_shards_live_where_each_unit_says_and_train_as_on_the_device(tmp_path):
+    out = run_world(_params_case, 2, str(tmp_path))
+    assert out["where"] == ["nvme", "device", "host"]
+    assert out["on disk"] == [True, False, False]
+    assert out["shards"][0] == 0  # in the swap file: the record keeps an empty tensor
+    assert out["most where"] == ["nvme", "device", "nvme"]
+    losses, weights = out["plain"]
+    for run in ("mixed", "most"):
+        assert out[run][0] == losses, run  # bit for bit: where shards live changes nothing
+        for name, value in weights.items():
+            assert torch.equal(out[run][1][name], value), (run, name)
+    assert out["resumed"][0] == losses[STEPS // 2 :]
+    for name, value in weights.items():
+        assert torch.equal(out["resumed"][1][name], value), name
+
+
+def test_unit_parameter_memory_is_checked():
+    with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'grads'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"grads": "host"}})
+    with pytest.raises(PlanError, match=r"unit '0': params_memory is 'disk'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"params": "disk"}})
+    with pytest.raises(
+        PlanError, match=r"params_memory is 'nvme' but the unit is split as stage 2"
+    ):
+        partition.plan(
+            _manifest(), world_size=2, stage=3, unit_stages={"0": 2},
+            unit_memory={"0": {"params": "nvme"}},
+        )  # fmt: skip
+    plan = partition.plan(
+        _manifest(), world_size=2, stage=3, persistence_threshold=0,
+        unit_memory={"3": {"params": "host"}},
+    )  # fmt: skip
+    assert [plan.params_memory(u) for u in plan.units] == ["device", "device", "host"]
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+    with pytest.raises(PlanError, match=r"fzero\.init: unit '3''s params_memory is 'host'"):
+        fzero.init(
+            _model(), plan, fzero.optim.adamw(), config={"train_micro_batch_size_per_gpu": 2}
+        )
 
 
 def test_unit_memory_keys_and_values_are_checked():

@@ -71,7 +71,6 @@ class OptimizerApplication:
         compute_dtype: torch.dtype,
         device: torch.device,
         param_shards: ParamShards | None = None,
-        param_offload: str = "none",
         timer: Timer = untimed,
     ) -> None:
         self.plan, self.rank = plan, rank
@@ -79,7 +78,7 @@ class OptimizerApplication:
         self.optimizer, self.schedule, self.residency = optimizer, schedule, residency
         self.compute_dtype, self.device = compute_dtype, device
         self.param_shards = param_shards or InMemoryShards()
-        self.param_offload, self.timer = param_offload, timer
+        self.timer = timer
         self.offload = residency.offload  # some unit's optimizer off the device
         check_needs(optimizer)
         if isinstance(optimizer.needs, WholeTensors) and residency.swapped:
@@ -222,7 +221,7 @@ class OptimizerApplication:
             return None
         if self.compute_dtype == torch.float32:
             return None
-        if rt.full is None and self.param_offload == "nvme":  # written as it is
+        if rt.full is None and self.plan.params_memory(rt.index) == "nvme":  # written as it is
             return _nvme.aligned_empty(rt.master.numel(), self.compute_dtype)
         if self.residency.offloaded[rt.index]:  # a host buffer; `publish` moves it to the device
             return torch.empty(

@@ -41,7 +41,9 @@ def eval_step(
     `evaluate` once per token): each unit is gathered once, not once per call. A call
     with another state (a step returns a new one) drops them first."""
     cfg = config_for_plan(config, plan)
-    plan, _ = run_plan(plan, cfg, precision_of(cfg))  # the state's may say more
+    plan, _ = run_plan(
+        plan, cfg, precision_of(cfg), door="fzero.eval_step"
+    )  # the state may say more
     check_same_plan(plan, "fzero.eval_step")
     zero = cfg.zero_optimization
     max_live, keep = int(zero.stage3_max_live_parameters), int(zero.stage3_eval_live_parameters)

@@ -222,10 +222,11 @@ class StateShards:
     """A `TrainState`'s stage-3 shards as a `ShardSource`: each unit's compute-dtype
     parameters, or its master where that serves."""
 
-    on_disk = False
-
     def __init__(self, units: Sequence[Any]) -> None:
         self.units = units
+
+    def on_disk(self, index: int) -> bool:
+        return False
 
     def shard(self, index: int) -> Tensor:
         unit = self.units[index]

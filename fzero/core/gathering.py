@@ -178,11 +178,10 @@ class GatherSettings:
 
 class ShardSource(Protocol):
     """Where a unit's compute-dtype shard is between uses: in memory (`shard(i)`), or in
-    a swap file (`on_disk`: `read(i, into)` starts reading, `wait_read` ends it,
+    a swap file (`on_disk(i)`: `read(i, into)` starts reading, `wait_read` ends it,
     `abandon_read` lets an unused read land)."""
 
-    @property
-    def on_disk(self) -> bool: ...
+    def on_disk(self, index: int) -> bool: ...
 
     def shard(self, index: int) -> Tensor: ...
 
@@ -329,14 +328,14 @@ class Gatherer:
         if self.phase == "backward":
             self.regathered.add(g.index)
         unit = self.plan.units[g.index]
-        if self.shards.on_disk and self._reads_in_place(g.index):
+        if self.shards.on_disk(g.index) and self._reads_in_place(g.index):
             # one rank on the host: the shard is the unit; read it in place (an
             # all-gather of one would copy it into fresh pages: 25 ms per 16.8M)
             full = _nvme.aligned_empty(g.numel, self.dtype)
             g.reading(full, full, self.shards.read(g.index, full))
             return
         full = torch.empty(g.numel, dtype=self.dtype, device=self.device)
-        if self.shards.on_disk:
+        if self.shards.on_disk(g.index):
             into = _nvme.aligned_empty(self.plan.grads_size(unit, self.rank), self.dtype)
             g.reading(full, into, self.shards.read(g.index, into))
         elif self.phase == "backward" and g.index in self.secondary:  # hpZ

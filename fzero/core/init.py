@@ -75,7 +75,7 @@ def init(
     check_optimizer(optimizer)
     plan = partition.executable(plan)
     cfg = config_for_plan(config, plan)
-    plan, dtypes = run_plan(plan, cfg, precision_of(cfg, precision))
+    plan, dtypes = run_plan(plan, cfg, precision_of(cfg, precision), door="fzero.init")
     comm.init_distributed(report_s=cfg.collective_report_s)
     _check_world(plan)
     check_same_plan(plan, "fzero.init")

@@ -27,10 +27,10 @@ __all__ = ["ParamShardStore", "PublishedShards"]
 
 class ParamShardStore:
     """Stage 3's compute-dtype shards of `units` (the engine's records, in plan order),
-    where the plan's `memory.params` (`where`) says: "device" (as built), "host" (host
-    memory, pinned with `pin_memory`) or "nvme" (a swap file under `offload.nvme_path`,
-    the config's; the record keeps an empty tensor). A shard of fp32 compute with no
-    offload is the master itself.
+    each where the plan says (`Plan.params_memory`: its unit's own, else `memory.params`):
+    "device" (as built), "host" (host memory, pinned with `pin_memory`) or "nvme" (a
+    region of one swap file under `offload.nvme_path`, the config's; the record keeps an
+    empty tensor). A shard of fp32 compute with no offload is the master itself.
 
     `units` may be an iterator that builds them (`fzero.engine._build.build_units`):
     each unit's shard is placed before the next is taken, so with "nvme" one unit's
@@ -45,22 +45,24 @@ class ParamShardStore:
         rank: int,
         process_rank: int,
         dtype: torch.dtype,
-        where: str,
         offload: OffloadParamConfig,
         aio: AioConfig,
         pin_memory: bool,
     ) -> None:
         self.units: list[UnitRuntime] = []
         self.dtype, self.pin = dtype, pin_memory
-        self.where = where if plan.stage == 3 else "device"
+        self.where = [plan.params_memory(u) for u in plan.units]
         self.swap: _nvme.SwapFile | None = None
         self._writes: list[tuple[Any, Tensor]] = []  # (ticket, buffer) in flight
         self._writes_in_flight = offload.buffer_count
-        if self.where == "nvme":
+        if "nvme" in self.where:
             self.swap = _nvme.SwapFile(
                 offload.nvme_path or "",
                 process_rank,
-                [plan.grads_size(u, rank) * dtype.itemsize for u in plan.units],
+                [
+                    plan.grads_size(u, rank) * dtype.itemsize if where == "nvme" else 0
+                    for u, where in zip(plan.units, self.where)
+                ],
                 threads=aio.thread_count,
                 block_size=aio.block_size,
                 what="param",
@@ -71,9 +73,9 @@ class ParamShardStore:
             if rt.param_shard is not None:
                 self.store(rt.index, rt.param_shard)
 
-    @property
-    def on_disk(self) -> bool:
-        return self.swap is not None
+    def on_disk(self, index: int) -> bool:
+        """Whether unit `index`'s shard lives in the swap file."""
+        return self.where[index] == "nvme"
 
     def shard(self, index: int) -> Tensor:
         """Unit `index`'s shard in memory (the master where it serves)."""
@@ -99,7 +101,7 @@ class ParamShardStore:
         write to the swap file, which without `wait` may still be in flight:
         `finish_writes` ends them)."""
         rt = self.units[index]
-        if self.where == "nvme":
+        if self.where[index] == "nvme":
             assert self.swap is not None
             if value is not rt.param_shard or value.numel():
                 aligned = value
@@ -110,7 +112,7 @@ class ParamShardStore:
                 while len(self._writes) > (0 if wait else self._writes_in_flight):
                     self._wait_write()
             rt.param_shard = torch.empty(0, dtype=self.dtype)
-        elif self.where == "host" and value is rt.param_shard:  # placed on the host
+        elif self.where[index] == "host" and value is rt.param_shard:  # placed on the host
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
             rt.param_shard = host.copy_(value)
         elif rt.param_shard is not None and value is not rt.param_shard:

@@ -138,17 +138,35 @@ def memory_of(config: Config, precision: Precision) -> Memory:
     )
 
 
-def run_plan(plan: Plan, config: Config, precision: Precision) -> tuple[Plan, Precision]:
+def run_plan(
+    plan: Plan, config: Config, precision: Precision, *, door: str = ""
+) -> tuple[Plan, Precision]:
     """The plan a door runs and its precision. Where the plan's states live and their
     dtypes are the plan's (`Plan.memory`); what it leaves at the defaults, the config's
     offload devices and `precision`'s master and state dtypes say (`memory_of`), and a
     field both state differently is an error naming it. The compute dtype is
     `precision`'s; the master and state dtypes the plan's (so a strategy may say bf16
     states). A `PlanError` also names what no plan may say (the optimizer off the device
-    at stage 0, parameters off it below stage 3, bf16 masters in the swap file)."""
+    at stage 0, parameters off it below stage 3, bf16 masters in the swap file) and, for
+    a functional `door` (its name: `fzero.init`, `train_step`), stage 3's parameter
+    shards off the device, which only the engine places (they would stay in memory)."""
     said_by = "the config (offload_param, offload_optimizer, bf16) or precision"
     plan = partition.with_memory(plan, memory_of(config, precision), said_by)
     memory = plan.memory
+    placed = [(u, plan.params_memory(u)) for u in plan.units if plan.params_memory(u) != "device"]
+    if door and placed:
+        unit, where = placed[0]
+        said = (
+            f"memory.params is {where!r} (DeepSpeed's zero_optimization.offload_param.device)"
+            if unit.params_memory is None
+            else f"unit {unit.name!r}'s params_memory is {where!r}"
+        )
+        raise partition.PlanError(
+            f"{door}: {said}, but the functional doors keep stage 3's parameter shards in "
+            "memory with the compute; the engine (fzero.shard, fzero.initialize) places "
+            "them on the host or in a swap file. Use the engine, or keep them on the "
+            "device (memory.params 'device', offload_param 'none')"
+        )
     return plan, Precision(precision.compute, memory.master, memory.states, memory.grads).check()
 
 

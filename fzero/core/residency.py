@@ -124,7 +124,7 @@ class Residency:
         """`swap_gradients=False` keeps stage 2-3 gradient accumulators in memory even
         with `offload_optimizer.swap_gradients` (`fzero.train_step` reduces into its
         state's buffers)."""
-        zero, memory = config.zero_optimization, plan.memory
+        zero = config.zero_optimization
         # units at stages 0-1 keep whole gradients in memory (all-reduced at the boundary)
         swap_gradients = swap_gradients and not plan.runs_stage(lambda s: s < 2)
         self.swap_gradients = swap_gradients and zero.offload_optimizer.swap_gradients
@@ -153,7 +153,7 @@ class Residency:
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(swap_buffer_numel(largest))
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
-        if "nvme" in (*where, memory.params):
+        if "nvme" in (*where, *(plan.params_memory(u) for u in plan.units)):
             _nvme.map_large_buffers()
         if self.swapped:
             self._open_swap(zero, config, optimizer, rank)

@@ -118,7 +118,7 @@ def train_step(
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
     plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
     cfg = config_for_plan(config, plan)
-    plan, _ = run_plan(plan, cfg, precision_of(cfg))  # the state's may say more (`_take`)
+    plan, _ = run_plan(plan, cfg, precision_of(cfg), door="fzero.train_step")  # (`_take`)
     check_same_plan(plan, "fzero.train_step")
     optimizer = optimizer_of(cfg, optimizer, default=adamw())
     check_optimizer(optimizer)

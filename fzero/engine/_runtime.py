@@ -124,7 +124,7 @@ def build_runtime(
         grad_dtype=precision.grad_dtype,
         offload=residency.offload,
         pin_memory=residency.pin,
-        shards_offloaded=plan.memory.params != "device",
+        shards_offloaded=plan.memory.params != "device",  # per unit: `held_by`
     )
     # each unit is built and its shard placed (NVMe: written) before the next is built:
     # the rank's share of the parameters is never in memory at once
@@ -145,7 +145,6 @@ def build_runtime(
         rank=rank,
         process_rank=torch.distributed.get_rank(),
         dtype=compute_dtype,
-        where=plan.memory.params,
         offload=zero.offload_param,
         aio=config.aio,
         pin_memory=residency.pin,
@@ -177,7 +176,6 @@ def build_runtime(
         compute_dtype=compute_dtype,
         device=device,
         param_shards=param_shards,
-        param_offload=plan.memory.params,
         timer=timers,
     )
     overlap = zero.overlap_comm if zero.overlap_comm is not None else plan.stage == 3

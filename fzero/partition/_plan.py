@@ -76,7 +76,9 @@ class Unit:
     embeddings, ZeRO-3 for the blocks" in one plan. `Plan.stage_of` reads it.
     `optimizer_memory`: where this unit's masters and optimizer state live, one of
     `MEMORY_KINDS` (None: the plan's `memory.optimizer`): "nvme" units beside units in
-    memory in one plan. `Plan.optimizer_memory` reads it.
+    memory in one plan. `Plan.optimizer_memory` reads it. `params_memory`: where its
+    stage-3 parameter shard lives between uses (None: the plan's `memory.params`);
+    `Plan.params_memory` reads it.
     """
 
     name: str
@@ -90,6 +92,7 @@ class Unit:
     bounds: tuple[int, ...] = ()
     stage: int | None = None
     optimizer_memory: str | None = None
+    params_memory: str | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -327,6 +330,16 @@ class Plan:
             unit = self.units[unit]
         return self.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
 
+    def params_memory(self, unit: Unit | int) -> str:
+        """Where `unit`'s (a `Unit` of this plan or its index) stage-3 parameter shard
+        lives between uses: its own `params_memory`, else the plan's `memory.params`;
+        "device" for a unit whose parameters are whole (below stage 3, or persistent)."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        if self.stage_of(unit) < 3:
+            return "device"
+        return self.memory.params if unit.params_memory is None else unit.params_memory
+
     def unit_of(self, fqn: str) -> int:
         """Index of the unit that holds tensor `fqn` (a name or an alias)."""
         for index, unit in enumerate(self.units):
@@ -414,6 +427,19 @@ def _validate_memory(plan: Plan) -> None:
             raise PlanError(
                 f"unit {unit.name!r}: optimizer_memory is {unit.optimizer_memory!r}; allowed: "
                 f"None (the plan's memory.optimizer), {', '.join(MEMORY_KINDS)}"
+            )
+        if unit.params_memory not in (None, *MEMORY_KINDS):
+            raise PlanError(
+                f"unit {unit.name!r}: params_memory is {unit.params_memory!r}; allowed: "
+                f"None (the plan's memory.params), {', '.join(MEMORY_KINDS)}"
+            )
+        if unit.params_memory not in (None, "device") and plan.stage_of(unit) < 3:
+            raise PlanError(
+                f"unit {unit.name!r}: params_memory is {unit.params_memory!r} but the unit "
+                f"is split as stage {plan.stage_of(unit)}"
+                + (" (persistent: its parameters stay whole)" if unit.persistent else "")
+                + "; only stage 3's parameters are shards between uses: keep them on the "
+                "device"
             )
         where = plan.optimizer_memory(unit)
         if where != "device" and plan.stage_of(unit) == 0:

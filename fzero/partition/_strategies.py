@@ -338,7 +338,7 @@ def plan(
     strategy: Strategy | Callable[..., Plan] = flat_even,
     unit_stages: Mapping[str, int] | None = None,
     memory: Memory | None = None,
-    unit_memory: Mapping[str, str] | None = None,
+    unit_memory: Mapping[str, str | Mapping[str, str]] | None = None,
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
@@ -358,9 +358,9 @@ def plan(
     `memory` says where the plan's states live and their dtypes (`Memory`, e.g.
     `Memory(optimizer="nvme", states="bf16")`: ZeRO-Infinity's optimizer with bf16
     moments); a door takes what the plan leaves at the defaults from its config.
-    `unit_memory` keeps some units' optimizer elsewhere (`set_unit_memory`: e.g.
+    `unit_memory` keeps some units' states elsewhere (`set_unit_memory`: e.g.
     `{"embed": "nvme"}`, the embeddings' masters and moments in the swap file, the rest
-    where `memory` says)."""
+    where `memory` says; `{"embed": {"params": "nvme"}}` their stage-3 parameter shards)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is {world_size!r}; it must be an int >= 1")
     if stage not in (0, 1, 2, 3):
@@ -463,32 +463,55 @@ def _named_by(plan: Plan, keys: Mapping[str, object], what: str) -> list[tuple[U
     return named
 
 
-def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str]) -> Plan:
-    """`plan` with the masters and optimizer state of the units `unit_memory` names kept
-    where it says ("device", "host" or "nvme": `Unit.optimizer_memory`), the rest where
-    they were; keys as `set_unit_stages` takes them (a unit name or a module path, the most
-    specific winning). A key naming no unit is an error listing the units."""
+def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str | Mapping[str, str]]) -> Plan:
+    """`plan` with the states of the units `unit_memory` names kept where it says
+    ("device", "host" or "nvme"), the rest where they were: a memory kind for the masters
+    and optimizer state (`Unit.optimizer_memory`), or a mapping of kind to memory kind,
+    `{"optimizer": ..., "params": ...}` (either key: `Unit.params_memory` is where a
+    stage-3 parameter shard lives between uses). Keys as `set_unit_stages` takes them (a
+    unit name or a module path, the most specific winning). A key naming no unit, or a
+    kind that is neither, is an error naming it."""
     if not isinstance(unit_memory, Mapping):
         raise PlanError(
             f"unit_memory is a {type(unit_memory).__name__}; give a mapping of unit name or "
-            "module path to a memory kind, e.g. {'embed': 'nvme'}"
+            "module path to a memory kind, e.g. {'embed': 'nvme'}, or to kinds, e.g. "
+            "{'embed': {'params': 'nvme', 'optimizer': 'host'}}"
         )
+    said = {key: _kinds_said(key, value) for key, value in unit_memory.items()}
     units = tuple(
-        unit if key is None else dataclasses.replace(unit, optimizer_memory=unit_memory[key])
+        unit if key is None else dataclasses.replace(unit, **said[key])
         for unit, key in _named_by(plan, unit_memory, "unit_memory")
     )
     return validate(dataclasses.replace(plan, units=units))
 
 
+_UNIT_MEMORY_FIELDS = {"optimizer": "optimizer_memory", "params": "params_memory"}
+
+
+def _kinds_said(key: str, value: str | Mapping[str, str]) -> dict[str, str]:
+    """The `Unit` fields `unit_memory[key]` says: a memory kind is the optimizer's."""
+    if not isinstance(value, Mapping):
+        return {"optimizer_memory": value}
+    unknown = [kind for kind in value if kind not in _UNIT_MEMORY_FIELDS]
+    if unknown:
+        raise PlanError(
+            f"unit_memory[{key!r}] names kind {unknown[0]!r}; allowed: "
+            f"{', '.join(_UNIT_MEMORY_FIELDS)}"
+        )
+    return {_UNIT_MEMORY_FIELDS[kind]: where for kind, where in value.items()}
+
+
 def with_unit_memory(
-    unit_memory: Mapping[str, str],
+    unit_memory: Mapping[str, str | Mapping[str, str]],
     strategy: Strategy | Callable[..., Plan] = flat_even,
 ) -> Callable[..., Plan]:
     """A strategy (for the engine's doors or `plan`) that lays a model out with
     `strategy` and keeps the optimizer of the units `unit_memory` names where it says
     (`set_unit_memory`): `fzero.shard(model, stage=2, strategy=with_unit_memory({"embed":
     "nvme"}), config=...)` keeps the embeddings' masters and moments in the swap file
-    under the config's `offload_optimizer.nvme_path`, the rest in memory."""
+    under the config's `offload_optimizer.nvme_path`, the rest in memory;
+    `with_unit_memory({"embed": {"params": "nvme"}})` at stage 3 their parameter shards
+    under `offload_param.nvme_path`."""
     return _laid_out_with(strategy, unit_memory=dict(unit_memory))
 
 

@@ -67,6 +67,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         **({"bounds": list(unit.bounds)} if unit.bounds else {}),
         **({"stage": unit.stage} if unit.stage is not None else {}),
         **({"optimizer_memory": unit.optimizer_memory} if unit.optimizer_memory else {}),
+        **({"params_memory": unit.params_memory} if unit.params_memory else {}),
     }
 
 
@@ -97,6 +98,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         bounds=tuple(raw.get("bounds", ())),
         stage=raw.get("stage"),
         optimizer_memory=raw.get("optimizer_memory"),
+        params_memory=raw.get("params_memory"),
     )
 
 
