@@ -395,6 +395,13 @@ def test_parameter_shards_live_where_each_unit_says_and_train_as_on_the_device(t
 def test_unit_parameter_memory_is_checked():
     with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'grads'; allowed"):
         partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"grads": "host"}})
+    with pytest.raises(PlanError, match=r"unit '0': states_dtype is 'fp16'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"states": "fp16"}})
+    with pytest.raises(PlanError, match=r"states_dtype is 'bf16' with its optimizer on 'nvme'"):
+        partition.plan(
+            _manifest(), world_size=2, stage=3,
+            unit_memory={"0": {"states": "bf16", "optimizer": "nvme"}},
+        )  # fmt: skip
     with pytest.raises(PlanError, match=r"unit '0': params_memory is 'disk'; allowed"):
         partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"params": "disk"}})
     with pytest.raises(
@@ -414,6 +421,65 @@ def test_unit_parameter_memory_is_checked():
         fzero.init(
             _model(), plan, fzero.optim.adamw(), config={"train_micro_batch_size_per_gpu": 2}
         )
+
+
+def _moments(units) -> list[dict[str, torch.Tensor]]:
+    return [{k: getattr(u, k).clone() for k in ("exp_avg", "exp_avg_sq")} for u in units]
+
+
+def _states_case(rank: int, world: int, stage: int, root: str) -> dict:
+    """bf16 moments for unit "0" only (`Unit.states_dtype`), fp32 for the rest: each
+    unit's moments after one step against the all-bf16 and all-fp32 runs', both doors,
+    the bytes held against the plan's, and a checkpoint loaded into an all-fp32 run."""
+    config = _nvme_config(stage, root, accumulation=1)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+    out: dict = {}
+    for name, strategy, bf16 in (
+        ("fp32", None, False),
+        ("bf16", None, True),
+        ("unit", partition.with_unit_memory({"0": {"states": "bf16"}}), False),
+    ):
+        said = dict(config, bf16={"enabled": True, "bf16_optimizer_states": bf16})
+        engine = fzero.shard(_model(), config=said, strategy=strategy)
+        _train_range(engine, 0, 1)
+        out[name] = _moments(rt.state for rt in engine.runtime.units)
+        if name == "unit":
+            out["held"] = engine.memory_held(), engine.memory_planned()
+            out["dtypes"] = [str(rt.state.exp_avg.dtype) for rt in engine.runtime.units]
+            out["losses"] = _train_range(engine, 1, STEPS)
+            out["engine"] = engine.state_dict(dtype=torch.float32)
+            engine.save_checkpoint(f"{root}/ckpt", tag="t")
+            wide = fzero.shard(_model(), config=dict(said, bf16={"enabled": True}))
+            wide.load_checkpoint(f"{root}/ckpt", tag="t")
+            out["saved"] = _moments(rt.state for rt in engine.runtime.units)
+            out["loaded"] = _moments(rt.state for rt in wide.runtime.units)
+            wide.destroy()
+            model = _model()
+            plan = partition.plan(
+                partition.describe(model), world_size=world, stage=stage,
+                persistence_threshold=0, unit_memory={"0": {"states": "bf16"}},
+            )  # fmt: skip
+            state = fzero.init(model, plan, fzero.optim.adamw(), precision="bf16", config=said)
+            out["functional dtypes"] = [str(u.optim.exp_avg.dtype) for u in state.units]
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_units_moments_in_bf16_beside_fp32_ones(stage, tmp_path):
+    out = run_world(_states_case, 2, stage, str(tmp_path))
+    assert out["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
+    assert out["functional dtypes"] == out["dtypes"]
+    held, planned = out["held"]
+    assert held == planned  # the plan counts 2 bytes a moment for unit "0", 4 for the rest
+    # one step from the same weights and gradients: each unit's moments as its dtype's run
+    for index, run in ((0, "bf16"), (1, "fp32"), (2, "fp32")):
+        for key, value in out["unit"][index].items():
+            assert torch.equal(value, out[run][index][key]), (index, key)
+    for saved, loaded in zip(out["saved"], out["loaded"]):
+        for key, value in saved.items():
+            assert loaded[key].dtype == torch.float32
+            assert torch.equal(loaded[key], value.float()), key  # widened exactly
 
 
 def test_unit_memory_keys_and_values_are_checked():

@@ -175,7 +175,7 @@ def _save_entries(
     entries: list[_Entry] = []
     for index in range(len(state.plan.units)):
         for kind in kinds:
-            dtype = stored_dtype(state, kind)
+            dtype = stored_dtype(state, kind, index)
             for s in (s for s in slices if s.unit == index):
                 key = slice_key(kind, s.fqn, s.start, s.stop)
                 at = _partition_start(state, index) + s.shard_offset
@@ -195,12 +195,13 @@ def _save_entries(
     return entries
 
 
-def stored_dtype(state: TrainState, kind: str) -> torch.dtype:
-    """The dtype a checkpoint keeps `kind` in: the state's own (bf16 masters and
-    moments stay bf16); NVMe-resident moments in the swap file's dtype."""
-    if state.residence is not None:
+def stored_dtype(state: TrainState, kind: str, index: int) -> torch.dtype:
+    """The dtype a checkpoint keeps unit `index`'s `kind` in: the state's own (bf16
+    masters and moments stay bf16, unit by unit: `Plan.states_dtype`); a unit in the
+    swap file, its fp32 master and its moments in the file's dtype."""
+    if state.residence is not None and state.residence.holds(index):
         return torch.float32 if kind == "master" else state.residence.state_dtype
-    return _buffer(state.units[0], kind).dtype if state.units else torch.float32
+    return _buffer(state.units[index], kind).dtype
 
 
 def _slice_of(kind: str, at: int, numel: int, dtype: torch.dtype, unit: UnitState) -> Tensor:

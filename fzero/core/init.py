@@ -20,7 +20,7 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
-from fzero.core.precision import Precision, loss_scaler, precision_of, run_plan
+from fzero.core.precision import STATE_DTYPES, Precision, loss_scaler, precision_of, run_plan
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
@@ -109,7 +109,11 @@ def init(
         grad = accumulators[index] if accumulators is not None else None
         held = holding._replace(  # NVMe: fp32 moments in memory, bf16 (if so) in the file
             offload=where[index] != "device",
-            state_dtype=torch.float32 if where[index] == "nvme" else holding.state_dtype,
+            state_dtype=(
+                torch.float32
+                if where[index] == "nvme"
+                else STATE_DTYPES[plan.states_dtype(index)]  # `Unit.states_dtype`
+            ),
         )
         units.append(
             build_unit_state(

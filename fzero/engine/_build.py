@@ -21,7 +21,7 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.partitioned import is_partitioned, materialise, release_partition, shape_of
-from fzero.core.precision import Precision, run_plan
+from fzero.core.precision import STATE_DTYPES, Precision, run_plan
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
 from fzero.engine.meta_init import MetaInitializer
@@ -196,7 +196,11 @@ def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
     return holding._replace(
         shards_offloaded=residency.plan.params_memory(index) != "device",
         offload=residency.offloaded[index],
-        state_dtype=torch.float32 if residency.holds(index) else holding.state_dtype,
+        state_dtype=(
+            torch.float32
+            if residency.holds(index)
+            else STATE_DTYPES[residency.plan.states_dtype(index)]  # `Unit.states_dtype`
+        ),
         to_file=residency.holds(index),
     )
 

@@ -145,8 +145,7 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         grad_dtype=partition.dtype_name(precision.grad_dtype),
         optimizer=runtime.optimizer,  # off the device: unit by unit, as the plan says
         master_dtype=partition.dtype_name(precision.master_dtype),
-        # NVMe: the moments are in the swap file, not counted here
-        state_dtype=partition.dtype_name(precision.state_dtype),
+        state_dtype=None,  # the plan's, unit by unit (`Plan.states_dtype`)
         eval_live_parameters=eval_live_parameters,
     )
 

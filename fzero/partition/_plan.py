@@ -78,7 +78,9 @@ class Unit:
     `MEMORY_KINDS` (None: the plan's `memory.optimizer`): "nvme" units beside units in
     memory in one plan. `Plan.optimizer_memory` reads it. `params_memory`: where its
     stage-3 parameter shard lives between uses (None: the plan's `memory.params`);
-    `Plan.params_memory` reads it.
+    `Plan.params_memory` reads it. `states_dtype`: its optimizer moments' dtype, one of
+    `MEMORY_DTYPES` (None: the plan's `memory.states`): bf16 moments for a large
+    embedding beside fp32 ones; `Plan.states_dtype` reads it.
     """
 
     name: str
@@ -93,6 +95,7 @@ class Unit:
     stage: int | None = None
     optimizer_memory: str | None = None
     params_memory: str | None = None
+    states_dtype: str | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -340,6 +343,13 @@ class Plan:
             return "device"
         return self.memory.params if unit.params_memory is None else unit.params_memory
 
+    def states_dtype(self, unit: Unit | int) -> str:
+        """The dtype of `unit`'s (a `Unit` of this plan or its index) optimizer moments:
+        its own `states_dtype`, else the plan's `memory.states`."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return self.memory.states if unit.states_dtype is None else unit.states_dtype
+
     def unit_of(self, fqn: str) -> int:
         """Index of the unit that holds tensor `fqn` (a name or an alias)."""
         for index, unit in enumerate(self.units):
@@ -432,6 +442,18 @@ def _validate_memory(plan: Plan) -> None:
             raise PlanError(
                 f"unit {unit.name!r}: params_memory is {unit.params_memory!r}; allowed: "
                 f"None (the plan's memory.params), {', '.join(MEMORY_KINDS)}"
+            )
+        if unit.states_dtype not in (None, *MEMORY_DTYPES):
+            raise PlanError(
+                f"unit {unit.name!r}: states_dtype is {unit.states_dtype!r}; allowed: None "
+                f"(the plan's memory.states), {', '.join(MEMORY_DTYPES)}"
+            )
+        if plan.states_dtype(unit) != memory.states and plan.optimizer_memory(unit) == "nvme":
+            raise PlanError(
+                f"unit {unit.name!r}: states_dtype is {unit.states_dtype!r} with its optimizer "
+                f"on 'nvme', where the swap file keeps every unit's moments in the plan's "
+                f"memory.states ({memory.states!r}); give it the plan's dtype or keep its "
+                "optimizer on the device or host"
             )
         if unit.params_memory not in (None, "device") and plan.stage_of(unit) < 3:
             raise PlanError(

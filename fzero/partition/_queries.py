@@ -266,15 +266,20 @@ def memory_per_rank(
         held = _mesh_numel(plan)
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
         apart, off_device = held["master apart"], held["optimizer off the device"]
+        narrow, narrow_off = held["bf16 states"], held["bf16 states off the device"]
     else:
-        params, grads, optimizer_numel, apart, off_device = _stage_numel(plan, rank)
+        params, grads, optimizer_numel, apart, off_device, narrow, narrow_off = _stage_numel(
+            plan, rank
+        )
         secondary = 0
     memory = plan.memory
     if offload_optimizer is not None:  # said for every unit
         off_device = optimizer_numel if offload_optimizer else 0
+        narrow_off = narrow if offload_optimizer else 0
     offload_optimizer = off_device > 0
     if master_dtype is None:
         master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
+    said_states = state_dtype is not None  # for every unit; else each unit's own
     if state_dtype is None:
         state_dtype = "bfloat16" if memory.states == "bf16" else "float32"
     if grad_dtype == "plan":
@@ -291,15 +296,22 @@ def memory_per_rank(
     # a parameter shard coarser than the optimizer's holds no master of its own
     if held_once and not off_device:
         master += apart * full_master
+    state_bytes = optimizer_numel * state_size * slots
+    off_state_bytes = off_device * state_size * slots
+    if not said_states:  # units whose moments' dtype differs from the plan's (bf16 or fp32)
+        fp32, bf16 = 4, 2
+        wide_numel, wide_off = optimizer_numel - narrow, off_device - narrow_off
+        state_bytes = (wide_numel * fp32 + narrow * bf16) * slots
+        off_state_bytes = (wide_off * fp32 + narrow_off * bf16) * slots
     return MemoryEstimate(
         params=params * param_size,
         master=master,
         grads=grads * grad_size,
-        optimizer_state=optimizer_numel * state_size * slots,
+        optimizer_state=state_bytes,
         offload_optimizer=offload_optimizer,
         params_secondary=secondary * param_size,
         params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
-        offloaded=off_device * (full_master + state_size * slots),
+        offloaded=off_device * full_master + off_state_bytes,
     )
 
 
@@ -314,12 +326,13 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int]:
+def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int, int, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
     unit as its own stage (`Plan.stage_of`), of masters apart from the parameters
-    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), and of
-    optimizer state off the device (`Plan.optimizer_memory`)."""
-    params = grads = optimizer_numel = apart = off_device = 0
+    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), of
+    optimizer state off the device (`Plan.optimizer_memory`), and of optimizer state in
+    bf16 (`Plan.states_dtype`), all of it and off the device."""
+    params = grads = optimizer_numel = apart = off_device = narrow = narrow_off = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
         start, stop = plan.grads_range(unit, rank)
@@ -328,7 +341,10 @@ def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int]:
         optimizer_numel += shard if stage >= 1 else full
         apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
         off_device += shard if plan.optimizer_memory(unit) != "device" else 0
-    return params, grads, optimizer_numel, apart, off_device
+        if plan.states_dtype(unit) == "bf16":
+            narrow += shard if stage >= 1 else full
+            narrow_off += shard if plan.optimizer_memory(unit) != "device" else 0
+    return params, grads, optimizer_numel, apart, off_device, narrow, narrow_off
 
 
 _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
@@ -337,13 +353,19 @@ _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
 def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
     """Elements one rank holds of each kind under a mesh plan (blocks are equal), and of
     masters apart from split parameters split coarser than the optimizer state."""
-    held = dict.fromkeys((*_HELD_KINDS, "master apart", "optimizer off the device"), 0)
+    held = dict.fromkeys(
+        (*_HELD_KINDS, "master apart", "optimizer off the device", "bf16 states",
+         "bf16 states off the device"),
+        0,
+    )  # fmt: skip
     for unit, sharding in zip(plan.units, plan.shardings):
         where = plan.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
+        part = unit.numel // plan.mesh.group_size(sharding.optimizer.shard)
+        narrow = (unit.states_dtype or plan.memory.states) == "bf16"
         if where != "device":
-            held["optimizer off the device"] += unit.numel // plan.mesh.group_size(
-                sharding.optimizer.shard
-            )
+            held["optimizer off the device"] += part
+            held["bf16 states off the device"] += part if narrow else 0
+        held["bf16 states"] += part if narrow else 0
         for kind in _HELD_KINDS:
             split = sharding.of(kind)
             if split is not None:

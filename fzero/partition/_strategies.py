@@ -466,11 +466,12 @@ def _named_by(plan: Plan, keys: Mapping[str, object], what: str) -> list[tuple[U
 def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str | Mapping[str, str]]) -> Plan:
     """`plan` with the states of the units `unit_memory` names kept where it says
     ("device", "host" or "nvme"), the rest where they were: a memory kind for the masters
-    and optimizer state (`Unit.optimizer_memory`), or a mapping of kind to memory kind,
-    `{"optimizer": ..., "params": ...}` (either key: `Unit.params_memory` is where a
-    stage-3 parameter shard lives between uses). Keys as `set_unit_stages` takes them (a
-    unit name or a module path, the most specific winning). A key naming no unit, or a
-    kind that is neither, is an error naming it."""
+    and optimizer state (`Unit.optimizer_memory`), or a mapping of `Memory`'s fields to
+    what they say for the unit, `{"optimizer": ..., "params": ..., "states": ...}` (any of
+    them: `Unit.params_memory` is where a stage-3 parameter shard lives between uses,
+    `Unit.states_dtype` the moments' dtype, "fp32" or "bf16"). Keys as `set_unit_stages`
+    takes them (a unit name or a module path, the most specific winning). A key naming no
+    unit, or another field, is an error naming it."""
     if not isinstance(unit_memory, Mapping):
         raise PlanError(
             f"unit_memory is a {type(unit_memory).__name__}; give a mapping of unit name or "
@@ -485,7 +486,11 @@ def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str | Mapping[str, str
     return validate(dataclasses.replace(plan, units=units))
 
 
-_UNIT_MEMORY_FIELDS = {"optimizer": "optimizer_memory", "params": "params_memory"}
+_UNIT_MEMORY_FIELDS = {
+    "optimizer": "optimizer_memory",
+    "params": "params_memory",
+    "states": "states_dtype",
+}
 
 
 def _kinds_said(key: str, value: str | Mapping[str, str]) -> dict[str, str]:

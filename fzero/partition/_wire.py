@@ -68,6 +68,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         **({"stage": unit.stage} if unit.stage is not None else {}),
         **({"optimizer_memory": unit.optimizer_memory} if unit.optimizer_memory else {}),
         **({"params_memory": unit.params_memory} if unit.params_memory else {}),
+        **({"states_dtype": unit.states_dtype} if unit.states_dtype else {}),
     }
 
 
@@ -99,6 +100,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         stage=raw.get("stage"),
         optimizer_memory=raw.get("optimizer_memory"),
         params_memory=raw.get("params_memory"),
+        states_dtype=raw.get("states_dtype"),
     )
 
 
