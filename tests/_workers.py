@@ -36,6 +36,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import io
 import logging
 import os
 import pickle
@@ -180,6 +181,34 @@ def output_to(out: str, err: str) -> Iterator[None]:
             os.close(old)
 
 
+def _import_accelerate_beside_the_stand_in() -> None:
+    """Import Accelerate's utils and Transformers' DeepSpeed integration once with
+    `import deepspeed` served by fzero, then take the stand-in away. Both decide at import
+    whether DeepSpeed is installed and only then define what serves it
+    (`accelerate.utils.DeepSpeedSchedulerWrapper`, the base of Transformers'
+    `HfDeepSpeedConfig`): a case that imported them without the stand-in left every later
+    `--as-deepspeed` case in the process without them (the Trainer failed to import, or
+    to build its config), which no new process gives. Their presence changes nothing for a
+    case without DeepSpeed (used only where DeepSpeed is; availability is asked again at
+    run time)."""
+    import importlib.util
+
+    import fzero.compat
+
+    wanted = [name for name in ("accelerate", "transformers") if importlib.util.find_spec(name)]
+    if "accelerate" not in wanted or fzero.compat.installed():
+        return
+    with contextlib.redirect_stderr(io.StringIO()):  # install's note on rank 0
+        fzero.compat.install()
+    try:
+        import accelerate.utils  # noqa: F401
+
+        if "transformers" in wanted:
+            import transformers.integrations.deepspeed  # noqa: F401
+    finally:
+        fzero.compat.uninstall()
+
+
 def _reset_libraries(compat_before: bool) -> None:
     """Process-wide state of the libraries a case may have used, as a new process has it."""
     compat = sys.modules.get("fzero.compat")
@@ -243,6 +272,7 @@ def serve(rank: int, world: int, conn: Any, directory: str) -> None:
     torch.set_num_threads(1)
     import fzero.compat  # fzero's loggers exist before any case adds a handler
 
+    _import_accelerate_beside_the_stand_in()
     baseline, reported = _Baseline(), 0.0
     out, err = f"{directory}/rank{rank}.out", f"{directory}/rank{rank}.err"
     while True:

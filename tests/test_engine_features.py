@@ -81,7 +81,7 @@ def telemetry_case(rank, world):
 def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     text, losses = run_world(telemetry_case, 2)
     lines = text.splitlines()
-    assert [line.split()[3] for line in lines] == ["2", "4"]
+    assert [line.split()[3] for line in lines] == ["2", "4"], text  # all of it, if not
     pattern = (
         r"\[fzero Net\] step 4 \| steps 3-4: loss (\d+\.\d{4}), [\d.]+ samples/s \| "
         r"lr 0\.001 loss_scale \d+ skipped \d+ \| "
