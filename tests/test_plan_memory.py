@@ -532,3 +532,23 @@ def test_nvme_units_beside_units_in_memory_on_a_2x2_mesh(tmp_path):
         assert out[run][0] == losses, run
         for name, value in weights.items():
             assert torch.equal(out[run][1][name], value), (run, name)
+
+
+def test_a_units_moment_dtype_is_counted_alike_on_a_mesh_and_as_run():
+    """`memory_per_rank` of a mesh plan with one unit's moments in bf16 equals that of the
+    plan both doors run for it, and is below the all-fp32 plan's by that unit's moments'
+    two missing bytes each (two Adam moments)."""
+    mesh = partition.Mesh({"node": 2, "local": 2})
+    laid = partition.mesh_plan(
+        _manifest(), mesh, "mics", persistence_threshold=0,
+        strategy=partition.with_unit_memory({"0": {"states": "bf16"}}),
+    )  # fmt: skip
+    plain = partition.mesh_plan(_manifest(), mesh, "mics", persistence_threshold=0)
+    assert [u.states_dtype for u in laid.units] == ["bf16", None, None]
+    for rank in range(2):  # processes 0 and 1: node 0's, the plan's ranks 0 and 1
+        said = partition.memory_per_rank(laid, rank)
+        assert said == partition.memory_per_rank(partition.executable(laid), rank)
+        unit = laid.units[0]
+        part = unit.numel // mesh.group_size(laid.shardings[0].optimizer.shard)
+        saved = partition.memory_per_rank(plain, rank).optimizer_state - said.optimizer_state
+        assert saved == part * 2 * 2
