@@ -216,3 +216,64 @@ def test_the_mixes_no_run_does_are_refused_by_name():
         partition.with_memory(plan, partition.Memory(grads="fp4"))
     with pytest.raises(partition.PlanError, match=r"memory\.grads is 'bf16' .* swap file"):
         partition.with_memory(plan, partition.Memory(optimizer="nvme", grads="bf16"))
+
+
+def unit_case(rank: int, world: int, stage: int) -> dict:
+    """bf16 gradient sums for the blocks only (`unit_memory={"blocks": {"grads":
+    "bf16"}}`) beside fp32 ones, against all-bf16 and all-fp32 sums: the weights after
+    one step (no clipping: each unit's update reads only its own gradient)."""
+    config = _config(stage, None)
+    config["gradient_clipping"] = 0.0
+    out: dict = {}
+    for name, accum, strategy in (
+        ("fp32", None, None),
+        ("bf16", "bf16", None),
+        ("blocks", None, partition.with_unit_memory({"blocks": {"grads": "bf16"}})),
+    ):
+        said = dict(config, data_types={"grad_accum_dtype": accum})
+        torch.manual_seed(0)
+        engine = fzero.shard(
+            Net(), optimizer=fzero.optim.adamw(lr=LR), config=said, strategy=strategy
+        )
+        x, y = global_batch(0, MICRO * ACCUM * world)
+        for a in range(ACCUM):
+            rows = slice((a * world + rank) * MICRO, (a * world + rank + 1) * MICRO)
+            engine.backward(F.mse_loss(engine(x[rows].bfloat16()).float(), y[rows]))
+            engine.step()
+        out[name] = engine.state_dict(dtype=torch.float32)
+        if name == "blocks":
+            out["dtypes"] = [str(rt.grad.dtype) for rt in engine.units]
+            out["held"] = (engine.memory_held().grads, engine.memory_planned().grads)
+            out["buckets"] = partition.reduction_buckets(engine.plan, 300)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_units_gradients_summed_in_bf16_beside_fp32_sums(stage):
+    out = run_world(unit_case, 2, stage)
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    assert out["dtypes"] == [fp32, bf16, bf16, fp32]
+    assert out["held"][0] == out["held"][1]
+    # stages 0-1 share a buffer per bucket: a bucket holds one dtype ("head" and
+    # "blocks.1" share one when their dtypes agree: ((3, 2), (1,), (0,)))
+    assert out["buckets"] == ((3,), (2,), (1,), (0,))
+    for name, value in out["blocks"].items():
+        run = "bf16" if name.startswith("blocks") else "fp32"
+        assert torch.equal(value, out[run][name]), (name, run)
+    assert any(not torch.equal(out["bf16"][n], out["fp32"][n]) for n in out["fp32"])
+
+
+def test_a_units_gradient_dtype_is_checked():
+    with pytest.raises(partition.PlanError, match=r"unit 'head': grads_dtype is 'fp8'"):
+        partition.plan(
+            partition.describe(Net()), world_size=2, stage=2,
+            unit_memory={"head": {"grads": "fp8"}},
+        )  # fmt: skip
+    plan = partition.plan(
+        partition.describe(Net()), world_size=2, stage=2, unit_memory={"head": {"grads": "bf16"}}
+    )
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+    config = {"train_micro_batch_size_per_gpu": MICRO}
+    with pytest.raises(partition.PlanError, match=r"unit 'head': grads_dtype is 'bf16' but the"):
+        fzero.init(Net(), plan, fzero.optim.adamw(), config=config)

@@ -393,8 +393,8 @@ def test_parameter_shards_live_where_each_unit_says_and_train_as_on_the_device(t
 
 
 def test_unit_parameter_memory_is_checked():
-    with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'grads'; allowed"):
-        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"grads": "host"}})
+    with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'master'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"master": "bf16"}})
     with pytest.raises(PlanError, match=r"unit '0': states_dtype is 'fp16'; allowed"):
         partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"states": "fp16"}})
     with pytest.raises(PlanError, match=r"states_dtype is 'bf16' with its optimizer on 'nvme'"):

@@ -20,7 +20,14 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
-from fzero.core.precision import STATE_DTYPES, Precision, loss_scaler, precision_of, run_plan
+from fzero.core.precision import (
+    DTYPES,
+    STATE_DTYPES,
+    Precision,
+    loss_scaler,
+    precision_of,
+    run_plan,
+)
 from fzero.core.reduce import bucket_accumulators
 from fzero.core.residency import Residency, SwapFileUnits
 from fzero.core.state import (
@@ -101,7 +108,7 @@ def init(
     accumulators = None  # units at stages 0-1: views of one buffer per reduction bucket
     if plan.runs_stage(lambda s: s < 2):
         buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
-        accumulators = bucket_accumulators(plan, buckets, device, dtypes.grad_dtype)
+        accumulators = bucket_accumulators(plan, buckets, device)
     units: list[UnitState] = []
     for index, unit in enumerate(plan.units):
         tensors = [named[pl.fqn] for pl in unit.placements]
@@ -114,6 +121,7 @@ def init(
                 if where[index] == "nvme"
                 else STATE_DTYPES[plan.states_dtype(index)]  # `Unit.states_dtype`
             ),
+            grad_dtype=DTYPES[plan.grads_dtype(index)],  # `Unit.grads_dtype`
         )
         units.append(
             build_unit_state(

@@ -153,6 +153,13 @@ def run_plan(
     said_by = "the config (offload_param, offload_optimizer, bf16) or precision"
     plan = partition.with_memory(plan, memory_of(config, precision), said_by)
     memory = plan.memory
+    for unit in plan.units:
+        if plan.grads_dtype(unit) not in ("fp32", precision.compute) and unit.grads_dtype:
+            raise partition.PlanError(
+                f"unit {unit.name!r}: grads_dtype is {unit.grads_dtype!r} but the compute "
+                f"dtype is {precision.compute!r}: a gradient accumulator is fp32 or in the "
+                "compute dtype"
+            )
     placed = [(u, plan.params_memory(u)) for u in plan.units if plan.params_memory(u) != "device"]
     if door and placed:
         unit, where = placed[0]

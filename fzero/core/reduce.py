@@ -279,21 +279,22 @@ def finish(pending: Pending) -> None:
     pending.clear()
 
 
+_GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def bucket_accumulators(
-    plan: Plan,
-    buckets: Sequence[Sequence[int]],
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    plan: Plan, buckets: Sequence[Sequence[int]], device: torch.device
 ) -> list[Tensor | None]:
-    """Units at stages 0-1: each one's gradient accumulator (in `dtype`: the plan's
-    `memory.grads`) as a view of one zeroed buffer per bucket, so that a bucket is
-    all-reduced by one collective (`Reduction`); None for a unit at stages 2-3 (its
-    accumulator is its shard, made with its state)."""
+    """Units at stages 0-1: each one's gradient accumulator (in `Plan.grads_dtype`, one
+    per bucket: `reduction_buckets` does not mix them) as a view of one zeroed buffer per
+    bucket, so that a bucket is all-reduced by one collective (`Reduction`); None for a
+    unit at stages 2-3 (its accumulator is its shard, made with its state)."""
     grads: list[Tensor | None] = [None] * len(plan.units)
     for indices in buckets:
         if plan.stage_of(indices[0]) >= 2:
             continue
         numel = sum(plan.units[i].numel for i in indices)
+        dtype = _GRAD_DTYPES[plan.grads_dtype(indices[0])]
         buffer = torch.zeros(numel, dtype=dtype, device=device)
         offset = 0
         for i in indices:

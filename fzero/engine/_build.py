@@ -21,7 +21,7 @@ from fzero.core.build import Holding, build_unit_state, values_on_rank
 from fzero.core.groups import check_same_plan
 from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.partitioned import is_partitioned, materialise, release_partition, shape_of
-from fzero.core.precision import STATE_DTYPES, Precision, run_plan
+from fzero.core.precision import DTYPES, STATE_DTYPES, Precision, run_plan
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
 from fzero.engine.meta_init import MetaInitializer
@@ -195,6 +195,7 @@ def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
     off the device where the plan keeps it there (`Plan.params_memory`)."""
     return holding._replace(
         shards_offloaded=residency.plan.params_memory(index) != "device",
+        grad_dtype=DTYPES[residency.plan.grads_dtype(index)],  # `Unit.grads_dtype`
         offload=residency.offloaded[index],
         state_dtype=(
             torch.float32

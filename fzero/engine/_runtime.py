@@ -115,7 +115,7 @@ def build_runtime(
     buckets = partition.reduction_buckets(plan, int(zero.reduce_bucket_size))
     accumulators = None  # units at stages 0-1: one buffer per bucket (one all-reduce each)
     if plan.runs_stage(lambda s: s < 2):
-        accumulators = bucket_accumulators(plan, buckets, device, precision.grad_dtype)
+        accumulators = bucket_accumulators(plan, buckets, device)
     holding = Holding(
         compute_dtype=compute_dtype,
         master_dtype=precision.master_dtype,

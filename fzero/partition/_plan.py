@@ -80,7 +80,9 @@ class Unit:
     stage-3 parameter shard lives between uses (None: the plan's `memory.params`);
     `Plan.params_memory` reads it. `states_dtype`: its optimizer moments' dtype, one of
     `MEMORY_DTYPES` (None: the plan's `memory.states`): bf16 moments for a large
-    embedding beside fp32 ones; `Plan.states_dtype` reads it.
+    embedding beside fp32 ones; `Plan.states_dtype` reads it. `grads_dtype`: its
+    gradient accumulator's, one of `GRAD_DTYPES` (None: the plan's `memory.grads`);
+    `Plan.grads_dtype` reads it.
     """
 
     name: str
@@ -96,6 +98,7 @@ class Unit:
     optimizer_memory: str | None = None
     params_memory: str | None = None
     states_dtype: str | None = None
+    grads_dtype: str | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -350,6 +353,13 @@ class Plan:
             unit = self.units[unit]
         return self.memory.states if unit.states_dtype is None else unit.states_dtype
 
+    def grads_dtype(self, unit: Unit | int) -> str:
+        """The dtype of `unit`'s (a `Unit` of this plan or its index) gradient
+        accumulator: its own `grads_dtype`, else the plan's `memory.grads`."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return self.memory.grads if unit.grads_dtype is None else unit.grads_dtype
+
     def unit_of(self, fqn: str) -> int:
         """Index of the unit that holds tensor `fqn` (a name or an alias)."""
         for index, unit in enumerate(self.units):
@@ -483,10 +493,20 @@ def _validate_memory(plan: Plan) -> None:
                 "swap file holds fp32 masters only; keep the optimizer on the device or "
                 "host, or use fp32 masters with bf16 states (bf16 moments in the file)"
             )
-        if where == "nvme" and memory.grads != "fp32" and plan.stage_of(unit) >= 2:
+        if unit.grads_dtype not in (None, *GRAD_DTYPES):
             raise PlanError(
-                f"memory.grads is {memory.grads!r} (DeepSpeed's data_types.grad_accum_dtype) "
-                f"with unit {unit.name!r}'s optimizer on 'nvme' at stage "
+                f"unit {unit.name!r}: grads_dtype is {unit.grads_dtype!r}; allowed: None "
+                f"(the plan's memory.grads), {', '.join(GRAD_DTYPES)}"
+            )
+        grads = plan.grads_dtype(unit)
+        if where == "nvme" and grads != "fp32" and plan.stage_of(unit) >= 2:
+            said = (
+                f"memory.grads is {grads!r} (DeepSpeed's data_types.grad_accum_dtype)"
+                if unit.grads_dtype is None
+                else f"unit {unit.name!r}'s grads_dtype is {grads!r}"
+            )
+            raise PlanError(
+                f"{said} with unit {unit.name!r}'s optimizer on 'nvme' at stage "
                 f"{plan.stage_of(unit)}: its gradient accumulator lives in the swap file, "
                 "which holds fp32 accumulators only; accumulate in fp32 (grad_accum_dtype "
                 "'fp32' or null) or keep the optimizer on the device or host"

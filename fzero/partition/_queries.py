@@ -97,7 +97,9 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     than that is a bucket of its own. One collective reduces a whole bucket, so a
     bucket never mixes units whose gradients are all-reduced whole (stages 0-1, at the
     accumulation boundary) with units whose gradients are split (stages 2-3, every
-    micro-step): a plan whose units differ in stage starts a bucket where that changes.
+    micro-step): a plan whose units differ in stage starts a bucket where that changes,
+    and one whose units' gradient accumulators differ in dtype (`Unit.grads_dtype`: the
+    accumulators of units at stages 0-1 are views of one buffer per bucket) likewise.
     """
     if bucket_numel < 1:
         raise PlanError(f"reduce_bucket_size is {bucket_numel}; it must be >= 1")
@@ -106,7 +108,10 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     filled = 0
     for index in reversed(range(len(plan.units))):
         numel = plan.units[index].numel
-        other = bool(current) and grads_split(plan, index) != grads_split(plan, current[-1])
+        other = bool(current) and (
+            grads_split(plan, index) != grads_split(plan, current[-1])
+            or _grads_dtype(plan, index) != _grads_dtype(plan, current[-1])
+        )
         if current and (filled + numel > bucket_numel or other):
             buckets.append(tuple(current))
             current, filled = [], 0
@@ -115,6 +120,11 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     if current:
         buckets.append(tuple(current))
     return tuple(buckets)
+
+
+def _grads_dtype(plan: Plan | MeshPlan, index: int) -> str:
+    unit = plan.units[index]
+    return plan.memory.grads if unit.grads_dtype is None else unit.grads_dtype
 
 
 def grads_split(plan: Plan | MeshPlan, index: int) -> bool:
@@ -267,9 +277,10 @@ def memory_per_rank(
         params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
         apart, off_device = held["master apart"], held["optimizer off the device"]
         narrow, narrow_off = held["bf16 states"], held["bf16 states off the device"]
+        half_grads = held["half grads"]
     else:
-        params, grads, optimizer_numel, apart, off_device, narrow, narrow_off = _stage_numel(
-            plan, rank
+        params, grads, optimizer_numel, apart, off_device, narrow, narrow_off, half_grads = (
+            _stage_numel(plan, rank)
         )
         secondary = 0
     memory = plan.memory
@@ -282,10 +293,14 @@ def memory_per_rank(
     said_states = state_dtype is not None  # for every unit; else each unit's own
     if state_dtype is None:
         state_dtype = "bfloat16" if memory.states == "bf16" else "float32"
+    grad_bytes = None  # each unit's accumulator in its own dtype (`Unit.grads_dtype`)
     if grad_dtype == "plan":
+        grad_bytes = (grads - half_grads) * 4 + half_grads * 2
         grad_dtype = _GRAD_DTYPES[memory.grads]
     param_size = dtype_of(param_dtype).itemsize
     grad_size = dtype_of(grad_dtype or param_dtype).itemsize
+    if grad_bytes is None:
+        grad_bytes = grads * grad_size
     state_size = dtype_of(state_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
     full_master = dtype_of(master_dtype).itemsize
@@ -306,7 +321,7 @@ def memory_per_rank(
     return MemoryEstimate(
         params=params * param_size,
         master=master,
-        grads=grads * grad_size,
+        grads=grad_bytes,
         optimizer_state=state_bytes,
         offload_optimizer=offload_optimizer,
         params_secondary=secondary * param_size,
@@ -326,25 +341,29 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int, int, int]:
+def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int, int, int, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
     unit as its own stage (`Plan.stage_of`), of masters apart from the parameters
     (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), of
-    optimizer state off the device (`Plan.optimizer_memory`), and of optimizer state in
-    bf16 (`Plan.states_dtype`), all of it and off the device."""
+    optimizer state off the device (`Plan.optimizer_memory`), of optimizer state in bf16
+    (`Plan.states_dtype`), all of it and off the device, and of gradients held in a
+    2-byte dtype (`Plan.grads_dtype`)."""
     params = grads = optimizer_numel = apart = off_device = narrow = narrow_off = 0
+    half_grads = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
         start, stop = plan.grads_range(unit, rank)
         params += stop - start if stage == 3 else full
-        grads += stop - start if stage >= 2 else full
+        held_grads = stop - start if stage >= 2 else full
+        grads += held_grads
+        half_grads += held_grads if plan.grads_dtype(unit) != "fp32" else 0
         optimizer_numel += shard if stage >= 1 else full
         apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
         off_device += shard if plan.optimizer_memory(unit) != "device" else 0
         if plan.states_dtype(unit) == "bf16":
             narrow += shard if stage >= 1 else full
             narrow_off += shard if plan.optimizer_memory(unit) != "device" else 0
-    return params, grads, optimizer_numel, apart, off_device, narrow, narrow_off
+    return params, grads, optimizer_numel, apart, off_device, narrow, narrow_off, half_grads
 
 
 _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
@@ -355,7 +374,7 @@ def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
     masters apart from split parameters split coarser than the optimizer state."""
     held = dict.fromkeys(
         (*_HELD_KINDS, "master apart", "optimizer off the device", "bf16 states",
-         "bf16 states off the device"),
+         "bf16 states off the device", "half grads"),
         0,
     )  # fmt: skip
     for unit, sharding in zip(plan.units, plan.shardings):
@@ -366,6 +385,8 @@ def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
             held["optimizer off the device"] += part
             held["bf16 states off the device"] += part if narrow else 0
         held["bf16 states"] += part if narrow else 0
+        if (unit.grads_dtype or plan.memory.grads) != "fp32":
+            held["half grads"] += unit.numel // plan.mesh.group_size(sharding.grads.shard)
         for kind in _HELD_KINDS:
             split = sharding.of(kind)
             if split is not None:

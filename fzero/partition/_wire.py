@@ -69,6 +69,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         **({"optimizer_memory": unit.optimizer_memory} if unit.optimizer_memory else {}),
         **({"params_memory": unit.params_memory} if unit.params_memory else {}),
         **({"states_dtype": unit.states_dtype} if unit.states_dtype else {}),
+        **({"grads_dtype": unit.grads_dtype} if unit.grads_dtype else {}),
     }
 
 
@@ -101,6 +102,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         optimizer_memory=raw.get("optimizer_memory"),
         params_memory=raw.get("params_memory"),
         states_dtype=raw.get("states_dtype"),
+        grads_dtype=raw.get("grads_dtype"),
     )
 
 
