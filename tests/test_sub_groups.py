@@ -1,0 +1,208 @@
+"""`zero_optimization.sub_group_size` with the optimizer on NVMe: the step reads, updates
+and writes units in pieces of at most that many elements (DeepSpeed's sub-groups), its
+swap buffers sized by the piece, and trains bit for bit like whole units."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fzero
+from fzero.core.residency import swap_buffer_numel
+from tests._dist import run_world
+
+MICRO, STEPS, ACCUMULATION = 2, 6, 2
+WIDTH = 151  # a block's partition at world 2: 11,627 elements, 5.7 pieces of 2048
+
+
+class Wide(nn.Module):
+    """Units whose partitions span several sub-groups, none a multiple of 2048."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(29, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.LayerNorm(WIDTH)) for _ in range(2)
+        )
+        self.head = nn.Linear(WIDTH, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _config(nvme_path, stage, precision, sub_group_size, bf16_states=False, optim="adamw"):
+    nvme = {"device": "nvme", "nvme_path": nvme_path}
+    zero = {
+        "stage": stage,
+        "sub_group_size": sub_group_size,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": nvme,
+    }
+    if stage == 3:
+        zero["offload_param"] = nvme
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "gradient_clipping": 0.05,  # small: the clip coefficient is below 1 every step
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": zero,
+    }
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True, "bf16_optimizer_states": bf16_states}
+    return config
+
+
+def _engine(config, optim):
+    torch.manual_seed(0)
+    return fzero.shard(Wide(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), config=config)
+
+
+def _micro_step(engine, rank, world, step):
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(MICRO * world, 29, generator=generator)
+    y = torch.randn(MICRO * world, 5, generator=generator)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _optimizer_state(engine):
+    """Every swapped unit's master and optimizer tensors, read from the swap file."""
+    tensors = {}
+    for index in range(len(engine.units)):
+        with engine.train_state.residence.resident(index) as unit:
+            tensors[f"{index}.master"] = unit.master.clone()
+            for name, value in unit.optim._asdict().items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{index}.{name}"] = value.clone()
+                else:
+                    tensors[f"{index}.{name}"] = value
+    return tensors
+
+
+def train(rank, world, nvme_path, root, stage, precision, optim, bf16_states, size, native):
+    """STEPS optimizer steps of ACCUMULATION micro-steps, a checkpoint after the third,
+    then the rest again from it in a new engine; the pure update when not `native`."""
+    patch = (
+        contextlib.nullcontext()
+        if native
+        else mock.patch.object(fzero.native, "available", lambda device=None: False)
+    )
+    with patch:
+        config = _config(nvme_path, stage, precision, size, bf16_states)
+        engine = _engine(config, optim)
+        pieces = engine.residency.sub_group
+        losses = []
+        for step in range(STEPS * ACCUMULATION):
+            losses.append(_micro_step(engine, rank, world, step))
+            if step == 3 * ACCUMULATION - 1:
+                engine.save_checkpoint(root)
+        state = engine.state_dict(dtype=torch.float32)
+        optimizer_state = _optimizer_state(engine)
+        again = _engine(config, optim)
+        again.load_checkpoint(root)
+        resumed = [
+            _micro_step(again, rank, world, step)
+            for step in range(3 * ACCUMULATION, STEPS * ACCUMULATION)
+        ]
+        return losses, state, optimizer_state, resumed, pieces
+
+
+CASES = [
+    (3, "bf16", "adamw", True, True),  # the big-model configuration: bf16 moments on disk
+    (3, "bf16", "adamw", True, False),  # the pure update and rounding
+    (3, "fp32", "adamw", False, True),
+    (3, "fp16", "adam", False, True),  # loss scaling: the factor unscales every piece
+    (2, "bf16", "sgd", False, True),
+    (2, "bf16", "adagrad", False, False),
+    (1, "bf16", "adamw", False, True),  # gradients in memory: copied piece by piece
+    (1, "fp32", "lion", False, True),
+]
+
+
+@pytest.mark.parametrize(("stage", "precision", "optim", "bf16_states", "native"), CASES)
+def test_sub_groups_train_bit_for_bit_like_whole_units(
+    stage, precision, optim, bf16_states, native, tmp_path
+):
+    """sub_group_size 5000 (pieces of 4096, 2.8 per block partition at world 2) against
+    the default: the same losses, parameters, masters and optimizer state, bit for bit,
+    through accumulation, clipping and a checkpoint resumed."""
+    if native and not fzero.native.available():
+        pytest.skip("fzero's native kernels are not built")
+    runs = {}
+    for size in (1_000_000_000, 5000):
+        swap = tmp_path / f"swap{size}"
+        swap.mkdir()
+        root = str(tmp_path / f"ckpt{size}")
+        runs[size] = run_world(
+            train, 2, str(swap), root, stage, precision, optim, bf16_states, size, native
+        )
+    (losses, state, optimizer_state, resumed, whole) = runs[1_000_000_000]
+    (got_losses, got_state, got_optimizer_state, got_resumed, pieces) = runs[5000]
+    assert whole == 0 and pieces == 4096
+    assert got_losses == losses
+    assert resumed == losses[3 * ACCUMULATION :] and got_resumed == resumed
+    assert state.keys() == got_state.keys()
+    assert all(torch.equal(got_state[k], v) for k, v in state.items())
+    assert optimizer_state.keys() == got_optimizer_state.keys()
+    for key, value in optimizer_state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got_optimizer_state[key], value), key
+        else:
+            assert got_optimizer_state[key] == value, key
+
+
+@pytest.fixture
+def own_group():
+    """Engines built in this process start a world-1 process group: end it after."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_swap_buffers_are_sized_by_the_sub_group(tmp_path, own_group):
+    """The step's buffers hold a piece (plus the bf16 read's room), not the largest
+    unit's partition; checkpoints and backward's gradient writes keep unit-sized ones."""
+    config = _config(str(tmp_path), 3, "bf16", 3000, bf16_states=True)
+    engine = _engine(config, "adamw")
+    residency = engine.residency
+    largest = max(residency.partition_numel(unit) for unit in engine.plan.units)
+    assert largest > 2 * 2048
+    assert residency.sub_group == 2048  # rounded down to whole 4 KiB pages of bf16
+    assert residency.step_pool.numel == swap_buffer_numel(2048) < largest
+    assert residency.pool.numel == swap_buffer_numel(largest)
+    engine.destroy()
+
+    default = _engine(_config(str(tmp_path), 3, "bf16", 1_000_000_000), "adamw")
+    assert default.residency.sub_group == 0
+    assert default.residency.step_pool is default.residency.pool
+    default.destroy()
+
+
+def test_a_sub_group_below_a_lamb_unit_is_refused(tmp_path, own_group):
+    """LAMB's trust ratio needs each whole tensor: a sub-group smaller than a unit's
+    partition is refused, naming the key, the value, the unit and what is allowed."""
+    config = _config(str(tmp_path), 2, "bf16", 3000)
+    with pytest.raises(ValueError, match=r"zero_optimization.sub_group_size 3,000 is smaller"):
+        _engine(config, "lamb")
+    with pytest.raises(ValueError, match=r"unit '.*'s optimizer partition.*allowed: a "):
+        _engine(config, "lamb")
+
+
+@pytest.mark.parametrize("size", [0, -5])
+def test_a_sub_group_size_that_is_not_positive_is_refused(size, tmp_path, own_group):
+    config = _config(str(tmp_path), 3, "bf16", size)
+    with pytest.raises(ValueError, match=r"sub_group_size.*allowed: a positive number"):
+        _engine(config, "adamw")
