@@ -206,3 +206,42 @@ def test_a_sub_group_size_that_is_not_positive_is_refused(size, tmp_path, own_gr
     config = _config(str(tmp_path), 3, "bf16", size)
     with pytest.raises(ValueError, match=r"sub_group_size.*allowed: a positive number"):
         _engine(config, "adamw")
+
+
+def functional(rank, world, nvme_path, stage, size):
+    """`fzero.train_step` over a `TrainState` in the swap file (gradients in memory):
+    STEPS steps of ACCUMULATION micro-steps; the losses and the consolidated weights."""
+    config = _config(nvme_path, stage, "fp32", size)
+    config["zero_optimization"].pop("offload_param", None)
+    torch.manual_seed(0)
+    model = Wide()
+    manifest = fzero.partition.describe(model)
+    plan = fzero.partition.plan(manifest, world_size=world, stage=stage, persistence_threshold=0)
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    state = fzero.init(model, plan, optimizer, config=config)
+    assert state.residence is not None
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    losses = []
+    for i in range(STEPS * ACCUMULATION):
+        generator = torch.Generator().manual_seed(i)
+        x = torch.randn(MICRO * world, 29, generator=generator)
+        y = torch.randn(MICRO * world, 5, generator=generator)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        state, metrics = step(state, (x[rows], y[rows]))
+        losses.append(metrics["loss"].item())
+    return losses, fzero.state_dict(state, module=model)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_train_step_takes_sub_groups_as_the_engine_does(stage, tmp_path):
+    """The functional door's step over the swap file: pieces give whole units' bits."""
+    whole = run_world(functional, 2, str(tmp_path), stage, 1_000_000_000)
+    pieces = run_world(functional, 2, str(tmp_path), stage, 5000)
+    assert pieces[0] == whole[0]
+    assert pieces[1].keys() == whole[1].keys()
+    assert all(torch.equal(pieces[1][k], v) for k, v in whole[1].items())
