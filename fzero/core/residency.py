@@ -32,6 +32,7 @@ from fzero import comm, native
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
+from fzero.core.precision import init_state
 from fzero.core.state import UnitState
 from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
@@ -580,6 +581,30 @@ class Residency:
         finally:
             self.evict(rt)
             self.give_back(buffers)
+
+    def write_in_pieces(self, rt: UnitRuntime, optimizer: Any) -> None:
+        """Write a unit just built to its current slot in sub-group pieces ([Note:
+        sub-groups]): each piece's master copied from `rt.master` (the values the unit
+        was built from) into a swap buffer, its optimizer state initialised over that
+        piece (the optimizer's `init` is elementwise where pieces are taken), then
+        evicted. The build holds the unit's values and a piece, not a master and moments
+        of the whole partition."""
+        values, numel = rt.master, rt.master.numel()
+        buffers = self.swap_buffers(0, self.step_pool)
+        try:
+            for start in range(0, max(numel, 1), self.sub_group):
+                piece = Piece(rt, start, min(numel, start + self.sub_group))
+                master = buffers[0][: piece.stop - start].copy_(values[start : piece.stop])
+                state = init_state(optimizer, master, torch.float32)
+                fields = {
+                    k: buffers[i + 1][: master.numel()].copy_(getattr(state, k))
+                    for i, k in enumerate(self.kinds[1:])
+                }
+                rt.master, rt.state = master, rt.state._replace(**fields)
+                self.wait_swap(self.swap_out_piece(piece, rt.slot, buffers), "writing")
+        finally:
+            self.evict(rt)
+            self.give_back(buffers, self.step_pool)
 
     def write_next_slot(self, rt: UnitRuntime, with_grad: bool) -> None:
         """Write the master and state bound to `rt` (and its gradient) to the unit's other
