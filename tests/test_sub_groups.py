@@ -183,6 +183,7 @@ def test_swap_buffers_are_sized_by_the_sub_group(tmp_path, own_group):
     assert residency.sub_group == 2048  # rounded down to whole 4 KiB pages of bf16
     assert residency.step_pool.numel == swap_buffer_numel(2048) < largest
     assert residency.pool.numel == swap_buffer_numel(largest)
+    assert residency.step_pool.idle == residency.pool.idle == 0  # the build keeps none
     engine.destroy()
 
     default = _engine(_config(str(tmp_path), 3, "bf16", 1_000_000_000), "adamw")

@@ -75,6 +75,11 @@ class BufferPool:
         """Free all but `keep` idle buffers."""
         del self._free[keep:]
 
+    @property
+    def idle(self) -> int:
+        """Buffers kept for the next `take`."""
+        return len(self._free)
+
 
 def available_memory() -> int | None:
     """Bytes of memory the kernel says a new allocation can have without swapping

@@ -187,6 +187,7 @@ def build_units(
             if not hasattr(p, "ds_status"):
                 describe_zero3_param(p, tuple(p.shape), persistent=True, available=True)
     if residency.nvme is not None:
+        residency.step_pool.trim(0)  # the pieces' buffers (`write_in_pieces`): none kept
         _nvme.return_free_memory()
 
 
