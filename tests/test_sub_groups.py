@@ -307,3 +307,44 @@ def test_nvme_build_and_step_hold_pieces_not_units(tmp_path):
     assert peaks["step"] <= 7 * part_kb, peaks  # whole units: 14 (test_offload.py)
     assert peaks["between"] <= 2 * part_kb, peaks
     assert len(losses) == 2
+
+
+def failing_piece(rank, world, nvme_path, size, fail):
+    """Stage 3 on NVMe; with `fail`, rank 1's eighth state write of step 3 (inside a block
+    unit, its first piece written: 3 kinds per piece) fails with ENOSPC and the step is
+    run again."""
+    from tests._dist import failing_at_write
+
+    config = _config(nvme_path, 3, "bf16", size)
+    config["gradient_accumulation_steps"] = 1
+    engine = _engine(config, "adamw")
+    losses = [_micro_step(engine, rank, world, step) for step in range(3)]
+    before = engine.state_dict(dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(MICRO * world, 29, generator=generator)
+    y = torch.randn(MICRO * world, 5, generator=generator)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    loss = nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+    engine.backward(loss)
+    message = "no failure"
+    if fail:
+        message = failing_at_write(engine, 8 if rank == 1 else -1, engine.step)
+    after = engine.state_dict(dtype=torch.float32)
+    unchanged = all(torch.equal(before[k], v) for k, v in after.items())
+    engine.step()
+    losses.append(loss.item())
+    losses += [_micro_step(engine, rank, world, step) for step in range(4, 6)]
+    return message, unchanged, losses, engine.state_dict(dtype=torch.float32)
+
+
+def test_a_failed_step_in_pieces_changes_nothing_and_can_be_run_again(tmp_path):
+    """An I/O error on one rank after some of a unit's pieces were written (two slots):
+    every rank rolls back, and the step run again trains as if nothing had happened."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    message, unchanged, losses, state = run_world(failing_piece, 2, str(tmp_path / "a"), 5000, True)
+    assert "optimizer step was not applied" in message and "rank 1: " in message
+    assert unchanged
+    reference = run_world(failing_piece, 2, str(tmp_path / "b"), 1_000_000_000, False)
+    assert losses == reference[2]
+    assert all(torch.equal(state[k], v) for k, v in reference[3].items())

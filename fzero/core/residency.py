@@ -15,7 +15,10 @@ is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
 update they are fp32. Host buffers for what moves every step come from a pool of
 unit-sized aligned fp32 buffers; a bf16 moment travels inside its kind's fp32 buffer
 (read into its upper part and widened in place, rounded in place into its lower part
-to be written: [Note: bf16 moments in their fp32 buffers]).
+to be written: [Note: bf16 moments in their fp32 buffers]). With
+`zero_optimization.sub_group_size` below the largest unit's partition, the step (and
+the engine's build) take units in pieces through a pool of piece-sized buffers
+([Note: sub-groups]).
 """
 
 from __future__ import annotations
