@@ -51,11 +51,16 @@ class ZeroConfig(Section):
     )
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    sub_group_size: int = no_effect(
-        1_000_000_000,
-        "DeepSpeed's elements per optimizer sub-group step; fzero steps the optimizer "
-        "one plan unit at a time",
-    )
+    sub_group_size: int = 1_000_000_000
+    """With `offload_optimizer.device` "nvme": the step reads, updates and writes each
+    unit's optimizer partition in pieces of at most this many elements (DeepSpeed's
+    optimizer sub-groups), rounded down to a multiple of 2048 (4 KiB of bf16; at least
+    2048), so its swap buffers hold a piece, not the largest unit's partition. The same
+    bits as whole units for optimizers whose update of an element reads only that element
+    (Adam, AdamW, SGD, Adagrad, Lion); an optimizer that needs tensor norms (LAMB) steps
+    whole units, and a value below such a unit's partition is refused. Checkpoints and
+    backward's gradient writes still move whole units. In memory (no NVMe) no effect: the
+    step updates one plan unit at a time in place."""
     stage3_prefetch_bucket_size: int = 50_000_000
     """Stage 3: elements of the next units (in the order the first step recorded) kept
     in flight, gathered ahead of their use."""

@@ -31,7 +31,7 @@ from fzero.core.groups import gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.precision import narrowed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
-from fzero.core.residency import Residency
+from fzero.core.residency import Piece, Residency
 from fzero.core.state import optimizer_partition, owned_grad, partition_numel
 from fzero.core.update import (
     Segments,
@@ -177,9 +177,14 @@ class OptimizerApplication:
         return widened(rt, step=self.clock.step, start=self.partition(rt.unit).start)
 
     def _update_unit(
-        self, rt: UnitRuntime, factor: float, lrs: list[float], written: Tensor | None
+        self,
+        rt: UnitRuntime,
+        factor: float,
+        lrs: list[float],
+        written: Tensor | None,
+        grad: Tensor | None = None,
     ) -> Tensor | None:
-        grad = self.step_grad(rt)
+        grad = self.step_grad(rt) if grad is None else grad
         hp = self.step_hparams(rt, lrs)
         if not self.native_update(rt, grad, factor, hp, written):
             written = None
@@ -214,12 +219,16 @@ class OptimizerApplication:
         rt.state = kernel.update_(native, rt.master, grad, rt.state, hp, factor, out)
         return True
 
+    def writes_copy(self, rt: UnitRuntime) -> bool:
+        """Whether the unit's native update writes the compute-dtype copy of the new
+        master in its pass (a native kernel, and a compute dtype other than fp32)."""
+        kernel = self.kernel_of(rt)
+        has_kernel = kernel is not None and kernel.update_ is not None
+        return has_kernel and self.compute_dtype != torch.float32
+
     def copy_target(self, rt: UnitRuntime) -> Tensor | None:
         """Where a native update writes the compute-dtype copy of the new master."""
-        kernel = self.kernel_of(rt)
-        if kernel is None or kernel.update_ is None:
-            return None
-        if self.compute_dtype == torch.float32:
+        if not self.writes_copy(rt):
             return None
         if rt.full is None and self.plan.params_memory(rt.index) == "nvme":  # written as it is
             return _nvme.aligned_empty(rt.master.numel(), self.compute_dtype)
@@ -429,8 +438,14 @@ class OptimizerApplication:
             return tickets
 
         needs = self.optimizer.needs
+        pieces = self.residency.sub_groups(self.swapped_units)
         if isinstance(needs, TensorNorms):
             self.nvme_tensor_norms(factor, lrs, updated, steps, needs)
+        elif pieces is not None:
+            step_of = dict(zip((rt.index for rt in self.swapped_units), steps))
+            pass_ = self.piece_updates(factor, lrs, updated, step_of)
+            failure = self.residency.step_pass(pieces, self.residency.swap_in_piece, pass_)
+            self.agree(self.settle(failure), updated, steps)
         else:
             failure = self.residency.step_pass(self.swapped_units, self.residency.swap_in, update)
             self.agree(self.settle(failure), updated, steps)
@@ -439,6 +454,59 @@ class OptimizerApplication:
             self.exchange(rt)
         self.residency.trim_after_step()  # memory first: nothing kept between steps
         _nvme.return_free_memory()
+
+    def piece_updates(
+        self, factor: float, lrs: list[float], updated: list[UnitRuntime], step_of: dict[int, int]
+    ) -> Any:
+        """The step's `compute` over `Piece`s of the swapped units ([Note: sub-groups] in
+        `fzero.core.residency`): each piece updated from the unit's step count and
+        written to its offsets in the other slot; the unit's compute-dtype copy is
+        filled piece by piece and published after its last piece."""
+        copies: dict[int, Tensor] = {}
+
+        def update(piece: Piece, buffers: list[Tensor]) -> list[Any]:
+            rt = piece.rt
+            self.residency.bind_piece(piece, buffers, step=step_of[rt.index])
+            if piece.start == 0:
+                copies[rt.index] = self.unit_copy(rt)
+            copy = copies[rt.index][piece.start : piece.stop]
+            lent: list[Tensor] = []
+            grad = self.piece_grad(piece, lent)
+            try:
+                out = copy if self.writes_copy(rt) else None
+                if self._update_unit(rt, factor, lrs, out, grad) is None:
+                    copy.copy_(rt.master)
+            finally:
+                self.residency.give_back(lent, self.residency.step_pool)
+            tickets = self.residency.swap_out_piece(piece, self.residency.next_slot(rt), buffers)
+            if piece.stop == self.partition_numel(rt.unit):
+                updated.append(rt)
+                self.publish(rt, copies.pop(rt.index), exchange=False)
+            return tickets
+
+        return update
+
+    def piece_grad(self, piece: Piece, lent: list[Tensor]) -> Tensor | None:
+        """The piece's gradient where the update runs: None when read with it from the
+        swap file (`step_grad` takes it), else a copy of its part of the in-memory
+        gradient, in a buffer of the step's pool appended to `lent` (or pinned memory)."""
+        rt = piece.rt
+        if self.residency.grad_on_disk(rt.index):
+            return None
+        grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
+        grad = grad[piece.start : piece.stop]
+        if self.residency.pin:
+            return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
+        lent.append(self.residency.step_pool.take())
+        return lent[0][: grad.numel()].copy_(grad)
+
+    def unit_copy(self, rt: UnitRuntime) -> Tensor:
+        """A host buffer for the unit's new master in the compute dtype, filled piece by
+        piece (`piece_updates`), as `copy_target` makes for a whole unit."""
+        numel = self.partition_numel(rt.unit)
+        if rt.full is None and self.plan.params_memory(rt.index) == "nvme":  # written as is
+            return _nvme.aligned_empty(numel, self.compute_dtype)
+        return torch.empty(numel, dtype=self.compute_dtype, pin_memory=self.residency.pin)
 
     def nvme_tensor_norms(
         self,

@@ -54,7 +54,10 @@ class Holding(NamedTuple):
     `pin_memory`); `shards_offloaded`: stage 3's parameter shards live off the compute
     device (`offload_param` cpu or nvme); `to_file`: the master goes to a swap file once
     built (NVMe), so it is made 4 KiB-aligned and written from where it is (O_DIRECT),
-    not from an aligned copy; `grad_dtype`: the gradient accumulators' (`Memory.grads`)."""
+    not from an aligned copy; `in_pieces`: it goes there in pieces (`sub_group_size`:
+    `Residency.write_in_pieces`), so the master is a view of the values it is built from
+    and the optimizer state is made piece by piece as it is written (empty here);
+    `grad_dtype`: the gradient accumulator's (`Plan.grads_dtype`)."""
 
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
@@ -65,6 +68,7 @@ class Holding(NamedTuple):
     shards_offloaded: bool = False
     to_file: bool = False
     grad_dtype: torch.dtype = torch.float32
+    in_pieces: bool = False
 
     @property
     def host(self) -> torch.device:
@@ -166,13 +170,22 @@ def build_unit_state(
         part = slice(part.start - values_from, part.stop - values_from)
     if whole:
         params = values if compute == torch.float32 else values.to(compute)
-        master = params[part] if serves else _to_host(values[part], holding.master_dtype, holding)
+        master = params[part] if serves else _master_of(values[part], holding)
     else:
-        master = _to_host(values[part], holding.master_dtype, holding)
+        master = _master_of(values[part], holding)
         if values_from:
             held = slice(held.start - values_from, held.stop - values_from)
         params = None if serves else values[held].to(compute, copy=True)
     if grad is None:
         numel = plan.grads_size(unit, rank)
         grad = torch.zeros(numel, dtype=holding.grad_dtype, device=holding.device)
-    return UnitState(master, init_state(optimizer, master, holding.state_dtype), params, grad)
+    state = init_state(optimizer, master[:0] if holding.in_pieces else master, holding.state_dtype)
+    return UnitState(master, state, params, grad)
+
+
+def _master_of(values: Tensor, holding: Holding) -> Tensor:
+    """The master from its part of the values: a copy where the optimizer runs, or the
+    values themselves when they go to the swap file piece by piece."""
+    if holding.in_pieces:
+        return values
+    return _to_host(values, holding.master_dtype, holding)

@@ -75,6 +75,11 @@ class BufferPool:
         """Free all but `keep` idle buffers."""
         del self._free[keep:]
 
+    @property
+    def idle(self) -> int:
+        """Buffers kept for the next `take`."""
+        return len(self._free)
+
 
 def available_memory() -> int | None:
     """Bytes of memory the kernel says a new allocation can have without swapping
@@ -257,13 +262,17 @@ class SwapFile:
         self.io = AsyncIO(threads, block_size)
         self.bytes_read = self.bytes_written = 0  # submitted so far (the step report's rates)
 
-    def submit(self, region: int, tensor: Tensor, write: bool) -> object:
+    def submit(self, region: int, tensor: Tensor, write: bool, offset: int = 0) -> object:
+        """Start moving `tensor`'s bytes (rounded up to whole 4 KiB pages) to or from
+        region `region`, from byte `offset` of it (a multiple of 4 KiB: O_DIRECT)."""
+        if offset % ALIGN:
+            raise ValueError(f"swap file offset {offset} is not a multiple of {ALIGN} bytes")
         nbytes = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
         if write:
             self.bytes_written += nbytes
         else:
             self.bytes_read += nbytes
-        return self.io.submit(self.fd, tensor, nbytes, self.offsets[region], write)
+        return self.io.submit(self.fd, tensor, nbytes, self.offsets[region] + offset, write)
 
     def wait(self, ticket: object, what: str) -> None:
         error = self.io.wait(ticket)

@@ -104,9 +104,13 @@ class Publisher:
         if rt.full is None or stage == 3:
             if rt.param_shard is not None and written is not rt.param_shard:
                 value = written if written is not None else rt.master
-                value = value.to(self.compute_dtype)
+                # NVMe: a master in a reused swap buffer is copied (in the compute dtype
+                # already, an fp32 master was written from the buffer itself, which the
+                # next unit read into while the write was in flight)
+                reused = rt.index in self.swapped and written is None
+                value = value.to(self.compute_dtype, copy=reused)
                 if self.plan.optimizer_extra_size > 1:  # optimizer shards of the param shard
-                    value = value.to(self.device, copy=rt.index in self.swapped and written is None)
+                    value = value.to(self.device)
                     value = gather_to_grads_shard(value, self.plan, self.groups, what=_updated(rt))
                 self.param_shards.store_param_shard(rt, value, wait=False)
             return

@@ -15,7 +15,10 @@ is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
 update they are fp32. Host buffers for what moves every step come from a pool of
 unit-sized aligned fp32 buffers; a bf16 moment travels inside its kind's fp32 buffer
 (read into its upper part and widened in place, rounded in place into its lower part
-to be written: [Note: bf16 moments in their fp32 buffers]).
+to be written: [Note: bf16 moments in their fp32 buffers]). With
+`zero_optimization.sub_group_size` below the largest unit's partition, the step (and
+the engine's build) take units in pieces through a pool of piece-sized buffers
+([Note: sub-groups]).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,11 +35,12 @@ from fzero import comm, native
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
+from fzero.core.precision import init_state
 from fzero.core.state import UnitState
 from fzero.optim import TensorNorms, bf16_stochastic
 from fzero.partition import Plan, Unit
 
-__all__ = ["Residency", "SwapFileUnits"]
+__all__ = ["Piece", "Residency", "SwapFileUnits"]
 
 # [Note: bf16 moments in their fp32 buffers]
 #
@@ -55,6 +59,36 @@ __all__ = ["Residency", "SwapFileUnits"]
 _CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
 _BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
 _GOLDEN = 0x9E3779B97F4A7C15
+SUB_GROUP_DEFAULT = 1_000_000_000  # DeepSpeed's `sub_group_size`
+
+# [Note: sub-groups]
+#
+# DeepSpeed's ZeRO-3 optimizer splits each rank's fp32 partition into sub-groups of at
+# most `zero_optimization.sub_group_size` elements and swaps and steps them one at a
+# time (`DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`), so the step's host
+# buffers follow the sub-group, not the largest tensor. fzero does the same over the
+# swap file: a unit whose partition is larger than the sub-group is stepped in pieces
+# (`Piece`) of `sub_group_size` elements rounded down to a multiple of 2048 (at least
+# 2048), so every piece starts on a 4 KiB boundary of its fp32 and bf16 regions
+# (O_DIRECT). Each piece's master, moments and gradient are read from their offset in
+# the unit's regions, updated and written back there. The result is the whole unit's,
+# bit for bit, for an optimizer whose update of an element reads only that element
+# (`needs=None`): the same step count and hyper-parameters for every piece, the
+# gradient scaled by the same factor (clipping and unscaling are computed before the
+# step, over whole units), and a bf16 moment's piece rounded from the seed the whole
+# partition's rounding gives its first element ([Note: bf16 moments in their fp32
+# buffers]). Optimizers that need tensor norms (LAMB) step whole units, and a
+# `sub_group_size` below such a unit's partition is refused: its trust ratio needs the
+# whole tensor before any piece moves.
+
+
+class Piece(NamedTuple):
+    """Elements [start, stop) of unit `rt`'s optimizer partition: one sub-group of the
+    step over the swap file ([Note: sub-groups])."""
+
+    rt: UnitRuntime
+    start: int
+    stop: int
 
 
 def swap_buffer_numel(largest: int) -> int:
@@ -152,6 +186,9 @@ class Residency:
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(swap_buffer_numel(largest))
+        # the step's swap buffers: the pool's, or with sub-groups their own, smaller ones
+        self.step_pool = self.pool
+        self.sub_group = 0  # elements per piece of a unit the step takes; 0: whole units
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
         if "nvme" in (*where, *(plan.params_memory(u) for u in plan.units)):
             _nvme.map_large_buffers()
@@ -191,6 +228,7 @@ class Residency:
             sizes += [4 * self.plan.grads_size(u, rank) for u in held]
         per_unit = len(self.kinds) + self.grads_on_disk  # bf16 moments too: in their own
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
+        self._split_units(zero.sub_group_size, optimizer)
         # Backward writes one gradient shard per unit: as many in flight as the step has
         # units in its pipeline. More queue behind the same I/O threads and hold a
         # unit-sized buffer each (`buffer_count` of them held 1.8 GB per rank of a 3B
@@ -213,15 +251,68 @@ class Residency:
         if available is None:
             return
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        per_rank = self.pipeline_depth * per_unit * 4 * self.pool.numel
+        per_rank = self.pipeline_depth * per_unit * 4 * self.step_pool.numel
         if per_rank * ranks > available:
             raise MemoryError(
                 f"NVMe offload needs at least {per_rank:,} bytes of host buffers per rank "
                 f"({self.pipeline_depth} units in flight x {per_unit} tensors x "
-                f"{self.pool.numel:,} elements x 4 bytes) x {ranks} local rank(s); "
+                f"{self.step_pool.numel:,} elements x 4 bytes) x {ranks} local rank(s); "
                 f"{available:,} bytes are available: lower "
-                "zero_optimization.offload_optimizer.buffer_count or plan smaller units"
+                "zero_optimization.offload_optimizer.buffer_count or "
+                "zero_optimization.sub_group_size, or plan smaller units"
             )
+
+    def _split_units(self, size: int, optimizer: Any) -> None:
+        """Step units larger than `size` elements in pieces ([Note: sub-groups]): the
+        step's swap buffers sized by the piece, not by the largest unit."""
+        key = "zero_optimization.sub_group_size"
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{key} is {size!r}; allowed: a positive number of elements")
+        piece = max(_BF16_PAGE, size // _BF16_PAGE * _BF16_PAGE)
+        held = [self.plan.units[i] for i in self.swapped]
+        largest = max(held, key=self.partition_numel)
+        if piece >= self.partition_numel(largest):
+            return
+        whole = ""
+        if isinstance(getattr(optimizer, "needs", None), TensorNorms):
+            whole = (
+                f"optimizer {getattr(optimizer, 'name', '?')!r} needs tensor norms (it "
+                "declares TensorNorms, as LAMB does): its trust ratio needs each whole "
+                "tensor before any piece of it moves, so it steps whole units"
+            )
+        elif self.plan.optimizer_extra_size > 1:
+            whole = (
+                "the plan splits the optimizer finer than the gradients "
+                f"(optimizer_extra_size {self.plan.optimizer_extra_size}), whose step "
+                "takes whole units"
+            )
+        if not whole:
+            self.sub_group = piece
+            self.step_pool = _nvme.BufferPool(swap_buffer_numel(piece))
+            return
+        if size == SUB_GROUP_DEFAULT:  # DeepSpeed's default: whole units, as before
+            return
+        raise ValueError(
+            f"{key} {size:,} is smaller than unit {largest.name!r}'s optimizer partition "
+            f"on rank {self.rank} ({self.partition_numel(largest):,} elements) with "
+            f"offload_optimizer.device 'nvme', and {whole}; allowed: a {key} of at least "
+            "the largest unit's partition (or the default 1e9), an optimizer that needs "
+            "no tensor norms, or offload_optimizer.device 'cpu'"
+        )
+
+    def sub_groups(self, units: Sequence[UnitRuntime]) -> list[Piece] | None:
+        """The pieces the step takes `units` in ([Note: sub-groups]), or None when it
+        takes them whole. With pieces, the pool lets go of backward's unit-sized
+        buffers first: the step takes its own, piece-sized ones."""
+        if not self.sub_group:
+            return None
+        self.pool.trim(0)
+        pieces = []
+        for rt in units:
+            numel = self.partition_numel(rt.unit)
+            starts = range(0, max(numel, 1), self.sub_group)
+            pieces += [Piece(rt, a, min(numel, a + self.sub_group)) for a in starts]
+        return pieces
 
     @property
     def narrow_states(self) -> bool:
@@ -263,14 +354,18 @@ class Residency:
         slot: int,
         tensor: Tensor,
         buffers: list[Tensor] | None = None,
+        start: int = 0,
     ) -> tuple[Any, Tensor]:
-        """Start writing fp32 `tensor` as kind `kind_index` of the unit; a (ticket,
-        buffer) pair. A bf16 moment is rounded stochastically first: in place, into the
-        bf16 view of its kind's buffer in `buffers` (a swap buffer set: see [Note: bf16
-        moments in their fp32 buffers]), or into a new aligned buffer without one."""
+        """Start writing fp32 `tensor` as kind `kind_index` of the unit, at element
+        `start` of its region (a piece: [Note: sub-groups]); a (ticket, buffer) pair. A
+        bf16 moment is rounded stochastically first: in place, into the bf16 view of its
+        kind's buffer in `buffers` (a swap buffer set: see [Note: bf16 moments in their
+        fp32 buffers]), or into a new aligned buffer without one; element i of the piece
+        draws the bits element start + i of the whole partition would."""
         if kind_index > 0 and self.narrow_states:
             step = int(getattr(rt.state, "step", 0))
             seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
+            seed += start * _GOLDEN
             numel = tensor.numel()
             if buffers is None:
                 staged = _nvme.aligned_empty(numel, self.state_dtype)
@@ -282,8 +377,8 @@ class Residency:
                 tensor = narrow_in_place(buffer, numel, seed)
         elif tensor.data_ptr() % _nvme.ALIGN:
             tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
-        region = self.region(rt, kind_index, slot)
-        return self.nvme.submit(region, tensor, write=True), tensor
+        region, offset = self.region(rt, kind_index, slot), start * self.kind_bytes(kind_index)
+        return self.nvme.submit(region, tensor, write=True, offset=offset), tensor
 
     def resident_tensors(self, rt: UnitRuntime) -> list[Tensor]:
         return [rt.master] + [getattr(rt.state, k) for k in self.kinds[1:]]
@@ -308,22 +403,35 @@ class Residency:
             self.wait_swap(tickets, "writing")
         return tickets
 
+    def swap_out_piece(self, piece: Piece, slot: int, buffers: list[Tensor]) -> list[Any]:
+        """Start writing the piece's master and state, bound by `bind_piece`, to their
+        offsets in `slot` of the unit's regions (bf16 moments rounded in place in
+        `buffers`); the tickets."""
+        tensors = enumerate(self.resident_tensors(piece.rt))
+        return [self.write_kind(piece.rt, k, slot, t, buffers, piece.start) for k, t in tensors]
+
     def swap_in(self, rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
         """Start reading the unit's current master and state (and gradient, when the
         swap file holds it) into `buffers`; a gradient not written this window reads as
         zeros."""
-        numel = self.partition_numel(rt.unit)
+        return self.swap_in_piece(Piece(rt, 0, self.partition_numel(rt.unit)), buffers)
+
+    def swap_in_piece(self, piece: Piece, buffers: list[Tensor]) -> list[Any]:
+        """`swap_in` of elements [start, stop) of the unit's partition, from their
+        offsets in its regions ([Note: sub-groups])."""
+        rt, numel = piece.rt, piece.stop - piece.start
         tickets = []
         for k in range(len(self.kinds)):
-            region = self.region(rt, k, rt.slot)
+            region, offset = self.region(rt, k, rt.slot), piece.start * self.kind_bytes(k)
             target = buffers[k][:numel]
             if k > 0 and self.narrow_states:  # widened to fp32 by `bind_swapped`
                 target = packed(buffers[k], numel)
-            tickets.append((self.nvme.submit(region, target, False), target))
+            tickets.append((self.nvme.submit(region, target, False, offset), target))
         if self.grads_on_disk:
             grad = buffers[len(self.kinds)][:numel]
             if rt.grad_on_disk:
-                tickets.append((self.nvme.submit(self.grad_region(rt), grad, False), grad))
+                region, offset = self.grad_region(rt), 4 * piece.start
+                tickets.append((self.nvme.submit(region, grad, False, offset), grad))
             else:
                 grad.zero_()
         return tickets
@@ -341,11 +449,16 @@ class Residency:
     def bind_swapped(self, rt: UnitRuntime, buffers: list[Tensor]) -> None:
         """Point the unit's master and state (and gradient) at the swap set `buffers`,
         read by `swap_in` (bf16 moments widened to fp32 here)."""
-        numel = self.partition_numel(rt.unit)
+        self.bind_piece(Piece(rt, 0, self.partition_numel(rt.unit)), buffers)
+
+    def bind_piece(self, piece: Piece, buffers: list[Tensor], **fields: Any) -> None:
+        """`bind_swapped` for a piece read by `swap_in_piece`; `fields` (the optimizer
+        step count the piece starts from) replace those of the unit's state too."""
+        rt, numel = piece.rt, piece.stop - piece.start
         for k in range(1, len(self.kinds)) if self.narrow_states else ():
             widen_packed(buffers[k], numel)
         rt.master = buffers[0][:numel]
-        fields = {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
+        fields |= {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
         rt.state = rt.state._replace(**fields)
         if self.grads_on_disk:
             rt.grad = buffers[len(self.kinds)][:numel]
@@ -364,17 +477,19 @@ class Residency:
         them (3B: 0.6 GB for the three buffers backward's writes take), and backward
         only what its writes take."""
         self.pool.trim(0)
+        self.step_pool.trim(0)
 
-    def swap_buffers(self, extra: int = 0) -> list[Tensor]:
+    def swap_buffers(self, extra: int = 0, pool: _nvme.BufferPool | None = None) -> list[Tensor]:
         """One pooled fp32 host buffer per swapped kind (bf16 moments too: [Note: bf16
         moments in their fp32 buffers]), the gradient, and `extra` more, each for the
-        largest unit's partition (`swap_buffer_numel`); give them back with
-        `give_back`."""
-        return [self.pool.take() for _ in range(len(self.kinds) + self.grads_on_disk + extra)]
+        largest unit's partition (`swap_buffer_numel`), or the step's piece from
+        `step_pool`; give them back with `give_back`."""
+        pool = pool or self.pool
+        return [pool.take() for _ in range(len(self.kinds) + self.grads_on_disk + extra)]
 
-    def give_back(self, buffers: list[Tensor]) -> None:
+    def give_back(self, buffers: list[Tensor], pool: _nvme.BufferPool | None = None) -> None:
         for buffer in buffers:
-            self.pool.give(buffer)
+            (pool or self.pool).give(buffer)
         buffers.clear()
 
     def zero_grads(self, units: list[UnitRuntime]) -> None:
@@ -470,6 +585,30 @@ class Residency:
             self.evict(rt)
             self.give_back(buffers)
 
+    def write_in_pieces(self, rt: UnitRuntime, optimizer: Any) -> None:
+        """Write a unit just built to its current slot in sub-group pieces ([Note:
+        sub-groups]): each piece's master copied from `rt.master` (the values the unit
+        was built from) into a swap buffer, its optimizer state initialised over that
+        piece (the optimizer's `init` is elementwise where pieces are taken), then
+        evicted. The build holds the unit's values and a piece, not a master and moments
+        of the whole partition."""
+        values, numel = rt.master, rt.master.numel()
+        buffers = self.swap_buffers(0, self.step_pool)
+        try:
+            for start in range(0, max(numel, 1), self.sub_group):
+                piece = Piece(rt, start, min(numel, start + self.sub_group))
+                master = buffers[0][: piece.stop - start].copy_(values[start : piece.stop])
+                state = init_state(optimizer, master, torch.float32)
+                fields = {
+                    k: buffers[i + 1][: master.numel()].copy_(getattr(state, k))
+                    for i, k in enumerate(self.kinds[1:])
+                }
+                rt.master, rt.state = master, rt.state._replace(**fields)
+                self.wait_swap(self.swap_out_piece(piece, rt.slot, buffers), "writing")
+        finally:
+            self.evict(rt)
+            self.give_back(buffers, self.step_pool)
+
     def write_next_slot(self, rt: UnitRuntime, with_grad: bool) -> None:
         """Write the master and state bound to `rt` (and its gradient) to the unit's other
         slot, then evict them; they become current when the caller flips `rt.slot`
@@ -493,17 +632,18 @@ class Residency:
 
     def step_pass(
         self,
-        units: Sequence[UnitRuntime],
-        read: Callable[[UnitRuntime, list[Tensor]], list[Any]],
-        compute: Callable[[UnitRuntime, list[Tensor]], list[Any]],
+        units: Sequence[Any],
+        read: Callable[[Any, list[Tensor]], list[Any]],
+        compute: Callable[[Any, list[Tensor]], list[Any]],
         extra: int = 0,
     ) -> str:
-        """One pass over `units` through `pipeline_depth` sets of swap buffers: while
-        `compute` runs on unit i (returning its writes), the next units are being read
-        (`read` starts that) and unit i-1 written. Returns "" or the first I/O error;
-        every transfer has finished either way and no unit stays resident."""
+        """One pass over `units` (`UnitRuntime`s, or `Piece`s of them: [Note:
+        sub-groups]) through `pipeline_depth` sets of swap buffers from `step_pool`:
+        while `compute` runs on unit i (returning its writes), the next units are being
+        read (`read` starts that) and unit i-1 written. Returns "" or the first I/O
+        error; every transfer has finished either way and no unit stays resident."""
         depth = max(2, min(self.pipeline_depth, len(units)))
-        sets = [self.swap_buffers(extra) for _ in range(depth)]
+        sets = [self.swap_buffers(extra, self.step_pool) for _ in range(depth)]
         reads: dict[int, list[Any]] = {}
         writes: list[list[Any]] = [[] for _ in sets]
 
@@ -527,10 +667,10 @@ class Residency:
             failure = str(error)
         finally:  # also on any other error: no transfer outlives its buffer
             self.drain([*reads.values(), *writes])
-            for rt in units:
-                self.evict(rt)
+            for item in units:
+                self.evict(item.rt if isinstance(item, Piece) else item)
             for buffers in sets:
-                self.give_back(buffers)
+                self.give_back(buffers, self.step_pool)
         return failure
 
     def drain(self, batches: list[list[Any]]) -> None:

@@ -175,7 +175,9 @@ def build_units(
         for tensor in tensors:
             if is_partitioned(tensor):
                 release_partition(tensor)
-        unit_runtime = _bind_unit(plan, index, tensors, state, group_hparams, holding, residency)
+        unit_runtime = _bind_unit(
+            plan, index, tensors, state, group_hparams, holding, residency, optimizer
+        )
         del state  # the record holds what stays; the rest goes before the next unit
         yield unit_runtime
     if meta is not None:
@@ -185,6 +187,7 @@ def build_units(
             if not hasattr(p, "ds_status"):
                 describe_zero3_param(p, tuple(p.shape), persistent=True, available=True)
     if residency.nvme is not None:
+        residency.step_pool.trim(0)  # the pieces' buffers (`write_in_pieces`): none kept
         _nvme.return_free_memory()
 
 
@@ -203,6 +206,7 @@ def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
             else STATE_DTYPES[residency.plan.states_dtype(index)]  # `Unit.states_dtype`
         ),
         to_file=residency.holds(index),
+        in_pieces=residency.holds(index) and residency.sub_group > 0,
     )
 
 
@@ -214,6 +218,7 @@ def _bind_unit(
     group_hparams: Sequence[Any],
     holding: Holding,
     residency: Residency,
+    optimizer: Optimizer,
 ) -> UnitRuntime:
     """Unit `index`'s runtime record over `state`'s buffers, the module's parameters bound
     to them (stage 3: left empty until gathered); NVMe: state moved to the swap file."""
@@ -238,7 +243,9 @@ def _bind_unit(
         bind(rt)
     else:  # where the shard lives between uses: `fzero.core.param_shards`
         unbind(rt, holding.compute_dtype, holding.device)
-    if residency.holds(index):  # to the swap file; the host keeps nothing of it
+    if held_by(holding, residency, index).in_pieces:  # the state made as it is written
+        residency.write_in_pieces(rt, optimizer)
+    elif residency.holds(index):  # to the swap file; the host keeps nothing of it
         residency.swap_out(rt, rt.slot, wait=True)
         residency.evict(rt)
     return rt
