@@ -348,3 +348,42 @@ def test_a_failed_step_in_pieces_changes_nothing_and_can_be_run_again(tmp_path):
     reference = run_world(failing_piece, 2, str(tmp_path / "b"), 1_000_000_000, False)
     assert losses == reference[2]
     assert all(torch.equal(state[k], v) for k, v in reference[3].items())
+
+
+def test_the_clipping_norm_of_a_large_unit_is_summed_in_chunks_as_exactly():
+    """With clipping, a unit's float64 squares are summed 2^20 elements at a time (8 MiB
+    held, not 8 bytes per element): the sum equals the one-pass float64 sum to float64
+    rounding, and a one-unit model of 2.25M elements clips as `torch.nn.utils.clip_grad_norm_`
+    does (SGD, whose step is the clipped gradient itself: two steps, within 1e-6)."""
+    from fzero.core.update import grad_stats
+
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(3_000_001, generator=generator)
+    chunked, finite = grad_stats(grad, clipping=1.0, dynamic=True)
+    whole = grad.double().square().sum()
+    assert finite and chunked.dtype == torch.float64
+    assert abs(chunked.item() - whole.item()) <= 1e-12 * whole.item()
+    assert grad_stats(grad[:1000], clipping=1.0, dynamic=False)[0].item() == (
+        grad[:1000].double().square().sum().item()  # one chunk: the one-pass sum itself
+    )
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(1500, 1500, bias=False)
+
+    x = torch.randn(4, 1500, generator=generator)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.1, "steps_per_print": 0}
+    engine = fzero.shard(make(), stage=0, optimizer=fzero.optim.sgd(lr=0.5), config=config)
+    model = make()
+    reference = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        reference.zero_grad()
+        model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        reference.step()
+    got = engine.state_dict(dtype=torch.float32)["weight"]
+    assert (got - model.weight.detach()).abs().max().item() <= 1e-6
+    assert (got - make().weight.detach()).abs().max().item() > 1e-4  # it moved
+    engine.destroy()
