@@ -198,6 +198,7 @@ def _import_accelerate_beside_the_stand_in() -> None:
     wanted = [name for name in ("accelerate", "transformers") if importlib.util.find_spec(name)]
     if "accelerate" not in wanted or fzero.compat.installed():
         return
+    loggers = _loggers()  # a new process's: what the stand-in's logging set up goes
     with contextlib.redirect_stderr(io.StringIO()):  # install's note on rank 0
         fzero.compat.install()
     try:
@@ -207,6 +208,7 @@ def _import_accelerate_beside_the_stand_in() -> None:
             import transformers.integrations.deepspeed  # noqa: F401
     finally:
         fzero.compat.uninstall()
+        _restore_loggers(loggers)
 
 
 def _reset_libraries(compat_before: bool) -> None:

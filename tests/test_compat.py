@@ -634,39 +634,3 @@ def test_engine_optimizer_refuses_what_it_cannot_do_by_name():
     assert messages[1].startswith("EngineOptimizer.register_step_pre_hook: the engine's")
     assert messages[2].startswith("EngineOptimizer.register_load_state_dict_post_hook")
     assert lr == pytest.approx(0.05)
-
-
-def test_install_after_accelerate_and_transformers_decided_without_deepspeed_warns():
-    """Accelerate and Transformers define what serves DeepSpeed only when imported with
-    it installed: imported first, they would fail in their DeepSpeed paths later without
-    saying why, so `install()` says so at once, naming them; imported after, nothing."""
-    pytest.importorskip("accelerate")
-    pytest.importorskip("transformers")
-    script = textwrap.dedent(
-        """
-        import warnings
-        import accelerate.utils, transformers.integrations.deepspeed
-        from fzero import compat
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            compat.install()
-        print("WARNED", [str(w.message) for w in caught if w.category is RuntimeWarning])
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("WARNED"))
-    assert "accelerate and transformers were imported before" in line, line
-    after = script.replace("import accelerate.utils, transformers.integrations.deepspeed\n", "")
-    after = after.replace(
-        "    compat.install()\n", "    compat.install()\n    import accelerate.utils\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", after], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "WARNED []" in done.stdout

@@ -20,7 +20,6 @@ import importlib.util
 import os
 import sys
 import types
-import warnings
 from typing import Any
 
 __all__ = ["install", "installed", "uninstall"]
@@ -109,7 +108,6 @@ def install() -> None:
             "install fzero's compatibility layer before anything imports deepspeed"
         )
     real = importlib.util.find_spec(_PREFIX)
-    _warn_if_decided_without()
     sys.meta_path.insert(0, _DeepSpeedFinder())
     if int(os.environ.get("RANK", 0)) == 0:
         from fzero._version import __version__
@@ -120,32 +118,6 @@ def install() -> None:
             f"layer{note}",
             file=sys.stderr,
             flush=True,
-        )
-
-
-def _warn_if_decided_without() -> None:
-    """Warn when Accelerate or Transformers, imported before `install()`, decided then
-    that DeepSpeed is not installed: they define what serves DeepSpeed only at import
-    (`accelerate.utils.DeepSpeedSchedulerWrapper`, the base of Transformers'
-    `HfDeepSpeedConfig`), so their DeepSpeed paths would fail later with an ImportError
-    or a TypeError that does not say why."""
-    decided = []
-    accelerate = sys.modules.get("accelerate.utils")
-    if accelerate is not None and not hasattr(accelerate, "DeepSpeedSchedulerWrapper"):
-        decided.append("accelerate")
-    hf = sys.modules.get("transformers.integrations.deepspeed")
-    config = getattr(hf, "HfDeepSpeedConfig", None)
-    if config is not None and config.__mro__[1] is object:
-        decided.append("transformers")
-    if decided:
-        warnings.warn(
-            f"fzero.compat.install(): {' and '.join(decided)} were imported before `import "
-            "deepspeed` was served by fzero and decided then that DeepSpeed is not "
-            "installed; their DeepSpeed integration (Trainer --deepspeed, Accelerate's "
-            "DeepSpeed plugin) will fail. Call fzero.compat.install() before importing "
-            "them, or run the script with `fzero run --as-deepspeed`",
-            RuntimeWarning,
-            stacklevel=3,
         )
 
 
