@@ -257,13 +257,13 @@ def test_bf16_moments_round_and_widen_in_their_fp32_buffers_bit_for_bit(use_nati
     one rounding of the whole partition into a separate buffer, and the read target on a
     4 KiB boundary within the buffer, the whole pages read included."""
     from fzero import native
-    from fzero.core import residency
+    from fzero.core import swap_buffers as residency  # the bf16 packing lives there
     from fzero.core.nvme import ALIGN, aligned_empty
 
     if use_native and not native.available():
         pytest.skip("native kernels not built")
     monkeypatch.setattr(native, "available", lambda *_: use_native)
-    monkeypatch.setattr(residency, "_CHUNK", 1000)
+    monkeypatch.setattr(residency, "CHUNK", 1000)
     largest, seed = 10_000, 2**70 + 12_345  # a seed past 2^64, as the swap file's are
     for numel in (1, 999, 1000, 2049, 4097, largest):
         buffer = aligned_empty(residency.swap_buffer_numel(largest))

@@ -29,13 +29,14 @@ from fzero.core.precision import (
     run_plan,
 )
 from fzero.core.reduce import bucket_accumulators
-from fzero.core.residency import Residency, SwapFileUnits
+from fzero.core.residency import Residency
 from fzero.core.state import (
     Counters,
     TrainState,
     UnitState,
     partition_numel,
 )
+from fzero.core.swap_units import SwapFileUnits
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
 from fzero.optim._schedules import Schedule
 from fzero.partition import MeshPlan, Plan

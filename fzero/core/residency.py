@@ -31,34 +31,25 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fzero import comm, native
+from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
 from fzero.core.precision import init_state
-from fzero.core.state import UnitState
-from fzero.optim import TensorNorms, bf16_stochastic
+from fzero.core.swap_buffers import (
+    BF16_PAGE,
+    GOLDEN,
+    narrow_in_place,
+    packed,
+    round_bf16_into,
+    swap_buffer_numel,
+    widen_packed,
+)
+from fzero.optim import TensorNorms
 from fzero.partition import Plan, Unit
 
-__all__ = ["Piece", "Residency", "SwapFileUnits"]
+__all__ = ["Piece", "Residency", "swap_buffer_numel"]
 
-# [Note: bf16 moments in their fp32 buffers]
-#
-# With bf16 moments in the swap file, each moment is read into the upper part of its
-# kind's fp32 swap buffer (from the first 4 KiB boundary at or after element n of the
-# buffer's bf16 view, n the partition's elements) and widened to fp32 into the buffer's
-# first n elements, CHUNK elements at a time in ascending order through a small fp32
-# buffer: chunk [a, b) writes bytes [4a, 4b), and the bf16 chunks not yet read start at
-# byte 2n + 2b >= 4b. Written back, the fp32 moment is rounded (stochastically) into the
-# buffer's bf16 view from element 0, chunk by chunk in ascending order through a small
-# bf16 buffer: chunk [a, b) writes bytes [2a, 2b), below the fp32 elements not yet read
-# (from byte 4b). Each chunk's rounding draws the bits the whole partition's would
-# (the seed moved by a x golden: `fzero.optim.bf16_stochastic` hashes seed + (i + 1) x
-# golden), and widening is exact, so the values are those of separate bf16 buffers,
-# bit for bit; a unit in the step holds 4 bytes per element per moment instead of 5.
-_CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
-_BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
-_GOLDEN = 0x9E3779B97F4A7C15
 SUB_GROUP_DEFAULT = 1_000_000_000  # DeepSpeed's `sub_group_size`
 
 # [Note: sub-groups]
@@ -89,55 +80,6 @@ class Piece(NamedTuple):
     rt: UnitRuntime
     start: int
     stop: int
-
-
-def swap_buffer_numel(largest: int) -> int:
-    """Elements of each fp32 swap buffer for partitions of up to `largest` elements:
-    whole 4 KiB pages, and room for a bf16 moment of `largest` elements read into the
-    upper part at a 4 KiB boundary, with its read rounded up to whole pages."""
-    return -(-largest // 1024) * 1024 + 2048
-
-
-def packed(buffer: Tensor, numel: int) -> Tensor:
-    """Where a bf16 moment of `numel` elements is read into fp32 swap `buffer` (see the
-    Note above): `numel` bf16 elements from the first 4 KiB boundary at or after element
-    `numel` of the buffer's bf16 view."""
-    start = -(-numel // _BF16_PAGE) * _BF16_PAGE
-    return buffer.view(torch.bfloat16)[start : start + numel]
-
-
-def widen_packed(buffer: Tensor, numel: int) -> Tensor:
-    """The bf16 moment `packed(buffer, numel)` holds, widened to fp32 into the buffer's
-    first `numel` elements (in place, in ascending chunks; exact); returns them."""
-    source, wide = packed(buffer, numel), buffer[:numel]
-    chunk = torch.empty(min(numel, _CHUNK), dtype=torch.float32)
-    for start in range(0, numel, _CHUNK):
-        stop = min(numel, start + _CHUNK)
-        part = chunk[: stop - start].copy_(source[start:stop])
-        wide[start:stop].copy_(part)
-    return wide
-
-
-def round_bf16_into(tensor: Tensor, out: Tensor, seed: int) -> Tensor:
-    """fp32 `tensor` rounded stochastically into bf16 `out` (native kernel when built),
-    the bits drawn from `seed` and each element's index."""
-    if native.available():
-        return native.bf16_stochastic_(tensor, out, seed)
-    return bf16_stochastic(tensor, seed, out=out)
-
-
-def narrow_in_place(buffer: Tensor, numel: int, seed: int) -> Tensor:
-    """The fp32 moment in `buffer`'s first `numel` elements rounded stochastically into
-    the buffer's bf16 view from element 0 (in place, in ascending chunks, each seeded
-    as the whole partition's rounding would be: see the Note above); returns that
-    bf16 view."""
-    wide, out = buffer[:numel], buffer.view(torch.bfloat16)[:numel]
-    chunk = torch.empty(min(numel, _CHUNK), dtype=torch.bfloat16)
-    for start in range(0, numel, _CHUNK):
-        stop = min(numel, start + _CHUNK)
-        part = round_bf16_into(wide[start:stop], chunk[: stop - start], seed + start * _GOLDEN)
-        out[start:stop].copy_(part)
-    return out
 
 
 class Residency:
@@ -268,7 +210,7 @@ class Residency:
         key = "zero_optimization.sub_group_size"
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{key} is {size!r}; allowed: a positive number of elements")
-        piece = max(_BF16_PAGE, size // _BF16_PAGE * _BF16_PAGE)
+        piece = max(BF16_PAGE, size // BF16_PAGE * BF16_PAGE)
         held = [self.plan.units[i] for i in self.swapped]
         largest = max(held, key=self.partition_numel)
         if piece >= self.partition_numel(largest):
@@ -365,7 +307,7 @@ class Residency:
         if kind_index > 0 and self.narrow_states:
             step = int(getattr(rt.state, "step", 0))
             seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
-            seed += start * _GOLDEN
+            seed += start * GOLDEN
             numel = tensor.numel()
             if buffers is None:
                 staged = _nvme.aligned_empty(numel, self.state_dtype)
@@ -680,53 +622,3 @@ class Residency:
             while tickets:
                 ticket, _ = tickets.pop(0)
                 self.nvme.io.wait(ticket)
-
-
-class SwapFileUnits:
-    """The NVMe residency as a `TrainState`'s `SwappedUnits`: units by index (checkpoints
-    read and write them through it, one unit in memory at a time), and the runtime
-    records (`units`: each unit's current slot) a step updates them through."""
-
-    def __init__(self, residency: Residency, units: list[UnitRuntime]) -> None:
-        self.residency, self.units = residency, units
-
-    @contextlib.contextmanager
-    def resident(self, index: int) -> Iterator[UnitState]:
-        rt = self.units[index]
-        with self.residency.resident(rt, write_back=False):
-            yield UnitState(rt.master, rt.state, None, rt.grad)
-
-    @property
-    def state_dtype(self) -> torch.dtype:
-        """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
-        return self.residency.state_dtype
-
-    def holds(self, index: int) -> bool:
-        """Whether unit `index` lives in the file (else in the state's own buffers)."""
-        return self.residency.holds(index)
-
-    def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
-        """Write `unit` to the other slot of unit `index`'s regions (current after
-        `commit`); memory keeps none of it."""
-        rt = self.units[index]
-        if self.residency.slots == 1 and not self.residency.broken:  # until `commit`
-            self.residency.broken = (
-                f"a checkpoint load overwrote units in place in {self.residency.nvme.path} "
-                "(commit 'in_place') and did not finish; load a checkpoint again to go on"
-            )
-        rt.master, rt.state = unit.master, unit.optim
-        if with_grad and self.residency.grads_on_disk:
-            rt.grad = unit.grad
-        self.residency.write_next_slot(rt, with_grad=with_grad)
-
-    def commit(self) -> None:
-        """Make what `store_next` wrote current, every unit at once (after every rank
-        has written its part): the file holds the stored step from now on."""
-        for rt in self.units:
-            if self.residency.holds(rt.index):
-                rt.slot = self.residency.next_slot(rt)
-        self.residency.broken = ""
-
-    def check_usable(self) -> None:
-        """Raise if the file holds no single step (a failed in-place step or load)."""
-        self.residency.check_usable()

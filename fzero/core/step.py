@@ -47,8 +47,9 @@ from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import gradient_wire_dtype, loss_scaler, precision_of, run_plan
 from fzero.core.publish import attach_params, runtime_of, views
 from fzero.core.reduce import Reduction, any_rank, reduce_to_optimizer_shards
-from fzero.core.residency import Residency, SwapFileUnits
+from fzero.core.residency import Residency
 from fzero.core.state import Counters, TrainState, UnitState, owned_grad, partition_numel
+from fzero.core.swap_units import SwapFileUnits
 from fzero.core.update import decide_step, grad_stats
 from fzero.optim import Optimizer, adamw
 from fzero.partition import MeshPlan, Placement, Plan

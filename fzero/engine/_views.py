@@ -20,8 +20,8 @@ from fzero.core.layout import UnitRuntime
 from fzero.core.precision import gradient_wire_dtype
 from fzero.core.publish import accept_edits
 from fzero.core.reduce import scatter_by_all_reduce
-from fzero.core.residency import SwapFileUnits
 from fzero.core.state import Counters, TrainState, UnitState
+from fzero.core.swap_units import SwapFileUnits
 from fzero.engine._runtime import Runtime
 from fzero.engine.zero3_attributes import AliasAnswers
 from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale, TensorNorms
