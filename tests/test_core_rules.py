@@ -61,7 +61,7 @@ def test_a_reduction_launches_buckets_in_order_once_their_units_are_complete():
         buckets,
         sizes=[len(u.placements) for u in plan.units],
         accumulator=lambda i: torch.zeros(0),
-        keep=lambda i, part: kept.append(i),
+        keep=lambda i, part, at: kept.append(i),
         device=torch.device("cpu"),
     )
     reduction.begin(reduce=True)

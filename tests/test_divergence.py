@@ -99,7 +99,9 @@ def _both(rank: int, result: dict, directory: str) -> dict:
     import time
 
     path = pathlib.Path(directory) / f"rank{rank}.json"
-    path.write_text(json.dumps(result))
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result))
+    partial.rename(path)  # whole when it appears: rank 0 may read it at once
     if rank != 0:
         return result
     other = pathlib.Path(directory) / "rank1.json"

@@ -474,9 +474,12 @@ def test_nvme_steps_hold_the_step_pipeline_only_in_the_step(tmp_path):
     moments travel inside their fp32 buffers (the same bits: `tests/test_nvme_disk.py`).
     Per rank, in 8 MiB parts (a unit's 2M-element fp32 part): measured 9.1 parts in
     backward, 12.8 in the step, 1.6 between steps; before, with 9 buffers kept from step
-    to step and separate bf16 staging buffers, 16.1, 14.6 and 11.6 (the same losses)."""
+    to step and separate bf16 staging buffers, 16.1, 14.6 and 11.6 (the same losses).
+    Since each unit's gradient is reduced and written in pieces of 2^20 elements
+    (`reduce_bucket_size` 1e6: [Note: gradients reduced in pieces]), backward holds 6.5
+    parts."""
     peaks = run_world(nvme_step_memory, 2, str(tmp_path), fresh=True)
     part_kb = 8 * 1024
     assert peaks["between"] <= 3 * part_kb, peaks  # no pool buffer, and a margin
-    assert peaks["backward"] <= 11 * part_kb, peaks
+    assert peaks["backward"] <= 8 * part_kb, peaks
     assert peaks["step"] <= 14 * part_kb, peaks  # 8 pool buffers, 6 bf16 shard writes

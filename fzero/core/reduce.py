@@ -11,10 +11,10 @@ launched in bucket order, the same on every rank, and the next bucket's buffer i
 once the reductions before the last one have landed, so a rank holds the bucket it
 fills beside the one being reduced (`overlap_comm` off: one bucket), not all the buckets
 of a backward. Stages 2-3 keep only this rank's
-part of each unit. Gloo's reduce-scatter measured slower than its all-reduce at every
-size from 1 MB to 32 MB (2 ranks), so on gloo a bucket is all-reduced and each rank keeps
-its part; other backends reduce-scatter each unit. Averages are elementwise, so a bucket
-gives each element exactly what one collective per unit gives.
+part of each unit; one bucket's collectives are `fzero.core.reduce_bucket`'s. Averages
+are elementwise, so a bucket gives each element exactly what one collective per unit
+gives. A unit larger than a bucket at stages 2-3 is reduced in pieces
+(`fzero.core.reduce_pieces`).
 
 A plan on a mesh reduces within its shard group, then averages each rank's reduced part
 over the replicas holding the same shard (MiCS/HSDP: the cross-group link carries one
@@ -41,243 +41,20 @@ units of one kind only (`fzero.partition.reduction_buckets`).
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fzero import comm
 from fzero.core.groups import check_even, check_finer, groups_of
 from fzero.core.layout import add_pieces
-from fzero.core.quantize import quantized_reduce_scatter
+from fzero.core.reduce_bucket import Pending, finish, nothing, reduce_bucket
+from fzero.core.reduce_pieces import Pieces
 from fzero.partition import Placement, Plan
 
-__all__ = [
-    "Pending",
-    "Reduction",
-    "any_rank",
-    "bucket_accumulators",
-    "finish",
-    "reduce_bucket",
-    "reduce_to_optimizer_shards",
-    "scatter_by_all_reduce",
-]
-
-Pending = list[tuple[Any, Callable[[], None]]]  # (collective in flight or None, then run)
-
-
-def scatter_by_all_reduce() -> bool:
-    """Whether a reduce-scatter is done as an all-reduce here (gloo: see above)."""
-    return dist.is_initialized() and dist.get_backend() == "gloo"
-
-
-def reduce_bucket(
-    buffer: Tensor,
-    flats: Sequence[Tensor],
-    owned: Sequence[slice],
-    keep: Callable[[int, Tensor], None],
-    *,
-    world_size: int,
-    quantized: bool = False,
-    what: str = "",
-    bits: int = 8,
-    group: Any = None,
-    replicas: Any = None,
-    hops: Sequence[tuple[Any, int]] = (),
-    bounds: Sequence[tuple[int, ...]] = (),
-    wire_dtype: torch.dtype = torch.float32,
-) -> Pending:
-    """Start averaging one bucket's full-size unit gradients (`flats`, views of `buffer`
-    in order) over ranks; `keep(i, part)` then receives unit i's averaged part `owned[i]`
-    on this rank. `quantized` (qgZ, stages 2-3: each rank owns a shard): one all-to-all
-    of int8 (`bits` 8) or int4 (`bits` 4) blocks instead (`fzero.core.quantize`). `what`
-    names the bucket in errors. `group`: the ranks of the plan (None: every process);
-    `replicas`: the processes holding the same shards, over which each part is then
-    averaged (None: none); `hops`: with `quantized`, the shard group's axes (group, size),
-    reduced one axis at a time; `bounds`: each unit's uneven shard bounds (`Unit.bounds`,
-    () for an even unit), whose parts are each reduced to their owner at their exact
-    size; `wire_dtype` (DeepSpeed's `communication_data_type`): the dtype the gradients
-    travel in, cast from fp32 before each collective and back after (the sum rounded to
-    it). Returns what is in flight, in order, for `finish`."""
-    if wire_dtype != buffer.dtype and not quantized and world_size > 1:
-        return _on_the_wire(
-            buffer, flats, owned, keep, wire_dtype, world_size, what, group, replicas, bounds
-        )
-    if replicas is not None:
-        keep = functools.partial(_keep_replicated, keep, replicas, what)
-
-    def keep_all() -> None:
-        for i, flat in enumerate(flats):
-            keep(i, flat[owned[i]])
-
-    if world_size == 1:
-        return [(None, keep_all)]
-    if quantized:
-        return _quantized(flats, owned, keep, world_size, bits, group, hops)
-    if any(bounds):
-        return _by_unit(flats, owned, keep, bounds, world_size, what, group)
-    if scatter_by_all_reduce():
-        work = comm.all_reduce(buffer, op="avg", async_op=True, what=what, group=group)
-        return [(work, keep_all)]
-    pending: Pending = []
-    for i, flat in enumerate(flats):
-        part = owned[i]
-        if flat.numel() != world_size * (part.stop - part.start):  # uneven shards
-            work = comm.all_reduce(flat, op="avg", async_op=True, what=what, group=group)
-            pending.append((work, functools.partial(keep, i, flat[part])))
-            continue
-        shard = torch.empty(part.stop - part.start, dtype=flat.dtype, device=flat.device)
-        work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
-        pending.append((work, functools.partial(keep, i, shard)))
-    return pending
-
-
-def _on_the_wire(
-    buffer: Tensor,
-    flats: Sequence[Tensor],
-    owned: Sequence[slice],
-    keep: Callable[[int, Tensor], None],
-    wire_dtype: torch.dtype,
-    world_size: int,
-    what: str,
-    group: Any,
-    replicas: Any,
-    bounds: Sequence[tuple[int, ...]],
-) -> Pending:
-    """`reduce_bucket` in `wire_dtype`: the bucket cast once, reduced as an fp32 bucket
-    is, and each kept part cast back to fp32 (the collectives in the wire dtype)."""
-    wire = buffer.to(wire_dtype)
-    views, offset = [], 0
-    for flat in flats:
-        views.append(wire[offset : offset + flat.numel()])
-        offset += flat.numel()
-
-    def keep_fp32(i: int, part: Tensor) -> None:
-        keep(i, part.to(buffer.dtype))
-
-    return reduce_bucket(
-        wire,
-        views,
-        owned,
-        keep_fp32,
-        world_size=world_size,
-        what=what,
-        group=group,
-        replicas=replicas,
-        bounds=bounds,
-        wire_dtype=wire_dtype,
-    )
-
-
-def _by_unit(
-    flats: Sequence[Tensor],
-    owned: Sequence[slice],
-    keep: Callable[[int, Tensor], None],
-    bounds: Sequence[tuple[int, ...]],
-    world_size: int,
-    what: str,
-    group: Any,
-) -> Pending:
-    """A bucket with uneven units, unit by unit: each owned part of an uneven unit summed
-    to its owner (a reduce of its exact size: one rank's whole tensors cost their bytes
-    once, not an all-reduce of the unit) and averaged there; an even unit as a bucket's
-    (all-reduced on gloo, else reduce-scattered)."""
-    pending: Pending = []
-    for i, (flat, part) in enumerate(zip(flats, owned)):
-        if not bounds[i]:
-            if scatter_by_all_reduce():
-                work = comm.all_reduce(flat, op="avg", async_op=True, what=what, group=group)
-                pending.append((work, functools.partial(keep, i, flat[part])))
-                continue
-            shard = torch.empty(part.stop - part.start, dtype=flat.dtype, device=flat.device)
-            work = comm.reduce_scatter_into(shard, flat, async_op=True, what=what, group=group)
-            pending.append((work, functools.partial(keep, i, shard)))
-            continue
-        for owner, (start, stop) in enumerate(itertools.pairwise(bounds[i])):
-            if stop > start:
-                work = comm.reduce_to(
-                    flat[start:stop], owner, async_op=True, what=what, group=group
-                )
-                pending.append((work, _nothing))
-        mine = flat[part]
-        pending.append((None, functools.partial(_keep_averaged, keep, i, mine, world_size)))
-    return pending
-
-
-def _keep_averaged(
-    keep: Callable[[int, Tensor], None], i: int, part: Tensor, world_size: int
-) -> None:
-    keep(i, part.div_(world_size))
-
-
-def _keep_replicated(
-    keep: Callable[[int, Tensor], None], replicas: Any, what: str, i: int, part: Tensor
-) -> None:
-    """Average a reduced part over the replicas holding it, then keep it."""
-    comm.all_reduce(part, op="avg", group=replicas, what=f"{what} across replicas")
-    keep(i, part)
-
-
-def _quantized(
-    flats: Sequence[Tensor],
-    owned: Sequence[slice],
-    keep: Callable[[int, Tensor], None],
-    world_size: int,
-    bits: int,
-    group: Any,
-    hops: Sequence[tuple[Any, int]] = (),
-) -> Pending:
-    """qgZ over one bucket: rank r's part is every unit's `owned` shard of rank r, in
-    unit order (the shards have one size on every rank). With `hops`, hierarchically."""
-    sizes = [part.stop - part.start for part in owned]
-    parts = torch.cat([flat.view(world_size, size) for flat, size in zip(flats, sizes)], dim=1)
-
-    def keep_parts(mine: Tensor) -> None:
-        for i, piece in enumerate(mine.split(sizes)):
-            keep(i, piece)
-
-    if hops:
-        return _hierarchical(parts, list(hops), bits, keep_parts)
-    return quantized_reduce_scatter(parts, keep_parts, world=world_size, bits=bits, group=group)
-
-
-def _hierarchical(
-    parts: Tensor, hops: list[tuple[Any, int]], bits: int, keep: Callable[[Tensor], None]
-) -> Pending:
-    """ZeRO++'s hierarchical qgZ (Wang et al. 2023, section 4.2): the quantized
-    reduce-scatter one mesh axis at a time, the innermost (in the node) first, so what
-    crosses the outer axis is already summed over the inner one. `parts` is the world's
-    rows (row b for the rank whose index along the shard axes is b); each hop sends each
-    peer along its axis the rows of the ranks sharing that peer's coordinate, then
-    averages what it receives (fp32 sums at the owner, as the one-hop reduction)."""
-    sizes = [size for _, size in hops]
-
-    def hop(current: Tensor, level: int) -> Pending:
-        group, size = hops[level]
-        rows = current.view(*sizes[:level], size, -1).movedim(level, 0).reshape(size, -1)
-
-        def after(mine: Tensor) -> None:
-            if level == 0:
-                keep(mine)
-            else:
-                finish(hop(mine, level - 1))
-
-        return quantized_reduce_scatter(rows, after, world=size, bits=bits, group=group)
-
-    return hop(parts, len(hops) - 1)
-
-
-def finish(pending: Pending) -> None:
-    """Wait for each collective in order and run what follows it; empties `pending`."""
-    for work, then in pending:
-        if work is not None:
-            work.wait()
-        then()
-    pending.clear()
-
+__all__ = ["Reduction", "any_rank", "bucket_accumulators", "reduce_to_optimizer_shards"]
 
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -336,6 +113,10 @@ class Reduction:
     launches the rest (units this pass did not use reduce zeros) and waits.
     `quantized`: qgZ at stages 2-3 (`reduce_bucket`), in `bits` 8 or 4;
     `wire_dtype`: the dtype gradients travel in (DeepSpeed's `communication_data_type`).
+    `piece` (`reduce_pieces.reduction_piece`; 0: none): a unit at stages 2-3 with even
+    shards whose part on this rank is larger is reduced in pieces of that many elements
+    of each part ([Note: gradients reduced in pieces]), and `keep(i, part, at)` receives
+    each at its offset `at` in the part (0 for a whole part).
     """
 
     def __init__(
@@ -346,12 +127,13 @@ class Reduction:
         *,
         sizes: Sequence[int],
         accumulator: Callable[[int], Tensor],
-        keep: Callable[[int, Tensor], None],
+        keep: Callable[[int, Tensor, int], None],
         device: torch.device,
         quantized: bool = False,
         bits: int = 8,
         overlap: bool = True,
         wire_dtype: torch.dtype = torch.float32,
+        piece: int = 0,
     ) -> None:
         self.plan, self.rank, self.buckets = plan, rank, [list(b) for b in buckets]
         self.wire_dtype = wire_dtype
@@ -363,6 +145,8 @@ class Reduction:
         self.groups = groups_of(plan)
         check_even(plan, quantized, "zero_quantized_gradients (qgZ)")
         check_finer(plan, quantized, "zero_quantized_gradients (qgZ)")
+        self.piece = piece
+        self.pieced = [self._pieced(i) for i in range(len(plan.units))]
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
             offset = 0
@@ -377,6 +161,20 @@ class Reduction:
         self._in_flight: dict[int, Tensor] = {}  # launched buckets' buffers, by id
         self._next = 0
         self._launches: list[Pending] = []  # each launched bucket's reductions, oldest first
+        self._chains: list[Pieces] = []  # pieced reductions in flight, oldest first
+
+    def _pieced(self, index: int) -> bool:
+        """Whether unit `index`'s gradient is reduced in pieces ([Note: gradients reduced
+        in pieces]): at stages 2-3, even shards, not quantized, its part on this rank
+        larger than a piece (then it is a bucket of its own)."""
+        unit = self.plan.units[index]
+        return (
+            self.piece > 0
+            and self.plan.stage_of(unit) >= 2
+            and not unit.bounds
+            and not self.quantized
+            and self.plan.grads_size(unit, self.rank) > self.piece
+        )
 
     def begin(self, reduce: bool) -> None:
         """A new pass; `reduce`: whether the units at stages 0-1 average over ranks in it
@@ -385,22 +183,29 @@ class Reduction:
         self.reduce, self._next = reduce, 0
         self.arrived_count = [0] * len(self.plan.units)
 
-    def target(self, index: int) -> Tensor:
-        """Where unit `index`'s gradient of this pass is summed (flat, the unit's size)."""
+    def target(self, index: int, dtype: torch.dtype | None = None) -> Tensor:
+        """Where unit `index`'s gradient of this pass is summed (flat, the unit's size).
+        `dtype`: the arriving gradient's, which a pieced unit's buffer takes (widened
+        to fp32 should another dtype arrive: every value kept exactly)."""
         if self.whole[index]:
             return self.accumulator(index)
         b, offset = self.place[index]
         buffer = self._buffers.get(b)
+        wide = torch.float32
         if buffer is None:
-            buffer = self._new_buffer(sum(self.plan.units[i].numel for i in self.buckets[b]))
+            kept = dtype if self.pieced[index] and dtype is not None else wide
+            numel = sum(self.plan.units[i].numel for i in self.buckets[b])
+            buffer = self._new_buffer(numel, kept)
             self._buffers[b] = buffer
+        elif dtype is not None and buffer.dtype not in (dtype, wide):
+            buffer = self._buffers[b] = buffer.to(wide)
         view = buffer[offset : offset + self.plan.units[index].numel]
         if index not in self._zeroed:  # the unit's part is zeroed when first written
             view.zero_()
             self._zeroed.add(index)
         return view
 
-    def _new_buffer(self, numel: int) -> Tensor:
+    def _new_buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """A bucket buffer of `numel` elements, each unit's part zeroed when the unit's
         first gradient arrives (`target`): a bucket of many units takes memory as its
         gradients come in, while the units they come from are released, not all at its
@@ -415,14 +220,14 @@ class Reduction:
         its page faults (18 ms for 16.8M elements)."""
         self._wait(in_flight=1 if self.overlap else 0)
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == numel:
+        if spare is not None and spare.numel() == numel and spare.dtype == dtype:
             return spare
         del spare  # freed before the new buffer is made
-        return torch.empty(numel, dtype=torch.float32, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def add(self, index: int, placement: Placement, grad: Tensor) -> None:
         """Add one tensor's gradient into unit `index`'s target at `placement`."""
-        add_pieces(self.target(index), grad.reshape(-1), placement)
+        add_pieces(self.target(index, grad.dtype), grad.reshape(-1), placement)
 
     def arrived(self, index: int, launch: bool = True) -> bool:
         """Count one gradient of unit `index`; whether the unit is complete now (then,
@@ -440,7 +245,10 @@ class Reduction:
         """Launch bucket reductions in bucket order as far as their units are complete;
         without `overlap` each is waited for at once (DeepSpeed's `overlap_comm` false: a
         bucket is reduced when it fills, not beside the rest of backward), so its
-        buffer is free for the next."""
+        buffer is free for the next. A pieced reduction in flight moves on one piece."""
+        self._chains = [chain for chain in self._chains if not chain.done]
+        for chain in self._chains:
+            chain.advance()
         while self._next < len(self.buckets) and all(
             self.complete(i) for i in self.buckets[self._next]
         ):
@@ -456,6 +264,7 @@ class Reduction:
             self._next += 1
         self._wait()
         self._spare = None
+        self._chains = []
         self.arrived_count = [0] * len(self.plan.units)
 
     def _wait(self, in_flight: int = 0) -> None:
@@ -471,10 +280,18 @@ class Reduction:
     def held_numel(self) -> int:
         """Elements of the stage 2-3 bucket buffers alive now: those being filled, those
         whose reduction is in flight, and the one kept for reuse."""
+        return sum(buffer.numel() for buffer in self._held())
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers `held_numel` counts (a pieced unit's in its gradients'
+        dtype)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._held())
+
+    def _held(self) -> list[Tensor]:
         buffers = {id(b): b for b in (*self._buffers.values(), *self._in_flight.values())}
         if self._spare is not None:
             buffers[id(self._spare)] = self._spare
-        return sum(buffer.numel() for buffer in buffers.values())
+        return list(buffers.values())
 
     def _launch(self, b: int) -> None:
         indices = self.buckets[b]
@@ -490,9 +307,12 @@ class Reduction:
             for tensor in [span] if span is not None else grads:
                 wire = tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
                 work = comm.all_reduce(wire, op="avg", async_op=True, what=_grads_of(indices))
-                after = _nothing if wire is tensor else functools.partial(tensor.copy_, wire)
+                after = nothing if wire is tensor else functools.partial(tensor.copy_, wire)
                 launched.append((work, after))
             self._launches.append(launched)
+            return
+        if self.pieced[indices[0]]:  # a bucket of its own
+            self._launch_pieces(b, indices[0])
             return
         flats = [self.target(i) for i in indices]  # zeros for units this pass left unused
         buffer = self._buffers.pop(b)
@@ -502,7 +322,7 @@ class Reduction:
             buffer,
             flats,
             owned,
-            lambda k, part: self.keep(indices[k], part),
+            lambda k, part: self.keep(indices[k], part, 0),
             world_size=self.world,
             quantized=self.quantized,
             what=_grads_of(indices),
@@ -518,6 +338,36 @@ class Reduction:
         if self.plan.processes == 1:
             finish(pending)  # nothing in flight: keep the parts now, reuse the buffer
         else:
+            self._launches.append(pending)
+
+    def _launch_pieces(self, b: int, index: int) -> None:
+        """Start reducing unit `index` (bucket `b`) piece by piece ([Note: gradients
+        reduced in pieces]); a unit this pass left unused reduces zeros, with no buffer."""
+        buffer = self._buffers.pop(b, None)
+        self._zeroed.discard(index)
+        unit = self.plan.units[index]
+        ranks = range(self.world)
+        chain = Pieces(
+            buffer,
+            [self.plan.grads_range(unit, r * self.plan.optimizer_extra_size)[0] for r in ranks],
+            self.plan.grads_size(unit, self.rank),
+            self.piece,
+            lambda part, at: self.keep(index, part, at),
+            rank=self.rank // self.plan.optimizer_extra_size,
+            group=self.groups.grads,
+            replicas=self.groups.replicate,
+            wire_dtype=self.wire_dtype,
+            device=self.device,
+            what=_grads_of([index]),
+        )
+        pending: Pending = [(chain, nothing)]
+        if buffer is not None:
+            self._in_flight[id(buffer)] = buffer
+            pending.append((None, functools.partial(self._reuse, buffer)))
+        if self.plan.processes == 1:
+            finish(pending)
+        else:
+            self._chains.append(chain)
             self._launches.append(pending)
 
     def _reduce_to_shards(self, indices: list[int], span: Tensor, grads: list[Tensor]) -> Pending:
@@ -551,10 +401,6 @@ class Reduction:
     def _reuse(self, buffer: Tensor) -> None:
         del self._in_flight[id(buffer)]
         self._spare = buffer
-
-
-def _nothing() -> None:
-    return None
 
 
 def _grads_of(indices: Sequence[int]) -> str:

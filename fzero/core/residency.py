@@ -123,13 +123,15 @@ class Residency:
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
         self.pipeline_depth = 2
         self.write_buffers = 2  # backward's gradient writes in flight: `_open_swap`
-        self._grad_writes: list[tuple[Any, Tensor]] = []
+        self._grad_writes: list[tuple[Any, Tensor, Any]] = []  # (ticket, buffer, pool)
         self._grad_failure = ""  # the first gradient I/O error of this backward
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(swap_buffer_numel(largest))
         # the step's swap buffers: the pool's, or with sub-groups their own, smaller ones
         self.step_pool = self.pool
+        self.grad_pool = self.pool  # backward's gradient writes: `use_grad_pieces`
+        self._fresh: set[int] = set()  # units whose accumulator this window starts now
         self.sub_group = 0  # elements per piece of a unit the step takes; 0: whole units
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
         if "nvme" in (*where, *(plan.params_memory(u) for u in plan.units)):
@@ -241,6 +243,12 @@ class Residency:
             "the largest unit's partition (or the default 1e9), an optimizer that needs "
             "no tensor norms, or offload_optimizer.device 'cpu'"
         )
+
+    def use_grad_pieces(self, piece: int) -> None:
+        """Backward keeps large units' gradients in pieces of `piece` elements
+        ([Note: gradients reduced in pieces]): its writes take piece-sized buffers."""
+        if self.grads_on_disk and swap_buffer_numel(piece) < self.pool.numel:
+            self.grad_pool = _nvme.BufferPool(swap_buffer_numel(piece))
 
     def sub_groups(self, units: Sequence[UnitRuntime]) -> list[Piece] | None:
         """The pieces the step takes `units` in ([Note: sub-groups]), or None when it
@@ -442,31 +450,46 @@ class Residency:
             rt.grad_on_disk, rt.grad_stats = False, None
 
     def accumulate_grad(
-        self, rt: UnitRuntime, value: Tensor, at_boundary: bool, stats: Callable[[Tensor], Any]
+        self,
+        rt: UnitRuntime,
+        value: Tensor,
+        at_boundary: bool,
+        stats: Callable[..., Any],
+        at: int = 0,
     ) -> None:
-        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
-        accumulator. With NVMe offload the accumulator is in the swap file: read (after
-        the window's first micro-step), added to, and written back asynchronously, at
-        most `offload_optimizer.buffer_count` writes in flight. At the window's last
-        micro-step its norm and finiteness are taken before it leaves memory."""
+        """Stages 2-3: add this micro-step's reduced gradient shard, or its piece from
+        element `at` (pieces come in order: [Note: gradients reduced in pieces]), to the
+        unit's accumulator. With NVMe offload the accumulator is in the swap file: read
+        (after the window's first micro-step), added to, and written back
+        asynchronously, at most `pipeline_depth` writes in flight. At the window's last
+        micro-step its norm and finiteness are taken before it leaves memory, carried
+        from piece to piece (`stats(buffer, into)`)."""
+        numel = value.numel()
         if not self.grad_on_disk(rt.index):
-            rt.grad.add_(value)
+            rt.grad[at : at + numel].add_(value)
             return
         if self._grad_failure:
             return  # this window is dropped at the end of backward
-        pooled = self.pool.take()
-        buffer = pooled[: self.plan.grads_size(rt.unit, self.rank)]
+        if at == 0 and not rt.grad_on_disk:
+            self._fresh.add(rt.index)  # the window's first micro-step: nothing to read
+        pool = self.grad_pool if numel <= self.grad_pool.numel else self.pool
+        pooled = pool.take()
+        buffer, offset = pooled[:numel], 4 * at
         region = self.grad_region(rt)
         try:
-            if rt.grad_on_disk:
-                self.nvme.wait(self.nvme.submit(region, buffer, write=False), "reading")
+            if rt.index not in self._fresh:
+                ticket = self.nvme.submit(region, buffer, write=False, offset=offset)
+                self.nvme.wait(ticket, "reading")
                 buffer.add_(value.to(buffer.device))
             else:  # value + 0: the same arithmetic as a zeroed in-memory accumulator
                 torch.add(value.to(buffer.device), 0.0, out=buffer)
             if at_boundary:
-                rt.grad_stats = stats(buffer)
-            self._grad_writes.append((self.nvme.submit(region, buffer, write=True), pooled))
-            rt.grad_on_disk = True
+                rt.grad_stats = stats(buffer, rt.grad_stats if at else None)
+            ticket = self.nvme.submit(region, buffer, write=True, offset=offset)
+            self._grad_writes.append((ticket, pooled, pool))
+            if at + numel == self.plan.grads_size(rt.unit, self.rank):  # the last piece
+                self._fresh.discard(rt.index)
+                rt.grad_on_disk = True
             while len(self._grad_writes) > self.write_buffers:
                 self._wait_grad_write()
         except OSError as error:
@@ -475,9 +498,9 @@ class Residency:
 
     def _wait_grad_write(self) -> None:
         """Wait for the oldest gradient write; its buffer goes back to the pool."""
-        ticket, pooled = self._grad_writes.pop(0)
+        ticket, pooled, pool = self._grad_writes.pop(0)
         self.nvme.wait(ticket, "writing")
-        self.pool.give(pooled)
+        pool.give(pooled)
 
     def finish_grad_writes(self, units: Sequence[UnitRuntime], world_size: int) -> list[str]:
         """End of backward with gradients on NVMe: wait for the writes, then every rank
@@ -490,8 +513,11 @@ class Residency:
         except OSError as error:
             self._grad_failure = self._grad_failure or str(error)
             self.drain([self._grad_writes])
+        if self.grad_pool is not self.pool:
+            self.grad_pool.trim(0)  # piece-sized: taken afresh by the next backward
         messages = self.failures(self._grad_failure, world_size)
         self._grad_failure = ""
+        self._fresh.clear()
         if messages:
             for rt in units:
                 rt.grad_on_disk, rt.grad_stats = False, None
@@ -620,5 +646,4 @@ class Residency:
         was raised)."""
         for tickets in batches:
             while tickets:
-                ticket, _ = tickets.pop(0)
-                self.nvme.io.wait(ticket)
+                self.nvme.io.wait(tickets.pop(0)[0])

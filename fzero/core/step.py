@@ -47,6 +47,7 @@ from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.precision import gradient_wire_dtype, loss_scaler, precision_of, run_plan
 from fzero.core.publish import attach_params, runtime_of, views
 from fzero.core.reduce import Reduction, any_rank, reduce_to_optimizer_shards
+from fzero.core.reduce_pieces import reduction_piece
 from fzero.core.residency import Residency
 from fzero.core.state import Counters, TrainState, UnitState, owned_grad, partition_numel
 from fzero.core.swap_units import SwapFileUnits
@@ -157,6 +158,7 @@ class _Step:
         self.trace = UseTrace()  # stage 3: the order units are used in, from the first call
         bucket_numel = int(config.zero_optimization.reduce_bucket_size)
         self.buckets = partition.reduction_buckets(plan, bucket_numel)
+        self.piece = reduction_piece(plan, bucket_numel)
         self._applications: dict[Any, OptimizerApplication] = {}
         self._records: list[UnitRuntime] = []  # the update's, over the last state's buffers
 
@@ -425,12 +427,13 @@ class _Micro:
             step.buckets,
             sizes=[len(unit.placements) for unit in self.plan.units],
             accumulator=lambda i: units[i].grad,
-            keep=lambda i, part: units[i].grad.add_(part),
+            keep=lambda i, part, at: units[i].grad[at : at + part.numel()].add_(part),
             device=self.device,
             quantized=self.plan.stage >= 2
             and step.config.zero_optimization.zero_quantized_gradients,
             bits=step.config.zero_optimization.zero_quantized_gradients_bits,
             wire_dtype=gradient_wire_dtype(step.config),
+            piece=step.piece,
         )
         self.reduction.begin(reduce=at_boundary)  # units at stages 2-3 reduce every pass
 

@@ -46,24 +46,35 @@ GradStats = tuple[Tensor, bool]
 _SQUARED_CHUNK = 1 << 20  # elements squared in float64 at a time (8 MiB)
 
 
-def grad_stats(grad: Tensor, *, clipping: float, dynamic: bool) -> GradStats:
+def grad_stats(
+    grad: Tensor, *, clipping: float, dynamic: bool, into: GradStats | None = None
+) -> GradStats:
     """One unit's owned gradient: its sum of squares (float64 with clipping; else one
     float32 pass, for the reported norm) and whether it is finite (checked only with
     dynamic loss scaling). With clipping the float64 squares are summed 2^20 elements at
     a time, in order from the start of `grad` (the same chunks at every stage: a rank
     owns the same elements of a unit at each), so a large unit holds 8 MiB of float64,
-    not 8 bytes per element of its part (2.1 GB for Llama 3's embedding at world 2)."""
+    not 8 bytes per element of its part (2.1 GB for Llama 3's embedding at world 2).
+    `into`: the stats of the part before `grad` (a gradient reduced in pieces, each
+    starting at a multiple of 2^20 elements: `fzero.core.reduce_pieces`), which the sum
+    goes on from: with clipping the same float64 sum, in the same order, as over the
+    whole part at once."""
     if clipping > 0:  # squared in place: one float64 copy of a chunk at a time
-        if grad.numel() <= _SQUARED_CHUNK:
+        if grad.numel() <= _SQUARED_CHUNK and into is None:
             sq = grad.to(torch.float64, copy=True).square_().sum()
         else:
             sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+            if into is not None:
+                sq += into[0]
             for chunk in grad.split(_SQUARED_CHUNK):
                 sq += chunk.to(torch.float64, copy=True).square_().sum()
     else:
         wide = None if grad.dtype == torch.float32 else torch.float32  # half accumulators
         sq = torch.linalg.vector_norm(grad, dtype=wide).double().square()
-    return sq, bool(torch.isfinite(grad).all()) if dynamic else True
+        if into is not None:
+            sq = sq + into[0]
+    finite = bool(torch.isfinite(grad).all()) if dynamic else True
+    return sq, finite and (into is None or into[1])
 
 
 class StepDecision(NamedTuple):

@@ -335,10 +335,12 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             else:
                 p.grad.detach_().zero_()
 
-    def grad_stats(self, grad: Tensor) -> GradStats:
-        """What the step needs of one unit's owned gradient (`_step.grad_stats`)."""
+    def grad_stats(self, grad: Tensor, into: GradStats | None = None) -> GradStats:
+        """What the step needs of one unit's owned gradient (`_step.grad_stats`); `into`:
+        of the part before it (a gradient kept in pieces)."""
         dynamic = self.loss_scaler is not None and self.loss_scaler.dynamic
-        return grad_stats(grad, clipping=self.config.gradient_clipping, dynamic=dynamic)
+        clipping = self.config.gradient_clipping
+        return grad_stats(grad, clipping=clipping, dynamic=dynamic, into=into)
 
     # ---- learning rate ------------------------------------------------------------------
 

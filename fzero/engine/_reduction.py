@@ -55,7 +55,7 @@ class Owner(Protocol):
 
     def check_trainable(self) -> None: ...
 
-    def grad_stats(self, grad: Tensor) -> GradStats: ...
+    def grad_stats(self, grad: Tensor, into: GradStats | None = None) -> GradStats: ...
 
     def drop_accumulation_window(self) -> None: ...
 
@@ -85,6 +85,7 @@ class GradientReduction:
         quantized: bool,
         bits: int = 8,
         wire_dtype: torch.dtype = torch.float32,
+        piece: int = 0,
     ) -> None:
         self.owner, self.plan, self.stage, self.units = owner, plan, plan.stage, list(units)
         self.world_size, self.processes = plan.world_size, plan.processes
@@ -102,6 +103,7 @@ class GradientReduction:
             bits=bits,
             overlap=overlap,
             wire_dtype=wire_dtype,
+            piece=piece,
         )
         self._param_unit = {
             id(p): (rt, placement) for rt in self.units for p, placement, _ in rt.params
@@ -262,11 +264,12 @@ class GradientReduction:
         if self.residency.grads_on_disk:
             self._finish_grad_writes()
 
-    def _accumulate_grad(self, index: int, value: Tensor) -> None:
-        """Stages 2-3: add this micro-step's reduced gradient shard to the unit's
-        accumulator (in the swap file with NVMe gradients; see `Residency`)."""
+    def _accumulate_grad(self, index: int, value: Tensor, at: int) -> None:
+        """Stages 2-3: add this micro-step's reduced gradient shard (or its piece from
+        element `at`) to the unit's accumulator (in the swap file with NVMe gradients;
+        see `Residency`)."""
         rt = self.units[index]
-        self.residency.accumulate_grad(rt, value, self.boundary_now, self.owner.grad_stats)
+        self.residency.accumulate_grad(rt, value, self.boundary_now, self.owner.grad_stats, at)
 
     def _finish_grad_writes(self) -> None:
         """With gradients on NVMe, a write that failed on any rank drops the window on
@@ -293,6 +296,10 @@ class GradientReduction:
     def held_numel(self) -> int:
         """Elements of the bucket buffers of a reduction in progress (stages 2-3)."""
         return self.core.held_numel()
+
+    def held_bytes(self) -> int:
+        """Bytes of those buffers."""
+        return self.core.held_bytes()
 
     def scaled_by_caller(self) -> None:
         """The caller scaled the loss (`engine.scale(loss).backward()`): a plain backward

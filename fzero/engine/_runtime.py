@@ -30,6 +30,7 @@ from fzero.core.layout import UnitRuntime, bind, unbind
 from fzero.core.param_shards import ParamShardStore, PublishedShards
 from fzero.core.precision import Precision, gradient_wire_dtype, loss_scaler
 from fzero.core.reduce import bucket_accumulators
+from fzero.core.reduce_pieces import reduction_piece
 from fzero.core.residency import Residency
 from fzero.core.stage3 import ModuleGathering
 from fzero.core.state import partition_numel
@@ -113,6 +114,8 @@ def build_runtime(
         optimizer, param_groups, trainable=trainable, client_optimizer=client_optimizer
     )
     buckets = partition.reduction_buckets(plan, int(zero.reduce_bucket_size))
+    piece = reduction_piece(plan, int(zero.reduce_bucket_size))
+    residency.use_grad_pieces(piece)
     accumulators = None  # units at stages 0-1: one buffer per bucket (one all-reduce each)
     if plan.runs_stage(lambda s: s < 2):
         accumulators = bucket_accumulators(plan, buckets, device)
@@ -194,6 +197,7 @@ def build_runtime(
         quantized=zero.zero_quantized_gradients,
         bits=zero.zero_quantized_gradients_bits,
         wire_dtype=gradient_wire_dtype(config),
+        piece=piece,
     )
     stage3 = None
     if plan.stage == 3:

@@ -19,7 +19,7 @@ from fzero.core import init as functional
 from fzero.core.layout import UnitRuntime
 from fzero.core.precision import gradient_wire_dtype
 from fzero.core.publish import accept_edits
-from fzero.core.reduce import scatter_by_all_reduce
+from fzero.core.reduce_bucket import scatter_by_all_reduce
 from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.swap_units import SwapFileUnits
 from fzero.engine._runtime import Runtime
@@ -123,7 +123,7 @@ def memory_held(runtime: Runtime) -> MemoryEstimate:
         grads += size(rt.grad)
         if runtime.residency.offloaded[rt.index]:
             offloaded += unit_master + unit_state
-    grads += runtime.reduction.held_numel() * 4  # fp32 buckets of a reduction in flight
+    grads += runtime.reduction.held_bytes()  # bucket buffers of a reduction in flight
     return MemoryEstimate(
         params=params,
         master=master,

@@ -1,0 +1,206 @@
+"""A unit whose gradient part is larger than `reduce_bucket_size` allows is reduced in
+pieces ([Note: gradients reduced in pieces]): its bucket holds the gradients in their
+dtype, each piece is widened, reduced and kept at its offset (in memory or in the NVMe
+swap file), and training is bit for bit that of whole-unit reductions."""
+
+from __future__ import annotations
+
+import hashlib
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+import fzero.core.reduce
+from fzero.core.reduce_pieces import PIECE_ALIGN, Pieces, reduction_piece
+from fzero.partition import describe, plan
+from tests._dist import run_world
+
+WIDE = 2304  # the head's weight: 2048 x 2304 = 4.7M elements, 2.36M per rank at world 2
+WHOLE = 500_000_000  # DeepSpeed's default reduce_bucket_size: no unit is pieced
+PIECED = 1  # every unit larger than 2^20 elements per rank is pieced
+
+
+class Model(nn.Module):
+    """A small unit, one whose part spans two and a quarter pieces, and a small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 2048)
+        self.wide = nn.Linear(2048, WIDE, bias=False)
+        self.head = nn.Linear(WIDE, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wide(torch.tanh(self.inner(x)))))
+
+
+def _config(stage, bucket, *, nvme=None, precision="bf16", accumulation=2, **more):
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": bucket,
+        "stage3_param_persistence_threshold": 0,
+        **more,
+    }
+    if nvme is not None:
+        where = {"device": "nvme", "nvme_path": nvme}
+        zero["offload_optimizer"] = where
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.01,  # the clip coefficient is below 1: the norm matters
+        "zero_optimization": zero,
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _batch(step, rank, world):
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(2 * world, 16, generator=generator)
+    y = torch.randn(2 * world, 4, generator=generator)
+    return x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for name, t in sorted(tensors.items()):
+        h.update(name.encode())
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None):
+    """Two steps of two micro-steps: the losses, the norms, a digest of the weights, and
+    which units were pieced with the largest bucket bytes held in backward."""
+    torch.manual_seed(0)
+    config = _config(stage, bucket, nvme=nvme, precision=precision, **(zero or {}))
+    config |= top or {}
+    engine = fzero.shard(Model(), optimizer=fzero.optim.adamw(lr=1e-3), config=config)
+    held = []
+    for p in engine.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: held.append(engine.reduction.held_bytes()))
+    losses, norms = [], []
+    for step in range(4):
+        x, y = _batch(step, rank, world)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if step % 2 == 1:  # a boundary
+            norms.append(float(engine.get_global_grad_norm()))
+    state = engine.state_dict(dtype=torch.float32)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": _digest(state),
+        "pieced": engine.reduction.core.pieced,
+        "held": max(held),
+        "grad_pool": engine.residency.grad_pool.numel,
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pieces_train_as_whole_units(stage):
+    whole = run_world(engine_case, 2, stage, WHOLE, None, "bf16")
+    pieced = run_world(engine_case, 2, stage, PIECED, None, "bf16")
+    assert pieced["pieced"] == [False, True, False]
+    assert whole["pieced"] == [False, False, False]
+    assert pieced["losses"] == whole["losses"]
+    assert pieced["norms"] == whole["norms"]
+    assert pieced["weights"] == whole["weights"]
+    # backward held the wide unit's gradients in bf16, not in an fp32 bucket (two, with
+    # overlap_comm at stage 3)
+    wide = 2048 * WIDE
+    assert whole["held"] >= 4 * wide
+    assert pieced["held"] <= 2 * wide + 4 * 4 * PIECE_ALIGN
+
+
+def test_pieces_train_as_whole_units_with_gradients_on_nvme(tmp_path):
+    nvme = str(tmp_path)
+    whole = run_world(engine_case, 2, 3, WHOLE, nvme, "bf16")
+    pieced = run_world(engine_case, 2, 3, PIECED, nvme, "bf16")
+    assert pieced["pieced"] == [False, True, False]
+    assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
+    assert pieced["weights"] == whole["weights"]
+    # backward's gradient writes take piece-sized buffers, not the wide unit's part
+    assert pieced["grad_pool"] < whole["grad_pool"] / 2
+
+
+@pytest.mark.parametrize(
+    ("world", "zero", "top"),
+    [(4, {"mics_shard_size": 2}, {}), (2, {}, {"communication_data_type": "bf16"})],
+    ids=["mics-replicas", "bf16-wire"],
+)
+def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top):
+    """World 4 as MiCS groups of 2 with replicas (each piece averaged over the group,
+    then over its replicas), and at world 2 with the gradients on the wire in bf16."""
+    whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top)
+    pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top)
+    assert pieced["pieced"] == [False, True, False]
+    assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
+    assert pieced["weights"] == whole["weights"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_pieces_at_other_world_sizes(world):
+    """World 1: pieces with no collective; world 4: each piece reduced over four ranks
+    (fp32, whose sums of four may round in another order than the whole unit's)."""
+    whole = run_world(engine_case, world, 3, WHOLE, None, "fp32")
+    pieced = run_world(engine_case, world, 3, PIECED, None, "fp32")
+    parts = 2048 * WIDE // world
+    assert pieced["pieced"] == [False, parts > PIECE_ALIGN, False]
+    if world == 1:
+        assert (pieced["losses"], pieced["weights"]) == (whole["losses"], whole["weights"])
+    else:
+        assert pieced["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+        assert pieced["norms"] == pytest.approx(whole["norms"], rel=1e-6)
+
+
+def functional_case(rank, world, bucket):
+    """`fzero.train_step` at stage 3, two micro-steps a step: losses, norms and a digest
+    of the masters."""
+    torch.manual_seed(0)
+    model = Model()
+    config = _config(3, bucket, precision="fp32")
+    the_plan = plan(describe(model), world_size=world, stage=3, persistence_threshold=0)
+    optimizer = fzero.optim.adamw(lr=1e-3)
+    state = fzero.init(model, the_plan, optimizer, config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, the_plan, optimizer, config=config)
+    losses, norms, made = [], [], []
+
+    class Counted(Pieces):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    for i in range(4):
+        with mock.patch.object(fzero.core.reduce, "Pieces", Counted):
+            state, metrics = step(state, _batch(i, rank, world))
+        losses.append(metrics["loss"].item())
+        if i % 2 == 1:  # a boundary
+            norms.append(float(metrics["grad_norm"]))
+    masters = {str(i): unit.master for i, unit in enumerate(state.units)}
+    return losses, norms, _digest(masters), len(made)
+
+
+def test_the_functional_door_reduces_in_pieces_as_whole_units():
+    *pieced, chains = run_world(functional_case, 2, PIECED)
+    *whole, none = run_world(functional_case, 2, WHOLE)
+    assert (chains, none) == (4, 0)  # one pieced unit, each micro-step
+    assert pieced == whole
+
+
+def test_the_piece_size():
+    """reduce_bucket_size over the gradients' ranks, rounded down to 2^20, at least 2^20."""
+    the_plan = plan(describe(Model()), world_size=2, stage=3)
+    assert reduction_piece(the_plan, 1) == PIECE_ALIGN
+    assert reduction_piece(the_plan, 5_000_000) == 2 * PIECE_ALIGN
+    assert reduction_piece(the_plan, WHOLE) == WHOLE // 2 // PIECE_ALIGN * PIECE_ALIGN
