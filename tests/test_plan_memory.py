@@ -393,8 +393,18 @@ def test_parameter_shards_live_where_each_unit_says_and_train_as_on_the_device(t
 
 
 def test_unit_parameter_memory_is_checked():
-    with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'master'; allowed"):
-        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"master": "bf16"}})
+    with pytest.raises(PlanError, match=r"unit_memory\['0'\] names kind 'moments'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"moments": "bf16"}})
+    with pytest.raises(PlanError, match=r"unit '0': master_dtype is 'fp16'; allowed"):
+        partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"master": "fp16"}})
+    with pytest.raises(PlanError, match=r"unit '0': master_dtype is 'bf16' with unit '0''s opt"):
+        partition.plan(
+            _manifest(), world_size=2, stage=3,
+            unit_memory={"0": {"master": "bf16", "optimizer": "nvme"}},
+        )  # fmt: skip
+    said = partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"master": "bf16"}})
+    assert [said.master_dtype(u) for u in said.units] == ["bf16", "fp32", "fp32"]
+    assert partition.from_bytes(partition.to_bytes(said)) == said
     with pytest.raises(PlanError, match=r"unit '0': states_dtype is 'fp16'; allowed"):
         partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"states": "fp16"}})
     with pytest.raises(PlanError, match=r"states_dtype is 'bf16' with its optimizer on 'nvme'"):
@@ -424,55 +434,82 @@ def test_unit_parameter_memory_is_checked():
 
 
 def _moments(units) -> list[dict[str, torch.Tensor]]:
-    return [{k: getattr(u, k).clone() for k in ("exp_avg", "exp_avg_sq")} for u in units]
+    return [{k: getattr(u.state, k).clone() for k in ("exp_avg", "exp_avg_sq")} for u in units]
 
 
-def _states_case(rank: int, world: int, stage: int, root: str) -> dict:
-    """bf16 moments for unit "0" only (`Unit.states_dtype`), fp32 for the rest: each
-    unit's moments after one step against the all-bf16 and all-fp32 runs', both doors,
-    the bytes held against the plan's, and a checkpoint loaded into an all-fp32 run."""
+def _masters(units) -> list[dict[str, torch.Tensor]]:
+    return [{"master": u.master.clone()} for u in units]
+
+
+# what `unit_memory={"0": {kind: "bf16"}}` sets: the config key saying it plan-wide, what
+# one step leaves, and each unit's dtype (the functional state's units have `optim`)
+_DTYPE_KINDS = {
+    "states": ("bf16_optimizer_states", _moments, lambda u: u.state.exp_avg.dtype),
+    "master": ("bf16_master_weights_and_grads", _masters, lambda u: u.master.dtype),
+}
+
+
+def _unit_dtype_case(rank: int, world: int, stage: int, root: str, kind: str) -> dict:
+    """bf16 `kind` ("states": `Unit.states_dtype`; "master": `Unit.master_dtype`) for
+    unit "0" only, fp32 for the rest, bf16 compute: each unit's tensors after one step
+    against the all-bf16 and all-fp32 runs', both doors, the bytes held against the
+    plan's, and a checkpoint loaded into an all-fp32 run."""
+    key, read, dtype_of = _DTYPE_KINDS[kind]
     config = _nvme_config(stage, root, accumulation=1)
-    config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
     out: dict = {}
     for name, strategy, bf16 in (
         ("fp32", None, False),
         ("bf16", None, True),
-        ("unit", partition.with_unit_memory({"0": {"states": "bf16"}}), False),
+        ("unit", partition.with_unit_memory({"0": {kind: "bf16"}}), False),
     ):
-        said = dict(config, bf16={"enabled": True, "bf16_optimizer_states": bf16})
+        said = dict(config, bf16={"enabled": True, key: bf16})
         engine = fzero.shard(_model(), config=said, strategy=strategy)
         _train_range(engine, 0, 1)
-        out[name] = _moments(rt.state for rt in engine.runtime.units)
+        units = engine.runtime.units
+        out[name] = read(units)
         if name == "unit":
             out["held"] = engine.memory_held(), engine.memory_planned()
-            out["dtypes"] = [str(rt.state.exp_avg.dtype) for rt in engine.runtime.units]
+            out["dtypes"] = [str(dtype_of(rt)) for rt in units]
             out["losses"] = _train_range(engine, 1, STEPS)
-            out["engine"] = engine.state_dict(dtype=torch.float32)
             engine.save_checkpoint(f"{root}/ckpt", tag="t")
             wide = fzero.shard(_model(), config=dict(said, bf16={"enabled": True}))
             wide.load_checkpoint(f"{root}/ckpt", tag="t")
-            out["saved"] = _moments(rt.state for rt in engine.runtime.units)
-            out["loaded"] = _moments(rt.state for rt in wide.runtime.units)
+            out["saved"], out["loaded"] = read(units), read(wide.runtime.units)
+            out["continued"] = _train_range(wide, STEPS, STEPS + 1)
             wide.destroy()
             model = _model()
             plan = partition.plan(
                 partition.describe(model), world_size=world, stage=stage,
-                persistence_threshold=0, unit_memory={"0": {"states": "bf16"}},
+                persistence_threshold=0, unit_memory={"0": {kind: "bf16"}},
             )  # fmt: skip
             state = fzero.init(model, plan, fzero.optim.adamw(), precision="bf16", config=said)
-            out["functional dtypes"] = [str(u.optim.exp_avg.dtype) for u in state.units]
+            views = [UnitRuntimeLike(u.master, u.optim) for u in state.units]
+            out["functional dtypes"] = [str(dtype_of(v)) for v in views]
+            try:
+                fzero.init(_model(), plan, fzero.optim.adamw(), config=config)  # fp32
+                out["fp32 compute"] = "no error"
+            except PlanError as error:
+                out["fp32 compute"] = str(error)
         engine.destroy()
     return out
 
 
+class UnitRuntimeLike:
+    """A functional `UnitState` read as the engine's unit records are (`master`, `state`)."""
+
+    def __init__(self, master: torch.Tensor, state) -> None:
+        self.master, self.state = master, state
+
+
+@pytest.mark.parametrize("kind", ["states", "master"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_units_moments_in_bf16_beside_fp32_ones(stage, tmp_path):
-    out = run_world(_states_case, 2, stage, str(tmp_path))
+def test_a_units_moments_or_masters_in_bf16_beside_fp32_ones(stage, kind, tmp_path):
+    out = run_world(_unit_dtype_case, 2, stage, str(tmp_path), kind)
     assert out["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
     assert out["functional dtypes"] == out["dtypes"]
     held, planned = out["held"]
-    assert held == planned  # the plan counts 2 bytes a moment for unit "0", 4 for the rest
-    # one step from the same weights and gradients: each unit's moments as its dtype's run
+    assert held == planned  # the plan counts each unit's bytes in its own dtype
+    # one step from the same weights and gradients: each unit's tensors as its dtype's run
     for index, run in ((0, "bf16"), (1, "fp32"), (2, "fp32")):
         for key, value in out["unit"][index].items():
             assert torch.equal(value, out[run][index][key]), (index, key)
@@ -480,6 +517,10 @@ def test_a_units_moments_in_bf16_beside_fp32_ones(stage, tmp_path):
         for key, value in saved.items():
             assert loaded[key].dtype == torch.float32
             assert torch.equal(loaded[key], value.float()), key  # widened exactly
+    assert len(out["continued"]) == 1
+    if kind == "master":  # bf16 masters are bf16 parameters: bf16 compute only
+        refused = "unit '0': master_dtype is 'bf16' but the compute dtype is 'fp32'"
+        assert refused in out["fp32 compute"]
 
 
 def test_unit_memory_keys_and_values_are_checked():
@@ -552,3 +593,30 @@ def test_a_units_moment_dtype_is_counted_alike_on_a_mesh_and_as_run():
         part = unit.numel // mesh.group_size(laid.shardings[0].optimizer.shard)
         saved = partition.memory_per_rank(plain, rank).optimizer_state - said.optimizer_state
         assert saved == part * 2 * 2
+
+
+def test_a_units_master_dtype_is_counted_alike_on_a_mesh_and_as_run():
+    """`memory_per_rank` of a mesh plan with one unit's masters in bf16 (bf16 parameters:
+    they are its master) equals that of the plan both doors run for it, and is below the
+    all-fp32 plan's by that unit's four master bytes each; off the device, two."""
+    mesh = partition.Mesh({"node": 2, "local": 2})
+    for where, saved_bytes in (("device", 4), ("host", 2)):
+        memory = Memory(optimizer=where)
+        laid = partition.mesh_plan(
+            _manifest(), mesh, "mics", persistence_threshold=0, memory=memory,
+            strategy=partition.with_unit_memory({"0": {"master": "bf16"}}),
+        )  # fmt: skip
+        plain = partition.mesh_plan(
+            _manifest(), mesh, "mics", persistence_threshold=0, memory=memory
+        )
+        assert [u.master_dtype for u in laid.units] == ["bf16", None, None]
+        for rank in range(2):
+            said = partition.memory_per_rank(laid, rank, param_dtype="bfloat16")
+            ran = partition.memory_per_rank(
+                partition.executable(laid), rank, param_dtype="bfloat16"
+            )
+            assert said == ran
+            part = laid.units[0].numel // mesh.group_size(laid.shardings[0].optimizer.shard)
+            before = partition.memory_per_rank(plain, rank, param_dtype="bfloat16")
+            assert before.master - said.master == part * saved_bytes
+            assert before.offloaded - said.offloaded == (part * 2 if where == "host" else 0)

@@ -123,6 +123,7 @@ def init(
                 else STATE_DTYPES[plan.states_dtype(index)]  # `Unit.states_dtype`
             ),
             grad_dtype=DTYPES[plan.grads_dtype(index)],  # `Unit.grads_dtype`
+            master_dtype=STATE_DTYPES[plan.master_dtype(index)],  # `Unit.master_dtype`
         )
         units.append(
             build_unit_state(

@@ -160,6 +160,12 @@ def run_plan(
                 f"dtype is {precision.compute!r}: a gradient accumulator is fp32 or in the "
                 "compute dtype"
             )
+        if unit.master_dtype == "bf16" and precision.compute != "bf16":
+            raise partition.PlanError(
+                f"unit {unit.name!r}: master_dtype is 'bf16' but the compute dtype is "
+                f"{precision.compute!r}: bf16 masters are the bf16 parameters themselves, "
+                "so compute must be bf16 too (DeepSpeed's bf16.enabled)"
+            )
     placed = [(u, plan.params_memory(u)) for u in plan.units if plan.params_memory(u) != "device"]
     if door and placed:
         unit, where = placed[0]

@@ -199,6 +199,7 @@ def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
     return holding._replace(
         shards_offloaded=residency.plan.params_memory(index) != "device",
         grad_dtype=DTYPES[residency.plan.grads_dtype(index)],  # `Unit.grads_dtype`
+        master_dtype=STATE_DTYPES[residency.plan.master_dtype(index)],  # `Unit.master_dtype`
         offload=residency.offloaded[index],
         state_dtype=(
             torch.float32

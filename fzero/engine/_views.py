@@ -144,8 +144,8 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         param_dtype=partition.dtype_name(precision.compute_dtype),
         grad_dtype="plan",  # each unit in its own (`Plan.grads_dtype`)
         optimizer=runtime.optimizer,  # off the device: unit by unit, as the plan says
-        master_dtype=partition.dtype_name(precision.master_dtype),
-        state_dtype=None,  # the plan's, unit by unit (`Plan.states_dtype`)
+        master_dtype=None,  # the plan's, unit by unit (`Plan.master_dtype`)
+        state_dtype=None,  # and `Plan.states_dtype`
         eval_live_parameters=eval_live_parameters,
     )
 

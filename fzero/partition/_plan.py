@@ -82,7 +82,9 @@ class Unit:
     `MEMORY_DTYPES` (None: the plan's `memory.states`): bf16 moments for a large
     embedding beside fp32 ones; `Plan.states_dtype` reads it. `grads_dtype`: its
     gradient accumulator's, one of `GRAD_DTYPES` (None: the plan's `memory.grads`);
-    `Plan.grads_dtype` reads it.
+    `Plan.grads_dtype` reads it. `master_dtype`: its masters', one of `MEMORY_DTYPES`
+    (None: the plan's `memory.master`; "bf16" masters are the unit's bf16 parameters
+    themselves); `Plan.master_dtype` reads it.
     """
 
     name: str
@@ -99,6 +101,7 @@ class Unit:
     params_memory: str | None = None
     states_dtype: str | None = None
     grads_dtype: str | None = None
+    master_dtype: str | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
@@ -346,6 +349,13 @@ class Plan:
             return "device"
         return self.memory.params if unit.params_memory is None else unit.params_memory
 
+    def master_dtype(self, unit: Unit | int) -> str:
+        """The dtype of `unit`'s (a `Unit` of this plan or its index) masters: its own
+        `master_dtype`, else the plan's `memory.master`."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return self.memory.master if unit.master_dtype is None else unit.master_dtype
+
     def states_dtype(self, unit: Unit | int) -> str:
         """The dtype of `unit`'s (a `Unit` of this plan or its index) optimizer moments:
         its own `states_dtype`, else the plan's `memory.states`."""
@@ -487,9 +497,19 @@ def _validate_memory(plan: Plan) -> None:
                 "whole); the optimizer lives off the device only at stage 1, 2 or 3 (give "
                 "that unit stage 1 or more, or keep its optimizer on the device)"
             )
-        if where == "nvme" and memory.master == "bf16":
+        if unit.master_dtype not in (None, *MEMORY_DTYPES):
             raise PlanError(
-                f"memory.master is 'bf16' with unit {unit.name!r}'s optimizer on 'nvme': the "
+                f"unit {unit.name!r}: master_dtype is {unit.master_dtype!r}; allowed: None "
+                f"(the plan's memory.master), {', '.join(MEMORY_DTYPES)}"
+            )
+        if where == "nvme" and plan.master_dtype(unit) == "bf16":
+            said = (
+                "memory.master is 'bf16'"
+                if unit.master_dtype is None
+                else f"unit {unit.name!r}: master_dtype is 'bf16'"
+            )
+            raise PlanError(
+                f"{said} with unit {unit.name!r}'s optimizer on 'nvme': the "
                 "swap file holds fp32 masters only; keep the optimizer on the device or "
                 "host, or use fp32 masters with bf16 states (bf16 moments in the file)"
             )

@@ -272,22 +272,17 @@ def memory_per_rank(
     _check_rank(plan, rank)
     if eval_live_parameters < 0:
         raise PlanError(f"eval_live_parameters is {eval_live_parameters}; it must be >= 0")
-    if isinstance(plan, MeshPlan):
-        held = _mesh_numel(plan)
-        params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
-        apart, off_device = held["master apart"], held["optimizer off the device"]
-        narrow, narrow_off = held["bf16 states"], held["bf16 states off the device"]
-        half_grads = held["half grads"]
-    else:
-        params, grads, optimizer_numel, apart, off_device, narrow, narrow_off, half_grads = (
-            _stage_numel(plan, rank)
-        )
-        secondary = 0
+    held = _mesh_numel(plan) if isinstance(plan, MeshPlan) else _stage_numel(plan, rank)
+    params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
+    apart, off_device = held["master apart"], held["optimizer off the device"]
+    narrow, narrow_off = held["bf16 states"], held["bf16 states off the device"]
+    half_grads = held["half grads"]
     memory = plan.memory
     if offload_optimizer is not None:  # said for every unit
         off_device = optimizer_numel if offload_optimizer else 0
         narrow_off = narrow if offload_optimizer else 0
     offload_optimizer = off_device > 0
+    said_master = master_dtype is not None  # for every unit; else each unit's own
     if master_dtype is None:
         master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
     said_states = state_dtype is not None  # for every unit; else each unit's own
@@ -304,13 +299,15 @@ def memory_per_rank(
     state_size = dtype_of(state_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
     full_master = dtype_of(master_dtype).itemsize
-    # params in the master's dtype are the master, unless it lives off the device
-    held_once = dtype_of(master_dtype) == dtype_of(param_dtype)
-    on_device = optimizer_numel - off_device
-    master = on_device * (0 if held_once else full_master) + off_device * full_master
-    # a parameter shard coarser than the optimizer's holds no master of its own
-    if held_once and not off_device:
-        master += apart * full_master
+    master = _master_bytes(optimizer_numel, off_device, apart, master_dtype, param_dtype)
+    off_master = off_device * full_master
+    if not said_master:  # units whose masters' dtype differs from the plan's
+        kinds = ("bf16 masters", "bf16 masters off the device", "bf16 masters apart")
+        bf16 = [held[kind] for kind in kinds]
+        wide = [optimizer_numel - bf16[0], off_device - bf16[1], apart - bf16[2]]
+        master = _master_bytes(*wide, "float32", param_dtype)
+        master += _master_bytes(*bf16, "bfloat16", param_dtype)
+        off_master = wide[1] * 4 + bf16[1] * 2
     state_bytes = optimizer_numel * state_size * slots
     off_state_bytes = off_device * state_size * slots
     if not said_states:  # units whose moments' dtype differs from the plan's (bf16 or fp32)
@@ -326,8 +323,21 @@ def memory_per_rank(
         offload_optimizer=offload_optimizer,
         params_secondary=secondary * param_size,
         params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
-        offloaded=off_device * full_master + off_state_bytes,
+        offloaded=off_master + off_state_bytes,
     )
+
+
+def _master_bytes(numel: int, off_device: int, apart: int, dtype: str, param_dtype: str) -> int:
+    """Bytes of `numel` elements of masters in `dtype`, `off_device` of them off the
+    device and `apart` held apart from coarser parameter shards: masters in the
+    parameters' dtype on the device are the parameters (no bytes of their own)."""
+    size = dtype_of(dtype).itemsize
+    held_once = dtype_of(dtype) == dtype_of(param_dtype)
+    master = (numel - off_device) * (0 if held_once else size) + off_device * size
+    # a parameter shard coarser than the optimizer's holds no master of its own
+    if held_once and not off_device:
+        master += apart * size
+    return master
 
 
 _GRAD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -341,15 +351,16 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int, int, int, int]:
+def _stage_numel(plan: Plan, rank: int) -> dict[str, int]:
     """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
     unit as its own stage (`Plan.stage_of`), of masters apart from the parameters
     (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), of
     optimizer state off the device (`Plan.optimizer_memory`), of optimizer state in bf16
-    (`Plan.states_dtype`), all of it and off the device, and of gradients held in a
-    2-byte dtype (`Plan.grads_dtype`)."""
+    (`Plan.states_dtype`), all of it and off the device, of gradients held in a 2-byte
+    dtype (`Plan.grads_dtype`), and of the optimizer state of units with bf16 masters
+    (`Plan.master_dtype`), all of it, off the device and apart."""
     params = grads = optimizer_numel = apart = off_device = narrow = narrow_off = 0
-    half_grads = 0
+    half_grads = bf16_masters = bf16_off = bf16_apart = 0
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
         start, stop = plan.grads_range(unit, rank)
@@ -363,28 +374,41 @@ def _stage_numel(plan: Plan, rank: int) -> tuple[int, int, int, int, int, int, i
         if plan.states_dtype(unit) == "bf16":
             narrow += shard if stage >= 1 else full
             narrow_off += shard if plan.optimizer_memory(unit) != "device" else 0
-    return params, grads, optimizer_numel, apart, off_device, narrow, narrow_off, half_grads
+        if plan.master_dtype(unit) == "bf16":
+            bf16_masters += shard if stage >= 1 else full
+            bf16_off += shard if plan.optimizer_memory(unit) != "device" else 0
+            bf16_apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
+    return dict(
+        zip(
+            (*_HELD_KINDS, *_MORE_KINDS),
+            (params, 0, grads, optimizer_numel, apart, off_device, narrow, narrow_off,
+             half_grads, bf16_masters, bf16_off, bf16_apart),
+        )
+    )  # fmt: skip
 
 
 _HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
+_MORE_KINDS = (
+    "master apart", "optimizer off the device", "bf16 states", "bf16 states off the device",
+    "half grads", "bf16 masters", "bf16 masters off the device", "bf16 masters apart",
+)  # fmt: skip
 
 
 def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
     """Elements one rank holds of each kind under a mesh plan (blocks are equal), and of
     masters apart from split parameters split coarser than the optimizer state."""
-    held = dict.fromkeys(
-        (*_HELD_KINDS, "master apart", "optimizer off the device", "bf16 states",
-         "bf16 states off the device", "half grads"),
-        0,
-    )  # fmt: skip
+    held = dict.fromkeys((*_HELD_KINDS, *_MORE_KINDS), 0)
     for unit, sharding in zip(plan.units, plan.shardings):
         where = plan.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
         part = unit.numel // plan.mesh.group_size(sharding.optimizer.shard)
         narrow = (unit.states_dtype or plan.memory.states) == "bf16"
+        narrow_master = (unit.master_dtype or plan.memory.master) == "bf16"
         if where != "device":
             held["optimizer off the device"] += part
             held["bf16 states off the device"] += part if narrow else 0
+            held["bf16 masters off the device"] += part if narrow_master else 0
         held["bf16 states"] += part if narrow else 0
+        held["bf16 masters"] += part if narrow_master else 0
         if (unit.grads_dtype or plan.memory.grads) != "fp32":
             held["half grads"] += unit.numel // plan.mesh.group_size(sharding.grads.shard)
         for kind in _HELD_KINDS:
@@ -394,6 +418,9 @@ def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
         params, optimizer = sharding.params.shard, sharding.optimizer.shard
         if params and len(optimizer) > len(params):
             held["master apart"] += unit.numel // plan.mesh.group_size(optimizer)
+            held["bf16 masters apart"] += (
+                unit.numel // plan.mesh.group_size(optimizer) if narrow_master else 0
+            )
     return held
 
 

@@ -467,10 +467,11 @@ def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str | Mapping[str, str
     """`plan` with the states of the units `unit_memory` names kept where it says
     ("device", "host" or "nvme"), the rest where they were: a memory kind for the masters
     and optimizer state (`Unit.optimizer_memory`), or a mapping of `Memory`'s fields to
-    what they say for the unit, `{"optimizer": ..., "params": ..., "states": ...,
-    "grads": ...}` (any of them: `Unit.params_memory` is where a stage-3 parameter shard
-    lives between uses, `Unit.states_dtype` the moments' dtype, "fp32" or "bf16",
-    `Unit.grads_dtype` the gradient accumulator's, "fp32" or the compute dtype). Keys as
+    what they say for the unit, `{"optimizer": ..., "params": ..., "master": ...,
+    "states": ..., "grads": ...}` (any of them: `Unit.params_memory` is where a stage-3
+    parameter shard lives between uses, `Unit.master_dtype` the masters' dtype and
+    `Unit.states_dtype` the moments', "fp32" or "bf16", `Unit.grads_dtype` the gradient
+    accumulator's, "fp32" or the compute dtype). Keys as
     `set_unit_stages`
     takes them (a unit name or a module path, the most specific winning). A key naming no
     unit, or another field, is an error naming it."""
@@ -491,6 +492,7 @@ def set_unit_memory(plan: Plan, unit_memory: Mapping[str, str | Mapping[str, str
 _UNIT_MEMORY_FIELDS = {
     "optimizer": "optimizer_memory",
     "params": "params_memory",
+    "master": "master_dtype",
     "states": "states_dtype",
     "grads": "grads_dtype",
 }

@@ -70,6 +70,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         **({"params_memory": unit.params_memory} if unit.params_memory else {}),
         **({"states_dtype": unit.states_dtype} if unit.states_dtype else {}),
         **({"grads_dtype": unit.grads_dtype} if unit.grads_dtype else {}),
+        **({"master_dtype": unit.master_dtype} if unit.master_dtype else {}),
     }
 
 
@@ -103,6 +104,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         params_memory=raw.get("params_memory"),
         states_dtype=raw.get("states_dtype"),
         grads_dtype=raw.get("grads_dtype"),
+        master_dtype=raw.get("master_dtype"),
     )
 
 
