@@ -24,16 +24,19 @@ PIECED = 1  # every unit larger than 2^20 elements per rank is pieced
 
 
 class Model(nn.Module):
-    """A small unit, one whose part spans two and a quarter pieces, and a small head."""
+    """Small units, and two whose parts span two and a quarter pieces: `wide` one tensor
+    (reduced from its gradient as autograd made it), `back` two (through a bucket)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inner = nn.Linear(16, 2048)
         self.wide = nn.Linear(2048, WIDE, bias=False)
-        self.head = nn.Linear(WIDE, 4)
+        self.back = nn.Linear(WIDE, 2048)
+        self.head = nn.Linear(2048, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.wide(torch.tanh(self.inner(x)))))
+        h = torch.tanh(self.wide(torch.tanh(self.inner(x))))
+        return self.head(torch.tanh(self.back(h)))
 
 
 def _config(stage, bucket, *, nvme=None, precision="bf16", accumulation=2, **more):
@@ -78,6 +81,18 @@ def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None
     torch.manual_seed(0)
     config = _config(stage, bucket, nvme=nvme, precision=precision, **(zero or {}))
     config |= top or {}
+    made: list[int] = []  # the bucket buffers' sizes
+    new_buffer = fzero.core.reduce.Reduction._new_buffer
+
+    def recorded(self, numel, *args):
+        made.append(numel)
+        return new_buffer(self, numel, *args)
+
+    with mock.patch.object(fzero.core.reduce.Reduction, "_new_buffer", recorded):
+        return _engine_run(rank, world, config) | {"made": sorted(set(made))}
+
+
+def _engine_run(rank, world, config):
     engine = fzero.shard(Model(), optimizer=fzero.optim.adamw(lr=1e-3), config=config)
     held = []
     for p in engine.module.parameters():
@@ -97,6 +112,7 @@ def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None
         "norms": norms,
         "weights": _digest(state),
         "pieced": engine.reduction.core.pieced,
+        "direct": engine.reduction.core.direct,
         "held": max(held),
         "grad_pool": engine.residency.grad_pool.numel,
     }
@@ -106,23 +122,26 @@ def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None
 def test_pieces_train_as_whole_units(stage):
     whole = run_world(engine_case, 2, stage, WHOLE, None, "bf16")
     pieced = run_world(engine_case, 2, stage, PIECED, None, "bf16")
-    assert pieced["pieced"] == [False, True, False]
-    assert whole["pieced"] == [False, False, False]
+    assert pieced["pieced"] == [False, True, True, False]
+    assert pieced["direct"] == [False, True, False, False]
+    assert whole["pieced"] == whole["direct"] == [False] * 4
     assert pieced["losses"] == whole["losses"]
     assert pieced["norms"] == whole["norms"]
     assert pieced["weights"] == whole["weights"]
-    # backward held the wide unit's gradients in bf16, not in an fp32 bucket (two, with
-    # overlap_comm at stage 3)
+    # backward held the large units' gradients in bf16, not in fp32 buckets (two, with
+    # overlap_comm at stage 3), and the one-tensor unit's with no bucket of its own
     wide = 2048 * WIDE
     assert whole["held"] >= 4 * wide
-    assert pieced["held"] <= 2 * wide + 4 * 4 * PIECE_ALIGN
+    assert pieced["held"] <= 2 * (2 * wide + 2048) + 4 * 4 * PIECE_ALIGN
+    assert max(whole["made"]) > 2 * wide and wide not in pieced["made"]
+    assert wide + 2048 in pieced["made"]
 
 
 def test_pieces_train_as_whole_units_with_gradients_on_nvme(tmp_path):
     nvme = str(tmp_path)
     whole = run_world(engine_case, 2, 3, WHOLE, nvme, "bf16")
     pieced = run_world(engine_case, 2, 3, PIECED, nvme, "bf16")
-    assert pieced["pieced"] == [False, True, False]
+    assert pieced["pieced"] == [False, True, True, False]
     assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
     assert pieced["weights"] == whole["weights"]
     # backward's gradient writes take piece-sized buffers, not the wide unit's part
@@ -139,7 +158,7 @@ def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top
     then over its replicas), and at world 2 with the gradients on the wire in bf16."""
     whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top)
     pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top)
-    assert pieced["pieced"] == [False, True, False]
+    assert pieced["pieced"] == [False, True, True, False]
     assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
     assert pieced["weights"] == whole["weights"]
 
@@ -151,7 +170,7 @@ def test_pieces_at_other_world_sizes(world):
     whole = run_world(engine_case, world, 3, WHOLE, None, "fp32")
     pieced = run_world(engine_case, world, 3, PIECED, None, "fp32")
     parts = 2048 * WIDE // world
-    assert pieced["pieced"] == [False, parts > PIECE_ALIGN, False]
+    assert pieced["pieced"] == [False, *[parts > PIECE_ALIGN] * 2, False]
     if world == 1:
         assert (pieced["losses"], pieced["weights"]) == (whole["losses"], whole["weights"])
     else:
@@ -194,7 +213,7 @@ def functional_case(rank, world, bucket):
 def test_the_functional_door_reduces_in_pieces_as_whole_units():
     *pieced, chains = run_world(functional_case, 2, PIECED)
     *whole, none = run_world(functional_case, 2, WHOLE)
-    assert (chains, none) == (4, 0)  # one pieced unit, each micro-step
+    assert (chains, none) == (8, 0)  # two pieced units, each micro-step
     assert pieced == whole
 
 

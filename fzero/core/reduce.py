@@ -52,7 +52,7 @@ from fzero.core.groups import check_even, check_finer, groups_of
 from fzero.core.layout import add_pieces
 from fzero.core.reduce_bucket import Pending, finish, nothing, reduce_bucket
 from fzero.core.reduce_pieces import Pieces
-from fzero.partition import Placement, Plan
+from fzero.partition import Placement, Plan, Unit
 
 __all__ = ["Reduction", "any_rank", "bucket_accumulators", "reduce_to_optimizer_shards"]
 
@@ -147,6 +147,10 @@ class Reduction:
         check_finer(plan, quantized, "zero_quantized_gradients (qgZ)")
         self.piece = piece
         self.pieced = [self._pieced(i) for i in range(len(plan.units))]
+        # pieced units of one tensor from their first element: reduced from its gradient
+        # as autograd made it, with no bucket copy ([Note: gradients reduced in pieces])
+        self.direct = [p and _one_run(u) for p, u in zip(self.pieced, plan.units)]
+        self._sources: dict[int, Tensor] = {}  # such units' gradients of this pass
         self.place: dict[int, tuple[int, int]] = {}  # unit -> (bucket, offset in it)
         for b, indices in enumerate(self.buckets):
             offset = 0
@@ -182,6 +186,7 @@ class Reduction:
         stages 2-3 reduce every pass."""
         self.reduce, self._next = reduce, 0
         self.arrived_count = [0] * len(self.plan.units)
+        self._sources.clear()
 
     def target(self, index: int, dtype: torch.dtype | None = None) -> Tensor:
         """Where unit `index`'s gradient of this pass is summed (flat, the unit's size).
@@ -227,7 +232,16 @@ class Reduction:
 
     def add(self, index: int, placement: Placement, grad: Tensor) -> None:
         """Add one tensor's gradient into unit `index`'s target at `placement`."""
-        add_pieces(self.target(index, grad.dtype), grad.reshape(-1), placement)
+        flat = grad.reshape(-1)
+        if self.direct[index] and index not in self._sources:
+            b = self.place[index][0]
+            if b not in self._buffers:  # its first gradient: kept as it is
+                self._sources[index] = flat
+                return
+        first = self._sources.pop(index, None)
+        if first is not None:  # a second gradient of the unit in one pass: summed
+            add_pieces(self.target(index, first.dtype), first, placement)
+        add_pieces(self.target(index, grad.dtype), flat, placement)
 
     def arrived(self, index: int, launch: bool = True) -> bool:
         """Count one gradient of unit `index`; whether the unit is complete now (then,
@@ -276,6 +290,7 @@ class Reduction:
     def forget(self) -> None:
         """End of a pass that reduces nothing (another's backward through the module)."""
         self.arrived_count = [0] * len(self.plan.units)
+        self._sources.clear()
 
     def held_numel(self) -> int:
         """Elements of the stage 2-3 bucket buffers alive now: those being filled, those
@@ -288,7 +303,9 @@ class Reduction:
         return sum(buffer.numel() * buffer.element_size() for buffer in self._held())
 
     def _held(self) -> list[Tensor]:
-        buffers = {id(b): b for b in (*self._buffers.values(), *self._in_flight.values())}
+        sources = [c.source for c in self._chains if c.source is not None]
+        held = (*self._buffers.values(), *self._in_flight.values(), *self._sources.values())
+        buffers = {id(b): b for b in (*held, *sources)}
         if self._spare is not None:
             buffers[id(self._spare)] = self._spare
         return list(buffers.values())
@@ -344,11 +361,12 @@ class Reduction:
         """Start reducing unit `index` (bucket `b`) piece by piece ([Note: gradients
         reduced in pieces]); a unit this pass left unused reduces zeros, with no buffer."""
         buffer = self._buffers.pop(b, None)
+        source = buffer if buffer is not None else self._sources.pop(index, None)
         self._zeroed.discard(index)
         unit = self.plan.units[index]
         ranks = range(self.world)
         chain = Pieces(
-            buffer,
+            source,
             [self.plan.grads_range(unit, r * self.plan.optimizer_extra_size)[0] for r in ranks],
             self.plan.grads_size(unit, self.rank),
             self.piece,
@@ -401,6 +419,15 @@ class Reduction:
     def _reuse(self, buffer: Tensor) -> None:
         del self._in_flight[id(buffer)]
         self._spare = buffer
+
+
+def _one_run(unit: Unit) -> bool:
+    """Whether `unit` holds one tensor, in one run from its first element (the unit's
+    buffer is that tensor's elements, then padding)."""
+    if len(unit.placements) != 1 or len(unit.placements[0].pieces) != 1:
+        return False
+    piece = unit.placements[0].pieces[0]
+    return piece.start == 0 and piece.offset == 0
 
 
 def _grads_of(indices: Sequence[int]) -> str:

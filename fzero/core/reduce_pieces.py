@@ -15,7 +15,8 @@ A unit at stages 2-3 with even shards whose gradient part on this rank
 instead:
 
 - its bucket buffer holds the gradients as they arrive, in their dtype (bf16 under bf16
-  compute: half the fp32 copy, the same values);
+  compute: half the fp32 copy, the same values); a unit of one tensor (an embedding, an
+  output layer) needs no buffer: its pieces are read from the gradient autograd made;
 - piece k takes elements [k*p, (k+1)*p) of every rank's part, widened to the wire dtype
   into one buffer of world x p elements, and reduces it as a bucket is (gloo: an
   all-reduce, each rank keeping its part; else a reduce-scatter), then over the
@@ -67,11 +68,12 @@ def reduction_piece(plan: Plan, bucket_numel: int) -> int:
 class Pieces:
     """One unit's gradient reduced piece by piece ([Note: gradients reduced in pieces]).
 
-    `source`: the unit's whole gradient (its bucket buffer; None: a unit this pass did
-    not use, reduced as zeros); `starts`: where each rank's part of it starts (in the
-    gradients' group's rank order) and `size` its elements; `rank`: this process's index
-    there; `keep(part, at)`: this rank's averaged fp32 piece at offset `at` of its part.
-    Starts the first pieces at once; `advance` and `wait` move it on."""
+    `source`: the unit's gradient (its bucket buffer, or the one tensor's gradient, the
+    rest of the unit zeros; None: a unit this pass did not use, reduced as zeros);
+    `starts`: where each rank's part of it starts (in the gradients' group's rank order)
+    and `size` its elements; `rank`: this process's index there; `keep(part, at)`: this
+    rank's averaged fp32 piece at offset `at` of its part. Starts the first pieces at
+    once; `advance` and `wait` move it on."""
 
     def __init__(
         self,
@@ -102,12 +104,12 @@ class Pieces:
         n = min(self.piece, self.size - at)
         self.next += n
         send = torch.empty(self.world * n, dtype=self.wire_dtype, device=self.device)
+        held = 0 if self.source is None else self.source.numel()
         for r, start in enumerate(self.starts):
             row = send[r * n : (r + 1) * n]
-            if self.source is None:
-                row.zero_()
-            else:
-                row.copy_(self.source[start + at : start + at + n])
+            given = max(0, min(n, held - start - at))  # past a tensor's end: padding
+            row[:given].copy_(self.source[start + at : start + at + given])
+            row[given:].zero_()
         what = f"{self.what} (elements {at}-{at + n} of each part)"
         if self.world == 1:
             self.flight.append((None, send, at, send))
