@@ -190,7 +190,7 @@ def test_bf16_master_weights_and_states_train_as_under_deepspeed(tmp_path, stage
     assert max(mean, their_mean) < 0.7 * sum(ours[:5]) / 5  # both learn the pattern
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_gradient_accumulation_trains_as_under_deepspeed(tmp_path, stage):
     """`data_types.grad_accum_dtype: "bf16"` with bf16 compute and four micro-steps per
     step, on 2 processes: DeepSpeed's ZeRO sums the micro-steps' gradients in bf16, and so
