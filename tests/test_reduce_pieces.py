@@ -223,3 +223,40 @@ def test_the_piece_size():
     assert reduction_piece(the_plan, 1) == PIECE_ALIGN
     assert reduction_piece(the_plan, 5_000_000) == 2 * PIECE_ALIGN
     assert reduction_piece(the_plan, WHOLE) == WHOLE // 2 // PIECE_ALIGN * PIECE_ALIGN
+
+
+def failing_pieces_case(rank, world, nvme, fail):
+    """Gradients on NVMe, pieced: with `fail`, rank 1's third gradient write (a piece of
+    a unit) of micro-step 3 fails, and the dropped window is run again."""
+    from tests._dist import failing_at_write
+
+    torch.manual_seed(0)
+    config = _config(3, PIECED, nvme=nvme)
+    engine = fzero.shard(Model(), optimizer=fzero.optim.adamw(lr=1e-3), config=config)
+
+    def micro(step):
+        x, y = _batch(step, rank, world)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    losses = [micro(step) for step in range(3)]  # micro-step 2 opens a window
+    if not fail:
+        losses += [micro(step) for step in range(3, 6)]
+        return "not failed", losses, _digest(engine.state_dict(dtype=torch.float32))
+    message = failing_at_write(engine, 3 if rank == 1 else -1, lambda: micro(3))
+    losses += [micro(step) for step in range(2, 6)]  # the dropped window again, then on
+    return message, losses, _digest(engine.state_dict(dtype=torch.float32))
+
+
+def test_a_failed_piece_write_drops_the_window_on_every_rank(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    message, losses, weights = run_world(failing_pieces_case, 2, str(tmp_path / "a"), True)
+    assert "gradients of this accumulation window were dropped" in message
+    assert "rank 1: " in message and "No space left on device" in message
+    _, reference, expected = run_world(failing_pieces_case, 2, str(tmp_path / "b"), False)
+    assert losses[:3] == reference[:3]  # micro-step 2's first run, dropped, as it was
+    assert losses[3:] == reference[2:]
+    assert weights == expected
