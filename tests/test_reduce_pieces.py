@@ -14,13 +14,15 @@ from torch import nn
 
 import fzero
 import fzero.core.reduce
+from fzero import partition
 from fzero.core.reduce_pieces import PIECE_ALIGN, Pieces, reduction_piece
-from fzero.partition import describe, plan
+from fzero.partition import UnitSharding, describe, plan
 from tests._dist import run_world
 
 WIDE = 2304  # the head's weight: 2048 x 2304 = 4.7M elements, 2.36M per rank at world 2
 WHOLE = 500_000_000  # DeepSpeed's default reduce_bucket_size: no unit is pieced
 PIECED = 1  # every unit larger than 2^20 elements per rank is pieced
+_FOUR_RANKS = pytest.mark.slow  # four ranks on two cores: `make test-slow`
 
 
 class Model(nn.Module):
@@ -75,7 +77,13 @@ def _digest(tensors):
     return h.hexdigest()
 
 
-def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None):
+def _finer(mesh, unit):
+    """Optimizer state over every rank, gradients and parameters within `local`."""
+    local = mesh.sharding("local")
+    return UnitSharding(params=local, grads=local, optimizer=mesh.sharding("local", "node"))
+
+
+def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None, finer=False):
     """Two steps of two micro-steps: the losses, the norms, a digest of the weights, and
     which units were pieced with the largest bucket bytes held in backward."""
     torch.manual_seed(0)
@@ -89,11 +97,16 @@ def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None
         return new_buffer(self, numel, *args)
 
     with mock.patch.object(fzero.core.reduce.Reduction, "_new_buffer", recorded):
-        return _engine_run(rank, world, config) | {"made": sorted(set(made))}
+        return _engine_run(rank, world, config, finer) | {"made": sorted(set(made))}
 
 
-def _engine_run(rank, world, config):
-    engine = fzero.shard(Model(), optimizer=fzero.optim.adamw(lr=1e-3), config=config)
+def _engine_run(rank, world, config, finer):
+    strategy = None
+    if finer:
+        preset = partition.Custom("finer optimizer", _finer, stage=3)
+        strategy = partition.on_mesh(partition.Mesh({"node": 2, "local": 2}), preset)
+    optimizer = fzero.optim.adamw(lr=1e-3)
+    engine = fzero.shard(Model(), optimizer=optimizer, config=config, strategy=strategy)
     held = []
     for p in engine.module.parameters():
         p.register_post_accumulate_grad_hook(lambda _: held.append(engine.reduction.held_bytes()))
@@ -149,21 +162,27 @@ def test_pieces_train_as_whole_units_with_gradients_on_nvme(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("world", "zero", "top"),
-    [(4, {"mics_shard_size": 2}, {}), (2, {}, {"communication_data_type": "bf16"})],
-    ids=["mics-replicas", "bf16-wire"],
+    ("world", "zero", "top", "finer"),
+    [
+        pytest.param(4, {"mics_shard_size": 2}, {}, False, marks=_FOUR_RANKS),
+        pytest.param(4, {}, {}, True, marks=_FOUR_RANKS),
+        (2, {}, {"communication_data_type": "bf16"}, False),
+    ],
+    ids=["mics-replicas", "optimizer-finer", "bf16-wire"],
 )
-def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top):
+def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top, finer):
     """World 4 as MiCS groups of 2 with replicas (each piece averaged over the group,
-    then over its replicas), and at world 2 with the gradients on the wire in bf16."""
-    whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top)
-    pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top)
+    then over its replicas), world 4 with the optimizer split over every rank and the
+    gradients within groups of 2 (pieces within the group; the boundary's re-split over
+    the other axis), and at world 2 with the gradients on the wire in bf16."""
+    whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top, finer)
+    pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top, finer)
     assert pieced["pieced"] == [False, True, True, False]
     assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
     assert pieced["weights"] == whole["weights"]
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=_FOUR_RANKS)])
 def test_pieces_at_other_world_sizes(world):
     """World 1: pieces with no collective; world 4: each piece reduced over four ranks
     (fp32, whose sums of four may round in another order than the whole unit's)."""
