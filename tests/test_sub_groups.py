@@ -5,6 +5,7 @@ swap buffers sized by the piece, and trains bit for bit like whole units."""
 from __future__ import annotations
 
 import contextlib
+import os
 from unittest import mock
 
 import pytest
@@ -387,3 +388,44 @@ def test_the_clipping_norm_of_a_large_unit_is_summed_in_chunks_as_exactly():
     assert (got - model.weight.detach()).abs().max().item() <= 1e-6
     assert (got - make().weight.detach()).abs().max().item() > 1e-4  # it moved
     engine.destroy()
+
+
+def saved_model(rank, world, nvme_path, out, size):
+    """Two steps at stage 3 over the swap file, then `save_16bit_model`: how many times a
+    unit was made resident whole while it saved (a large one is read in pieces), and
+    the saved tensors (rank 0)."""
+    from safetensors.torch import load_file
+
+    config = _config(nvme_path, 3, "bf16", size)
+    engine = _engine(config, "adamw")
+    for step in range(2 * ACCUMULATION):
+        _micro_step(engine, rank, world, step)
+    real, whole = engine.train_state.residence.resident, []
+
+    def counted(index):
+        whole.append(index)
+        return real(index)
+
+    residence = engine.train_state.residence
+    residence.resident = counted
+    engine.save_16bit_model(out)
+    if rank != 0:
+        return None
+    pieced = [i for i in range(len(engine.units)) if residence.master_pieces(i)]
+    (name,) = [n for n in os.listdir(out) if n.endswith(".safetensors")]
+    return sorted(set(whole)), pieced, load_file(os.path.join(out, name))
+
+
+def test_a_16bit_save_reads_large_units_in_pieces(tmp_path):
+    """The model save gathers each large unit's master piece by piece into the compute
+    dtype, reading the master alone (not its moments and gradient): the same bytes as
+    reading units whole."""
+    pieces = run_world(saved_model, 2, str(tmp_path), str(tmp_path / "a"), 5000)
+    whole = run_world(saved_model, 2, str(tmp_path), str(tmp_path / "b"), 1_000_000_000)
+    read_whole, none, tensors = whole
+    read_in_pieces, pieced, pieces_tensors = pieces
+    assert none == [] and read_whole == list(range(len(read_whole)))  # every unit
+    assert pieced == [1, 2]  # the two blocks (11,627 elements a partition)
+    assert read_in_pieces == [i for i in read_whole if i not in pieced]
+    assert pieces_tensors.keys() == tensors.keys()
+    assert all(torch.equal(pieces_tensors[k], v) for k, v in tensors.items())

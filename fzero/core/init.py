@@ -337,7 +337,7 @@ def stream_state_dict(
 
     def tensors() -> Iterator[Tensor]:
         for index, unit in enumerate(plan.units):
-            full = full_master(state, index)
+            full = full_master(state, index, dtype)
             for pl in unit.placements:
                 spec = plan.manifest[pl.fqn]
                 if first:
@@ -353,10 +353,50 @@ def stream_state_dict(
     return ModelStream(specs, tensors())
 
 
-def full_master(state: TrainState, index: int) -> Tensor:
+def full_master(state: TrainState, index: int, pieces_dtype: torch.dtype | None = None) -> Tensor:
     """Unit `index`'s whole master buffer (fp32, or bf16 with bf16 masters), gathered on
-    every rank (collective; a unit outside memory is read back first)."""
+    every rank (collective; a unit outside memory is read back first). A large unit in
+    the swap file is read piece by piece and assembled in `pieces_dtype` if given (a
+    save's compute dtype: `_full_master_in_pieces`); the caller converts the rest."""
     device = comm.backend_device()
+    residence, plan = state.residence, state.plan
+    pieces = residence.master_pieces(index) if residence is not None else 0
+    even = not plan.units[index].bounds and plan.optimizer_extra_size == 1
+    if pieces and even and plan.stage_of(index) >= 1:
+        dtype = pieces_dtype or torch.float32
+        return _full_master_in_pieces(state, index, pieces, dtype, device)
+    return _full_master(state, index, device)
+
+
+def _full_master_in_pieces(
+    state: TrainState, index: int, piece: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """`full_master` of a unit in the swap file whose partition is larger than the
+    step's sub-group ([Note: sub-groups]): the whole buffer in `dtype` (the compute
+    dtype for a save: half the fp32 bytes with bf16), filled piece by piece: each rank
+    reads elements [a, a + piece) of its master alone (no moments, no gradient) and the
+    plan's ranks gather them, so a rank holds the unit once in `dtype` and two pieces
+    beside it, not its master, moments and gradient and the whole fp32 buffer."""
+    assert state.residence is not None
+    plan, unit = state.plan, state.plan.units[index]
+    world, part = plan.world_size, unit.shard_numel
+    full = torch.empty(unit.numel, dtype=dtype, device=device)
+    group = groups_of(plan).shard
+    for start in range(0, part, piece):
+        stop = min(part, start + piece)
+        mine = state.residence.read_master(index, start, stop).to(device)
+        parts = mine if world == 1 else torch.empty(world * (stop - start), device=device)
+        if world > 1:
+            what = f"unit {unit.name}'s master, elements {start}-{stop} of each part"
+            comm.all_gather_into(parts, mine, what=what, group=group)
+        for r, values in enumerate(parts.split(stop - start)):
+            full[r * part + start : r * part + stop].copy_(values)
+        del mine, parts
+    return full
+
+
+def _full_master(state: TrainState, index: int, device: torch.device) -> Tensor:
+    """`full_master` through `resident`: the unit's tensors read whole."""
     with state.resident(index) as unit:
         if state.plan.stage_of(index) == 0:
             return unit.master.to(device, copy=True)

@@ -70,7 +70,9 @@ class SwappedUnits(Protocol):
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
     `state_dtype` is the dtype the file keeps the optimizer's moments in; `holds(i)`
-    whether unit i lives there (a plan may keep some units in memory)."""
+    whether unit i lives there (a plan may keep some units in memory);
+    `master_pieces(i)` the elements per piece its master is read in by
+    `read_master(i, start, stop)` (0: whole, through `resident`)."""
 
     @property
     def state_dtype(self) -> torch.dtype: ...
@@ -84,6 +86,10 @@ class SwappedUnits(Protocol):
     def commit(self) -> None: ...
 
     def check_usable(self) -> None: ...
+
+    def master_pieces(self, index: int) -> int: ...
+
+    def read_master(self, index: int, start: int, stop: int) -> Tensor: ...
 
 
 @dataclass(frozen=True)

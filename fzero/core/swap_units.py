@@ -8,10 +8,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import Tensor
 
+from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
 from fzero.core.residency import Residency
 from fzero.core.state import UnitState
+from fzero.core.swap_buffers import swap_buffer_numel
 
 __all__ = ["SwapFileUnits"]
 
@@ -60,6 +63,24 @@ class SwapFileUnits:
             if self.residency.holds(rt.index):
                 rt.slot = self.residency.next_slot(rt)
         self.residency.broken = ""
+
+    def master_pieces(self, index: int) -> int:
+        """Elements per piece unit `index`'s master is read in (`read_master`): the
+        step's sub-group where the unit's partition is larger ([Note: sub-groups]); 0:
+        read it whole (`resident`)."""
+        piece = self.residency.sub_group
+        unit = self.residency.plan.units[index]
+        large = self.holds(index) and self.residency.partition_numel(unit) > piece
+        return piece if piece and large else 0
+
+    def read_master(self, index: int, start: int, stop: int) -> Tensor:
+        """Elements [start, stop) of unit `index`'s current fp32 master, read from the
+        file alone (no moments, no gradient); `start` a multiple of 1024 (a 4 KiB page)."""
+        rt, residency = self.units[index], self.residency
+        buffer = _nvme.aligned_empty(swap_buffer_numel(stop - start))[: stop - start]
+        region = residency.region(rt, 0, rt.slot)
+        residency.nvme.wait(residency.nvme.submit(region, buffer, False, 4 * start), "reading")
+        return buffer
 
     def check_usable(self) -> None:
         """Raise if the file holds no single step (a failed in-place step or load)."""
