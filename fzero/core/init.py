@@ -110,9 +110,14 @@ def init(
     if plan.runs_stage(lambda s: s < 2):
         buckets = partition.reduction_buckets(plan, int(cfg.zero_optimization.reduce_bucket_size))
         accumulators = bucket_accumulators(plan, buckets, device)
+    # NVMe: each unit goes to the swap file as it is built (in pieces with
+    # `sub_group_size`), so the rank's share of masters and moments is never in memory
+    residency = _residency(cfg, plan, rank, optimizer) if "nvme" in where else None
     units: list[UnitState] = []
+    runtimes: list[UnitRuntime] = []
     for index, unit in enumerate(plan.units):
         tensors = [named[pl.fqn] for pl in unit.placements]
+        to_file = residency is not None and residency.holds(index)
         values, start = values_on_rank(plan, index, tensors, rank=rank, device=device)
         grad = accumulators[index] if accumulators is not None else None
         held = holding._replace(  # NVMe: fp32 moments in memory, bf16 (if so) in the file
@@ -124,31 +129,38 @@ def init(
             ),
             grad_dtype=DTYPES[plan.grads_dtype(index)],  # `Unit.grads_dtype`
             master_dtype=STATE_DTYPES[plan.master_dtype(index)],  # `Unit.master_dtype`
+            to_file=to_file,
+            in_pieces=to_file and residency is not None and residency.sub_group > 0,
         )
-        units.append(
-            build_unit_state(
-                plan, index, values, rank=rank, holding=held, optimizer=optimizer,
-                grad=grad, values_from=start,
-            )
+        built = build_unit_state(
+            plan, index, values, rank=rank, holding=held, optimizer=optimizer,
+            grad=grad, values_from=start,
         )  # fmt: skip
         del values
+        rt = UnitRuntime(index, unit, [], built.master, built.optim, built.grad)
+        if residency is not None and held.in_pieces:  # the state made as it is written
+            residency.write_in_pieces(rt, optimizer)
+        elif residency is not None and to_file:  # the host keeps nothing of it
+            residency.swap_out(rt, rt.slot, wait=True)
+            residency.evict(rt)
+        units.append(built._replace(master=rt.master, optim=rt.state))
+        runtimes.append(rt)
         for tensor in tensors:  # adopted: the state holds them now
             if is_partitioned(tensor):
                 release_partition(tensor)
     rng = torch.get_rng_state() if seed is None else _seeded(seed)
     scale = loss_scaler(cfg).init() if dtypes.compute == "fp16" else None
-    residence = _swap_out(cfg, plan, rank, optimizer, units) if "nvme" in where else None
+    residence = None
+    if residency is not None:
+        residency.step_pool.trim(0)  # the pieces' buffers (`write_in_pieces`): none kept
+        residence = SwapFileUnits(residency, runtimes)
     return TrainState(plan, rank, tuple(units), Counters(), scale, rng, residence)
 
 
-def _swap_out(
-    config: Config, plan: Plan, rank: int, optimizer: Optimizer, units: list[UnitState]
-) -> SwapFileUnits:
-    """NVMe offload: the master and optimizer state of each unit the plan keeps there
-    written to the current slot of a new swap file and dropped from memory (those `units`
-    are replaced by their evicted form)."""
-
-    residency = Residency(
+def _residency(config: Config, plan: Plan, rank: int, optimizer: Optimizer) -> Residency:
+    """NVMe offload: a new swap file for the units the plan keeps there (their
+    gradients stay in memory: `train_step` reduces into the state's buffers)."""
+    return Residency(
         config,
         plan,
         rank=rank,
@@ -156,15 +168,6 @@ def _swap_out(
         partition_numel=functools.partial(partition_numel, plan, rank=rank),
         swap_gradients=False,
     )
-    runtimes = []
-    for i, u in enumerate(units):
-        rt = UnitRuntime(i, plan.units[i], [], u.master, u.optim, u.grad)
-        if residency.holds(i):
-            residency.swap_out(rt, rt.slot, wait=True)
-            residency.evict(rt)
-            units[i] = u._replace(master=rt.master, optim=rt.state)
-        runtimes.append(rt)
-    return SwapFileUnits(residency, runtimes)
 
 
 def optimizer_of(
