@@ -6,6 +6,7 @@ and a plan, `state_dict` consolidates the trained weights from one. The step is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -354,16 +355,30 @@ def stream_state_dict(
 
 def full_master(state: TrainState, index: int) -> Tensor:
     """Unit `index`'s whole master buffer (fp32, or bf16 with bf16 masters), gathered on
-    every rank (collective; a unit outside memory is read back first)."""
+    every rank (collective; a unit outside memory is read back first: with sub-groups
+    only its master, piece by piece)."""
     device = comm.backend_device()
-    with state.resident(index) as unit:
+    with _master_of(state, index) as master:
         if state.plan.stage_of(index) == 0:
-            return unit.master.to(device, copy=True)
-        numel, dtype = state.plan.units[index].numel, unit.master.dtype
+            return master.to(device, copy=True)
+        numel, dtype = state.plan.units[index].numel, master.dtype
         full = torch.empty(numel, dtype=dtype, device=device)
         if state.plan.world_size > 1:
-            shard, plan = unit.master.to(device).contiguous(), state.plan
+            shard, plan = master.to(device).contiguous(), state.plan
             gather_optimizer_shards(full, shard, plan, index, groups_of(plan), async_op=False)
         else:
-            full.copy_(unit.master)
+            full.copy_(master)
     return full
+
+
+@contextlib.contextmanager
+def _master_of(state: TrainState, index: int) -> Iterator[Tensor]:
+    """Unit `index`'s master partition, readable inside the block: a unit the swap file
+    moves in pieces gives a copy read piece by piece, not the unit resident whole
+    (master, moments and gradient)."""
+    residence = state.residence
+    if residence is not None and residence.holds(index) and residence.sub_group > 0:
+        yield residence.master_copy(index, torch.float32)  # the file's masters are fp32
+        return
+    with state.resident(index) as unit:
+        yield unit.master
