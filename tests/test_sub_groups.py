@@ -441,12 +441,13 @@ def _whole_units_counted(engine):
 
 def checkpoint_pieces(rank, world, nvme_path, root, stage, precision, optim, bf16_states, size):
     """Three micro-steps (mid-window: its gradients saved too), a save; one more (a
-    boundary), a save; then a new engine loads the mid-window one and runs the rest.
-    Rank 0 returns both ranks' files of both saves, what was made resident whole, and
-    the resumed run's losses, weights and optimizer state."""
+    boundary), a save and an asynchronous one; then a new engine loads the mid-window
+    one and runs the rest. Rank 0 returns both ranks' files of every save, what was
+    made resident whole, and the resumed run's losses, weights and optimizer state."""
     from pathlib import Path
 
     from fzero.checkpoint._format import rank_file
+    from fzero.checkpoint._save import wait_for_save
 
     config = _config(nvme_path, stage, precision, size, bf16_states)
     engine = _engine(config, optim)
@@ -455,9 +456,11 @@ def checkpoint_pieces(rank, world, nvme_path, root, stage, precision, optim, bf1
         engine.save_checkpoint(root, tag="mid")
         losses.append(_micro_step(engine, rank, world, 3))
         engine.save_checkpoint(root, tag="end")
+        engine.save_checkpoint(root, tag="async", async_save=True)  # host copies first
+        wait_for_save(engine)
     files = {
         tag: [Path(root, tag, rank_file(r)).read_bytes() for r in range(world)]
-        for tag in ("mid", "end")
+        for tag in ("mid", "end", "async")
     }
     again = _engine(config, optim)
     with _whole_units_counted(again) as loaded_whole:
@@ -496,7 +499,8 @@ def test_checkpoints_in_pieces_write_and_load_the_whole_units_bits(
     got_files, got_counts, got_losses, got_resumed, got_state, got_optimizer = runs[5000]
     assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0  # whole units: resident
     assert got_counts == (0, 0, 4096)
-    assert got_files == files  # both ranks, both tags: byte for byte
+    assert got_files == files  # both ranks, every tag: byte for byte
+    assert files["async"] == files["end"]
     assert got_losses == losses and resumed[0] == losses[3]
     assert got_resumed == resumed
     assert all(torch.equal(got_state[k], v) for k, v in state.items())

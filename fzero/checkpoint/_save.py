@@ -255,8 +255,9 @@ def _to_host(tensor: Tensor | Chunks, copy: bool) -> Tensor | Chunks:
     """An entry on the host, contiguous (`copy`: a copy of its own, parts joined, for a
     writer that runs after the state moves on)."""
     if isinstance(tensor, Chunks):
-        if copy:
-            return torch.cat([part.detach().cpu() for part in tensor.parts])
+        if copy:  # each part copied as it comes: the next overwrites its buffer
+            parts = [part.detach().to("cpu", copy=True) for part in tensor.parts]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         return Chunks(part.detach().cpu().contiguous() for part in tensor.parts)
     return tensor.detach().to("cpu", copy=copy).contiguous()
 

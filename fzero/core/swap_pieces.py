@@ -67,6 +67,9 @@ class PieceReader:
         if kind == GRAD and not self.residency.grad_on_disk(self.rt.index):
             yield self.rt.grad[begin:end]  # the accumulator in memory
             return
+        if end <= begin:  # an empty slice (an empty partition): one empty part
+            yield torch.empty(0, dtype=self._dtype(kind))
+            return
         size = self.residency.sub_group
         for start in range(begin // size * size, end, size):
             piece = self._read(kind, start)
@@ -86,14 +89,17 @@ class PieceReader:
             region, offset = residency.grad_region(rt), 4 * start
         else:
             k = residency.kinds.index(kind)
-            dtype = torch.float32 if k == 0 else residency.state_dtype
-            target = self.buffer.view(dtype)[:numel]
+            target = self.buffer.view(self._dtype(kind))[:numel]
             region, offset = residency.region(rt, k, rt.slot), start * residency.kind_bytes(k)
         residency.wait_swap(
             [(residency.nvme.submit(region, target, False, offset), target)], "reading"
         )
         self.piece, self.held = target, (kind, start)
         return target
+
+    def _dtype(self, kind: str) -> torch.dtype:
+        """The dtype `kind` is stored in: fp32, or the file's for the moments."""
+        return torch.float32 if kind in ("master", GRAD) else self.residency.state_dtype
 
     def close(self) -> None:
         if self.buffer.numel():
