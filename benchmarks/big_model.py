@@ -42,7 +42,11 @@ bf16 checkpoint 2, the swap files 14 (fp32 master 4, bf16 moments 2 + 2, fp32 gr
 construction's partitions, 2 more, are gone by then: adopted before the save). The disk
 in use is sampled every second; each rank's peak RSS per stage as above, the steps'
 also by phase (forward, backward, step), and with `--where` the fzero frames each
-phase's highest RSS was seen in (a thread samples it every 10 ms).
+phase's highest RSS was seen in (a thread samples it every 10 ms). With `--ckpt` the
+steps are followed by `save_checkpoint` and `load_checkpoint` of the engine's state
+(fp32 master 4 + bf16 moments 2 + 2 bytes per parameter more on disk until the load is
+done; each rank's peak RSS in each: "ckpt save MB", "ckpt load MB") and one more step
+from the loaded state.
 
 Targets (fzero): after `from_pretrained`, at most the rank's share of the parameters
 (in the partitions' dtype) plus one shard file, + 10%; after the steps, at most 1.1 x
@@ -86,6 +90,7 @@ SIZES = {  # Llama-shaped: hidden, intermediate, layers, heads, kv heads, vocab
     "8b": (4096, 14336, 32, 32, 8, 128256),  # Llama 3 8B's shape
 }
 DISK_PER_PARAM = 18  # --infinity: checkpoint 2 + swap files 14 + saved model 2
+CKPT_PER_PARAM = 6  # --ckpt: the engine's checkpoint 8, deleted before the model's 2 is saved
 DISK_RESERVE = 8 * 10**9  # left free for everyone else on the machine
 PRECISIONS = ("fp32", "bf16", "bf16-states")
 SEQUENCE = 64
@@ -343,6 +348,8 @@ def infinity_worker(args: argparse.Namespace) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     if rank == 0:
         sampler.start()
+    if args.ckpt:
+        ckpt = os.path.join(work, "engine_checkpoint")
     base = _status_kb("VmRSS")
     peaks, seconds = {}, {}
 
@@ -385,6 +392,24 @@ def infinity_worker(args: argparse.Namespace) -> None:
 
     stage("steps", steps)
     peaks["steps"] = max(phases.values())  # each phase reset the high-water mark
+    if args.ckpt:  # the engine's state saved and loaded, then one more step from it
+        for name, call in (
+            ("ckpt save", lambda: engine.save_checkpoint(ckpt, tag="steps")),
+            ("ckpt load", lambda: engine.load_checkpoint(ckpt, tag="steps")),
+        ):
+            if where is not None:
+                where.enter(name)
+            stage(name, call)
+        if where is not None:
+            where.enter("step after the load")
+        x = batch(args.steps, rank, model.config.vocab_size)[:, : args.sequence]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt)
     if where is not None:
         where.enter("save")
     out = os.path.join(work, "saved")
@@ -423,19 +448,20 @@ def infinity(args: argparse.Namespace) -> None:
     os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
     sizes = {name: parameters_of(llama_config(name)) for name in SIZES if name != "tiny"}
+    per_param = DISK_PER_PARAM + (CKPT_PER_PARAM if args.ckpt else 0)
     print(f"{args.dir}: {free / 1e9:.1f} GB free; {DISK_RESERVE / 1e9:.0f} GB left to others")
     for name, count in sizes.items():
-        need = count * DISK_PER_PARAM
+        need = count * per_param
         fits = "fits" if need <= free - DISK_RESERVE else "does not fit"
-        print(f"  {name:>6}: {count / 1e9:.2f}B parameters x {DISK_PER_PARAM} B = "
+        print(f"  {name:>6}: {count / 1e9:.2f}B parameters x {per_param} B = "
               f"{need / 1e9:.1f} GB: {fits}")  # fmt: skip
     size = args.size
     if size == "fit":
-        fitting = [n for n, c in sizes.items() if c * DISK_PER_PARAM <= free - DISK_RESERVE]
+        fitting = [n for n, c in sizes.items() if c * per_param <= free - DISK_RESERVE]
         size = max(fitting, key=sizes.__getitem__)
     count = sizes.get(size) or parameters_of(llama_config(size))
-    if count * DISK_PER_PARAM > free - DISK_RESERVE:
-        raise SystemExit(f"{size}: {count * DISK_PER_PARAM / 1e9:.1f} GB needed, too much")
+    if count * per_param > free - DISK_RESERVE:
+        raise SystemExit(f"{size}: {count * per_param / 1e9:.1f} GB needed, too much")
     directory = tempfile.mkdtemp(prefix="fzero-infinity-", dir=args.dir)
     try:
         args.checkpoint = os.path.join(directory, "checkpoint")
@@ -449,6 +475,7 @@ def infinity(args: argparse.Namespace) -> None:
             "--checkpoint", args.checkpoint, "--steps", str(args.steps), "--sequence",
             str(args.sequence), "--role", "infinity", "--json", os.path.join(directory, "row.json"),
             "--zero", args.zero, *(["--where"] if args.where else []),
+            *(["--ckpt"] if args.ckpt else []),
         ]  # fmt: skip
         done = subprocess.run(command, env=_harness.row_environment())
         if done.returncode != 0:
@@ -464,13 +491,15 @@ def infinity_table(row: dict[str, Any], size: str, count: int) -> _harness.Table
     for rank, mine in enumerate(row["ranks"]):
         peaks = {k: v * 1024 / 1e6 for k, v in mine["peaks_kb"].items()}
         steps = mine["step_seconds"]
-        cells = (peaks["load"], peaks["initialize"], peaks["steps"], peaks["save"],
+        ckpt = (peaks["ckpt save"], peaks["ckpt load"]) if "ckpt save" in peaks else ()
+        cells = (peaks["load"], peaks["initialize"], peaks["steps"], *ckpt, peaks["save"],
                  statistics.median(steps), mine["losses"][0], mine["losses"][-1])  # fmt: skip
         rows.append((f"fzero:r{rank}", cells))
+    ckpt_columns = (("ckpt save MB", ".0f"), ("ckpt load MB", ".0f")) if ckpt else ()
     disk = row["ranks"][0]["disk"]
     columns = (
-        ("load MB", ".0f"), ("init MB", ".0f"), ("steps MB", ".0f"), ("save MB", ".0f"),
-        ("s/step", ".1f"), ("loss1", ".5f"), ("lossN", ".5f"),
+        ("load MB", ".0f"), ("init MB", ".0f"), ("steps MB", ".0f"), *ckpt_columns,
+        ("save MB", ".0f"), ("s/step", ".1f"), ("loss1", ".5f"), ("lossN", ".5f"),
     )  # fmt: skip
     seconds = row["ranks"][0]["seconds"]
     notes = [
@@ -480,7 +509,8 @@ def infinity_table(row: dict[str, Any], size: str, count: int) -> _harness.Table
         "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()),
     ]
     for rank, mine in enumerate(row["ranks"]):
-        notes.append(f"r{rank} losses: {', '.join(repr(x) for x in mine['losses'])}")
+        after = " (the last after --ckpt's load)" if ckpt_columns else ""
+        notes.append(f"r{rank} losses{after}: {', '.join(repr(x) for x in mine['losses'])}")
     for rank, mine in enumerate(row["ranks"]):
         phases = mine.get("phases_kb", {})
         notes.append(
@@ -640,6 +670,9 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--where", action="store_true", help="--infinity: where each phase's peak RSS was seen"
+    )
+    parser.add_argument(
+        "--ckpt", action="store_true", help="--infinity: save and load a checkpoint after the steps"
     )
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     args = parser.parse_args()

@@ -279,3 +279,20 @@ def test_a_failed_piece_write_drops_the_window_on_every_rank(tmp_path):
     assert losses[:3] == reference[:3]  # micro-step 2's first run, dropped, as it was
     assert losses[3:] == reference[2:]
     assert weights == expected
+
+
+def scattered_case(rank, world, bucket):
+    """`engine_case` at stage 3 on the reduce-scatter path NCCL takes (gloo's
+    reduce-scatter collective instead of its all-reduce: `tests/test_scatter_path.py`)."""
+    from tests.test_scatter_path import reduce_scattered
+
+    with reduce_scattered():
+        return engine_case(rank, world, 3, bucket, None, "fp32")
+
+
+def test_pieces_on_the_reduce_scatter_path_train_as_whole_units():
+    whole = run_world(scattered_case, 2, WHOLE)
+    pieced = run_world(scattered_case, 2, PIECED)
+    assert pieced["pieced"] == [False, True, True, False]
+    assert (pieced["losses"], pieced["norms"]) == (whole["losses"], whole["norms"])
+    assert pieced["weights"] == whole["weights"]

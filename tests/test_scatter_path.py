@@ -1,7 +1,7 @@
 """The reduce-scatter path NCCL runs, run on gloo.
 
 On gloo a reduce-scatter is done as an all-reduce of which each rank keeps its part
-(`fzero.core.reduce.scatter_by_all_reduce`: gloo's reduce-scatter measured slower), so the
+(`fzero.core.reduce_bucket.scatter_by_all_reduce`: gloo's reduce-scatter measured slower), so the
 path every other backend takes — one reduce-scatter per unit into the rank's shard — is
 not what the CPU tests run. gloo has a reduce-scatter too: these cases turn the
 all-reduce off in the rank processes and check the path against a single-process
@@ -34,15 +34,18 @@ STRATEGIES = {
 @contextlib.contextmanager
 def reduce_scattered() -> Iterator[None]:
     """Within: every door reduce-scatters as on NCCL (gloo's reduce-scatter collective)."""
-    from fzero.core import reduce
+    from fzero.core import reduce_bucket, reduce_pieces
     from fzero.engine import _views
 
-    saved = reduce.scatter_by_all_reduce, _views.scatter_by_all_reduce
-    reduce.scatter_by_all_reduce = _views.scatter_by_all_reduce = lambda: False
+    modules = (reduce_bucket, reduce_pieces, _views)
+    saved = [module.scatter_by_all_reduce for module in modules]
+    for module in modules:
+        module.scatter_by_all_reduce = lambda: False
     try:
         yield
     finally:
-        reduce.scatter_by_all_reduce, _views.scatter_by_all_reduce = saved
+        for module, function in zip(modules, saved):
+            module.scatter_by_all_reduce = function
 
 
 def train_cases(rank: int, world: int, cases: list[tuple]) -> dict:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ from fzero.checkpoint._checksum import (
 
 __all__ = [
     "CheckpointError",
+    "Chunks",
     "SafetensorsFile",
     "TensorEntry",
     "WrittenFile",
@@ -96,6 +98,14 @@ def tensor_bytes(tensor: Tensor) -> memoryview:
 Spec = tuple[str, torch.dtype, tuple[int, ...]]  # key, dtype, shape
 
 
+class Chunks(NamedTuple):
+    """A tensor that reaches the writer as consecutive parts (contiguous CPU tensors of
+    its dtype, in order: a unit's sub-group pieces), each written and hashed as it
+    comes; the file holds the same bytes as for the whole tensor."""
+
+    parts: Iterable[Tensor]
+
+
 _MADV_HUGEPAGE = 14
 _libc = ctypes.CDLL(None) if sys.platform == "linux" else None
 
@@ -147,11 +157,12 @@ def write_safetensors(
 def write_safetensors_stream(
     path: str,
     specs: list[Spec],
-    tensors: Iterable[Tensor],
+    tensors: Iterable[Tensor | Chunks],
     metadata: dict[str, str] | None = None,
 ) -> WrittenFile:
     """Write a safetensors file whose header is known up front (`specs`) and whose
-    tensors arrive one at a time, so only one need be in memory; fsync it."""
+    tensors arrive one at a time (or one part at a time: `Chunks`), so only one need be
+    in memory; fsync it."""
     header = _header(specs, metadata or {})
     tensor_digests: dict[str, int] = {}
     checksum = new_hasher(WRITE_ALGORITHM, header)
@@ -159,20 +170,44 @@ def write_safetensors_stream(
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for (key, dtype, shape), tensor in zip(specs, tensors, strict=True):
-            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}; the header says "
-                    f"{dtype} {shape}"
-                )
-            tensor = tensor.contiguous()  # kept alive while its bytes are written
-            data = tensor_bytes(tensor)
-            tensor_digests[key] = digest(data, WRITE_ALGORITHM)
+            if isinstance(tensor, Chunks):
+                tensor_digests[key] = _write_chunks(f, key, dtype, shape, tensor)
+            else:
+                if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                    raise ValueError(
+                        f"tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}; the header "
+                        f"says {dtype} {shape}"
+                    )
+                tensor = tensor.contiguous()  # kept alive while its bytes are written
+                data = tensor_bytes(tensor)
+                tensor_digests[key] = digest(data, WRITE_ALGORITHM)
+                f.write(data)
             checksum.update(digest_bytes(tensor_digests[key], WRITE_ALGORITHM))
-            f.write(data)
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
     return WrittenFile(os.path.basename(path), size, checksum.intdigest(), tensor_digests)
+
+
+def _write_chunks(
+    f: Any, key: str, dtype: torch.dtype, shape: tuple[int, ...], chunks: Chunks
+) -> int:
+    """Write tensor `key`'s parts in order; its digest (streamed: the whole tensor's)."""
+    hasher, written, numel = new_hasher(WRITE_ALGORITHM), 0, math.prod(shape)
+    for part in chunks.parts:
+        if part.dtype != dtype or written + part.numel() > numel:
+            raise ValueError(
+                f"tensor {key!r}: a part of {part.dtype} {part.numel()} elements after "
+                f"{written}; the header says {dtype} {shape} ({numel} elements)"
+            )
+        part = part.contiguous()  # kept alive while its bytes are written
+        data = tensor_bytes(part)
+        hasher.update(data)
+        f.write(data)
+        written += part.numel()
+    if written != numel:
+        raise ValueError(f"tensor {key!r}: parts of {written} elements; the header says {shape}")
+    return hasher.intdigest()
 
 
 def fsync_dir(path: str) -> None:
@@ -279,6 +314,21 @@ class SafetensorsFile:
                 hashing.result()
         if hasher is not None:
             self._check(key, hasher, tensor_digest)
+
+    def read_span(self, key: str, begin: int, out: Tensor) -> None:
+        """Elements [begin, begin + out.numel()) of tensor `key`, of `out`'s dtype, into
+        `out` (contiguous CPU) with no checksum: the caller verified the tensor first."""
+        entry = self.entry(key)
+        view = tensor_bytes(out)
+        at = entry.begin + begin * out.element_size()
+        if out.dtype != entry.dtype or begin < 0 or at + len(view) > entry.end:
+            raise CheckpointError(
+                f"tensor {key!r} in {self.path}: elements [{begin}, {begin + out.numel()}) of "
+                f"{out.dtype} asked; it holds {entry.shape} of {entry.dtype}"
+            )
+        self._file.seek(at)
+        if self._file.readinto(view) != len(view):
+            raise CheckpointError(f"{self.path} is truncated inside tensor {key!r}")
 
     def verify(self, key: str, tensor_digest: int, scratch: memoryview) -> None:
         """Check tensor `key` against its checksum by reading it through `scratch` (a

@@ -11,13 +11,16 @@ made reading into fresh buffers cost twice DCP's in-place load. Should that seco
 fail (the file vanished in between), every rank raises `PartlyRestoredError`: the state
 is partly overwritten and must be restored again. Units that do not live in memory (the
 engine's NVMe offload) are read in one verified pass and go to their next slot through
-the state's `SwappedUnits` as they are read.
+the state's `SwappedUnits` as they are read (with sub-groups, verified first and then
+read and written a piece at a time: [Note: checkpoints in pieces] in
+`fzero.core.swap_pieces`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -47,7 +50,13 @@ from fzero.checkpoint._save import (
 from fzero.core.groups import check_same_plan
 from fzero.core.precision import init_state
 from fzero.core.publish import Publisher, runtime_of
-from fzero.core.state import Counters, TrainState, UnitState, optimizer_partition
+from fzero.core.state import (
+    Counters,
+    PieceSource,
+    TrainState,
+    UnitState,
+    optimizer_partition,
+)
 from fzero.optim import LossScaleState, Optimizer
 from fzero.partition import Plan, PlanError
 
@@ -208,19 +217,25 @@ def _install_swapped(like: TrainState, i: int, unit: UnitState) -> UnitState:
         old.grad.zero_()
     else:
         old.grad.copy_(unit.grad)
+    if _in_pieces(like, i):  # a compute-dtype copy of the master, read piece by piece
+        if old.params is not None:
+            written = like.residence.master_copy(i, old.params.dtype)  # type: ignore[union-attr]
+            _publish(like, i, old, written)
+        return unit._replace(grad=old.grad)
     with like.residence.resident(i) as held:  # type: ignore[union-attr]
         _publish(like, i, held._replace(params=old.params))
     return unit._replace(grad=old.grad)
 
 
-def _publish(like: TrainState, i: int, unit: UnitState) -> None:
-    """Unit i's master written to its compute-dtype parameters (collective where whole)."""
+def _publish(like: TrainState, i: int, unit: UnitState, written: Tensor | None = None) -> None:
+    """Unit i's master (or `written`, its copy in the parameters' dtype) written to its
+    compute-dtype parameters (collective where whole)."""
     if unit.params is None:
         return  # stage 3, fp32: the master is the shard
     publisher = Publisher(
         like.plan, like.rank, compute_dtype=unit.params.dtype, device=unit.params.device
     )
-    publisher.publish(runtime_of(like.plan, i, unit))
+    publisher.publish(runtime_of(like.plan, i, unit), written)
     publisher.finish_publish()
 
 
@@ -326,6 +341,9 @@ def _read(
     read = _Read(index, plan, reader, {}, [], {}, {}, None)
     reads = _reads_by_unit(plan, like.rank, old_plan)
     for i, old in enumerate(like.units):
+        if _in_pieces(like, i):
+            _store_pieces(like, i, reader, reads.get(i, []), (kinds, with_state), optimizer, read)
+            continue
         if index["mid_accumulation"]:
             # in the accumulator's dtype (the plan's memory.grads), cast as it is read
             grad = torch.empty(grad_numel(plan, i, like.rank), dtype=old.grad.dtype)
@@ -356,6 +374,78 @@ def _read(
         read.module[key] = saved
     read.client_state = reader.client_state(index)
     return read
+
+
+def _in_pieces(like: TrainState, i: int) -> bool:
+    """Whether unit `i` lives in a swap file that checkpoints move in pieces."""
+    residence = like.residence
+    return residence is not None and residence.holds(i) and residence.sub_group > 0
+
+
+def _store_pieces(
+    like: TrainState,
+    i: int,
+    reader: Reader,
+    reads: list[tuple[int, Any]],
+    kinds: tuple[list[str], bool],
+    optimizer: Optimizer | None,
+    read: _Read,
+) -> None:
+    """Unit i to its next slot piece by piece ([Note: checkpoints in pieces] in
+    `fzero.core.swap_pieces`): every saved tensor it takes verified first, then read by
+    byte range into each piece. A gradient accumulator kept in memory (it has its
+    elements) is read whole into `read.grads`, as for a unit read whole."""
+    assert like.residence is not None
+    plan, old, mid = like.plan, like.units[i], read.index["mid_accumulation"]
+    grad_key, (kinds_read, with_state) = f"grad/unit{i}", kinds
+    for kind in kinds_read:
+        for _, r in reads:
+            s = reader.old_slice(r.old_rank, r.old_unit, r.old_offset)
+            reader.verify(r.old_rank, slice_key(kind, s.fqn, s.start, s.stop))
+    if mid and old.grad.numel():
+        grad = torch.empty(grad_numel(plan, i, like.rank), dtype=old.grad.dtype)
+        reader.read_whole(like.rank, grad_key, grad)
+        read.grads[i] = grad
+    elif mid:
+        reader.verify(like.rank, grad_key)
+
+    def fill(kind: str, start: int, out: Tensor) -> None:
+        if kind == "grad":
+            reader.read_span(like.rank, grad_key, start, out)
+            return
+        out.zero_()  # the padding no saved slice covers
+        prefixed = kind if kind == "master" else f"optim.{kind}"
+        _fill_span(plan, reader, prefixed, (start, out), reads)
+
+    if with_state:
+        init, optim = None, old.optim._replace(**read.index["optimizer"]["scalars"])
+    else:  # load_optimizer_states=False: the moments start afresh
+        assert optimizer is not None
+        dtype = _state_dtype(old.optim)
+        init = functools.partial(init_state, optimizer, dtype=dtype)
+        optim = init_state(optimizer, torch.empty(0), dtype)
+    like.residence.store_pieces(i, PieceSource(fill, optim, init), mid)
+    grad = read.grads.pop(i, None)
+    read.done[i] = old if grad is None else old._replace(grad=grad.to(old.grad.device))
+
+
+def _fill_span(
+    plan: Plan, reader: Reader, kind: str, span: tuple[int, Tensor], reads: list[tuple[int, Any]]
+) -> None:
+    """`_fill` of elements [start, start + len(out)) of a unit's partition only, each
+    overlapping read by byte range (`Reader.read_span`)."""
+    start, out = span
+    stop = start + out.numel()
+    for target, r in reads:
+        unit = plan.units[r.new_unit]
+        at = r.new_offset + (unit.shard_range(target)[0] if plan.stage_of(unit) == 0 else 0)
+        low, high = max(start, at), min(stop, at + r.numel)
+        if low >= high:
+            continue
+        s = reader.old_slice(r.old_rank, r.old_unit, r.old_offset)
+        begin = r.old_offset - s.shard_offset + (low - at)
+        key = slice_key(kind, s.fqn, s.start, s.stop)
+        reader.read_span(r.old_rank, key, begin, out[low - start : high - start])
 
 
 def _unit_from(

@@ -8,7 +8,8 @@ the module's frozen parameters and buffers (`module=`). Everything goes to
 has reported its checksums, renames the directory to `save_dir/{tag}` and only then
 replaces `save_dir/latest` (write, fsync, rename). A crash at any point leaves the
 previous `latest` loadable. Units that do not live in memory (the engine's NVMe offload)
-are read one at a time through the state's `SwappedUnits`.
+are read one at a time through the state's `SwappedUnits`, or with sub-groups a piece
+of one kind at a time ([Note: checkpoints in pieces] in `fzero.core.swap_pieces`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fzero import comm, partition
 from fzero._version import __version__
 from fzero.checkpoint._checksum import WRITE_ALGORITHM
 from fzero.checkpoint._files import (
+    Chunks,
     WrittenFile,
     fsync_dir,
     write_safetensors,
@@ -160,9 +162,16 @@ def grad_numel(plan: Plan, index: int, rank: int) -> int:
     return unit.numel if plan.stage_of(unit) < 2 else plan.grads_size(unit, rank)
 
 
-# One tensor of a rank file: its index record, the unit it belongs to (None: a module
-# tensor), its safetensors spec, and how to get it from the unit resident.
-_Entry = tuple[dict[str, Any], int | None, tuple[str, torch.dtype, tuple[int, ...]], Any]
+class _Entry(NamedTuple):
+    """One tensor of a rank file: its index record, the unit it belongs to (None: a
+    module tensor), its safetensors spec, how to get it from the unit resident, and
+    which elements of the unit it is when read in pieces (kind, begin, end)."""
+
+    record: dict[str, Any]
+    unit: int | None
+    spec: tuple[str, torch.dtype, tuple[int, ...]]
+    get: Any
+    span: tuple[str, int, int] | None = None
 
 
 def _save_entries(
@@ -181,17 +190,20 @@ def _save_entries(
                 at = _partition_start(state, index) + s.shard_offset
                 record = {"key": key, "kind": kind, "fqn": s.fqn, "start": s.start, "stop": s.stop}
                 get = functools.partial(_slice_of, kind, at, s.numel, dtype)
-                entries.append((record, index, (key, dtype, (s.numel,)), get))
+                span = (kind.removeprefix("optim."), at, at + s.numel)
+                entries.append(_Entry(record, index, (key, dtype, (s.numel,)), get, span))
         if mid_accumulation:
             key, numel = f"grad/unit{index}", grad_numel(state.plan, index, state.rank)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
             dtype = state.units[index].grad.dtype  # the plan's memory.grads; fp32 on NVMe
-            entries.append((record, index, (key, dtype, (numel,)), _grad_of))
+            spec = (key, dtype, (numel,))
+            entries.append(_Entry(record, index, spec, _grad_of, ("grad", 0, numel)))
     if state.rank == 0:
         for name, t in module.items():
             key = f"module/{name}"
             record = {"key": key, "kind": "module", "fqn": name, "start": 0, "stop": t.numel()}
-            entries.append((record, None, (key, t.dtype, tuple(t.shape)), lambda _, t=t: t))
+            spec = (key, t.dtype, tuple(t.shape))
+            entries.append(_Entry(record, None, spec, lambda _, t=t: t))
     return entries
 
 
@@ -214,14 +226,40 @@ def _grad_of(unit: UnitState) -> Tensor:
     return unit.grad
 
 
-def _entry_tensors(state: TrainState, entries: list[_Entry]) -> Iterator[Tensor]:
-    """The entries' tensors in order, one unit resident at a time."""
-    for index, group in itertools.groupby(entries, key=lambda entry: entry[1]):
+def _entry_tensors(state: TrainState, entries: list[_Entry]) -> Iterator[Tensor | Chunks]:
+    """The entries' tensors in order, one unit resident at a time; a unit the swap file
+    moves in sub-group pieces gives each entry as the parts of the pieces it overlaps
+    (`Chunks`: [Note: checkpoints in pieces] in `fzero.core.swap_pieces`), each part
+    valid until the next is asked for."""
+    for index, group in itertools.groupby(entries, key=lambda entry: entry.unit):
         if index is None:
-            yield from (get(None) for *_, get in group)
-            continue
-        with state.resident(index) as unit:
-            yield from (get(unit) for *_, get in group)
+            yield from (entry.get(None) for entry in group)
+        elif _in_pieces(state, index):
+            assert state.residence is not None
+            with state.residence.pieces(index) as pieces:
+                for entry in group:
+                    assert entry.span is not None
+                    yield Chunks(pieces.span(*entry.span))
+        else:
+            with state.resident(index) as unit:
+                yield from (entry.get(unit) for entry in group)
+
+
+def _in_pieces(state: TrainState, index: int) -> bool:
+    """Whether unit `index` lives in a swap file that checkpoints move in pieces."""
+    residence = state.residence
+    return residence is not None and residence.holds(index) and residence.sub_group > 0
+
+
+def _to_host(tensor: Tensor | Chunks, copy: bool) -> Tensor | Chunks:
+    """An entry on the host, contiguous (`copy`: a copy of its own, parts joined, for a
+    writer that runs after the state moves on)."""
+    if isinstance(tensor, Chunks):
+        if copy:  # each part copied as it comes: the next overwrites its buffer
+            parts = [part.detach().to("cpu", copy=True) for part in tensor.parts]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return Chunks(part.detach().cpu().contiguous() for part in tensor.parts)
+    return tensor.detach().to("cpu", copy=copy).contiguous()
 
 
 def _tensor_table(plan: Plan, extras: Extras) -> list[dict[str, Any]]:
@@ -351,8 +389,8 @@ def _save(
     encoded_client = encode_client_state(dict(client_state or {}), client_tensors)
     mid_accumulation = _mid_accumulation(state, accumulation)
     entries = _save_entries(state, mid_accumulation, extras.module)
-    records = [record for record, *_ in entries]
-    specs = [spec for _, _, spec, _ in entries]
+    records = [entry.record for entry in entries]
+    specs = [entry.spec for entry in entries]
     body = _index_body(state, optimizer, extras, tag, mid_accumulation, accumulation)
     body["client_state"] = encoded_client
     rng = dict(extras.rng) if extras.rng is not None else _state_rng(state)
@@ -361,13 +399,11 @@ def _save(
         model_16bit = {k: v.contiguous() for k, v in model_16bit.items()}
     comm.barrier(group, what="the partial directory made")  # exists for everyone
     if async_save:  # host copies of everything (NVMe offload: read back first)
-        tensors = [
-            t.detach().to("cpu", copy=True).contiguous() for t in _entry_tensors(state, entries)
-        ]
+        tensors = [_to_host(t, copy=True) for t in _entry_tensors(state, entries)]
         client_tensors = {k: v.clone() for k, v in client_tensors.items()}
-        stream: Iterable[Tensor] = tensors
-    else:  # written as produced: NVMe offload holds one unit at a time
-        stream = (t.detach().cpu().contiguous() for t in _entry_tensors(state, entries))
+        stream: Iterable[Tensor | Chunks] = tensors
+    else:  # written as produced: NVMe offload holds one unit (or piece) at a time
+        stream = (_to_host(t, copy=False) for t in _entry_tensors(state, entries))
 
     def write() -> None:
         _write(
@@ -457,7 +493,7 @@ def _write(
     rank: int,
     replica: int,
     paths: tuple[str, str, str, str],
-    tensors: tuple[list[Any], Iterable[Tensor]],
+    tensors: tuple[list[Any], Iterable[Tensor | Chunks]],
     records: list[dict[str, Any]],
     rng: dict[str, Any],
     body: dict[str, Any],

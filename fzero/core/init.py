@@ -6,6 +6,7 @@ and a plan, `state_dict` consolidates the trained weights from one. The step is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -358,56 +359,68 @@ def stream_state_dict(
 
 def full_master(state: TrainState, index: int, pieces_dtype: torch.dtype | None = None) -> Tensor:
     """Unit `index`'s whole master buffer (fp32, or bf16 with bf16 masters), gathered on
-    every rank (collective; a unit outside memory is read back first). A large unit in
-    the swap file is read piece by piece and assembled in `pieces_dtype` if given (a
-    save's compute dtype: `_full_master_in_pieces`); the caller converts the rest."""
+    every rank (collective; a unit outside memory is read back first). A unit the swap
+    file moves in pieces (`sub_group_size`) is gathered piece by piece and assembled in
+    `pieces_dtype` if given (a save's compute dtype: `_full_master_in_pieces`); the
+    caller converts the rest."""
     device = comm.backend_device()
     residence, plan = state.residence, state.plan
-    pieces = residence.master_pieces(index) if residence is not None else 0
+    pieces = residence is not None and residence.holds(index) and residence.sub_group > 0
     even = not plan.units[index].bounds and plan.optimizer_extra_size == 1
     if pieces and even and plan.stage_of(index) >= 1:
         dtype = pieces_dtype or torch.float32
-        return _full_master_in_pieces(state, index, pieces, dtype, device)
-    return _full_master(state, index, device)
+        return _full_master_in_pieces(state, index, dtype, device)
+    with _master_of(state, index) as master:
+        if state.plan.stage_of(index) == 0:
+            return master.to(device, copy=True)
+        numel, dtype = state.plan.units[index].numel, master.dtype
+        full = torch.empty(numel, dtype=dtype, device=device)
+        if state.plan.world_size > 1:
+            shard, plan = master.to(device).contiguous(), state.plan
+            gather_optimizer_shards(full, shard, plan, index, groups_of(plan), async_op=False)
+        else:
+            full.copy_(master)
+    return full
 
 
 def _full_master_in_pieces(
-    state: TrainState, index: int, piece: int, dtype: torch.dtype, device: torch.device
+    state: TrainState, index: int, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """`full_master` of a unit in the swap file whose partition is larger than the
-    step's sub-group ([Note: sub-groups]): the whole buffer in `dtype` (the compute
-    dtype for a save: half the fp32 bytes with bf16), filled piece by piece: each rank
-    reads elements [a, a + piece) of its master alone (no moments, no gradient) and the
-    plan's ranks gather them, so a rank holds the unit once in `dtype` and two pieces
-    beside it, not its master, moments and gradient and the whole fp32 buffer."""
-    assert state.residence is not None
-    plan, unit = state.plan, state.plan.units[index]
+    """`full_master` of a unit the swap file moves in pieces ([Note: checkpoints in
+    pieces]): the whole buffer in `dtype` (the compute dtype for a save: half the fp32
+    bytes with bf16), filled piece by piece: each rank reads elements [a, a + piece) of
+    its master alone (no moments, no gradient) and the plan's ranks gather them, so a
+    rank holds the unit once in `dtype` and two pieces beside it, not its master's
+    partition and the whole unit in fp32."""
+    residence, plan = state.residence, state.plan
+    assert residence is not None
+    unit, piece = plan.units[index], residence.sub_group
     world, part = plan.world_size, unit.shard_numel
     full = torch.empty(unit.numel, dtype=dtype, device=device)
     group = groups_of(plan).shard
-    for start in range(0, part, piece):
-        stop = min(part, start + piece)
-        mine = state.residence.read_master(index, start, stop).to(device)
-        parts = mine if world == 1 else torch.empty(world * (stop - start), device=device)
-        if world > 1:
-            what = f"unit {unit.name}'s master, elements {start}-{stop} of each part"
-            comm.all_gather_into(parts, mine, what=what, group=group)
-        for r, values in enumerate(parts.split(stop - start)):
-            full[r * part + start : r * part + stop].copy_(values)
-        del mine, parts
+    with residence.pieces(index) as reader:
+        for start in range(0, part, piece):
+            stop = min(part, start + piece)
+            (mine,) = reader.span("master", start, stop)
+            parts = mine.to(device)
+            if world > 1:
+                parts = torch.empty(world * (stop - start), device=device)
+                what = f"unit {unit.name}'s master, elements {start}-{stop} of each part"
+                comm.all_gather_into(parts, mine.to(device), what=what, group=group)
+            for r, values in enumerate(parts.split(stop - start)):
+                full[r * part + start : r * part + stop].copy_(values)
+            del mine, parts
     return full
 
 
-def _full_master(state: TrainState, index: int, device: torch.device) -> Tensor:
-    """`full_master` through `resident`: the unit's tensors read whole."""
+@contextlib.contextmanager
+def _master_of(state: TrainState, index: int) -> Iterator[Tensor]:
+    """Unit `index`'s master partition, readable inside the block: a unit the swap file
+    moves in pieces gives a copy read piece by piece, not the unit resident whole
+    (master, moments and gradient)."""
+    residence = state.residence
+    if residence is not None and residence.holds(index) and residence.sub_group > 0:
+        yield residence.master_copy(index, torch.float32)  # the file's masters are fp32
+        return
     with state.resident(index) as unit:
-        if state.plan.stage_of(index) == 0:
-            return unit.master.to(device, copy=True)
-        numel, dtype = state.plan.units[index].numel, unit.master.dtype
-        full = torch.empty(numel, dtype=dtype, device=device)
-        if state.plan.world_size > 1:
-            shard, plan = unit.master.to(device).contiguous(), state.plan
-            gather_optimizer_shards(full, shard, plan, index, groups_of(plan), async_op=False)
-        else:
-            full.copy_(unit.master)
-    return full
+        yield unit.master

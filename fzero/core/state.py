@@ -22,7 +22,7 @@ tensors (and optimizer step counts) its leaves:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +35,8 @@ from fzero.partition import Plan, Unit
 
 __all__ = [
     "Counters",
+    "KindPieces",
+    "PieceSource",
     "SwappedUnits",
     "TrainState",
     "UnitState",
@@ -64,18 +66,48 @@ class Counters(NamedTuple):
     lr_steps: int = 0
 
 
+class PieceSource(NamedTuple):
+    """What a checkpoint load writes a swapped unit from, piece by piece: `fill(kind,
+    start, out)` puts elements [start, start + len(out)) of `kind` ("master", an
+    optimizer state field, "grad") into fp32 `out`; `optim` is the unit's optimizer
+    state record (its scalars are kept: the step count seeds bf16 rounding); `init`,
+    when given, makes the optimizer state of a master piece instead of `fill`."""
+
+    fill: Callable[[str, int, Tensor], None]
+    optim: Any
+    init: Callable[[Tensor], Any] | None = None
+
+
+class KindPieces(Protocol):
+    """A swapped unit read piece by piece: `span(kind, begin, end)` yields elements
+    [begin, end) of `kind` ("master", an optimizer state field, "grad") as stored, in
+    consecutive parts, each valid until the next is asked for."""
+
+    def span(self, kind: str, begin: int, end: int) -> Iterator[Tensor]: ...
+
+
 class SwappedUnits(Protocol):
     """Where units' masters and optimizer states live when not in memory (the NVMe swap
     file, `fzero.core.residency`): `resident(i)` makes unit i's tensors readable inside
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
     `state_dtype` is the dtype the file keeps the optimizer's moments in; `holds(i)`
-    whether unit i lives there (a plan may keep some units in memory);
-    `master_pieces(i)` the elements per piece its master is read in by
-    `read_master(i, start, stop)` (0: whole, through `resident`)."""
+    whether unit i lives there (a plan may keep some units in memory). With a
+    `sub_group` above 0, checkpoints move units in pieces of that many elements instead:
+    `pieces(i)` reads them, `store_pieces(i, ...)` is `store_next`'s counterpart,
+    `master_copy(i, dtype)` the master to publish."""
 
     @property
     def state_dtype(self) -> torch.dtype: ...
+
+    @property
+    def sub_group(self) -> int: ...
+
+    def pieces(self, index: int) -> contextlib.AbstractContextManager[KindPieces]: ...
+
+    def master_copy(self, index: int, dtype: torch.dtype) -> Tensor: ...
+
+    def store_pieces(self, index: int, source: PieceSource, with_grad: bool) -> None: ...
 
     def holds(self, index: int) -> bool: ...
 
@@ -86,10 +118,6 @@ class SwappedUnits(Protocol):
     def commit(self) -> None: ...
 
     def check_usable(self) -> None: ...
-
-    def master_pieces(self, index: int) -> int: ...
-
-    def read_master(self, index: int, start: int, stop: int) -> Tensor: ...
 
 
 @dataclass(frozen=True)

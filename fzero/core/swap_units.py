@@ -10,11 +10,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
 from fzero.core.residency import Residency
-from fzero.core.state import UnitState
-from fzero.core.swap_buffers import swap_buffer_numel
+from fzero.core.state import PieceSource, UnitState
+from fzero.core.swap_pieces import PieceReader, master_copy, store_in_pieces
 
 __all__ = ["SwapFileUnits"]
 
@@ -42,19 +41,49 @@ class SwapFileUnits:
         """Whether unit `index` lives in the file (else in the state's own buffers)."""
         return self.residency.holds(index)
 
+    @property
+    def sub_group(self) -> int:
+        """Elements per piece checkpoints move a unit in (`pieces`, `store_pieces`); 0:
+        whole units (`resident`, `store_next`)."""
+        return self.residency.sub_group
+
+    @contextlib.contextmanager
+    def pieces(self, index: int) -> Iterator[PieceReader]:
+        """Unit `index`'s kinds readable piece by piece inside the block ([Note:
+        checkpoints in pieces])."""
+        reader = PieceReader(self.residency, self.units[index])
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def master_copy(self, index: int, dtype: torch.dtype) -> Tensor:
+        """Unit `index`'s current master in `dtype`, read piece by piece."""
+        return master_copy(self.residency, self.units[index], dtype)
+
     def store_next(self, index: int, unit: UnitState, with_grad: bool) -> None:
         """Write `unit` to the other slot of unit `index`'s regions (current after
         `commit`); memory keeps none of it."""
         rt = self.units[index]
-        if self.residency.slots == 1 and not self.residency.broken:  # until `commit`
-            self.residency.broken = (
-                f"a checkpoint load overwrote units in place in {self.residency.nvme.path} "
-                "(commit 'in_place') and did not finish; load a checkpoint again to go on"
-            )
+        self._overwriting()
         rt.master, rt.state = unit.master, unit.optim
         if with_grad and self.residency.grads_on_disk:
             rt.grad = unit.grad
         self.residency.write_next_slot(rt, with_grad=with_grad)
+
+    def store_pieces(self, index: int, source: PieceSource, with_grad: bool) -> None:
+        """`store_next` piece by piece from `source` ([Note: checkpoints in pieces]);
+        with `with_grad` the gradient accumulator too."""
+        self._overwriting()
+        store_in_pieces(self.residency, self.units[index], source, with_grad)
+
+    def _overwriting(self) -> None:
+        """With one slot, the file holds no single step until `commit`: say so first."""
+        if self.residency.slots == 1 and not self.residency.broken:
+            self.residency.broken = (
+                f"a checkpoint load overwrote units in place in {self.residency.nvme.path} "
+                "(commit 'in_place') and did not finish; load a checkpoint again to go on"
+            )
 
     def commit(self) -> None:
         """Make what `store_next` wrote current, every unit at once (after every rank
@@ -63,24 +92,6 @@ class SwapFileUnits:
             if self.residency.holds(rt.index):
                 rt.slot = self.residency.next_slot(rt)
         self.residency.broken = ""
-
-    def master_pieces(self, index: int) -> int:
-        """Elements per piece unit `index`'s master is read in (`read_master`): the
-        step's sub-group where the unit's partition is larger ([Note: sub-groups]); 0:
-        read it whole (`resident`)."""
-        piece = self.residency.sub_group
-        unit = self.residency.plan.units[index]
-        large = self.holds(index) and self.residency.partition_numel(unit) > piece
-        return piece if piece and large else 0
-
-    def read_master(self, index: int, start: int, stop: int) -> Tensor:
-        """Elements [start, stop) of unit `index`'s current fp32 master, read from the
-        file alone (no moments, no gradient); `start` a multiple of 1024 (a 4 KiB page)."""
-        rt, residency = self.units[index], self.residency
-        buffer = _nvme.aligned_empty(swap_buffer_numel(stop - start))[: stop - start]
-        region = residency.region(rt, 0, rt.slot)
-        residency.nvme.wait(residency.nvme.submit(region, buffer, False, 4 * start), "reading")
-        return buffer
 
     def check_usable(self) -> None:
         """Raise if the file holds no single step (a failed in-place step or load)."""

@@ -314,10 +314,11 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         gradients were lost: NVMe gradient writes failed)."""
         self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
 
-    def publish_master(self, rt: UnitRuntime) -> None:
-        """Start writing the unit's fp32 master (edited outside a step: restored state)
-        to the parameters; `finish_publish` completes it. Collective."""
-        self.runtime.application.publish(rt)
+    def publish_master(self, rt: UnitRuntime, written: Tensor | None = None) -> None:
+        """Start writing the unit's fp32 master (edited outside a step: restored state),
+        or `written`, its copy in the compute dtype, to the parameters; `finish_publish`
+        completes it. Collective."""
+        self.runtime.application.publish(rt, written)
 
     def finish_publish(self) -> None:
         self.runtime.application.finish_publish()

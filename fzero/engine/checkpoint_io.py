@@ -50,6 +50,7 @@ from fzero.core.layout import UnitRuntime
 from fzero.core.publish import install, rolled_back
 from fzero.core.residency import Residency
 from fzero.core.state import TrainState
+from fzero.core.swap_pieces import master_copy
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 
@@ -92,7 +93,7 @@ class Engine(Protocol):
 
     def gradient_accumulation_steps(self) -> int: ...
 
-    def publish_master(self, rt: UnitRuntime) -> None: ...
+    def publish_master(self, rt: UnitRuntime, written: torch.Tensor | None = None) -> None: ...
 
     def finish_publish(self) -> None: ...
 
@@ -220,7 +221,8 @@ def load_checkpoint(
     if not load_module_only:
         _check_scheduler_state(engine, directory, load_lr_scheduler_states)
     # NVMe offload: restore writes each unit to the other slot of its swap regions as it
-    # is read (one unit in memory at a time); the slots flip once every rank has read.
+    # is read (one unit in memory at a time, or with sub-groups one piece: [Note:
+    # checkpoints in pieces]); the slots flip once every rank has read.
     like = engine.train_state
     residency, stored = engine.residency, engine.residency.stored
     try:
@@ -256,7 +258,10 @@ def load_checkpoint(
             if key in restored.module:  # all of them unless load_module_strict=False
                 tensor.copy_(restored.module[key])
     for rt in engine.units:
-        with engine.residency.resident(rt, write_back=False):
+        if residency.sub_group and residency.holds(rt.index):  # the master piece by piece
+            engine.publish_master(rt, master_copy(residency, rt, engine.compute_dtype))
+            continue
+        with residency.resident(rt, write_back=False):
             engine.publish_master(rt)
     engine.finish_publish()
     index = restored.index
