@@ -46,7 +46,9 @@ phase's highest RSS was seen in (a thread samples it every 10 ms). With `--ckpt`
 steps are followed by `save_checkpoint` and `load_checkpoint` of the engine's state
 (fp32 master 4 + bf16 moments 2 + 2 bytes per parameter more on disk until the load is
 done; each rank's peak RSS in each: "ckpt save MB", "ckpt load MB") and one more step
-from the loaded state.
+from the loaded state. `--bf16-masters` keeps the masters in bf16 too
+(`bf16_master_weights_and_grads`): 2 bytes per parameter less in the swap files and 2
+less in a checkpoint (16 at the end, 20 at the peak with `--ckpt`).
 
 Targets (fzero): after `from_pretrained`, at most the rank's share of the parameters
 (in the partitions' dtype) plus one shard file, + 10%; after the steps, at most 1.1 x
@@ -91,6 +93,8 @@ SIZES = {  # Llama-shaped: hidden, intermediate, layers, heads, kv heads, vocab
 }
 DISK_PER_PARAM = 18  # --infinity: checkpoint 2 + swap files 14 + saved model 2
 CKPT_PER_PARAM = 6  # --ckpt: the engine's checkpoint 8, deleted before the model's 2 is saved
+BF16_MASTERS_SAVE = 2  # --bf16-masters: the master 2 bytes, not 4, in the swap files and a
+# checkpoint (the checkpoint's saving shows at the end only with --ckpt)
 DISK_RESERVE = 8 * 10**9  # left free for everyone else on the machine
 PRECISIONS = ("fp32", "bf16", "bf16-states")
 SEQUENCE = 64
@@ -295,14 +299,18 @@ def worker(args: argparse.Namespace) -> None:
         _harness.write_row(args.json, {"ranks": ranks})
 
 
-def infinity_config(swap: str, zero: str = "{}") -> dict[str, Any]:
+def infinity_config(swap: str, zero: str = "{}", bf16_masters: bool = False) -> dict[str, Any]:
     nvme = {"device": "nvme", "nvme_path": swap}
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "bf16": {"enabled": True, "bf16_optimizer_states": True},
+        "bf16": {
+            "enabled": True,
+            "bf16_optimizer_states": True,
+            "bf16_master_weights_and_grads": bf16_masters,
+        },
         "aio": {"block_size": 2**20, "thread_count": 2},
         "zero_optimization": {
             "stage": 3,
@@ -336,7 +344,7 @@ def infinity_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     work = os.path.dirname(args.checkpoint)
-    config = infinity_config(os.path.join(work, "swap"), args.zero)
+    config = infinity_config(os.path.join(work, "swap"), args.zero, args.bf16_masters)
     keep = HfDeepSpeedConfig(config)  # noqa: F841 (read by Transformers while alive)
     disk = {"peak": 0}
     done = threading.Event()
@@ -449,6 +457,8 @@ def infinity(args: argparse.Namespace) -> None:
     free = shutil.disk_usage(args.dir).free
     sizes = {name: parameters_of(llama_config(name)) for name in SIZES if name != "tiny"}
     per_param = DISK_PER_PARAM + (CKPT_PER_PARAM if args.ckpt else 0)
+    if args.bf16_masters:
+        per_param -= BF16_MASTERS_SAVE * (2 if args.ckpt else 1)
     print(f"{args.dir}: {free / 1e9:.1f} GB free; {DISK_RESERVE / 1e9:.0f} GB left to others")
     for name, count in sizes.items():
         need = count * per_param
@@ -476,6 +486,7 @@ def infinity(args: argparse.Namespace) -> None:
             str(args.sequence), "--role", "infinity", "--json", os.path.join(directory, "row.json"),
             "--zero", args.zero, *(["--where"] if args.where else []),
             *(["--ckpt"] if args.ckpt else []),
+            *(["--bf16-masters"] if args.bf16_masters else []),
         ]  # fmt: skip
         done = subprocess.run(command, env=_harness.row_environment())
         if done.returncode != 0:
@@ -673,6 +684,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--ckpt", action="store_true", help="--infinity: save and load a checkpoint after the steps"
+    )
+    parser.add_argument(
+        "--bf16-masters", action="store_true", help="--infinity: bf16 masters in the swap files"
     )
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     args = parser.parse_args()

@@ -146,18 +146,8 @@ def test_a_failed_in_place_step_stops_the_engine_until_a_checkpoint_loads(stage,
     assert losses == reference[0][:6]
 
 
-def test_bf16_optimizer_states_and_in_place_config_errors(tmp_path):
-    """bf16 masters in the swap file, and a commit that is not one, are refused by name."""
-    with pytest.raises(ConfigError, match=r"'bf16.bf16_master_weights_and_grads' .*'nvme'"):
-        fzero.config.load_config(
-            {
-                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
-                "zero_optimization": {
-                    "stage": 2,
-                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-                },
-            }
-        )
+def test_in_place_config_errors(tmp_path):
+    """A commit that is not one is refused by name."""
     allowed = r"commit' is 'in-place'; allowed: \['two_slots', 'in_place'\]"
     with pytest.raises(ConfigError, match=allowed):
         fzero.config.load_config(

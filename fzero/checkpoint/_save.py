@@ -210,9 +210,10 @@ def _save_entries(
 def stored_dtype(state: TrainState, kind: str, index: int) -> torch.dtype:
     """The dtype a checkpoint keeps unit `index`'s `kind` in: the state's own (bf16
     masters and moments stay bf16, unit by unit: `Plan.states_dtype`); a unit in the
-    swap file, its fp32 master and its moments in the file's dtype."""
+    swap file, its master and its moments in the file's dtypes."""
     if state.residence is not None and state.residence.holds(index):
-        return torch.float32 if kind == "master" else state.residence.state_dtype
+        residence = state.residence
+        return residence.master_dtype if kind == "master" else residence.state_dtype
     return _buffer(state.units[index], kind).dtype
 
 

@@ -334,16 +334,6 @@ def _check(config: Config) -> None:
         )
     if zero.offload_optimizer.device not in ("none", AUTO) and zero.stage == 0:
         raise ConfigError("'zero_optimization.offload_optimizer' needs stage 1, 2 or 3, found 0")
-    if (
-        config.bf16.bf16_master_weights_and_grads is True
-        and zero.offload_optimizer.device == "nvme"
-    ):
-        raise ConfigError(
-            "config key 'bf16.bf16_master_weights_and_grads' is true but "
-            "'zero_optimization.offload_optimizer.device' is 'nvme': the swap file holds "
-            "fp32 masters only; use offload device 'cpu' or 'none', or fp32 masters with "
-            "'bf16.bf16_optimizer_states' (bf16 moments in the file)"
-        )
     _check_grad_accum_dtype(config)
     if config.communication_data_type in ("fp16", "bf16") and zero.zero_quantized_gradients is True:
         raise ConfigError(

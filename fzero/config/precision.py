@@ -44,9 +44,10 @@ class BF16Config(Section):
     """Compute in bf16 (no loss scale needed)."""
     bf16_master_weights_and_grads: bool = False
     """Master weights in bf16: in memory they are the bf16 parameters themselves (held
-    once, no fp32 copy); each update runs in fp32 and rounds the new weights back
-    stochastically. Gradients are still reduced and accumulated in fp32 (fzero's
-    accuracy choice: 4 B per element of this rank's gradient partition)."""
+    once, no fp32 copy), in the NVMe swap file 2 bytes per element; each update runs in
+    fp32 and rounds the new weights back stochastically (the same bits in memory and in
+    the file). Gradients are still reduced and accumulated in fp32 (fzero's accuracy
+    choice: 4 B per element of this rank's gradient partition)."""
     bf16_optimizer_states: bool = False
     """The optimizer's moments (Adam's exp_avg and exp_avg_sq, SGD's momentum) kept in
     bf16 where they rest between steps — in memory, or in the NVMe swap file — and

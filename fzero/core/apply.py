@@ -29,7 +29,7 @@ from fzero import native
 from fzero.core import nvme as _nvme
 from fzero.core.groups import gather_optimizer_shards, groups_of
 from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
-from fzero.core.precision import narrowed, widened
+from fzero.core.precision import narrowed, round_bf16_, rounding_seed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Piece, Residency
 from fzero.core.state import optimizer_partition, owned_grad, partition_numel
@@ -429,7 +429,12 @@ class OptimizerApplication:
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self.residency.bind_swapped(rt, buffers)
-            written = self.update_unit(rt, factor, lrs)
+            if self.residency.narrow_master:
+                self._update_unit(rt, factor, lrs, written=None)
+                written = self.copy_target(rt)
+                self.round_master(rt, written, 0)
+            else:
+                written = self.update_unit(rt, factor, lrs)
             tickets = self.residency.swap_out(
                 rt, self.residency.next_slot(rt), wait=False, buffers=buffers
             )
@@ -473,9 +478,12 @@ class OptimizerApplication:
             lent: list[Tensor] = []
             grad = self.piece_grad(piece, lent)
             try:
-                out = copy if self.writes_copy(rt) else None
-                if self._update_unit(rt, factor, lrs, out, grad) is None:
+                narrow = self.residency.narrow_master
+                out = copy if self.writes_copy(rt) and not narrow else None
+                if self._update_unit(rt, factor, lrs, out, grad) is None and not narrow:
                     copy.copy_(rt.master)
+                if narrow:  # the parameters' new values are the rounded master's
+                    self.round_master(rt, copy, piece.start)
             finally:
                 self.residency.give_back(lent, self.residency.step_pool)
             tickets = self.residency.swap_out_piece(piece, self.residency.next_slot(rt), buffers)
@@ -485,6 +493,18 @@ class OptimizerApplication:
             return tickets
 
         return update
+
+    def round_master(self, rt: UnitRuntime, copy: Tensor | None, at: int) -> None:
+        """bf16 masters in the swap file: the updated fp32 master (elements from `at` of
+        the rank's partition) rounded stochastically as an in-memory bf16 master is
+        (`fzero.core.precision.widened`: the same seed, so the same bits), into bf16
+        `copy` (the parameters' new values; a new tensor when None), and the master
+        set to those values, which the file then holds exactly."""
+        if copy is None:
+            copy = torch.empty(rt.master.numel(), dtype=torch.bfloat16)
+        start = self.partition(rt.unit).start + at
+        round_bf16_(rt.master, copy, rounding_seed(self.clock.step, rt.index, 0, start))
+        rt.master.copy_(copy)
 
     def piece_grad(self, piece: Piece, lent: list[Tensor]) -> Tensor | None:
         """The piece's gradient where the update runs: None when read with it from the

@@ -121,7 +121,7 @@ def init(
         to_file = residency is not None and residency.holds(index)
         values, start = values_on_rank(plan, index, tensors, rank=rank, device=device)
         grad = accumulators[index] if accumulators is not None else None
-        held = holding._replace(  # NVMe: fp32 moments in memory, bf16 (if so) in the file
+        held = holding._replace(  # NVMe: fp32 master and moments in memory, bf16 in the file
             offload=where[index] != "device",
             state_dtype=(
                 torch.float32
@@ -129,7 +129,11 @@ def init(
                 else STATE_DTYPES[plan.states_dtype(index)]  # `Unit.states_dtype`
             ),
             grad_dtype=DTYPES[plan.grads_dtype(index)],  # `Unit.grads_dtype`
-            master_dtype=STATE_DTYPES[plan.master_dtype(index)],  # `Unit.master_dtype`
+            master_dtype=(
+                torch.float32
+                if where[index] == "nvme"
+                else STATE_DTYPES[plan.master_dtype(index)]  # `Unit.master_dtype`
+            ),
             to_file=to_file,
             in_pieces=to_file and residency is not None and residency.sub_group > 0,
         )
@@ -404,7 +408,7 @@ def _full_master_in_pieces(
             (mine,) = reader.span("master", start, stop)
             parts = mine.to(device)
             if world > 1:
-                parts = torch.empty(world * (stop - start), device=device)
+                parts = torch.empty(world * (stop - start), dtype=mine.dtype, device=device)
                 what = f"unit {unit.name}'s master, elements {start}-{stop} of each part"
                 comm.all_gather_into(parts, mine.to(device), what=what, group=group)
             for r, values in enumerate(parts.split(stop - start)):

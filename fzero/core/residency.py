@@ -12,10 +12,16 @@ is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
 (`grads_on_disk`). With bf16 states (the plan's `memory.states`: DeepSpeed's
 `bf16.bf16_optimizer_states`) the optimizer's moments rest there in bf16
 (stochastically rounded on the way out, exact on the way in); in memory and in the
-update they are fp32. Host buffers for what moves every step come from a pool of
-unit-sized aligned fp32 buffers; a bf16 moment travels inside its kind's fp32 buffer
-(read into its upper part and widened in place, rounded in place into its lower part
-to be written: [Note: bf16 moments in their fp32 buffers]). With
+update they are fp32. With bf16 masters (`memory.master`: DeepSpeed's
+`bf16.bf16_master_weights_and_grads`) the master rests there in bf16 too: the step
+rounds the updated master stochastically, as an in-memory bf16 master is rounded (the
+same seed: `fzero.core.precision.rounding_seed`), publishes those bf16 values as the
+parameters, and writes them exactly; a master that comes from elsewhere (a build, a
+checkpoint of fp32 masters) is rounded to nearest, as `Tensor.to` rounds an in-memory
+one. Host buffers for what moves every step come from a pool of
+unit-sized aligned fp32 buffers; a bf16 master or moment travels inside its kind's
+fp32 buffer (read into its upper part and widened in place, rounded in place into its
+lower part to be written: [Note: bf16 moments in their fp32 buffers]). With
 `zero_optimization.sub_group_size` below the largest unit's partition, the step (and
 the engine's build) take units in pieces through a pool of piece-sized buffers
 ([Note: sub-groups]).
@@ -118,6 +124,7 @@ class Residency:
         self.grads_on_disk = False  # stages 2-3: gradient accumulators in it too
         self.slots = 2  # copies of each unit's master and state: two_slots or in_place
         self.state_dtype = torch.float32  # of the moments in the file
+        self.master_dtype = torch.float32  # of the masters in the file
         self.broken = ""  # why the state holds no single step (a failed in-place step or load)
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
@@ -157,6 +164,8 @@ class Residency:
             )
         if self.plan.memory.states == "bf16":
             self.state_dtype = torch.bfloat16
+        if self.plan.memory.master == "bf16":
+            self._narrow_masters(optimizer)
         self.seed = rank
         held = [self.plan.units[i] for i in self.swapped]
         sizes = [
@@ -186,6 +195,20 @@ class Residency:
             threads=config.aio.thread_count,
             block_size=config.aio.block_size,
         )
+
+    def _narrow_masters(self, optimizer: Any) -> None:
+        """bf16 masters in the file (the plan's `memory.master`); not for an optimizer
+        that needs tensor norms, whose step parks its fp32 direction in the master's
+        region of the other slot."""
+        if isinstance(getattr(optimizer, "needs", None), TensorNorms):
+            raise ValueError(
+                "memory.master is 'bf16' (DeepSpeed's bf16.bf16_master_weights_and_grads) "
+                "with the optimizer on 'nvme', and optimizer "
+                f"{getattr(optimizer, 'name', '?')!r} needs tensor norms (it declares "
+                "TensorNorms, as LAMB does): its step parks an fp32 direction where the "
+                "master rests; use fp32 masters, or the optimizer on 'cpu' or the device"
+            )
+        self.master_dtype = torch.bfloat16
 
     def _check_memory(self, per_unit: int) -> None:
         """Refuse before training starts when the host cannot hold even the step's swap
@@ -269,9 +292,22 @@ class Residency:
         """Whether the moments rest in the file in bf16 (fp32 in memory and the update)."""
         return self.state_dtype != torch.float32
 
+    @property
+    def narrow_master(self) -> bool:
+        """Whether the masters rest in the file in bf16 (fp32 in the update)."""
+        return self.master_dtype != torch.float32
+
+    def narrow(self, kind_index: int) -> bool:
+        """Whether `kinds[kind_index]` rests in the file in bf16."""
+        return self.narrow_master if kind_index == 0 else self.narrow_states
+
+    def kind_dtype(self, kind_index: int) -> torch.dtype:
+        """The dtype `kinds[kind_index]` rests in in the file."""
+        return self.master_dtype if kind_index == 0 else self.state_dtype
+
     def kind_bytes(self, kind_index: int) -> int:
         """Bytes per element of `kinds[kind_index]` in the file."""
-        return 4 if kind_index == 0 else self.state_dtype.itemsize
+        return self.kind_dtype(kind_index).itemsize
 
     def next_slot(self, rt: UnitRuntime) -> int:
         """Where a step writes the unit: the other slot, or (in_place) the same one."""
@@ -311,14 +347,17 @@ class Residency:
         bf16 moment is rounded stochastically first: in place, into the bf16 view of its
         kind's buffer in `buffers` (a swap buffer set: see [Note: bf16 moments in their
         fp32 buffers]), or into a new aligned buffer without one; element i of the piece
-        draws the bits element start + i of the whole partition would."""
-        if kind_index > 0 and self.narrow_states:
-            step = int(getattr(rt.state, "step", 0))
-            seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007 + step
-            seed += start * GOLDEN
+        draws the bits element start + i of the whole partition would. A bf16 master is
+        rounded to nearest the same ways (exact for a master a step rounded already)."""
+        if self.narrow(kind_index):
+            seed = None  # a master: to nearest
+            if kind_index > 0:
+                step = int(getattr(rt.state, "step", 0))
+                seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007
+                seed += step + start * GOLDEN
             numel = tensor.numel()
             if buffers is None:
-                staged = _nvme.aligned_empty(numel, self.state_dtype)
+                staged = _nvme.aligned_empty(numel, torch.bfloat16)
                 tensor = round_bf16_into(tensor, staged, seed)
             else:
                 buffer = buffers[kind_index]
@@ -374,7 +413,7 @@ class Residency:
         for k in range(len(self.kinds)):
             region, offset = self.region(rt, k, rt.slot), piece.start * self.kind_bytes(k)
             target = buffers[k][:numel]
-            if k > 0 and self.narrow_states:  # widened to fp32 by `bind_swapped`
+            if self.narrow(k):  # widened to fp32 by `bind_swapped`
                 target = packed(buffers[k], numel)
             tickets.append((self.nvme.submit(region, target, False, offset), target))
         if self.grads_on_disk:
@@ -405,7 +444,7 @@ class Residency:
         """`bind_swapped` for a piece read by `swap_in_piece`; `fields` (the optimizer
         step count the piece starts from) replace those of the unit's state too."""
         rt, numel = piece.rt, piece.stop - piece.start
-        for k in range(1, len(self.kinds)) if self.narrow_states else ():
+        for k in (k for k in range(len(self.kinds)) if self.narrow(k)):
             widen_packed(buffers[k], numel)
         rt.master = buffers[0][:numel]
         fields |= {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}

@@ -91,7 +91,8 @@ class SwappedUnits(Protocol):
     file, `fzero.core.residency`): `resident(i)` makes unit i's tensors readable inside
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
-    `state_dtype` is the dtype the file keeps the optimizer's moments in; `holds(i)`
+    `state_dtype` is the dtype the file keeps the optimizer's moments in, `master_dtype`
+    the masters'; `holds(i)`
     whether unit i lives there (a plan may keep some units in memory). With a
     `sub_group` above 0, checkpoints move units in pieces of that many elements instead:
     `pieces(i)` reads them, `store_pieces(i, ...)` is `store_next`'s counterpart,
@@ -99,6 +100,9 @@ class SwappedUnits(Protocol):
 
     @property
     def state_dtype(self) -> torch.dtype: ...
+
+    @property
+    def master_dtype(self) -> torch.dtype: ...
 
     @property
     def sub_group(self) -> int: ...

@@ -36,6 +36,8 @@ __all__ = [
 # (the seed moved by a x golden: `fzero.optim.bf16_stochastic` hashes seed + (i + 1) x
 # golden), and widening is exact, so the values are those of separate bf16 buffers,
 # bit for bit; a unit in the step holds 4 bytes per element per moment instead of 5.
+# A bf16 master travels the same way, rounded to nearest on the way out (the step has
+# rounded it stochastically already: exact then).
 CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
 BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
 GOLDEN = 0x9E3779B97F4A7C15
@@ -68,23 +70,27 @@ def widen_packed(buffer: Tensor, numel: int) -> Tensor:
     return wide
 
 
-def round_bf16_into(tensor: Tensor, out: Tensor, seed: int) -> Tensor:
+def round_bf16_into(tensor: Tensor, out: Tensor, seed: int | None) -> Tensor:
     """fp32 `tensor` rounded stochastically into bf16 `out` (native kernel when built),
-    the bits drawn from `seed` and each element's index."""
+    the bits drawn from `seed` and each element's index; with `seed` None, to nearest
+    (even), as `Tensor.to` rounds."""
+    if seed is None:
+        return out.copy_(tensor)
     if native.available():
         return native.bf16_stochastic_(tensor, out, seed)
     return bf16_stochastic(tensor, seed, out=out)
 
 
-def narrow_in_place(buffer: Tensor, numel: int, seed: int) -> Tensor:
+def narrow_in_place(buffer: Tensor, numel: int, seed: int | None) -> Tensor:
     """The fp32 moment in `buffer`'s first `numel` elements rounded stochastically into
     the buffer's bf16 view from element 0 (in place, in ascending chunks, each seeded
-    as the whole partition's rounding would be: see the Note above); returns that
-    bf16 view."""
+    as the whole partition's rounding would be: see the Note above; `seed` None: to
+    nearest, for a master); returns that bf16 view."""
     wide, out = buffer[:numel], buffer.view(torch.bfloat16)[:numel]
     chunk = torch.empty(min(numel, CHUNK), dtype=torch.bfloat16)
     for start in range(0, numel, CHUNK):
         stop = min(numel, start + CHUNK)
-        part = round_bf16_into(wide[start:stop], chunk[: stop - start], seed + start * GOLDEN)
+        at = None if seed is None else seed + start * GOLDEN
+        part = round_bf16_into(wide[start:stop], chunk[: stop - start], at)
         out[start:stop].copy_(part)
     return out

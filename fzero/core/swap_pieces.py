@@ -98,8 +98,10 @@ class PieceReader:
         return target
 
     def _dtype(self, kind: str) -> torch.dtype:
-        """The dtype `kind` is stored in: fp32, or the file's for the moments."""
-        return torch.float32 if kind in ("master", GRAD) else self.residency.state_dtype
+        """The dtype `kind` is stored in: fp32 for the gradient, else the file's."""
+        if kind == GRAD:
+            return torch.float32
+        return self.residency.kind_dtype(self.residency.kinds.index(kind))
 
     def close(self) -> None:
         if self.buffer.numel():

@@ -33,6 +33,11 @@ class SwapFileUnits:
             yield UnitState(rt.master, rt.state, None, rt.grad)
 
     @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the file holds the masters in (`resident` gives fp32)."""
+        return self.residency.master_dtype
+
+    @property
     def state_dtype(self) -> torch.dtype:
         """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
         return self.residency.state_dtype

@@ -193,13 +193,17 @@ def build_units(
 
 def held_by(holding: Holding, residency: Residency, index: int) -> Holding:
     """How unit `index` is held: on the host where its optimizer lives off the device
-    (`Plan.optimizer_memory`), its moments fp32 in memory where they rest in the swap
-    file (bf16 there, if so), its master aligned for the file there; its parameter shard
+    (`Plan.optimizer_memory`), its master and moments fp32 in memory where they rest in
+    the swap file (bf16 there, if so), its master aligned for the file there; its parameter shard
     off the device where the plan keeps it there (`Plan.params_memory`)."""
     return holding._replace(
         shards_offloaded=residency.plan.params_memory(index) != "device",
         grad_dtype=DTYPES[residency.plan.grads_dtype(index)],  # `Unit.grads_dtype`
-        master_dtype=STATE_DTYPES[residency.plan.master_dtype(index)],  # `Unit.master_dtype`
+        master_dtype=(
+            torch.float32
+            if residency.holds(index)
+            else STATE_DTYPES[residency.plan.master_dtype(index)]  # `Unit.master_dtype`
+        ),
         offload=residency.offloaded[index],
         state_dtype=(
             torch.float32

@@ -435,9 +435,9 @@ def _validate_memory(plan: Plan) -> None:
     """Where the plan's states live and their dtypes (`Memory`): known values; the
     optimizer off the device only where every unit has an optimizer partition (stage 1
     or more: DeepSpeed never offloads stage 0); parameters off the device only at stage
-    3 (only its parameters are shards between uses); bf16 masters not in the swap file
-    (it holds fp32 masters; bf16 moments are fine); half-precision gradient accumulators
-    not in the swap file (stages 2-3 with the optimizer on NVMe keep fp32 ones there)."""
+    3 (only its parameters are shards between uses); the swap file's masters and moments
+    each in one dtype, the plan's; half-precision gradient accumulators not in the swap
+    file (stages 2-3 with the optimizer on NVMe keep fp32 ones there)."""
     memory = plan.memory
     if not isinstance(memory, Memory):
         raise PlanError(f"memory is a {type(memory).__name__}; expected partition.Memory")
@@ -502,16 +502,12 @@ def _validate_memory(plan: Plan) -> None:
                 f"unit {unit.name!r}: master_dtype is {unit.master_dtype!r}; allowed: None "
                 f"(the plan's memory.master), {', '.join(MEMORY_DTYPES)}"
             )
-        if where == "nvme" and plan.master_dtype(unit) == "bf16":
-            said = (
-                "memory.master is 'bf16'"
-                if unit.master_dtype is None
-                else f"unit {unit.name!r}: master_dtype is 'bf16'"
-            )
+        if where == "nvme" and plan.master_dtype(unit) != memory.master:
             raise PlanError(
-                f"{said} with unit {unit.name!r}'s optimizer on 'nvme': the "
-                "swap file holds fp32 masters only; keep the optimizer on the device or "
-                "host, or use fp32 masters with bf16 states (bf16 moments in the file)"
+                f"unit {unit.name!r}: master_dtype is {unit.master_dtype!r} with its optimizer "
+                f"on 'nvme', where the swap file keeps every unit's master in the plan's "
+                f"memory.master ({memory.master!r}); give it the plan's dtype or keep its "
+                "optimizer on the device or host"
             )
         if unit.grads_dtype not in (None, *GRAD_DTYPES):
             raise PlanError(

@@ -1,0 +1,172 @@
+"""bf16 masters in the NVMe swap file (`bf16.bf16_master_weights_and_grads` with
+`offload_optimizer.device` "nvme"): the file keeps each master in 2 bytes per element,
+and a run trains bit for bit as the same plan with its bf16 masters in host memory (the
+step rounds each updated master stochastically from the same seed), whole units or in
+sub-group pieces, at stages 2 and 3; its checkpoints keep the masters in bf16, resume
+exactly and load into the in-memory run."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors
+import torch
+
+import fzero
+from tests._dist import run_world
+from tests.test_sub_groups import MICRO, Wide, _micro_step
+
+STEPS, SAVE_AFTER = 5, 2
+
+
+def _config(where: str, stage: int, sub_group: int, bf16_states: bool, swap: str) -> dict:
+    offload = {"device": where, "nvme_path": swap, "commit": "in_place"}
+    zero = {
+        "stage": stage,
+        "sub_group_size": sub_group,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": offload if where == "nvme" else {"device": where},
+    }
+    if stage == 3 and where == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.05,
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": bf16_states,
+        },
+        "aio": {"block_size": 8192, "thread_count": 2},
+        "zero_optimization": zero,
+    }
+
+
+def _engine(config: dict, optim: str = "adamw"):
+    torch.manual_seed(0)
+    return fzero.shard(Wide(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), config=config)
+
+
+def train(rank, world, where, stage, sub_group, bf16_states, swap, root):
+    """`STEPS` steps with a checkpoint after step `SAVE_AFTER`; then a new engine (the
+    same config) and one keeping the masters in host memory each load it and take the
+    last steps again. Also whether every master at rest is a bf16 value, the swap file's
+    bytes and the dtype the checkpoint keeps the masters in."""
+    config = _config(where, stage, sub_group, bf16_states, swap)
+    engine = _engine(config)
+    losses = []
+    for step in range(STEPS):
+        losses.append(_micro_step(engine, rank, world, step))
+        if step == SAVE_AFTER:
+            engine.save_checkpoint(root, tag="t")
+    state = engine.state_dict(dtype=torch.float32)
+    masters_bf16, swap_bytes = True, 0
+    if where == "nvme":
+        swap_bytes = engine.nvme.nbytes
+        for index in range(len(engine.units)):
+            with engine.train_state.residence.resident(index) as unit:
+                masters_bf16 &= torch.equal(unit.master.to(torch.bfloat16).float(), unit.master)
+    with safetensors.safe_open(f"{root}/t/rank{rank:05d}.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys() if k.startswith("master/")}  # noqa: SIM118
+    resumed = {}
+    for again in (where, "cpu"):
+        engine = _engine(_config(again, stage, sub_group, bf16_states, swap))
+        engine.load_checkpoint(root, tag="t")
+        steps = range(SAVE_AFTER + 1, STEPS)
+        resumed[again] = [_micro_step(engine, rank, world, step) for step in steps]
+    return losses, state, masters_bf16, swap_bytes, dtypes, resumed
+
+
+@pytest.mark.parametrize(
+    ("stage", "sub_group"),
+    [(3, 10**9), (3, 4096), (2, 4096)],
+    ids=["stage3-whole-units", "stage3-pieces", "stage2-pieces"],
+)
+def test_bf16_masters_in_the_swap_file_train_as_bf16_masters_in_memory(stage, sub_group, tmp_path):
+    (tmp_path / "swap").mkdir()
+    swap = str(tmp_path / "swap")
+    nvme = run_world(train, 2, "nvme", stage, sub_group, False, swap, str(tmp_path / "a"))
+    host = run_world(train, 2, "cpu", stage, sub_group, False, swap, str(tmp_path / "b"))
+    losses, state, masters_bf16, swap_bytes, dtypes, resumed = nvme
+    assert losses == host[0]
+    assert all(torch.equal(state[k], v) for k, v in host[1].items())
+    assert masters_bf16 and dtypes == {"BF16"} == host[4]
+    # the resumed runs, from the file's checkpoint into the file and into memory, and
+    # from the in-memory run's checkpoint: the uninterrupted run's last steps
+    assert resumed["nvme"] == resumed["cpu"] == host[5]["cpu"] == losses[SAVE_AFTER + 1 :]
+    # in place: master 2 + two fp32 moments 4 + 4, and the fp32 gradient 4 bytes per element
+    numel = sum(p.numel() for p in Wide().parameters())
+    expected = (2 + 4 + 4 + (4 if stage >= 2 else 0)) * -(-numel // 2)
+    slack = 4096 * 5 * len(Wide().state_dict())  # regions round up to 4 KiB each
+    params = 2 * -(-numel // 2) if stage == 3 else 0  # stage 3's bf16 parameter shards
+    assert 0 <= swap_bytes - expected <= slack + params + 4096 * len(Wide().state_dict())
+
+
+def test_bf16_masters_and_states_in_the_swap_file_rest_in_bf16_and_track_the_host_run(tmp_path):
+    """With bf16 moments too (rounded from the file's own seeds), the masters still rest
+    as bf16 values, a checkpoint resumes exactly, and the losses stay within 1% of the
+    run keeping both in host memory."""
+    (tmp_path / "swap").mkdir()
+    swap = str(tmp_path / "swap")
+    nvme = run_world(train, 2, "nvme", 3, 4096, True, swap, str(tmp_path / "a"))
+    host = run_world(train, 2, "cpu", 3, 4096, True, swap, str(tmp_path / "b"))
+    losses, _, masters_bf16, swap_bytes, dtypes, resumed = nvme
+    assert masters_bf16 and dtypes == {"BF16"}
+    assert resumed["nvme"] == losses[SAVE_AFTER + 1 :]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(host[0]), rtol=1e-2, atol=0)
+    numel = sum(p.numel() for p in Wide().parameters())
+    assert swap_bytes < (2 + 2 + 2 + 4 + 2) * -(-numel // 2) + 4096 * 6 * len(Wide().state_dict())
+
+
+def lamb(rank, world, swap):
+    config = _config("nvme", 3, 10**9, False, swap)
+    config["zero_optimization"]["offload_optimizer"]["commit"] = "two_slots"
+    try:
+        _engine(config, optim="lamb")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_optimizer_that_needs_tensor_norms_is_refused_with_bf16_masters_in_the_file(tmp_path):
+    message = run_world(lamb, 1, str(tmp_path))
+    assert "memory.master is 'bf16' (DeepSpeed's bf16.bf16_master_weights_and_grads)" in message
+    assert "optimizer 'lamb' needs tensor norms" in message
+    assert "use fp32 masters, or the optimizer on 'cpu' or the device" in message
+
+
+def functional(rank, world, where, swap):
+    """`fzero.init` + `fzero.train_step` with bf16 masters where `where` says (the
+    gradients and stage 3's parameter shards in memory): the losses and the weights."""
+    config = _config(where, 3, 4096, False, swap)
+    config["zero_optimization"].pop("offload_param", None)
+    torch.manual_seed(0)
+    model = Wide()
+    plan = fzero.partition.plan(
+        fzero.partition.describe(model), world_size=world, stage=3, persistence_threshold=0
+    )
+    optimizer = fzero.optim.adamw(lr=1e-2)
+    state = fzero.init(model, plan, optimizer, precision="bf16", config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, params, (x,))
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    losses = []
+    for i in range(STEPS):
+        generator = torch.Generator().manual_seed(i)
+        x = torch.randn(MICRO * world, 29, generator=generator)
+        y = torch.randn(MICRO * world, 5, generator=generator)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        state, metrics = step(state, (x[rows].bfloat16(), y[rows]))
+        losses.append(metrics["loss"].item())
+    return (state.residence is not None), losses, fzero.state_dict(state, module=model)
+
+
+def test_the_functional_door_keeps_bf16_masters_in_the_swap_file_as_the_engine_does(tmp_path):
+    swapped, losses, weights = run_world(functional, 2, "nvme", str(tmp_path))
+    in_memory, host_losses, host_weights = run_world(functional, 2, "cpu", str(tmp_path))
+    assert swapped and not in_memory
+    assert losses == host_losses
+    assert all(torch.equal(weights[k], v) for k, v in host_weights.items())
