@@ -46,9 +46,10 @@ phase's highest RSS was seen in (a thread samples it every 10 ms). With `--ckpt`
 steps are followed by `save_checkpoint` and `load_checkpoint` of the engine's state
 (fp32 master 4 + bf16 moments 2 + 2 bytes per parameter more on disk until the load is
 done; each rank's peak RSS in each: "ckpt save MB", "ckpt load MB") and one more step
-from the loaded state. `--bf16-masters` keeps the masters in bf16 too
-(`bf16_master_weights_and_grads`): 2 bytes per parameter less in the swap files and 2
-less in a checkpoint (16 at the end, 20 at the peak with `--ckpt`).
+from the loaded state. `--bf16-masters` keeps the masters and the gradient sums in bf16
+too (`bf16_master_weights_and_grads`, `data_types.grad_accum_dtype` "bf16", as
+DeepSpeed's key names both): 2 + 2 bytes per parameter less in the swap files and 2 less
+in a checkpoint (14 at the end, 18 at the peak with `--ckpt`).
 
 Targets (fzero): after `from_pretrained`, at most the rank's share of the parameters
 (in the partitions' dtype) plus one shard file, + 10%; after the steps, at most 1.1 x
@@ -93,8 +94,8 @@ SIZES = {  # Llama-shaped: hidden, intermediate, layers, heads, kv heads, vocab
 }
 DISK_PER_PARAM = 18  # --infinity: checkpoint 2 + swap files 14 + saved model 2
 CKPT_PER_PARAM = 6  # --ckpt: the engine's checkpoint 8, deleted before the model's 2 is saved
-BF16_MASTERS_SAVE = 2  # --bf16-masters: the master 2 bytes, not 4, in the swap files and a
-# checkpoint (the checkpoint's saving shows at the end only with --ckpt)
+BF16_SWAP_SAVE = 4  # --bf16-masters: master and gradient sum 2 bytes each, not 4
+BF16_CKPT_SAVE = 2  # --bf16-masters --ckpt: the checkpoint's master 2 bytes, not 4
 DISK_RESERVE = 8 * 10**9  # left free for everyone else on the machine
 PRECISIONS = ("fp32", "bf16", "bf16-states")
 SEQUENCE = 64
@@ -300,6 +301,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def infinity_config(swap: str, zero: str = "{}", bf16_masters: bool = False) -> dict[str, Any]:
+    """The run's DeepSpeed config: everything on NVMe, bf16 moments (and with
+    `bf16_masters` bf16 masters and gradient sums), `zero` merged into its ZeRO block."""
     nvme = {"device": "nvme", "nvme_path": swap}
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -311,6 +314,7 @@ def infinity_config(swap: str, zero: str = "{}", bf16_masters: bool = False) -> 
             "bf16_optimizer_states": True,
             "bf16_master_weights_and_grads": bf16_masters,
         },
+        "data_types": {"grad_accum_dtype": "bf16" if bf16_masters else None},
         "aio": {"block_size": 2**20, "thread_count": 2},
         "zero_optimization": {
             "stage": 3,
@@ -458,7 +462,7 @@ def infinity(args: argparse.Namespace) -> None:
     sizes = {name: parameters_of(llama_config(name)) for name in SIZES if name != "tiny"}
     per_param = DISK_PER_PARAM + (CKPT_PER_PARAM if args.ckpt else 0)
     if args.bf16_masters:
-        per_param -= BF16_MASTERS_SAVE * (2 if args.ckpt else 1)
+        per_param -= BF16_SWAP_SAVE + (BF16_CKPT_SAVE if args.ckpt else 0)
     print(f"{args.dir}: {free / 1e9:.1f} GB free; {DISK_RESERVE / 1e9:.0f} GB left to others")
     for name, count in sizes.items():
         need = count * per_param
@@ -686,7 +690,9 @@ def main() -> None:
         "--ckpt", action="store_true", help="--infinity: save and load a checkpoint after the steps"
     )
     parser.add_argument(
-        "--bf16-masters", action="store_true", help="--infinity: bf16 masters in the swap files"
+        "--bf16-masters",
+        action="store_true",
+        help="--infinity: bf16 masters and gradient sums in the swap files",
     )
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # DeepSpeed's launcher
     args = parser.parse_args()

@@ -16,6 +16,9 @@ written once and read by forward and backward, 6) over the disk's O_DIRECT bandw
 measured in the same run. Sizes up to `--checkpoint-up-to` billion parameters also
 save a checkpoint (streamed from the swap files), resume from it, and consolidate it
 to `model.safetensors`, if the disk can hold that beside the swap files.
+`--bf16-masters` keeps the masters and the gradient sums in bf16 too
+(`bf16_master_weights_and_grads`, `data_types.grad_accum_dtype` "bf16"): 10 B/param in
+the swap files, 22 moved by a step, a checkpoint of 6 (fp32 masters: 8).
 
 When DeepSpeed imports and its async I/O op builds, its ZeRO-Infinity runs the same
 sizes with the same knobs, each only when its measured bytes per parameter at the
@@ -44,6 +47,7 @@ from offload import ZERO, deepspeed_available, deepspeed_infinity, disk_bandwidt
 import fzero
 
 MOVED = 30  # bytes per parameter a step moves (see above)
+MOVED_BF16 = 22  # --bf16-masters: master and gradient 2 bytes each wherever they move
 
 # DeepSpeed's ZeRO-Infinity bytes on disk per parameter with these knobs, assumed until
 # its first row measures them (18.0 measured here), so no attempt can fill the disk
@@ -69,7 +73,12 @@ def config(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 0,
-        "bf16": {"enabled": True, "bf16_optimizer_states": True},
+        "bf16": {
+            "enabled": True,
+            "bf16_optimizer_states": True,
+            "bf16_master_weights_and_grads": args.bf16_masters,
+        },
+        "data_types": {"grad_accum_dtype": "bf16" if args.bf16_masters else None},
         "aio": {"block_size": 2**20, "thread_count": 2},
         "zero_optimization": {
             **ZERO,
@@ -122,7 +131,8 @@ def checkpoint_phases(engine: Any, args: argparse.Namespace, swap_dir: str) -> d
     """Save (streamed from the swap files), resume into the same engine, consolidate to
     bf16 `model.safetensors`: seconds and peak RSS of each, the checkpoint's bytes."""
     row: dict[str, Any] = {}
-    need = 14 * sum(rt.unit.numel for rt in engine.units)  # fp32 state + bf16 model
+    # the checkpoint (master 4 or 2 + bf16 moments 4) and the bf16 model, 2
+    need = (8 if args.bf16_masters else 10) * sum(rt.unit.numel for rt in engine.units)
     if shutil.disk_usage(swap_dir).free < 1.1 * need:
         row["checkpoint"] = "skipped: the disk cannot hold a checkpoint beside the swap files"
         return row
@@ -195,6 +205,7 @@ def attempt(system: str, size: float, args: argparse.Namespace) -> dict[str, Any
         sys.executable, __file__, "--one", system, "--depth", str(depth),
         "--width", str(args.width), "--dir", args.dir, "--steps", str(args.steps),
         "--checkpoint-up-to", str(args.checkpoint_up_to),
+        *(["--bf16-masters"] if args.bf16_masters else []),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -206,7 +217,7 @@ def attempt(system: str, size: float, args: argparse.Namespace) -> dict[str, Any
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def table(rows: list[tuple[str, dict[str, Any]]], bandwidth: float) -> None:
+def table(rows: list[tuple[str, dict[str, Any]]], bandwidth: float, moved: int = MOVED) -> None:
     print(
         f"{'system':<8} {'params':>7} {'peak RSS MB':>11} {'disk GB':>8} {'B/param':>7} "
         f"{'s/step':>7} {'floor s':>7} {'x floor':>7} {'build s':>7} {'build MB':>8}"
@@ -216,7 +227,7 @@ def table(rows: list[tuple[str, dict[str, Any]]], bandwidth: float) -> None:
         if "failed" in r:
             print(f"{system:<8} {params / 1e9:>6.2f}B  failed: {r['failed']}")
             continue
-        floor = MOVED * params / bandwidth
+        floor = moved * params / bandwidth
         print(
             f"{system:<8} {params / 1e9:>6.2f}B {r['peak']:>11.0f} {r['disk'] / 1e9:>8.1f} "
             f"{r['disk'] / params:>7.1f} {r['step_s']:>7.1f} {floor:>7.1f} "
@@ -237,7 +248,9 @@ def table(rows: list[tuple[str, dict[str, Any]]], bandwidth: float) -> None:
             print(f"{'':<8} {'':>7} checkpoint: {r['checkpoint_bytes'] / 1e9:.1f} GB")
 
 
-def plot(rows: list[tuple[str, dict[str, Any]]], bandwidth: float, path: str) -> None:
+def plot(
+    rows: list[tuple[str, dict[str, Any]]], bandwidth: float, path: str, moved: int = MOVED
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,7 +264,7 @@ def plot(rows: list[tuple[str, dict[str, Any]]], bandwidth: float, path: str) ->
         memory.plot(sizes, [r["disk"] / 1e9 / 10 for r in done], "s--", label=f"{system} disk / 10")
         step.plot(sizes, [r["step_s"] for r in done], "o-", label=f"{system} step")
         if system == "fzero":
-            floors = [MOVED * r["params"] / bandwidth for r in done]
+            floors = [moved * r["params"] / bandwidth for r in done]
             step.plot(sizes, floors, "k:", label="disk floor")
     memory.set(xlabel="parameters (billions)", ylabel="GB", title="memory and disk", ylim=(0, None))
     step.set(xlabel="parameters (billions)", ylabel="seconds per step", title="step time")
@@ -273,6 +286,9 @@ def main() -> None:
     parser.add_argument("--replot", default="", help="table and plot from saved results")
     parser.add_argument("--one", choices=["fzero", "deepspeed"], help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--bf16-masters", action="store_true", help="bf16 masters and gradient sums on NVMe"
+    )
     args = parser.parse_args()
     if args.one:
         run = run_fzero if args.one == "fzero" else run_deepspeed
@@ -282,14 +298,16 @@ def main() -> None:
         with open(args.replot) as f:
             saved = json.load(f)
         rows = [(system, row) for system, row in saved["rows"]]
-        table(rows, saved["bandwidth"])
+        moved = saved.get("moved", MOVED)
+        table(rows, saved["bandwidth"], moved)
         if args.plot:
-            plot(rows, saved["bandwidth"], args.plot)
+            plot(rows, saved["bandwidth"], args.plot, moved)
         return
     bandwidth = disk_bandwidth(args.dir)
     free = shutil.disk_usage(args.dir).free
     print(f"disk: {free / 1e9:.0f} GB free, {bandwidth / 1e9:.2f} GB/s (O_DIRECT write + read)")
-    missing = deepspeed_available()
+    moved = MOVED_BF16 if args.bf16_masters else MOVED
+    missing = "--bf16-masters: fzero only" if args.bf16_masters else deepspeed_available()
     if missing:
         print(f"(DeepSpeed rows left out: {missing})")
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -307,12 +325,12 @@ def main() -> None:
         if "disk" in rows[-1][1]:
             ds_bytes_per_param = rows[-1][1]["disk"] / rows[-1][1]["params"]
     print(f"ZeRO-Infinity on this machine: stage 3, bf16, AdamW, 1 rank, width {args.width}")
-    table(rows, bandwidth)
+    table(rows, bandwidth, moved)
     if args.results:
         with open(args.results, "w") as f:
-            json.dump({"bandwidth": bandwidth, "rows": rows}, f)
+            json.dump({"bandwidth": bandwidth, "moved": moved, "rows": rows}, f)
     if args.plot:
-        plot(rows, bandwidth, args.plot)
+        plot(rows, bandwidth, args.plot, moved)
         print(f"plot: {args.plot}")
 
 

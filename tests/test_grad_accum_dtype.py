@@ -199,11 +199,11 @@ def test_the_mixes_no_run_does_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"'data_types\.grad_accum_dtype' is 'bf16' but 'bf16"):
         load_config({"data_types": {"grad_accum_dtype": "bf16"}, "bf16": {"enabled": False}})
     nvme = {"device": "nvme", "nvme_path": "/tmp"}
-    with pytest.raises(ConfigError, match=r"grad_accum_dtype' is 'bf16' with .*'nvme' at stage 3"):
+    with pytest.raises(ConfigError, match=r"grad_accum_dtype' is 'fp16' with .*'nvme' at stage 3"):
         load_config(
             {
-                "bf16": {"enabled": True},
-                "data_types": {"grad_accum_dtype": "bf16"},
+                "fp16": {"enabled": True},
+                "data_types": {"grad_accum_dtype": "fp16"},
                 "zero_optimization": {"stage": 3, "offload_optimizer": nvme},
             }
         )
@@ -214,8 +214,10 @@ def test_the_mixes_no_run_does_are_refused_by_name():
     plan = partition.plan(partition.describe(Net()), world_size=2, stage=3)
     with pytest.raises(partition.PlanError, match=r"memory\.grads is 'fp4'; allowed: fp32, bf16"):
         partition.with_memory(plan, partition.Memory(grads="fp4"))
-    with pytest.raises(partition.PlanError, match=r"memory\.grads is 'bf16' .* swap file"):
-        partition.with_memory(plan, partition.Memory(optimizer="nvme", grads="bf16"))
+    with pytest.raises(partition.PlanError, match=r"memory\.grads is 'fp16' .* swap file"):
+        partition.with_memory(plan, partition.Memory(optimizer="nvme", grads="fp16"))
+    nvme_bf16 = partition.Memory(optimizer="nvme", grads="bf16")  # the file holds bf16 sums
+    assert partition.with_memory(plan, nvme_bf16).memory == nvme_bf16
 
 
 def unit_case(rank: int, world: int, stage: int) -> dict:

@@ -1,9 +1,10 @@
-"""bf16 masters in the NVMe swap file (`bf16.bf16_master_weights_and_grads` with
-`offload_optimizer.device` "nvme"): the file keeps each master in 2 bytes per element,
-and a run trains bit for bit as the same plan with its bf16 masters in host memory (the
-step rounds each updated master stochastically from the same seed), whole units or in
-sub-group pieces, at stages 2 and 3; its checkpoints keep the masters in bf16, resume
-exactly and load into the in-memory run."""
+"""bf16 masters and gradient sums in the NVMe swap file (`bf16.bf16_master_weights_and_grads`,
+`data_types.grad_accum_dtype` "bf16", with `offload_optimizer.device` "nvme"): the file
+keeps each in 2 bytes per element, and a run trains bit for bit as the same plan with
+them in host memory (the step rounds each updated master stochastically from the same
+seed; each micro-step's sum is rounded to nearest as a bf16 accumulator's `add_` rounds
+it), whole units or in sub-group pieces, at stages 2 and 3; its checkpoints keep them
+in bf16, resume exactly and load into the in-memory run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from tests.test_sub_groups import MICRO, Wide, _micro_step
 STEPS, SAVE_AFTER = 5, 2
 
 
-def _config(where: str, stage: int, sub_group: int, bf16_states: bool, swap: str) -> dict:
+def _config(
+    where: str, stage: int, sub_group: int, bf16_states: bool, swap: str, grads: str = "fp32"
+) -> dict:
     offload = {"device": where, "nvme_path": swap, "commit": "in_place"}
     zero = {
         "stage": stage,
@@ -38,6 +41,8 @@ def _config(where: str, stage: int, sub_group: int, bf16_states: bool, swap: str
         },
         "aio": {"block_size": 8192, "thread_count": 2},
         "zero_optimization": zero,
+        "data_types": {"grad_accum_dtype": grads},
+        "gradient_accumulation_steps": 2 if grads == "bf16" else 1,
     }
 
 
@@ -46,12 +51,13 @@ def _engine(config: dict, optim: str = "adamw"):
     return fzero.shard(Wide(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), config=config)
 
 
-def train(rank, world, where, stage, sub_group, bf16_states, swap, root):
+def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="fp32"):
     """`STEPS` steps with a checkpoint after step `SAVE_AFTER`; then a new engine (the
     same config) and one keeping the masters in host memory each load it and take the
     last steps again. Also whether every master at rest is a bf16 value, the swap file's
-    bytes and the dtype the checkpoint keeps the masters in."""
-    config = _config(where, stage, sub_group, bf16_states, swap)
+    bytes and the dtype the checkpoint keeps the masters in. With bf16 gradient sums, two
+    micro-steps per step: `STEPS` micro-steps, the checkpoint mid-window."""
+    config = _config(where, stage, sub_group, bf16_states, swap, grads)
     engine = _engine(config)
     losses = []
     for step in range(STEPS):
@@ -61,15 +67,18 @@ def train(rank, world, where, stage, sub_group, bf16_states, swap, root):
     state = engine.state_dict(dtype=torch.float32)
     masters_bf16, swap_bytes = True, 0
     if where == "nvme":
-        swap_bytes = engine.nvme.nbytes
+        residency = engine.runtime.residency
+        file_dtypes = (residency.master_dtype, residency.grad_dtype, len(engine.units))
+        swap_bytes = engine.nvme.nbytes, *file_dtypes
         for index in range(len(engine.units)):
             with engine.train_state.residence.resident(index) as unit:
                 masters_bf16 &= torch.equal(unit.master.to(torch.bfloat16).float(), unit.master)
     with safetensors.safe_open(f"{root}/t/rank{rank:05d}.safetensors", "pt") as f:
-        dtypes = {f.get_slice(k).get_dtype() for k in f.keys() if k.startswith("master/")}  # noqa: SIM118
+        kinds = ("master/", "grad/")  # the accumulators mid-window only
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys() if k.startswith(kinds)}  # noqa: SIM118
     resumed = {}
     for again in (where, "cpu"):
-        engine = _engine(_config(again, stage, sub_group, bf16_states, swap))
+        engine = _engine(_config(again, stage, sub_group, bf16_states, swap, grads))
         engine.load_checkpoint(root, tag="t")
         steps = range(SAVE_AFTER + 1, STEPS)
         resumed[again] = [_micro_step(engine, rank, world, step) for step in steps]
@@ -82,23 +91,26 @@ def train(rank, world, where, stage, sub_group, bf16_states, swap, root):
     ids=["stage3-whole-units", "stage3-pieces", "stage2-pieces"],
 )
 def test_bf16_masters_in_the_swap_file_train_as_bf16_masters_in_memory(stage, sub_group, tmp_path):
+    swap_bytes = _as_in_memory(tmp_path, stage, sub_group, "fp32")
+    # in place: master 2 + two fp32 moments 4 + 4, and the fp32 gradient 4 bytes per element
+    _check_file(swap_bytes, (torch.bfloat16, torch.float32), 2 + 4 + 4 + 4)
+
+
+def _as_in_memory(tmp_path, stage: int, sub_group: int, grads: str) -> tuple:
+    """The run with the swap file against the one keeping masters (and sums) in host
+    memory: the same losses and weights bit for bit; each checkpoint keeps them in bf16;
+    the resumed runs (the file's checkpoint into the file and into memory, the in-memory
+    run's into memory) take the uninterrupted run's last steps. The file's bytes."""
     (tmp_path / "swap").mkdir()
     swap = str(tmp_path / "swap")
-    nvme = run_world(train, 2, "nvme", stage, sub_group, False, swap, str(tmp_path / "a"))
-    host = run_world(train, 2, "cpu", stage, sub_group, False, swap, str(tmp_path / "b"))
+    nvme = run_world(train, 2, "nvme", stage, sub_group, False, swap, str(tmp_path / "a"), grads)
+    host = run_world(train, 2, "cpu", stage, sub_group, False, swap, str(tmp_path / "b"), grads)
     losses, state, masters_bf16, swap_bytes, dtypes, resumed = nvme
     assert losses == host[0]
     assert all(torch.equal(state[k], v) for k, v in host[1].items())
     assert masters_bf16 and dtypes == {"BF16"} == host[4]
-    # the resumed runs, from the file's checkpoint into the file and into memory, and
-    # from the in-memory run's checkpoint: the uninterrupted run's last steps
     assert resumed["nvme"] == resumed["cpu"] == host[5]["cpu"] == losses[SAVE_AFTER + 1 :]
-    # in place: master 2 + two fp32 moments 4 + 4, and the fp32 gradient 4 bytes per element
-    numel = sum(p.numel() for p in Wide().parameters())
-    expected = (2 + 4 + 4 + (4 if stage >= 2 else 0)) * -(-numel // 2)
-    slack = 4096 * 5 * len(Wide().state_dict())  # regions round up to 4 KiB each
-    params = 2 * -(-numel // 2) if stage == 3 else 0  # stage 3's bf16 parameter shards
-    assert 0 <= swap_bytes - expected <= slack + params + 4096 * len(Wide().state_dict())
+    return swap_bytes
 
 
 def test_bf16_masters_and_states_in_the_swap_file_rest_in_bf16_and_track_the_host_run(tmp_path):
@@ -113,8 +125,16 @@ def test_bf16_masters_and_states_in_the_swap_file_rest_in_bf16_and_track_the_hos
     assert masters_bf16 and dtypes == {"BF16"}
     assert resumed["nvme"] == losses[SAVE_AFTER + 1 :]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(host[0]), rtol=1e-2, atol=0)
-    numel = sum(p.numel() for p in Wide().parameters())
-    assert swap_bytes < (2 + 2 + 2 + 4 + 2) * -(-numel // 2) + 4096 * 6 * len(Wide().state_dict())
+    _check_file(swap_bytes, (torch.bfloat16, torch.float32), 2 + 2 + 2 + 4)
+
+
+def _check_file(swap: tuple, dtypes: tuple, per_element: int) -> None:
+    """The swap file keeps masters and gradient sums in `dtypes` and takes `per_element`
+    bytes per element of a rank's half, each of its 4 regions per unit rounded up to 4 KiB."""
+    nbytes, master, grad, units = swap
+    assert (master, grad) == dtypes
+    expected = per_element * -(-sum(p.numel() for p in Wide().parameters()) // 2)
+    assert 0 <= nbytes - expected < 4096 * 4 * units, (nbytes, expected)
 
 
 def lamb(rank, world, swap):
@@ -134,10 +154,10 @@ def test_an_optimizer_that_needs_tensor_norms_is_refused_with_bf16_masters_in_th
     assert "use fp32 masters, or the optimizer on 'cpu' or the device" in message
 
 
-def functional(rank, world, where, swap):
+def functional(rank, world, where, swap, grads):
     """`fzero.init` + `fzero.train_step` with bf16 masters where `where` says (the
     gradients and stage 3's parameter shards in memory): the losses and the weights."""
-    config = _config(where, 3, 4096, False, swap)
+    config = _config(where, 3, 4096, False, swap, grads)
     config["zero_optimization"].pop("offload_param", None)
     torch.manual_seed(0)
     model = Wide()
@@ -164,9 +184,26 @@ def functional(rank, world, where, swap):
     return (state.residence is not None), losses, fzero.state_dict(state, module=model)
 
 
-def test_the_functional_door_keeps_bf16_masters_in_the_swap_file_as_the_engine_does(tmp_path):
-    swapped, losses, weights = run_world(functional, 2, "nvme", str(tmp_path))
-    in_memory, host_losses, host_weights = run_world(functional, 2, "cpu", str(tmp_path))
+@pytest.mark.parametrize("grads", ["fp32", "bf16"])
+def test_the_functional_door_keeps_bf16_masters_in_the_swap_file_as_the_engine_does(
+    grads, tmp_path
+):
+    """`train_step` keeps its gradient sums in memory (bf16 ones too) beside the file."""
+    swapped, losses, weights = run_world(functional, 2, "nvme", str(tmp_path), grads)
+    in_memory, host_losses, host_weights = run_world(functional, 2, "cpu", str(tmp_path), grads)
     assert swapped and not in_memory
     assert losses == host_losses
     assert all(torch.equal(weights[k], v) for k, v in host_weights.items())
+
+
+@pytest.mark.parametrize(
+    ("stage", "sub_group"), [(3, 4096), (2, 10**9)], ids=["stage3-pieces", "stage2-whole-units"]
+)
+def test_bf16_gradient_sums_in_the_swap_file_add_up_as_bf16_sums_in_memory(
+    stage, sub_group, tmp_path
+):
+    """Two micro-steps per step, the checkpoint mid-window (its accumulators saved): the
+    losses and weights equal the host-memory run's bit for bit, resumes too, and the file
+    keeps each accumulator in 2 bytes per element."""
+    swap_bytes = _as_in_memory(tmp_path, stage, sub_group, "bf16")
+    _check_file(swap_bytes, (torch.bfloat16, torch.bfloat16), 2 + 4 + 4 + 2)

@@ -195,9 +195,10 @@ def _save_entries(
         if mid_accumulation:
             key, numel = f"grad/unit{index}", grad_numel(state.plan, index, state.rank)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
-            dtype = state.units[index].grad.dtype  # the plan's memory.grads; fp32 on NVMe
+            dtype = stored_dtype(state, "grad", index)  # the plan's memory.grads
             spec = (key, dtype, (numel,))
-            entries.append(_Entry(record, index, spec, _grad_of, ("grad", 0, numel)))
+            get = functools.partial(_grad_of, dtype)
+            entries.append(_Entry(record, index, spec, get, ("grad", 0, numel)))
     if state.rank == 0:
         for name, t in module.items():
             key = f"module/{name}"
@@ -210,10 +211,14 @@ def _save_entries(
 def stored_dtype(state: TrainState, kind: str, index: int) -> torch.dtype:
     """The dtype a checkpoint keeps unit `index`'s `kind` in: the state's own (bf16
     masters and moments stay bf16, unit by unit: `Plan.states_dtype`); a unit in the
-    swap file, its master and its moments in the file's dtypes."""
+    swap file, each kind in the file's dtype for it."""
     if state.residence is not None and state.residence.holds(index):
         residence = state.residence
+        if kind == "grad":
+            return residence.grad_dtype
         return residence.master_dtype if kind == "master" else residence.state_dtype
+    if kind == "grad":
+        return state.units[index].grad.dtype
     return _buffer(state.units[index], kind).dtype
 
 
@@ -223,8 +228,10 @@ def _slice_of(kind: str, at: int, numel: int, dtype: torch.dtype, unit: UnitStat
     return _buffer(unit, kind)[at : at + numel].to(dtype)
 
 
-def _grad_of(unit: UnitState) -> Tensor:
-    return unit.grad
+def _grad_of(dtype: torch.dtype, unit: UnitState) -> Tensor:
+    """The unit's gradient accumulator in `dtype` (a swap file's bf16 one is read back as
+    fp32 copies of bf16 values: exact)."""
+    return unit.grad.to(dtype)
 
 
 def _entry_tensors(state: TrainState, entries: list[_Entry]) -> Iterator[Tensor | Chunks]:

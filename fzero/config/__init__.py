@@ -212,7 +212,7 @@ class Config(Section):
 
 def _check_grad_accum_dtype(config: Config) -> None:
     """`data_types.grad_accum_dtype`: fp32, or the dtype the run computes in (a half dtype
-    whose block is off is refused), and not half beside NVMe's fp32 accumulators."""
+    whose block is off is refused), and not fp16 in the NVMe swap file (fp32 or bf16)."""
     accum = config.data_types.grad_accum_dtype
     if accum not in ("fp16", "bf16"):
         return
@@ -225,12 +225,12 @@ def _check_grad_accum_dtype(config: Config) -> None:
             f"enable the {accum} block or set grad_accum_dtype 'fp32' or null"
         )
     zero = config.zero_optimization
-    if zero.offload_optimizer.device == "nvme" and zero.stage in (2, 3):
+    if accum == "fp16" and zero.offload_optimizer.device == "nvme" and zero.stage in (2, 3):
         raise ConfigError(
             f"config key 'data_types.grad_accum_dtype' is {accum!r} with "
             f"'zero_optimization.offload_optimizer.device' 'nvme' at stage {zero.stage}: "
-            "the gradient accumulators live in the swap file, which holds fp32 ones; set "
-            "grad_accum_dtype 'fp32' or null, or offload to 'cpu'"
+            "the gradient accumulators live in the swap file, which holds fp32 or bf16 "
+            "ones; set grad_accum_dtype 'fp32' or null, or offload to 'cpu'"
         )
 
 

@@ -83,5 +83,5 @@ class DataTypesConfig(Section):
     micro-step's reduced gradient rounded into the sum, as DeepSpeed's ZeRO accumulates
     in the model's dtype. The plan's `memory.grads` says the same. A half dtype other
     than the compute dtype is refused by name (DeepSpeed's ZeRO ignores it there, and
-    refuses it without ZeRO); so is one with the optimizer on NVMe at stages 2-3 (the
-    swap file holds fp32 accumulators)."""
+    refuses it without ZeRO); so is "fp16" with the optimizer on NVMe at stages 2-3 (the
+    swap file holds fp32 or bf16 accumulators: "bf16" halves their bytes there too)."""

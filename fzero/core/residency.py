@@ -18,10 +18,13 @@ rounds the updated master stochastically, as an in-memory bf16 master is rounded
 same seed: `fzero.core.precision.rounding_seed`), publishes those bf16 values as the
 parameters, and writes them exactly; a master that comes from elsewhere (a build, a
 checkpoint of fp32 masters) is rounded to nearest, as `Tensor.to` rounds an in-memory
-one. Host buffers for what moves every step come from a pool of
-unit-sized aligned fp32 buffers; a bf16 master or moment travels inside its kind's
-fp32 buffer (read into its upper part and widened in place, rounded in place into its
-lower part to be written: [Note: bf16 moments in their fp32 buffers]). With
+one. With bf16 gradient accumulators (`memory.grads`: DeepSpeed's
+`data_types.grad_accum_dtype`) each micro-step's sum is rounded to nearest into the
+file, as an in-memory bf16 accumulator's `add_` rounds it. Host buffers for what moves
+every step come from a pool of unit-sized aligned fp32 buffers; a bf16 master, moment or
+gradient sum travels inside its kind's fp32 buffer (read into its upper part and
+widened in place, rounded in place into its lower part to be written: [Note: bf16
+moments in their fp32 buffers]). With
 `zero_optimization.sub_group_size` below the largest unit's partition, the step (and
 the engine's build) take units in pieces through a pool of piece-sized buffers
 ([Note: sub-groups]).
@@ -125,6 +128,7 @@ class Residency:
         self.slots = 2  # copies of each unit's master and state: two_slots or in_place
         self.state_dtype = torch.float32  # of the moments in the file
         self.master_dtype = torch.float32  # of the masters in the file
+        self.grad_dtype = torch.float32  # of the gradient accumulators in the file
         self.broken = ""  # why the state holds no single step (a failed in-place step or load)
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
         self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
@@ -178,7 +182,10 @@ class Residency:
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = self.plan.stage >= 2 and self.swap_gradients
         if self.grads_on_disk:
-            sizes += [4 * self.plan.grads_size(u, rank) for u in held]
+            if self.plan.memory.grads == "bf16":
+                self.grad_dtype = torch.bfloat16
+            size = self.grad_dtype.itemsize
+            sizes += [size * self.plan.grads_size(u, rank) for u in held]
         per_unit = len(self.kinds) + self.grads_on_disk  # bf16 moments too: in their own
         self.pipeline_depth = max(2, zero.offload_optimizer.buffer_count // per_unit)
         self._split_units(zero.sub_group_size, optimizer)
@@ -296,6 +303,11 @@ class Residency:
     def narrow_master(self) -> bool:
         """Whether the masters rest in the file in bf16 (fp32 in the update)."""
         return self.master_dtype != torch.float32
+
+    @property
+    def narrow_grads(self) -> bool:
+        """Whether the gradient accumulators rest in the file in bf16."""
+        return self.grad_dtype != torch.float32
 
     def narrow(self, kind_index: int) -> bool:
         """Whether `kinds[kind_index]` rests in the file in bf16."""
@@ -418,8 +430,10 @@ class Residency:
             tickets.append((self.nvme.submit(region, target, False, offset), target))
         if self.grads_on_disk:
             grad = buffers[len(self.kinds)][:numel]
-            if rt.grad_on_disk:
-                region, offset = self.grad_region(rt), 4 * piece.start
+            if rt.grad_on_disk:  # bf16: widened to fp32 by `bind_swapped`
+                if self.narrow_grads:
+                    grad = packed(buffers[len(self.kinds)], numel)
+                region, offset = self.grad_region(rt), self.grad_dtype.itemsize * piece.start
                 tickets.append((self.nvme.submit(region, grad, False, offset), grad))
             else:
                 grad.zero_()
@@ -450,6 +464,8 @@ class Residency:
         fields |= {k: buffers[i + 1][:numel] for i, k in enumerate(self.kinds[1:])}
         rt.state = rt.state._replace(**fields)
         if self.grads_on_disk:
+            if self.narrow_grads and rt.grad_on_disk:  # read by `swap_in_piece`
+                widen_packed(buffers[len(self.kinds)], numel)
             rt.grad = buffers[len(self.kinds)][:numel]
 
     def evict(self, rt: UnitRuntime) -> None:
@@ -513,15 +529,21 @@ class Residency:
             self._fresh.add(rt.index)  # the window's first micro-step: nothing to read
         pool = self.grad_pool if numel <= self.grad_pool.numel else self.pool
         pooled = pool.take()
-        buffer, offset = pooled[:numel], 4 * at
+        buffer, offset = pooled[:numel], self.grad_dtype.itemsize * at
         region = self.grad_region(rt)
         try:
             if rt.index not in self._fresh:
-                ticket = self.nvme.submit(region, buffer, write=False, offset=offset)
+                narrow = self.narrow_grads
+                target = packed(pooled, numel) if narrow else buffer
+                ticket = self.nvme.submit(region, target, write=False, offset=offset)
                 self.nvme.wait(ticket, "reading")
+                if narrow:
+                    widen_packed(pooled, numel)
                 buffer.add_(value.to(buffer.device))
             else:  # value + 0: the same arithmetic as a zeroed in-memory accumulator
                 torch.add(value.to(buffer.device), 0.0, out=buffer)
+            if self.narrow_grads:  # to nearest, as a bf16 accumulator's `add_` rounds
+                buffer = narrow_in_place(pooled, numel, None)
             if at_boundary:
                 rt.grad_stats = stats(buffer, rt.grad_stats if at else None)
             ticket = self.nvme.submit(region, buffer, write=True, offset=offset)
@@ -632,8 +654,8 @@ class Residency:
         """Write the gradient bound to `rt` to its region (from an aligned copy when it
         is not in a swap buffer); it is this window's accumulator from now on."""
         grad = rt.grad
-        if grad.data_ptr() % _nvme.ALIGN:
-            grad = _nvme.aligned_empty(grad.numel()).copy_(grad)
+        if grad.data_ptr() % _nvme.ALIGN or grad.dtype != self.grad_dtype:
+            grad = _nvme.aligned_empty(grad.numel(), self.grad_dtype).copy_(grad)
         self.nvme.wait(self.nvme.submit(self.grad_region(rt), grad, write=True), "writing")
         rt.grad_on_disk = True
 

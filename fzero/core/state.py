@@ -92,7 +92,7 @@ class SwappedUnits(Protocol):
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
     `state_dtype` is the dtype the file keeps the optimizer's moments in, `master_dtype`
-    the masters'; `holds(i)`
+    the masters', `grad_dtype` the gradient accumulators'; `holds(i)`
     whether unit i lives there (a plan may keep some units in memory). With a
     `sub_group` above 0, checkpoints move units in pieces of that many elements instead:
     `pieces(i)` reads them, `store_pieces(i, ...)` is `store_next`'s counterpart,
@@ -103,6 +103,9 @@ class SwappedUnits(Protocol):
 
     @property
     def master_dtype(self) -> torch.dtype: ...
+
+    @property
+    def grad_dtype(self) -> torch.dtype: ...
 
     @property
     def sub_group(self) -> int: ...

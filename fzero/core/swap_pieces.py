@@ -14,6 +14,7 @@ from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
 from fzero.core.residency import Piece, Residency
 from fzero.core.state import PieceSource
+from fzero.core.swap_buffers import narrow_in_place
 
 __all__ = ["GRAD", "PieceReader", "master_copy", "store_in_pieces"]
 
@@ -82,11 +83,11 @@ class PieceReader:
         self.held = None
         numel = min(self.numel(kind), start + residency.sub_group) - start
         if kind == GRAD:
-            target = self.buffer[:numel]
+            target = self.buffer.view(residency.grad_dtype)[:numel]
             if not rt.grad_on_disk:  # nothing written this window: zeros
                 self.piece, self.held = target.zero_(), (kind, start)
                 return self.piece
-            region, offset = residency.grad_region(rt), 4 * start
+            region, offset = residency.grad_region(rt), residency.grad_dtype.itemsize * start
         else:
             k = residency.kinds.index(kind)
             target = self.buffer.view(self._dtype(kind))[:numel]
@@ -98,9 +99,9 @@ class PieceReader:
         return target
 
     def _dtype(self, kind: str) -> torch.dtype:
-        """The dtype `kind` is stored in: fp32 for the gradient, else the file's."""
+        """The dtype `kind` is stored in, in the file."""
         if kind == GRAD:
-            return torch.float32
+            return self.residency.grad_dtype
         return self.residency.kind_dtype(self.residency.kinds.index(kind))
 
     def close(self) -> None:
@@ -171,6 +172,8 @@ def _store_grad(
     for start in range(0, numel, residency.sub_group):
         out = buffer[: min(numel, start + residency.sub_group) - start]
         fill(GRAD, start, out)
-        ticket = residency.nvme.submit(region, out, True, 4 * start)
+        if residency.narrow_grads:  # to nearest, as an in-memory accumulator's load
+            out = narrow_in_place(buffer, out.numel(), None)
+        ticket = residency.nvme.submit(region, out, True, residency.grad_dtype.itemsize * start)
         residency.wait_swap([(ticket, out)], "writing")
     rt.grad_on_disk = True

@@ -38,6 +38,11 @@ class SwapFileUnits:
         return self.residency.master_dtype
 
     @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype the file holds the gradient accumulators in (`resident` gives fp32)."""
+        return self.residency.grad_dtype
+
+    @property
     def state_dtype(self) -> torch.dtype:
         """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
         return self.residency.state_dtype

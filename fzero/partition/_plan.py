@@ -436,8 +436,8 @@ def _validate_memory(plan: Plan) -> None:
     optimizer off the device only where every unit has an optimizer partition (stage 1
     or more: DeepSpeed never offloads stage 0); parameters off the device only at stage
     3 (only its parameters are shards between uses); the swap file's masters and moments
-    each in one dtype, the plan's; half-precision gradient accumulators not in the swap
-    file (stages 2-3 with the optimizer on NVMe keep fp32 ones there)."""
+    each in one dtype, the plan's, and its gradient accumulators (stages 2-3) too, fp32 or
+    bf16."""
     memory = plan.memory
     if not isinstance(memory, Memory):
         raise PlanError(f"memory is a {type(memory).__name__}; expected partition.Memory")
@@ -515,17 +515,21 @@ def _validate_memory(plan: Plan) -> None:
                 f"(the plan's memory.grads), {', '.join(GRAD_DTYPES)}"
             )
         grads = plan.grads_dtype(unit)
-        if where == "nvme" and grads != "fp32" and plan.stage_of(unit) >= 2:
-            said = (
-                f"memory.grads is {grads!r} (DeepSpeed's data_types.grad_accum_dtype)"
-                if unit.grads_dtype is None
-                else f"unit {unit.name!r}'s grads_dtype is {grads!r}"
-            )
+        if where == "nvme" and plan.stage_of(unit) >= 2 and grads != memory.grads:
             raise PlanError(
-                f"{said} with unit {unit.name!r}'s optimizer on 'nvme' at stage "
-                f"{plan.stage_of(unit)}: its gradient accumulator lives in the swap file, "
-                "which holds fp32 accumulators only; accumulate in fp32 (grad_accum_dtype "
-                "'fp32' or null) or keep the optimizer on the device or host"
+                f"unit {unit.name!r}: grads_dtype is {grads!r} with its optimizer on 'nvme' "
+                f"at stage {plan.stage_of(unit)}: its gradient accumulator lives in the swap "
+                "file, which keeps every unit's accumulator in the plan's memory.grads "
+                f"({memory.grads!r}); give it the plan's dtype or keep its optimizer on the "
+                "device or host"
+            )
+        if where == "nvme" and plan.stage_of(unit) >= 2 and grads == "fp16":
+            raise PlanError(
+                "memory.grads is 'fp16' (DeepSpeed's data_types.grad_accum_dtype) with unit "
+                f"{unit.name!r}'s optimizer on 'nvme' at stage {plan.stage_of(unit)}: its "
+                "gradient accumulator lives in the swap file, which holds fp32 or bf16 "
+                "accumulators; accumulate in fp32 (grad_accum_dtype 'fp32' or null) or keep "
+                "the optimizer on the device or host"
             )
     if memory.params != "device" and plan.stage != 3:
         raise PlanError(
