@@ -64,7 +64,10 @@ def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="
         losses.append(_micro_step(engine, rank, world, step))
         if step == SAVE_AFTER:
             engine.save_checkpoint(root, tag="t")
+            saved = engine.state_dict(dtype=torch.float32)
     state = engine.state_dict(dtype=torch.float32)
+    consolidated = dict(fzero.checkpoint.iter_consolidated(root, "t"))  # bf16 masters widened
+    consolidated_equal = all(torch.equal(consolidated[k], v) for k, v in saved.items())
     masters_bf16, swap_bytes = True, 0
     if where == "nvme":
         residency = engine.runtime.residency
@@ -82,7 +85,7 @@ def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="
         engine.load_checkpoint(root, tag="t")
         steps = range(SAVE_AFTER + 1, STEPS)
         resumed[again] = [_micro_step(engine, rank, world, step) for step in steps]
-    return losses, state, masters_bf16, swap_bytes, dtypes, resumed
+    return losses, state, masters_bf16, swap_bytes, (dtypes, consolidated_equal), resumed
 
 
 @pytest.mark.parametrize(
@@ -108,7 +111,7 @@ def _as_in_memory(tmp_path, stage: int, sub_group: int, grads: str) -> tuple:
     losses, state, masters_bf16, swap_bytes, dtypes, resumed = nvme
     assert losses == host[0]
     assert all(torch.equal(state[k], v) for k, v in host[1].items())
-    assert masters_bf16 and dtypes == {"BF16"} == host[4]
+    assert masters_bf16 and dtypes == ({"BF16"}, True) == host[4]
     assert resumed["nvme"] == resumed["cpu"] == host[5]["cpu"] == losses[SAVE_AFTER + 1 :]
     return swap_bytes
 
@@ -122,7 +125,7 @@ def test_bf16_masters_and_states_in_the_swap_file_rest_in_bf16_and_track_the_hos
     nvme = run_world(train, 2, "nvme", 3, 4096, True, swap, str(tmp_path / "a"))
     host = run_world(train, 2, "cpu", 3, 4096, True, swap, str(tmp_path / "b"))
     losses, _, masters_bf16, swap_bytes, dtypes, resumed = nvme
-    assert masters_bf16 and dtypes == {"BF16"}
+    assert masters_bf16 and dtypes == ({"BF16"}, True)
     assert resumed["nvme"] == losses[SAVE_AFTER + 1 :]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(host[0]), rtol=1e-2, atol=0)
     _check_file(swap_bytes, (torch.bfloat16, torch.float32), 2 + 2 + 2 + 4)

@@ -147,7 +147,11 @@ def iter_consolidated(
                 covered = 0
                 for rank, record in pieces.get(entry["fqn"], []):
                     part = tensor[record["start"] : record["stop"]]
-                    file(rank).read_into(record["key"], part, record["crc"])
+                    stored = file(rank).entry(record["key"]).dtype  # bf16 masters: widened
+                    into = part if stored == part.dtype else torch.empty_like(part, dtype=stored)
+                    file(rank).read_into(record["key"], into, record["crc"])
+                    if into is not part:
+                        part.copy_(into)
                     covered += record["stop"] - record["start"]
                 if covered != tensor.numel():
                     raise CheckpointError(
