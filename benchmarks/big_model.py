@@ -90,6 +90,7 @@ SIZES = {  # Llama-shaped: hidden, intermediate, layers, heads, kv heads, vocab
     "1b": (2048, 5632, 22, 16, 4, 32000),  # TinyLlama's shape
     "2.4b": (2560, 6912, 32, 20, 4, 32000),
     "3b": (3072, 8192, 28, 24, 8, 32000),
+    "5b": (3072, 8192, 48, 24, 8, 32000),  # 3b's layers, deeper: what fits with bf16 masters
     "8b": (4096, 14336, 32, 32, 8, 128256),  # Llama 3 8B's shape
 }
 DISK_PER_PARAM = 18  # --infinity: checkpoint 2 + swap files 14 + saved model 2

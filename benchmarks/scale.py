@@ -4,21 +4,23 @@ master weights and optimizer state on NVMe), sized up until the disk says no.
     python benchmarks/scale.py [--sizes 0.5,1,2,4] [--width 4096] [--dir DIR]
                                [--checkpoint-up-to 1] [--plot scale.png]
 
-Model: `depth` Linear(width, width) layers built inside `fzero.init_context()` (never
-whole in memory), bf16 compute, AdamW, one rank, `offload_optimizer.commit: in_place`
-and `bf16.bf16_optimizer_states` (what fits the most parameters on a disk: 4 B fp32
-master + 2 + 2 B bf16 moments + 4 B fp32 gradient + 2 B bf16 parameter = 14 B/param).
-Each size runs in its own process (peak RSS is per process; each phase's peak is taken
-after resetting the kernel's high-water mark). The floor of a step is the bytes it
-must move (30 per parameter: the step reads master, moments and gradient, 12, and
-writes master and moments, 8; backward writes the gradient, 4; the bf16 parameter is
-written once and read by forward and backward, 6) over the disk's O_DIRECT bandwidth
-measured in the same run. Sizes up to `--checkpoint-up-to` billion parameters also
-save a checkpoint (streamed from the swap files), resume from it, and consolidate it
-to `model.safetensors`, if the disk can hold that beside the swap files.
-`--bf16-masters` keeps the masters and the gradient sums in bf16 too
-(`bf16_master_weights_and_grads`, `data_types.grad_accum_dtype` "bf16"): 10 B/param in
-the swap files, 22 moved by a step, a checkpoint of 6 (fp32 masters: 8).
+Model: `depth` Linear(width, width) layers built inside
+`fzero.init_context(dtype=torch.bfloat16, remote_device="nvme")` (each partition written
+to a file under the swap directory as its module is made: never whole in memory, one
+rank's partitions being the whole model), bf16 compute, AdamW, one rank,
+`offload_optimizer.commit: in_place` and `bf16.bf16_optimizer_states` (what fits the
+most parameters on a disk: 4 B fp32 master + 2 + 2 B bf16 moments + 4 B fp32 gradient +
+2 B bf16 parameter = 14 B/param). Each size runs in its own process (peak RSS is per
+process; each phase's peak is taken after resetting the kernel's high-water mark). The
+floor of a step is the bytes it must move (30 per parameter: the step reads master,
+moments and gradient, 12, and writes master and moments, 8; backward writes the
+gradient, 4; the bf16 parameter is written once and read by forward and backward, 6)
+over the disk's O_DIRECT bandwidth measured in the same run. Sizes up to
+`--checkpoint-up-to` billion parameters also save a checkpoint (streamed from the swap
+files), resume from it, and consolidate it to `model.safetensors`, if the disk can hold
+that beside the swap files. `--bf16-masters` keeps the masters and the gradient sums in
+bf16 too (`bf16_master_weights_and_grads`, `data_types.grad_accum_dtype` "bf16"): 10
+B/param in the swap files, 22 moved by a step, a checkpoint of 6 (fp32 masters: 8).
 
 When DeepSpeed imports and its async I/O op builds, its ZeRO-Infinity runs the same
 sizes with the same knobs, each only when its measured bytes per parameter at the
@@ -102,7 +104,8 @@ def run_fzero(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(0)
         reset_peak()
         start = time.perf_counter()
-        with fzero.init_context():
+        # in memory, one rank's partitions would be the whole model (4 B/param at fp32)
+        with fzero.init_context(dtype=torch.bfloat16, remote_device="nvme", nvme_path=swap_dir):
             model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
         engine = fzero.shard(
             model, optimizer=fzero.optim.adamw(lr=1e-4), config=config(args, swap_dir)
