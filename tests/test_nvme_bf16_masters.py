@@ -8,6 +8,9 @@ in bf16, resume exactly and load into the in-memory run."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import safetensors
 import torch
@@ -22,7 +25,11 @@ STEPS, SAVE_AFTER = 5, 2
 def _config(
     where: str, stage: int, sub_group: int, bf16_states: bool, swap: str, grads: str = "fp32"
 ) -> dict:
+    """`grads`: "fp32", "bf16" (in the file) or "bf16 in memory" (beside it:
+    `offload_optimizer.swap_gradients` false)."""
     offload = {"device": where, "nvme_path": swap, "commit": "in_place"}
+    if grads == "bf16 in memory":
+        grads, offload["swap_gradients"] = "bf16", False
     zero = {
         "stage": stage,
         "sub_group_size": sub_group,
@@ -51,12 +58,19 @@ def _engine(config: dict, optim: str = "adamw"):
     return fzero.shard(Wide(), optimizer=getattr(fzero.optim, optim)(lr=1e-2), config=config)
 
 
-def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="fp32"):
+def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="fp32", pure=False):
     """`STEPS` steps with a checkpoint after step `SAVE_AFTER`; then a new engine (the
     same config) and one keeping the masters in host memory each load it and take the
     last steps again. Also whether every master at rest is a bf16 value, the swap file's
     bytes and the dtype the checkpoint keeps the masters in. With bf16 gradient sums, two
-    micro-steps per step: `STEPS` micro-steps, the checkpoint mid-window."""
+    micro-steps per step: `STEPS` micro-steps, the checkpoint mid-window. `pure`: the
+    update without native kernels (none writes the parameters' copy)."""
+    patch = mock.patch.object(fzero.native, "available", lambda device=None: False)
+    with patch if pure else contextlib.nullcontext():
+        return _train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads)
+
+
+def _train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads):
     config = _config(where, stage, sub_group, bf16_states, swap, grads)
     engine = _engine(config)
     losses = []
@@ -89,25 +103,28 @@ def train(rank, world, where, stage, sub_group, bf16_states, swap, root, grads="
 
 
 @pytest.mark.parametrize(
-    ("stage", "sub_group"),
-    [(3, 10**9), (3, 4096), (2, 4096)],
-    ids=["stage3-whole-units", "stage3-pieces", "stage2-pieces"],
+    ("stage", "sub_group", "pure"),
+    [(3, 10**9, False), (3, 10**9, True), (3, 4096, False), (2, 4096, True)],
+    ids=["stage3-whole-units", "stage3-whole-units-pure", "stage3-pieces", "stage2-pieces-pure"],
 )
-def test_bf16_masters_in_the_swap_file_train_as_bf16_masters_in_memory(stage, sub_group, tmp_path):
-    swap_bytes = _as_in_memory(tmp_path, stage, sub_group, "fp32")
+def test_bf16_masters_in_the_swap_file_train_as_bf16_masters_in_memory(
+    stage, sub_group, pure, tmp_path
+):
+    swap_bytes = _as_in_memory(tmp_path, stage, sub_group, "fp32", pure)
     # in place: master 2 + two fp32 moments 4 + 4, and the fp32 gradient 4 bytes per element
     _check_file(swap_bytes, (torch.bfloat16, torch.float32), 2 + 4 + 4 + 4)
 
 
-def _as_in_memory(tmp_path, stage: int, sub_group: int, grads: str) -> tuple:
+def _as_in_memory(tmp_path, stage: int, sub_group: int, grads: str, pure: bool = False) -> tuple:
     """The run with the swap file against the one keeping masters (and sums) in host
     memory: the same losses and weights bit for bit; each checkpoint keeps them in bf16;
     the resumed runs (the file's checkpoint into the file and into memory, the in-memory
     run's into memory) take the uninterrupted run's last steps. The file's bytes."""
     (tmp_path / "swap").mkdir()
     swap = str(tmp_path / "swap")
-    nvme = run_world(train, 2, "nvme", stage, sub_group, False, swap, str(tmp_path / "a"), grads)
-    host = run_world(train, 2, "cpu", stage, sub_group, False, swap, str(tmp_path / "b"), grads)
+    args = (stage, sub_group, False, swap)
+    nvme = run_world(train, 2, "nvme", *args, str(tmp_path / "a"), grads, pure)
+    host = run_world(train, 2, "cpu", *args, str(tmp_path / "b"), grads, pure)
     losses, state, masters_bf16, swap_bytes, dtypes, resumed = nvme
     assert losses == host[0]
     assert all(torch.equal(state[k], v) for k, v in host[1].items())
@@ -141,20 +158,36 @@ def _check_file(swap: tuple, dtypes: tuple, per_element: int) -> None:
 
 
 def lamb(rank, world, swap):
+    """LAMB over bf16 masters in the file: the engine, and `train_step` over a state
+    `fzero.init` built for AdamW (the step brings its own optimizer)."""
     config = _config("nvme", 3, 10**9, False, swap)
     config["zero_optimization"]["offload_optimizer"]["commit"] = "two_slots"
+    messages = []
     try:
         _engine(config, optim="lamb")
     except ValueError as error:
-        return str(error)
-    return "no error"
+        messages.append(str(error))
+    config["zero_optimization"].pop("offload_param")
+    model = Wide()
+    plan = fzero.partition.plan(fzero.partition.describe(model), world_size=world, stage=3)
+    state = fzero.init(model, plan, fzero.optim.adamw(lr=1e-2), precision="bf16", config=config)
+    step = fzero.train_step(
+        lambda p, b: p["head.bias"].sum(), plan, fzero.optim.lamb(lr=1e-2), config=config
+    )
+    try:
+        step(state, None)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
 
 
 def test_an_optimizer_that_needs_tensor_norms_is_refused_with_bf16_masters_in_the_file(tmp_path):
-    message = run_world(lamb, 1, str(tmp_path))
-    assert "memory.master is 'bf16' (DeepSpeed's bf16.bf16_master_weights_and_grads)" in message
-    assert "optimizer 'lamb' needs tensor norms" in message
-    assert "use fp32 masters, or the optimizer on 'cpu' or the device" in message
+    messages = run_world(lamb, 1, str(tmp_path))
+    assert len(messages) == 2
+    for message in messages:
+        assert "memory.master is 'bf16' (DeepSpeed's bf16.bf16_master_weights_and_grads)" in message
+        assert "optimizer 'lamb' needs tensor norms" in message
+        assert "use fp32 masters, or the optimizer on 'cpu' or the device" in message
 
 
 def functional(rank, world, where, swap, grads):
@@ -210,3 +243,10 @@ def test_bf16_gradient_sums_in_the_swap_file_add_up_as_bf16_sums_in_memory(
     keeps each accumulator in 2 bytes per element."""
     swap_bytes = _as_in_memory(tmp_path, stage, sub_group, "bf16")
     _check_file(swap_bytes, (torch.bfloat16, torch.bfloat16), 2 + 4 + 4 + 2)
+
+
+def test_bf16_gradient_sums_kept_in_memory_beside_the_file_checkpoint_as_bf16(tmp_path):
+    """`offload_optimizer.swap_gradients` false: the sums stay in memory in bf16 beside
+    the file's masters and moments, and a checkpoint mid-window keeps them as they are."""
+    swap_bytes = _as_in_memory(tmp_path, 3, 4096, "bf16 in memory")
+    _check_file(swap_bytes, (torch.bfloat16, torch.float32), 2 + 4 + 4)

@@ -212,13 +212,12 @@ def stored_dtype(state: TrainState, kind: str, index: int) -> torch.dtype:
     """The dtype a checkpoint keeps unit `index`'s `kind` in: the state's own (bf16
     masters and moments stay bf16, unit by unit: `Plan.states_dtype`); a unit in the
     swap file, each kind in the file's dtype for it."""
-    if state.residence is not None and state.residence.holds(index):
-        residence = state.residence
-        if kind == "grad":
-            return residence.grad_dtype
+    residence = state.residence
+    if kind == "grad":  # in the file, or in memory beside it (`swap_gradients` false)
+        in_file = residence is not None and residence.grad_in_file(index)
+        return residence.grad_dtype if in_file else state.units[index].grad.dtype
+    if residence is not None and residence.holds(index):
         return residence.master_dtype if kind == "master" else residence.state_dtype
-    if kind == "grad":
-        return state.units[index].grad.dtype
     return _buffer(state.units[index], kind).dtype
 
 

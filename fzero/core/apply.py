@@ -81,6 +81,8 @@ class OptimizerApplication:
         self.timer = timer
         self.offload = residency.offload  # some unit's optimizer off the device
         check_needs(optimizer)
+        if residency.swapped:
+            residency.check_optimizer(optimizer)  # the state's file may be another's
         if isinstance(optimizer.needs, WholeTensors) and residency.swapped:
             raise ValueError(
                 "Muon with 'zero_optimization.offload_optimizer.device' 'nvme' is refused, as "
@@ -429,9 +431,11 @@ class OptimizerApplication:
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self.residency.bind_swapped(rt, buffers)
-            if self.residency.narrow_master:
-                self._update_unit(rt, factor, lrs, written=None)
-                written = self.copy_target(rt)
+            if self.residency.narrow_master:  # published from the copy: the master's
+                self._update_unit(rt, factor, lrs, written=None)  # buffer is narrowed
+                written = self.copy_target(rt)  # in place as it is written
+                if written is None:
+                    written = self.unit_copy(rt)
                 self.round_master(rt, written, 0)
             else:
                 written = self.update_unit(rt, factor, lrs)
@@ -494,14 +498,12 @@ class OptimizerApplication:
 
         return update
 
-    def round_master(self, rt: UnitRuntime, copy: Tensor | None, at: int) -> None:
+    def round_master(self, rt: UnitRuntime, copy: Tensor, at: int) -> None:
         """bf16 masters in the swap file: the updated fp32 master (elements from `at` of
         the rank's partition) rounded stochastically as an in-memory bf16 master is
         (`fzero.core.precision.widened`: the same seed, so the same bits), into bf16
-        `copy` (the parameters' new values; a new tensor when None), and the master
-        set to those values, which the file then holds exactly."""
-        if copy is None:
-            copy = torch.empty(rt.master.numel(), dtype=torch.bfloat16)
+        `copy` (the parameters' new values, which `publish` takes from it), and the
+        master set to those values, which the file then holds exactly."""
         start = self.partition(rt.unit).start + at
         round_bf16_(rt.master, copy, rounding_seed(self.clock.step, rt.index, 0, start))
         rt.master.copy_(copy)

@@ -424,7 +424,7 @@ def _master_of(state: TrainState, index: int) -> Iterator[Tensor]:
     (master, moments and gradient)."""
     residence = state.residence
     if residence is not None and residence.holds(index) and residence.sub_group > 0:
-        yield residence.master_copy(index, torch.float32)  # the file's masters are fp32
+        yield residence.master_copy(index, torch.float32)  # as `resident` gives them
         return
     with state.resident(index) as unit:
         yield unit.master

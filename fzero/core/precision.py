@@ -147,7 +147,7 @@ def run_plan(
     field both state differently is an error naming it. The compute dtype is
     `precision`'s; the master and state dtypes the plan's (so a strategy may say bf16
     states). A `PlanError` also names what no plan may say (the optimizer off the device
-    at stage 0, parameters off it below stage 3, bf16 masters in the swap file) and, for
+    at stage 0, parameters off it below stage 3, fp16 sums in the swap file) and, for
     a functional `door` (its name: `fzero.init`, `train_step`), stage 3's parameter
     shards off the device, which only the engine places (they would stay in memory)."""
     said_by = "the config (offload_param, offload_optimizer, bf16) or precision"

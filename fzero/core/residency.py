@@ -158,18 +158,11 @@ class Residency:
         # Two slots per unit: a step reads the current one and writes the other, and
         # flips them only when every rank has written everything (transactional).
         self.slots = 2 if zero.offload_optimizer.commit == "two_slots" else 1
-        if self.slots == 1 and isinstance(getattr(optimizer, "needs", None), TensorNorms):
-            raise ValueError(
-                "zero_optimization.offload_optimizer.commit 'in_place' does not work with "
-                "LAMB or any optimizer that needs tensor norms "
-                f"({getattr(optimizer, 'name', '?')!r} declares TensorNorms: its update "
-                "direction waits in the second slot between its two passes); use commit "
-                "'two_slots'"
-            )
         if self.plan.memory.states == "bf16":
             self.state_dtype = torch.bfloat16
         if self.plan.memory.master == "bf16":
-            self._narrow_masters(optimizer)
+            self.master_dtype = torch.bfloat16
+        self.check_optimizer(optimizer)
         self.seed = rank
         held = [self.plan.units[i] for i in self.swapped]
         sizes = [
@@ -203,11 +196,22 @@ class Residency:
             block_size=config.aio.block_size,
         )
 
-    def _narrow_masters(self, optimizer: Any) -> None:
-        """bf16 masters in the file (the plan's `memory.master`); not for an optimizer
-        that needs tensor norms, whose step parks its fp32 direction in the master's
-        region of the other slot."""
-        if isinstance(getattr(optimizer, "needs", None), TensorNorms):
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse an optimizer that needs tensor norms (LAMB) over a file it cannot run
+        on: its update direction waits in the other slot's master region between its two
+        passes, so it needs two slots and fp32 masters. Checked when the file opens and
+        by each step function over it (`train_step` may bring another optimizer)."""
+        if not isinstance(getattr(optimizer, "needs", None), TensorNorms):
+            return
+        if self.slots == 1:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.commit 'in_place' does not work with "
+                "LAMB or any optimizer that needs tensor norms "
+                f"({getattr(optimizer, 'name', '?')!r} declares TensorNorms: its update "
+                "direction waits in the second slot between its two passes); use commit "
+                "'two_slots'"
+            )
+        if self.narrow_master:
             raise ValueError(
                 "memory.master is 'bf16' (DeepSpeed's bf16.bf16_master_weights_and_grads) "
                 "with the optimizer on 'nvme', and optimizer "
@@ -215,7 +219,6 @@ class Residency:
                 "TensorNorms, as LAMB does): its step parks an fp32 direction where the "
                 "master rests; use fp32 masters, or the optimizer on 'cpu' or the device"
             )
-        self.master_dtype = torch.bfloat16
 
     def _check_memory(self, per_unit: int) -> None:
         """Refuse before training starts when the host cannot hold even the step's swap
@@ -527,7 +530,8 @@ class Residency:
             return  # this window is dropped at the end of backward
         if at == 0 and not rt.grad_on_disk:
             self._fresh.add(rt.index)  # the window's first micro-step: nothing to read
-        pool = self.grad_pool if numel <= self.grad_pool.numel else self.pool
+        fits = swap_buffer_numel(numel) <= self.grad_pool.numel  # a bf16 read: packed
+        pool = self.grad_pool if fits else self.pool
         pooled = pool.take()
         buffer, offset = pooled[:numel], self.grad_dtype.itemsize * at
         region = self.grad_region(rt)

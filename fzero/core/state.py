@@ -92,7 +92,8 @@ class SwappedUnits(Protocol):
     the block; `store_next(i, unit)` writes a loaded unit where the next `commit()` makes
     it current; `check_usable()` raises when the file holds no single step;
     `state_dtype` is the dtype the file keeps the optimizer's moments in, `master_dtype`
-    the masters', `grad_dtype` the gradient accumulators'; `holds(i)`
+    the masters', `grad_dtype` the gradient accumulators' (of the units whose
+    accumulator it holds: `grad_in_file(i)`); `holds(i)`
     whether unit i lives there (a plan may keep some units in memory). With a
     `sub_group` above 0, checkpoints move units in pieces of that many elements instead:
     `pieces(i)` reads them, `store_pieces(i, ...)` is `store_next`'s counterpart,
@@ -117,6 +118,8 @@ class SwappedUnits(Protocol):
     def store_pieces(self, index: int, source: PieceSource, with_grad: bool) -> None: ...
 
     def holds(self, index: int) -> bool: ...
+
+    def grad_in_file(self, index: int) -> bool: ...
 
     def resident(self, index: int) -> contextlib.AbstractContextManager[UnitState]: ...
 

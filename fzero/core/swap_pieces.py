@@ -46,8 +46,9 @@ GRAD = "grad"  # the gradient accumulator's kind name (the others: `Residency.ki
 
 class PieceReader:
     """One swapped unit's kinds ("master", the moments' names, `GRAD`) read piece by
-    piece into one buffer of the step's pool, as stored (fp32, bf16 moments in bf16; a
-    gradient accumulator kept in memory is sliced as is); `close` gives it back."""
+    piece into one buffer of the step's pool, as stored (each kind in the file's dtype
+    for it, fp32 or bf16; a gradient accumulator kept in memory is sliced as is);
+    `close` gives it back."""
 
     def __init__(self, residency: Residency, rt: UnitRuntime) -> None:
         self.residency, self.rt = residency, rt

@@ -47,6 +47,11 @@ class SwapFileUnits:
         """The dtype the file holds the optimizer's moments in (`resident` gives fp32)."""
         return self.residency.state_dtype
 
+    def grad_in_file(self, index: int) -> bool:
+        """Whether unit `index`'s gradient accumulator lives in the file (else in the
+        state's own buffer, in the plan's `grads_dtype`)."""
+        return self.residency.grad_on_disk(index)
+
     def holds(self, index: int) -> bool:
         """Whether unit `index` lives in the file (else in the state's own buffers)."""
         return self.residency.holds(index)
