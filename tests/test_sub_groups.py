@@ -327,14 +327,15 @@ def test_nvme_build_and_step_hold_pieces_not_units(tmp_path):
     assert len(losses) == 2
 
 
-def failing_piece(rank, world, nvme_path, size, fail):
+def failing_piece(rank, world, nvme_path, size, fail, bf16_masters=False):
     """Stage 3 on NVMe; with `fail`, rank 1's eighth state write of step 3 (inside a block
     unit, its first piece written: 3 kinds per piece) fails with ENOSPC and the step is
-    run again."""
+    run again. `bf16_masters`: the masters rest in the file in bf16."""
     from tests._dist import failing_at_write
 
     config = _config(nvme_path, 3, "bf16", size)
     config["gradient_accumulation_steps"] = 1
+    config["bf16"]["bf16_master_weights_and_grads"] = bf16_masters
     engine = _engine(config, "adamw")
     losses = [_micro_step(engine, rank, world, step) for step in range(3)]
     before = engine.state_dict(dtype=torch.float32)
@@ -355,15 +356,17 @@ def failing_piece(rank, world, nvme_path, size, fail):
     return message, unchanged, losses, engine.state_dict(dtype=torch.float32)
 
 
-def test_a_failed_step_in_pieces_changes_nothing_and_can_be_run_again(tmp_path):
+@pytest.mark.parametrize("bf16_masters", [False, True], ids=["fp32-masters", "bf16-masters"])
+def test_a_failed_step_in_pieces_changes_nothing_and_can_be_run_again(bf16_masters, tmp_path):
     """An I/O error on one rank after some of a unit's pieces were written (two slots):
     every rank rolls back, and the step run again trains as if nothing had happened."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    message, unchanged, losses, state = run_world(failing_piece, 2, str(tmp_path / "a"), 5000, True)
+    failing = (failing_piece, 2, str(tmp_path / "a"), 5000, True, bf16_masters)
+    message, unchanged, losses, state = run_world(*failing)
     assert "optimizer step was not applied" in message and "rank 1: " in message
     assert unchanged
-    reference = run_world(failing_piece, 2, str(tmp_path / "b"), 1_000_000_000, False)
+    reference = run_world(failing_piece, 2, str(tmp_path / "b"), 10**9, False, bf16_masters)
     assert losses == reference[2]
     assert all(torch.equal(state[k], v) for k, v in reference[3].items())
 
