@@ -371,6 +371,50 @@ def test_a_failed_step_in_pieces_changes_nothing_and_can_be_run_again(bf16_maste
     assert all(torch.equal(state[k], v) for k, v in reference[3].items())
 
 
+def failing_in_place(rank, world, nvme_path, root, bf16_masters):
+    """In place, in pieces, bf16 moments (and masters, with `bf16_masters`): rank 1's
+    eighth state write of step 3 fails; the engine refuses to step until the step-2
+    checkpoint is loaded, then steps 3-5 again. Without `root`, the run that never fails."""
+    from tests._dist import failing_at_write
+
+    config = _config(nvme_path, 3, "bf16", 5000, bf16_states=True)
+    config["gradient_accumulation_steps"] = 1
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {**zero["offload_optimizer"], "commit": "in_place"}
+    config["bf16"]["bf16_master_weights_and_grads"] = bf16_masters
+    engine = _engine(config, "adamw")
+    losses = [_micro_step(engine, rank, world, step) for step in range(3)]
+    if root is None:
+        return losses + [_micro_step(engine, rank, world, step) for step in range(3, 6)], ""
+    engine.save_checkpoint(root)
+    message = failing_at_write(
+        engine, 8 if rank == 1 else -1, lambda: _micro_step(engine, rank, world, 3)
+    )
+    try:
+        engine.step()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    engine.load_checkpoint(root)
+    losses += [_micro_step(engine, rank, world, step) for step in range(3, 6)]
+    return losses, message + " | " + refused
+
+
+@pytest.mark.parametrize("bf16_masters", [False, True], ids=["fp32-masters", "bf16-masters"])
+def test_a_failed_in_place_step_in_pieces_stops_until_a_checkpoint_loads(bf16_masters, tmp_path):
+    """An I/O error mid-step in place, the unit in pieces: every rank stops (the file
+    holds no single step) until the last checkpoint loads piece by piece, and from there
+    it trains as the run that never failed."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    failing = (failing_in_place, 2, str(tmp_path / "a"), str(tmp_path / "ckpt"), bf16_masters)
+    losses, message = run_world(*failing)
+    assert "commit 'in_place': step 4 failed after" in message and "rank 1: " in message
+    assert "load the last checkpoint" in message.split(" | ")[1]
+    reference, _ = run_world(failing_in_place, 2, str(tmp_path / "b"), None, bf16_masters)
+    assert losses == reference
+
+
 def test_the_clipping_norm_of_a_large_unit_is_summed_in_chunks_as_exactly():
     """With clipping, a unit's float64 squares are summed 2^20 elements at a time (8 MiB
     held, not 8 bytes per element): the sum equals the one-pass float64 sum to float64
