@@ -428,6 +428,7 @@ class OptimizerApplication:
         """
         steps = [rt.state.step for rt in self.swapped_units]
         updated: list[UnitRuntime] = []
+        self.residency.rounding_step = self.clock.step  # bf16 moments: the in-memory seeds
 
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self.residency.bind_swapped(rt, buffers)

@@ -44,10 +44,10 @@ from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import init_state
+from fzero.core.precision import init_state, rounding_seed
+from fzero.core.state import optimizer_partition
 from fzero.core.swap_buffers import (
     BF16_PAGE,
-    GOLDEN,
     narrow_in_place,
     packed,
     round_bf16_into,
@@ -131,7 +131,7 @@ class Residency:
         self.grad_dtype = torch.float32  # of the gradient accumulators in the file
         self.broken = ""  # why the state holds no single step (a failed in-place step or load)
         self.stored = 0  # units written by `write_next_slot` (checkpoint loads)
-        self.seed = 0  # of the stochastic rounding of bf16 moments (with rank, unit, step)
+        self.rounding_step = 0  # the step whose update is written (set by the step)
         self.pipeline_depth = 2
         self.write_buffers = 2  # backward's gradient writes in flight: `_open_swap`
         self._grad_writes: list[tuple[Any, Tensor, Any]] = []  # (ticket, buffer, pool)
@@ -163,7 +163,6 @@ class Residency:
         if self.plan.memory.master == "bf16":
             self.master_dtype = torch.bfloat16
         self.check_optimizer(optimizer)
-        self.seed = rank
         held = [self.plan.units[i] for i in self.swapped]
         sizes = [
             self.kind_bytes(k) * self.partition_numel(u)
@@ -362,14 +361,16 @@ class Residency:
         bf16 moment is rounded stochastically first: in place, into the bf16 view of its
         kind's buffer in `buffers` (a swap buffer set: see [Note: bf16 moments in their
         fp32 buffers]), or into a new aligned buffer without one; element i of the piece
-        draws the bits element start + i of the whole partition would. A bf16 master is
-        rounded to nearest the same ways (exact for a master a step rounded already)."""
+        draws the bits element start + i of the whole partition would, from the seed an
+        in-memory bf16 moment of the same step, unit, kind and element draws
+        (`rounding_seed` of `rounding_step`: not the rank, so the file changes no bit). A
+        bf16 master is rounded to nearest the same ways (exact for a master a step
+        rounded already)."""
         if self.narrow(kind_index):
             seed = None  # a master: to nearest
             if kind_index > 0:
-                step = int(getattr(rt.state, "step", 0))
-                seed = ((self.seed * 1_000_003 + rt.index) * 8 + kind_index) * 1_000_000_007
-                seed += step + start * GOLDEN
+                at = optimizer_partition(self.plan, rt.unit, self.rank).start + start
+                seed = rounding_seed(self.rounding_step, rt.index, kind_index, at)
             numel = tensor.numel()
             if buffers is None:
                 staged = _nvme.aligned_empty(numel, torch.bfloat16)
