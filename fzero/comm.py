@@ -44,6 +44,7 @@ __all__ = [
     "backend_device",
     "barrier",
     "broadcast_from",
+    "exchange_into",
     "exempt_thread",
     "forget_process_groups",
     "get_local_rank",
@@ -369,6 +370,37 @@ def all_to_all_into(
         lambda a: dist.all_to_all_single(output, input, async_op=a, group=group),
         group,
     )
+
+
+def exchange_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    send_to: int,
+    receive_from: int,
+    *,
+    what: str = "",
+    group: Any = None,
+) -> None:
+    """Send `input` to process `send_to` and receive `output` from process
+    `receive_from` (global ranks, both in `group`), where every rank of `group` sends one
+    tensor to one rank and receives one (a permutation): one all-to-all with a part to
+    and from one rank each, counted as its input."""
+    size = get_world_size(group)
+    to, source = _group_rank(group, send_to), _group_rank(group, receive_from)
+    ins, outs = [0] * size, [0] * size
+    ins[to], outs[source] = input.numel(), output.numel()
+    _issue(
+        "all_to_all",
+        input,
+        what,
+        False,
+        lambda a: dist.all_to_all_single(output, input, outs, ins, async_op=a, group=group),
+        group,
+    )
+
+
+def _group_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_group_rank(group, rank)
 
 
 _OPS = types.MappingProxyType(

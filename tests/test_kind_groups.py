@@ -1,15 +1,18 @@
 """Kinds split over different groups of axes: on a 2x2 mesh (`node` x `local`) the
-optimizer state split over the world (`("local", "node")`: a quarter of each unit per
-rank) with the gradients split within the node (`("local",)`), the parameters whole (a
-ZeRO-2 shape) or split as the gradients (MiCS's ZeRO-3 within the node). Both doors run
-it: they match a single-process torch.optim run, agree bitwise, send what `comm_volume`
-says, hold what `memory_per_rank` says, keep each kind at its split, save and resume
-exactly, and restore under plain ZeRO-3 at world 2 and 1. What is not run is refused by
+optimizer state split over the world (`("local", "node")` or `("node", "local")`: a
+quarter of each unit per rank; in the second order a rank's quarter lies in another
+rank's gradient half, and the blocks are exchanged) with the gradients split within the
+node (`("local",)`), the parameters whole (a ZeRO-2 shape) or split as the gradients
+(MiCS's ZeRO-3 within the node). Both doors run it: they match a single-process
+torch.optim run, agree bitwise, send what `comm_volume` says, hold what
+`memory_per_rank` says, keep each kind at its split, save and resume exactly, and
+restore under plain ZeRO-3 at world 2 and 1. What is not run is refused by
 `validate`, naming the unit, the kind and the axes."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -26,12 +29,21 @@ MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
 MESH = {"node": 2, "local": 2}
 WORLD = 4
 
-# name -> (stage, whether the parameters are split over "local")
+# name -> (stage, whether the parameters are split over "local"); a name ending in
+# ", node first" splits the optimizer over ("node", "local"), else ("local", "node")
 CASES = {
     "zero2-like": (2, False),
     "mics zero3-like": (3, True),
     "zero1 embed + zero2-like": (2, False),
+    "zero2-like, node first": (2, False),
+    "mics zero3-like, node first": (3, True),
+    "zero1 embed + zero2-like, node first": (2, False),
 }
+
+
+def _order(name: str) -> tuple[str, str]:
+    """The optimizer's axes in case `name`."""
+    return ("node", "local") if name.endswith(", node first") else ("local", "node")
 
 
 def _zero1(name: str) -> tuple[str, ...]:
@@ -39,16 +51,18 @@ def _zero1(name: str) -> tuple[str, ...]:
     return ("embed",) if name.startswith("zero1 embed") else ()
 
 
-def _rule(params_split: bool, zero1: tuple[str, ...] = ()):
-    """Every unit: optimizer over ("local", "node"), gradients over ("local",) (whole
-    for the modules in `zero1`), params over ("local",) or whole."""
+def _rule(
+    params_split: bool, zero1: tuple[str, ...] = (), order: tuple[str, str] = ("local", "node")
+):
+    """Every unit: optimizer over `order`, gradients over ("local",) (whole for the
+    modules in `zero1`), params over ("local",) or whole."""
 
     def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
         local = mesh.sharding("local")
         return UnitSharding(
             params=local if params_split and not unit.persistent else mesh.replicated,
             grads=mesh.replicated if unit.module in zero1 else local,
-            optimizer=mesh.sharding("local", "node"),
+            optimizer=mesh.sharding(*order),
         )
 
     return rule
@@ -56,7 +70,8 @@ def _rule(params_split: bool, zero1: tuple[str, ...] = ()):
 
 def _preset(name: str) -> partition.Custom:
     stage, params_split = CASES[name]
-    return partition.Custom("finer optimizer", _rule(params_split, _zero1(name)), stage=stage)
+    rule = _rule(params_split, _zero1(name), _order(name))
+    return partition.Custom("finer optimizer", rule, stage=stage)
 
 
 def _config(stage: int) -> dict:
@@ -126,7 +141,8 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
         engine = _engine(name)
         plan = _plan(name)
         assert plan == engine.plan and plan.optimizer_extra_size == 2
-        assert plan.mesh.optimizer_extra == ("node",)
+        assert plan.mesh.optimizer_extra == ("node",) and plan.mesh.shard == _order(name)
+        assert plan.mesh.permuted == (_order(name) == ("node", "local"))
         torch.manual_seed(0)
         model = Net()
         state = fzero.init(model, plan, _optimizer(), config=_config(stage))
@@ -201,6 +217,10 @@ def _reference() -> dict[str, torch.Tensor]:
         pytest.param("mics zero3-like", marks=pytest.mark.slow),
         # ZeRO-1 embeddings: reduced whole at the boundary within the node, then across
         pytest.param("zero1 embed + zero2-like", marks=pytest.mark.slow),
+        # the optimizer's quarter in another rank's gradient half: blocks exchanged
+        "mics zero3-like, node first",
+        pytest.param("zero2-like, node first", marks=pytest.mark.slow),
+        pytest.param("zero1 embed + zero2-like, node first", marks=pytest.mark.slow),
     ],
 )
 def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
@@ -216,6 +236,7 @@ def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
     assert held == planned, (held, planned)
     sent, predicted = result["traffic"]
     assert sent == predicted, (sent, predicted)
+    assert ("all_to_all" in sent) == name.endswith(", node first"), sent  # the exchange
     print(partition.format_comm_volume(result["volume"]))
     print(f"max abs error vs torch.optim, 2x2 mesh, {name}: {error:.3g}")
 
@@ -244,11 +265,21 @@ def _hierarchical_rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
     return UnitSharding(both, both, optimizer, hierarchical_params_gather=True)
 
 
+def _every_axis_rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+    """ZeRO-2 within `local`, the optimizer over (`local`, `node`, `pod`): an eighth per
+    rank, its blocks exchanged with the gradients' order (`local`, then `pod`, `node`)."""
+    optimizer = mesh.sharding("local", "node", "pod")
+    return UnitSharding(mesh.replicated, mesh.sharding("local"), optimizer)
+
+
 # name -> (stage, the rule, the axes the optimizer alone is split over)
 POD_CASES = {
     "replicas": (2, _rule(False), ("node",)),  # pure replicas over pod
     "hpz": (3, _hpz_rule, ("pod",)),  # hpZ's secondary copy beside the finer split
     "hierarchical": (3, _hierarchical_rule, ("pod",)),
+    # the exchange within each pod's group (a subgroup), and over the world
+    "replicas, node first": (2, _rule(False, (), ("node", "local")), ("node",)),
+    "every axis, local first": (2, _every_axis_rule, ("pod", "node")),
 }
 
 
@@ -299,7 +330,7 @@ def pods_case(rank: int, world: int, name: str) -> dict:
         partition.mesh_plan(manifest, Mesh(PODS), _pod_preset(name), persistence_threshold=0)
     )
     assert plan == engine.plan and plan.mesh.optimizer_extra == extra
-    assert plan.replicas == (2 if name == "replicas" else 1)
+    assert plan.replicas == (2 if name.startswith("replicas") else 1)
     state = fzero.init(model, plan, _optimizer(), config=_pod_config(name))
     step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_pod_config(name))
     losses, sent = ([], []), {}
@@ -356,8 +387,14 @@ def test_the_finer_split_runs_with_replicas_or_hpz_beside_it(name):
     assert error <= 1e-6, error
     sent, predicted = result["traffic"]
     assert sent == predicted, (sent, predicted)
-    if name == "replicas":  # each shard averaged over the pods
+    if name.startswith("replicas"):  # each shard averaged over the pods
         assert sent[(frozenset({"pod"}), "all_reduce")] > 0
+    if name.endswith(", node first"):  # the exchange within the pod
+        assert sent[(frozenset({"node", "local"}), "all_to_all")] > 0
+    elif name == "every axis, local first":  # the exchange over the world
+        assert sent[(frozenset({"world"}), "all_to_all")] > 0
+    elif name == "replicas":
+        pass
     elif name == "hpz":  # backward gathers within the node, from hpZ's secondary copy
         assert sent[(frozenset({"local"}), "all_gather")] > 0
     else:  # one gather per axis, never over both at once
@@ -431,7 +468,8 @@ def test_a_finer_optimizer_split_resumes_exactly_and_restores_under_zero3(tmp_pa
         result = run_world(save_case, WORLD, root, name)
         assert result["resumed"] and result["mid-window"], name
         report, intact = fzero.checkpoint.inspect(f"{root}/engine")
-        assert intact and "split over local+node (gradients and parameters over local)" in report
+        split = "+".join(_order(name))
+        assert intact and f"split over {split} (gradients and parameters over local)" in report
         for world in (2, 1):
             restored = run_world(restore_case, world, f"{root}/engine")
             assert restored.keys() == result["saved"].keys(), name
@@ -513,18 +551,12 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     # the optimizer coarser than the gradients: an update needs its gradient reduced here
     message = _refusal(_split(grads=("local", "node"), optimizer=("local",)), stage=2)
     assert "unit 'embed' grads: split over ('local', 'node'), the optimizer state over " in message
-    assert "axis 'node' at position 1 is missing there" in message
-    # the optimizer's axes in another order than the gradients' first: its quarter would
-    # lie in another rank's gradient half
-    message = _refusal(_split(grads=("local",), optimizer=("node", "local")), stage=2)
-    assert "axis 'local' at position 0 is 'node' there" in message
-    assert "gradients over ('local',), the optimizer over ('local', 'node')" in message
-    # the optimizer's extra axes out of mesh order (replicas beside the split run)
-    message = _refusal(
-        _split(grads=("local",), optimizer=("local", "node", "pod")), {"pod": 2, **MESH}, stage=2
-    )
-    assert "unit 'embed' optimizer: split over ('local', 'node', 'pod'), the gradients " in message
-    assert "beyond the gradients' are ('node', 'pod'), not in mesh order ('pod', 'node')" in message
+    assert "axis 'node' is missing there" in message
+    # the gradients' axes in another order in the optimizer's split: over the same ranks,
+    # each rank's optimizer shard in another's gradient shard with no axis to exchange over
+    message = _refusal(_split(grads=("node", "local"), optimizer=("local", "node")), stage=2)
+    assert "unit 'embed' grads: split over ('node', 'local'), the optimizer state over " in message
+    assert "these axes are in the order ('local', 'node') there" in message
 
     # one unit's optimizer finer, another's as its gradients
     def some_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
@@ -536,11 +568,51 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     assert "one optimizer split finer than the gradients for every unit" in message
 
 
+def test_the_optimizer_s_axes_in_any_order_around_the_gradients_run_as_an_exchange():
+    """The optimizer over the gradients' axes and more, in any order: its shards are the
+    plan's ranks in its order, its blocks exchanged with the gradients' order (the extra
+    axes in mesh order); each process's ranges are the mesh plan's."""
+    pods = Mesh(PODS)
+    for order in [("local", "node", "pod"), ("pod", "local", "node"), ("node", "pod", "local")]:
+        mp = _mesh_plan(_split(grads=("local",), optimizer=order), PODS, stage=2)
+        plan = partition.executable(mp)
+        assert plan.mesh.shard == order and plan.mesh.optimizer_extra == ("pod", "node")
+        assert plan.mesh.gradient_order == ("local", "pod", "node") and plan.mesh.permuted
+        # the boundary's reduce-scatter over the extra axes, the exchange over all of them
+        assert {("pod", "node"), order} <= set(partition.process_groups(mp))
+        for process in range(pods.size):
+            rank = pods.index_in_group(process, order)
+            assert plan.rank_in_plan_order(plan.rank_in_gradient_order(rank)) == rank
+            for index, unit in enumerate(plan.units):
+                said = mp.shard_range(index, "optimizer", process)
+                assert unit.shard_range(rank) == said, (order, process, unit.name)
+                said = mp.shard_range(index, "grads", process)
+                assert plan.grads_range(unit, rank) == said, (order, process, unit.name)
+                start = plan.grads_range(unit, rank)[0]
+                slot = plan.optimizer_in_grads(unit, rank)  # the block the boundary leaves
+                index_in_gradients = pods.index_in_group(process, plan.mesh.gradient_order)
+                assert (start + slot.start, start + slot.stop) == unit.shard_range(
+                    index_in_gradients
+                )
+    rows = partition.comm_volume(plan)
+    exchanges = [r for r in rows if r.exchange]
+    assert {r.what for r in exchanges} == {
+        "gradients to optimizer shards",
+        "updated params to grad blocks",
+    }
+    assert all(r.operation == "all_to_all" and r.wire_bytes == r.bytes for r in exchanges)
+
+
 def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():
     plan = _plan("zero2-like")
-    bad = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
-    with pytest.raises(PlanError, match=r"plan optimizer_extra \('local',\): the optimizer's"):
-        partition.validate(dataclasses.replace(plan, mesh=bad))
+    for extra in [("local", "node"), ("local", "local"), ("pod",)]:  # all, twice, unknown
+        bad = dataclasses.replace(plan.mesh, optimizer_extra=extra)
+        with pytest.raises(PlanError, match=rf"plan optimizer_extra {re.escape(str(extra))}: "):
+            partition.validate(dataclasses.replace(plan, mesh=bad))
+    # the gradients over "node" and the optimizer over ("local", "node"): a permuted order
+    other = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
+    assert other.permuted and other.grads_shard == ("node",)
+    partition.validate(dataclasses.replace(plan, mesh=other))
     staged = dataclasses.replace(plan.units[0], stage=1)  # ZeRO-1 beside it runs
     partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
     numel = plan.units[0].numel

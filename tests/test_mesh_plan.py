@@ -304,7 +304,7 @@ EVERY, LOCAL, NODE, WHOLE = (
         (
             {"optimizer": LOCAL},
             r"unit 'embed' grads: split over \('node', 'local'\), the optimizer state over "
-            r"\('local',\): axis 'node' at position 0 is 'local' there",
+            r"\('local',\): axis 'node' is missing there",
         ),
         (
             {"params": EVERY, "grads": WHOLE, "optimizer": EVERY},

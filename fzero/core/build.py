@@ -108,8 +108,8 @@ def values_on_rank(
             comm.broadcast_from(values, src=0, what=f"rank 0's values of unit {unit.name}")
         return values, 0
     start, stop = 0, unit.numel
-    if plan.stage_of(unit) == 3:
-        start, stop = plan.grads_range(unit, rank)
+    if plan.stage_of(unit) == 3 and not (plan.mesh is not None and plan.mesh.permuted):
+        start, stop = plan.grads_range(unit, rank)  # (permuted: the master lies outside)
     flat = torch.zeros(stop - start, dtype=torch.float32, device=device)
     with torch.no_grad():
         for tensor, placement in zip(tensors, unit.placements):

@@ -34,6 +34,7 @@ __all__ = [
     "check_even",
     "check_finer",
     "check_same_plan",
+    "exchange_block",
     "gather_optimizer_shards",
     "gather_unit",
     "groups_of",
@@ -50,7 +51,10 @@ class Groups(NamedTuple):
     size in mesh order (qgZ's hierarchical reduction runs one hop per axis); `grads`:
     the group gradients and stage 3's parameters are split over (`shard`'s, but with
     `OnMesh.optimizer_extra`); `optimizer`: the group along those extra axes (None:
-    none)."""
+    none); `exchange`: where the optimizer's shards are in another order than the
+    gradients' blocks (`OnMesh.permuted`), the processes (global ranks) this one sends
+    its reduced block to and receives its optimizer shard's from, within `shard` (None:
+    no exchange; the publish runs it the other way)."""
 
     shard: Any = None
     replicate: Any = None
@@ -61,6 +65,7 @@ class Groups(NamedTuple):
     hops: tuple[tuple[Any, int], ...] = ()
     grads: Any = None
     optimizer: Any = None
+    exchange: tuple[int, int] | None = None
 
 
 def groups_of(plan: Plan) -> Groups:
@@ -86,7 +91,31 @@ def groups_of(plan: Plan) -> Groups:
         hops=hops if len(hops) > 1 else (),
         grads=comm.mesh_group(on.axes, on.grads_shard) if extra else shard,
         optimizer=comm.mesh_group(on.axes, extra) if extra else None,
+        exchange=_exchange(mesh, process, on) if on.permuted else None,
     )
+
+
+def _exchange(mesh: Mesh, process: int, on: partition.OnMesh) -> tuple[int, int]:
+    """Where process `process` sends the block the boundary leaves it (the process whose
+    plan rank is its index in gradient order) and whence its optimizer shard's block
+    comes (the process whose index in gradient order is its plan rank)."""
+    by_plan, by_gradients = mesh.group(process, on.shard), mesh.group(process, on.gradient_order)
+    plan_rank = mesh.index_in_group(process, on.shard)
+    return by_plan[mesh.index_in_group(process, on.gradient_order)], by_gradients[plan_rank]
+
+
+def exchange_block(block: Tensor, groups: Groups, back: bool = False, *, what: str = "") -> Tensor:
+    """The block this process holds after the optimizer blocks' exchange
+    (`Groups.exchange`; `block` itself when there is none): at the boundary the reduced
+    gradient block goes to its optimizer shard's process, and with `back` an updated
+    optimizer shard returns to the process whose block in gradient order it is.
+    Collective over the `shard` group."""
+    if groups.exchange is None:
+        return block
+    to, source = groups.exchange[::-1] if back else groups.exchange
+    out = torch.empty_like(block)
+    comm.exchange_into(out, block.contiguous(), to, source, what=what, group=groups.shard)
+    return out
 
 
 def secondary_block(groups: Groups, full: Tensor) -> Tensor | None:
@@ -161,8 +190,10 @@ def gather_optimizer_shards(
 
 def gather_to_grads_shard(shard: Tensor, plan: Plan, groups: Groups, *, what: str = "") -> Tensor:
     """This rank's gradient shard (`Plan.grads_range`: stage 3's parameter shard) of a
-    unit from the optimizer shards within it (`shard`, this rank's), gathered over the
+    unit from the optimizer shards within it (`shard`, this rank's: exchanged first for
+    the one in this rank's gradient shard where their orders differ), gathered over the
     `optimizer` group (`Plan.optimizer_extra_size` > 1; collective)."""
+    shard = exchange_block(shard, groups, back=True, what=what)
     numel = shard.numel() * plan.optimizer_extra_size
     held = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into(held, shard, what=what, group=groups.optimizer)

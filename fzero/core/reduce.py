@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.groups import check_even, check_finer, groups_of
+from fzero.core.groups import Groups, check_even, check_finer, exchange_block, groups_of
 from fzero.core.layout import add_pieces
 from fzero.core.reduce_bucket import Pending, finish, nothing, reduce_bucket
 from fzero.core.reduce_pieces import Pieces
@@ -363,15 +362,15 @@ class Reduction:
         buffer = self._buffers.pop(b, None)
         source = buffer if buffer is not None else self._sources.pop(index, None)
         self._zeroed.discard(index)
-        unit = self.plan.units[index]
-        ranks = range(self.world)
+        unit, extra = self.plan.units[index], self.plan.optimizer_extra_size
+        ranks, plan_rank = range(self.world), self.plan.rank_in_plan_order
         chain = Pieces(
             source,
-            [self.plan.grads_range(unit, r * self.plan.optimizer_extra_size)[0] for r in ranks],
+            [self.plan.grads_range(unit, plan_rank(r * extra))[0] for r in ranks],
             self.plan.grads_size(unit, self.rank),
             self.piece,
             lambda part, at: self.keep(index, part, at),
-            rank=self.rank // self.plan.optimizer_extra_size,
+            rank=self.plan.grads_rank(self.rank),
             group=self.groups.grads,
             replicas=self.groups.replicate,
             wire_dtype=self.wire_dtype,
@@ -438,17 +437,19 @@ def reduce_to_optimizer_shards(
     plan: Plan,
     rank: int,
     grads: Sequence[Tensor],
-    group: Any,
+    groups: Groups,
     wire_dtype: torch.dtype = torch.float32,
 ) -> None:
     """At the accumulation boundary of a plan whose optimizer state is split finer than
     its gradients (`Plan.optimizer_extra_size` > 1): average each stage 1-3 unit's
     accumulated gradient shard (`grads`, in unit order; a ZeRO-1 unit's whole
-    accumulator, reduced into that shard within the gradients' group) over `group` (the
-    `optimizer_extra` axes) by one reduce-scatter, leaving rank `rank`'s block at
-    `Plan.optimizer_in_grads` (the rest of the accumulator is stale until the step zeroes
-    it). Collective; nothing otherwise.
-    `wire_dtype`: the dtype the sums travel in, as the micro-steps' reductions."""
+    accumulator, reduced into that shard within the gradients' group) over the
+    `optimizer` group (the `optimizer_extra` axes) by one reduce-scatter, leaving rank
+    `rank`'s block at `Plan.optimizer_in_grads` (a ZeRO-1 unit's at its optimizer
+    partition); where the optimizer's order differs (`OnMesh.permuted`) each block is
+    first exchanged for the one of this rank's optimizer shard (`exchange_block`). The
+    rest of the accumulator is stale until the step zeroes it. Collective; nothing
+    otherwise. `wire_dtype`: the dtype the sums travel in, as the micro-steps'."""
     if plan.optimizer_extra_size == 1:
         return
     pending: Pending = []
@@ -462,9 +463,21 @@ def reduce_to_optimizer_shards(
         wire = accumulated.to(wire_dtype)
         block = torch.empty(part.stop - part.start, dtype=wire_dtype, device=wire.device)
         what = f"{_grads_of([index])} across replicas"
+        group = groups.optimizer
         work = comm.reduce_scatter_into(block, wire, async_op=True, what=what, group=group)
-        pending.append((work, functools.partial(accumulated[part].copy_, block)))
+        target = accumulated[part]
+        if stage == 1:  # kept where the update reads a ZeRO-1 unit's: its partition
+            start, stop = unit.shard_range(rank)
+            target = grads[index][start:stop]
+        pending.append((work, functools.partial(_keep_block, target, block, groups, index)))
     finish(pending)
+
+
+def _keep_block(target: Tensor, block: Tensor, groups: Groups, index: int) -> None:
+    """The boundary's reduced `block` of unit `index` into `target`, exchanged first for
+    this rank's optimizer shard's where the orders differ (`exchange_block`)."""
+    what = f"{_grads_of([index])} to their optimizer shards"
+    target.copy_(exchange_block(block, groups, what=what))
 
 
 def any_rank(flag: bool, world_size: int, what: str, device: torch.device) -> bool:

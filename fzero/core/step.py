@@ -557,7 +557,7 @@ class _Micro:
         dynamic = scaler is not None and scaler.dynamic
         grads = [u.grad for u in self.state.units]
         wire = gradient_wire_dtype(config)
-        reduce_to_optimizer_shards(plan, self.rank, grads, groups_of(plan).optimizer, wire)
+        reduce_to_optimizer_shards(plan, self.rank, grads, groups_of(plan), wire)
         stats = [
             grad_stats(self._owned_grad(i), clipping=config.gradient_clipping, dynamic=dynamic)
             for i in range(len(plan.units))

@@ -62,7 +62,7 @@ def take_step(
     `wire_dtype`), decide (collective), then skip it (fp16 overflow) or update every
     unit; gradients zeroed either way."""
     grads = [rt.grad for rt in units]
-    reduce_to_optimizer_shards(plan, groups.rank, grads, groups.optimizer, wire_dtype)
+    reduce_to_optimizer_shards(plan, groups.rank, grads, groups, wire_dtype)
     decision = decide_step(
         unit_grad_stats(units, plan, groups.rank, residency, grad_stats),
         loss_scaler=loss_scaler,

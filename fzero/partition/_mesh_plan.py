@@ -118,8 +118,8 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
 def _check_runs(plan: MeshPlan) -> None:
     """What both doors run (`executable`), checked here so that a plan `validate`
     accepts is one they run: the errors name the unit, kind and axes."""
-    group, extra = _shard_group(plan)
-    _unit_stages(plan, group, extra)
+    group, finer = _shard_group(plan)
+    _unit_stages(plan, group, finer)
     _secondary(plan, group)
 
 
@@ -179,14 +179,15 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
         "a parameter shard is reduced into as a gradient shard (ZeRO stage 3 implies 2; "
         "FSDP reduces a gradient to its parameter's shard)",
     )
-    _check_prefix(
+    _check_within(
         where + " grads",
         grads.shard,
         optimizer.shard,
         "the optimizer state",
-        "each rank updates only elements whose reduced gradient it holds, so the optimizer "
-        "state is split as finely as the gradients or finer, the same axes first (e.g. "
-        "gradients over ('local',), the optimizer over ('local', 'node'))",
+        "each rank updates elements whose reduced gradient the ranks along the gradients' "
+        "axes hold, so the optimizer state is split over the gradients' axes, in their "
+        "order, and maybe more (e.g. gradients over ('local',), the optimizer over "
+        "('local', 'node') or ('node', 'local'))",
     )
     secondary = sharding.params_secondary
     if secondary is not None:
@@ -201,6 +202,25 @@ def _validate_sharding(mesh: Mesh, unit: Unit, sharding: UnitSharding) -> None:
         raise PlanError(
             f"{where} params: hierarchical_params_gather needs params split over two or more "
             f"axes (one all-gather per axis); found {params}"
+        )
+
+
+def _check_within(
+    where: str, inner: tuple[str, ...], outer: tuple[str, ...], of: str, why: str
+) -> None:
+    """Raise unless `outer` holds every axis of `inner` in `inner`'s order (more axes
+    anywhere between), naming the first axis that breaks it."""
+    found = tuple(a for a in outer if a in inner)
+    for axis in inner:
+        if axis not in outer:
+            raise PlanError(
+                f"{where}: split over {inner}, {of} over {outer}: axis {axis!r} is missing "
+                f"there; {why}"
+            )
+    if found != inner:
+        raise PlanError(
+            f"{where}: split over {inner}, {of} over {outer}: these axes are in the order "
+            f"{found} there; {why}"
         )
 
 
@@ -270,23 +290,23 @@ def to_plan(plan: MeshPlan) -> Plan:
 
 
 def _unit_stages(
-    plan: MeshPlan, group: tuple[str, ...] | None, extra: tuple[str, ...] = ()
+    plan: MeshPlan, group: tuple[str, ...] | None, finer: tuple[str, ...] = ()
 ) -> list[int]:
     """The ZeRO stage each unit is split as over `group` (default every axis): each kind
-    split over the whole group or whole (the optimizer over `group` then `extra` where
-    `extra` is given), else a `PlanError` naming the unit and kind. Units may differ
+    split over the whole group or whole (the optimizer over `finer` where given: `group`'s
+    axes and more), else a `PlanError` naming the unit and kind. Units may differ
     (ZeRO-1 embeddings beside ZeRO-3 blocks: `Unit.stage`)."""
-    return [_unit_stage(plan.mesh, u, s, group, extra) for u, s in zip(plan.units, plan.shardings)]
+    return [_unit_stage(plan.mesh, u, s, group, finer) for u, s in zip(plan.units, plan.shardings)]
 
 
 def _staged_units(
-    plan: MeshPlan, group: tuple[str, ...] | None, extra: tuple[str, ...] = ()
+    plan: MeshPlan, group: tuple[str, ...] | None, finer: tuple[str, ...] = ()
 ) -> tuple[int, tuple[Unit, ...]]:
     """The stage plan's stage (the largest any unit is split as; a persistent unit's
     whole params count as stage 3's) and its units: a unit at the plan's stage as it is,
     a stage-2 unit of a stage-3 plan persistent (params whole, as today's stage-3
     plans keep small tensors), any other lower one with its own `Unit.stage`."""
-    stages = _unit_stages(plan, group, extra)
+    stages = _unit_stages(plan, group, finer)
     said = [3 if u.persistent and s == 2 else s for u, s in zip(plan.units, stages)]
     stage = max(said, default=0)
     units = []
@@ -303,13 +323,13 @@ def _unit_stage(
     unit: Unit,
     sharding: UnitSharding,
     every: tuple[str, ...] | None = None,
-    extra: tuple[str, ...] = (),
+    finer: tuple[str, ...] = (),
 ) -> int:
     """The ZeRO stage one unit's shardings are over the group along `every` (default:
     every axis, in mesh order), or a `PlanError` naming the kind split otherwise (a
     persistent unit, params whole and the rest split, is stage 2). Without `every`, a
     secondary copy or a hierarchical gather is an error (they need subgroups). With
-    `extra`, a split optimizer is over `every` then `extra` and its gradients split."""
+    `finer`, a split optimizer is over these axes (`every`'s and more)."""
     where = f"unit {unit.name!r}"
     if every is None and (
         sharding.params_secondary is not None or sharding.hierarchical_params_gather
@@ -324,8 +344,8 @@ def _unit_stage(
     for kind in ("optimizer", "grads", "params"):
         given = sharding.of(kind).shard  # axes of size 1 change nothing
         shard = _significant(mesh, given)
-        if extra and kind == "optimizer" and shard:
-            _check_finer(unit, sharding, group, extra, shard)
+        if finer and kind == "optimizer" and shard:
+            _check_finer(unit, sharding, group, finer, shard)
             shard = group
         if shard and shard != group:
             why = _ONE_GROUP if every is not None else _WORLD_ONLY
@@ -343,8 +363,8 @@ _WORLD_ONLY = (
 _ONE_GROUP = (
     "fzero runs plans whose every split is over one group of axes (each unit ZeRO-0/1/2/3 "
     "over it, replicas along the rest: MiCS/HSDP), or whose optimizer state is split over "
-    "that group then more axes (the gradients' axes first); other splits over different "
-    "groups per kind or unit are not run yet"
+    "that group and more axes; other splits over different groups per kind or unit are "
+    "not run yet"
 )
 
 
@@ -352,17 +372,18 @@ def _check_finer(
     unit: Unit,
     sharding: UnitSharding,
     group: tuple[str, ...],
-    extra: tuple[str, ...],
+    finer: tuple[str, ...],
     shard: tuple[str, ...],
 ) -> None:
-    """In a plan whose optimizer state is split over `group` then `extra`, a unit whose
-    optimizer is split (over `shard`, its axes of size > 1) is so: its gradients split
-    over `group` (stages 2-3) or whole (ZeRO-1: the whole gradient reduced at the
-    accumulation boundary over `group`, then over `extra`, as a stage-2 shard is)."""
+    """In a plan whose optimizer state is split over `finer` (`group`'s axes and more), a
+    unit whose optimizer is split (over `shard`, its axes of size > 1) is so: its
+    gradients split over `group` (stages 2-3) or whole (ZeRO-1: the whole gradient
+    reduced at the accumulation boundary over `group`, then over the other axes, as a
+    stage-2 shard is)."""
     where = f"unit {unit.name!r} optimizer: split over {sharding.optimizer.shard}"
-    if shard != group + extra:
+    if shard != finer:
         raise PlanError(
-            f"{where}, other units' over {group + extra} (gradients over {group}); "
+            f"{where}, other units' over {finer} (gradients over {group}); "
             "fzero runs one optimizer split finer than the gradients for every unit whose "
             "optimizer state is split"
         )
@@ -384,21 +405,23 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     (as `to_plan` asks of the world's axes), each unit as its own ZeRO stage over S (the
     result's `Unit.stage` where below the plan's); hpZ's secondary over one subset of S, in
     mesh order; a hierarchical gather (MiCS's) as one all-gather per axis of S, the
-    outermost first; the optimizer split over S then the other axes E (the gradients of
-    stage 2-3 units over S): the plan's ranks are then the optimizer's shards, along S
-    then E, and `OnMesh.optimizer_extra` is E. Anything else is a `PlanError` naming
-    the unit, kind and axes."""
+    outermost first; the optimizer split over S and other axes E, in any order that keeps
+    S's (the gradients of stage 2-3 units over S): the plan's ranks are then the
+    optimizer's shards, along its axes in its order, and `OnMesh.optimizer_extra` is E
+    (in mesh order). Anything else is a `PlanError` naming the unit, kind and axes."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
     validate(plan)
     mesh = plan.mesh
-    group, extra = _shard_group(plan)
-    stage, staged = _staged_units(plan, group, extra)
+    group, finer = _shard_group(plan)
+    stage, staged = _staged_units(plan, group, finer)
     secondary = _secondary(plan, group)
-    size = mesh.group_size(group + extra)  # the plan's ranks: the optimizer's shards
+    shard = finer or group  # the plan's ranks: the optimizer's shards, in its order
+    extra = tuple(a for a in mesh.names if a in finer and a not in group)
+    size = mesh.group_size(shard)
     units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
-    on = OnMesh(mesh.axes, group + extra, secondary, plan.preset, hierarchical, extra)
+    on = OnMesh(mesh.axes, shard, secondary, plan.preset, hierarchical, extra)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
     return _validate_stage_plan(result)
 
@@ -437,8 +460,9 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
 
 def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The one set of axes (size > 1) any unit's gradients and parameters are split over
-    (or, where none are, its optimizer state), and the axes the optimizer state alone is
-    split over after them (() when none); a `PlanError` names two splits that differ.
+    (or, where none are, its optimizer state), and the axes the optimizer state is split
+    over where they are more (`_optimizer_axes`; () when none); a `PlanError` names two
+    splits that differ.
     When nothing is split (stage 0), every axis: a stage-0 plan of the whole world, as
     `to_plan` gives."""
     mesh, found = plan.mesh, None
@@ -458,35 +482,28 @@ def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if found is None:
         return _significant(mesh, mesh.names), ()
     _in_mesh_order(mesh, found[0], f"unit {found[1]!r} {found[2]}")
-    return found[0], _optimizer_extra(plan, found[0])
+    return found[0], _optimizer_axes(plan, found[0])
 
 
 def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
-    """Whether `axes` are `group` then more (an optimizer split finer than the gradients)."""
-    return len(axes) > len(group) and axes[: len(group)] == group
+    """Whether `axes` are `group`'s in its order and more (an optimizer split finer than
+    the gradients: the extra axes anywhere)."""
+    return len(axes) > len(group) and tuple(a for a in axes if a in group) == group
 
 
-def _optimizer_extra(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes a split optimizer state is split over after `group` (the gradients'),
-    the same for every unit: other axes, in mesh order (any axis left is a pure replica
-    axis: each micro-step's gradient shard averaged over it, as MiCS's); hpZ's secondary
-    copy (within the parameters' axes) and MiCS's hierarchical gather run beside it."""
-    mesh, extra = plan.mesh, ()
-    for unit, sharding in zip(plan.units, plan.shardings):
+def _optimizer_axes(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes (size > 1) a split optimizer state is split over where they are `group`'s
+    (the gradients') and more, in the optimizer's order (() when none is): the first such
+    unit's (`_check_finer` asks the same of the rest). Any axis in neither is a pure
+    replica axis: each micro-step's gradient shard averaged over it, as MiCS's; hpZ's
+    secondary copy (within the parameters' axes) and MiCS's hierarchical gather run
+    beside it."""
+    mesh = plan.mesh
+    for sharding in plan.shardings:
         axes = _significant(mesh, sharding.optimizer.shard)
-        if not _finer(axes, group):
-            continue
-        where = f"unit {unit.name!r} optimizer: split over {axes}, the gradients over {group}"
-        beyond = axes[len(group) :]
-        rest = tuple(a for a in _significant(mesh, mesh.names) if a not in group)
-        if beyond != tuple(a for a in rest if a in beyond):
-            raise PlanError(
-                f"{where}: the optimizer's axes beyond the gradients' are {beyond}, not in "
-                f"mesh order {tuple(a for a in rest if a in beyond)}; fzero runs splits whose "
-                "axes keep the mesh's order (a process group's ranks are in rank order)"
-            )
-        extra = axes[len(group) :]
-    return extra
+        if _finer(axes, group):
+            return axes
+    return ()
 
 
 def _secondary(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
@@ -526,7 +543,8 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
     its control all-reduces (norms, flags) use. Per unit: the parameters' gather
     (`params.shard`, or each of its axes for a hierarchical gather), hpZ's backward
     gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
-    all-reduce (`grads.replicate`), and the publishing gathers after the update
+    all-reduce (`grads.replicate`), the optimizer blocks' exchange where their order
+    differs (`optimizer_exchange`) and the publishing gathers after the update
     (`publish_hops`)."""
     found: dict[tuple[str, ...], None] = {}
     for sharding in plan.shardings:
@@ -538,7 +556,8 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
             secondary.shard if secondary is not None else (),
             sharding.grads.shard,
             sharding.grads.replicate,
-            *publish_hops(sharding, _gradients_group(plan)),
+            optimizer_exchange(sharding, _gradients_group(plan), plan.mesh),
+            *publish_hops(sharding, _gradients_group(plan), plan.mesh),
         ):
             if axes:
                 found.setdefault(axes, None)
@@ -551,23 +570,47 @@ def _gradients_group(plan: MeshPlan) -> tuple[str, ...]:
 
 
 def publish_hops(
-    sharding: UnitSharding, gradients: tuple[str, ...] = ()
+    sharding: UnitSharding, gradients: tuple[str, ...] = (), mesh: Mesh | None = None
 ) -> tuple[tuple[str, ...], ...]:
     """The all-gathers that publish a unit's updated parameters, in order, by their axes:
     the optimizer's axes after the parameters', as one gather; where the optimizer is
     split finer than split gradients, first over its axes beyond the gradients' (into the
-    gradient shard), then over the gradients' beyond the parameters' (none at stage 3).
-    `gradients`: the axes the plan's other units split their gradients over, which a
-    ZeRO-1 unit's finer optimizer split follows the same way. Axes of size 1 are left
-    to the caller (a gather over them moves nothing)."""
-    optimizer, grads = sharding.optimizer.shard, sharding.grads.shard
+    gradient shard; in `mesh`'s order where given), then over the gradients'
+    beyond the parameters' (none at stage 3). `gradients`: the axes the plan's other
+    units split their gradients over, which a ZeRO-1 unit's finer optimizer split follows
+    the same way. Axes of size 1 are left to the caller (a gather over them moves
+    nothing). Where the optimizer's axes are in another order than the gradients' then
+    the rest, an exchange runs first (`optimizer_exchange`)."""
+    optimizer, grads = sharding.optimizer.shard, _finer_grads(sharding, gradients)
     params = sharding.params.shard
-    if (
-        not grads
-        and 0 < len(gradients) < len(optimizer)
-        and optimizer[: len(gradients)] == gradients
-    ):
-        grads = gradients  # ZeRO-1 beside a finer split: published as the plan's others'
     if grads and len(optimizer) > len(grads):
-        return optimizer[len(grads) :], grads[len(params) :]
+        order = optimizer if mesh is None else mesh.names
+        beyond = tuple(a for a in order if a in optimizer and a not in grads)
+        return beyond, grads[len(params) :]
     return (optimizer[len(params) :],)
+
+
+def _finer_grads(sharding: UnitSharding, gradients: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a unit's gradients are split over before its update: its own, or a ZeRO-1
+    unit's beside a finer split the plan's others' (`gradients`), as it is reduced."""
+    optimizer, grads = sharding.optimizer.shard, sharding.grads.shard
+    if not grads and 0 < len(gradients) < len(optimizer) and _finer(optimizer, gradients):
+        return gradients
+    return grads
+
+
+def optimizer_exchange(
+    sharding: UnitSharding, gradients: tuple[str, ...], mesh: Mesh
+) -> tuple[str, ...]:
+    """The axes of the exchange a unit's optimizer blocks need (() when none): where its
+    optimizer state is split finer than its gradients (or, ZeRO-1, the plan's others'
+    `gradients`) and, over the axes of size > 1 of `mesh`, in another order than the
+    gradients' axes then the rest in mesh order, the reduced gradient's blocks move to
+    their optimizer shards' ranks at the accumulation boundary and the updated shards
+    back before the publishing gathers, each an all-to-all over the optimizer's axes."""
+    optimizer = _significant(mesh, sharding.optimizer.shard)
+    grads = _significant(mesh, _finer_grads(sharding, gradients))
+    if not grads or len(optimizer) <= len(grads):
+        return ()
+    rest = tuple(a for a in mesh.names if a in optimizer and a not in grads)
+    return optimizer if optimizer != grads + rest else ()

@@ -132,13 +132,17 @@ class OnMesh:
     from that copy. `preset` names the mesh plan it came from. `hierarchical`: stage 3's
     parameter gathers run one all-gather per `shard` axis, the outermost first (MiCS's
     hierarchical all-gather: fewer, larger messages over the slow axis).
-    `optimizer_extra`: the last axes of `shard` that only the optimizer state (and fp32
-    master) is split over; gradients and stage 3's parameters are split over the axes of
-    `shard` before them (`grads_shard`), each such shard holding
-    `Plan.optimizer_extra_size` consecutive optimizer shards (the optimizer split over the
-    world, the gradients within a node: the gradients reduce-scattered over their axes
-    every micro-step, then over these at the accumulation boundary into the optimizer's
-    shard)."""
+    `optimizer_extra`: the axes of `shard` (in mesh order) that only the optimizer state
+    (and fp32 master) is split over; gradients and stage 3's parameters are split over
+    the other axes of `shard` (`grads_shard`), each such shard holding
+    `Plan.optimizer_extra_size` optimizer shards (the optimizer split over the world, the
+    gradients within a node: the gradients reduce-scattered over their axes every
+    micro-step, then over these at the accumulation boundary into the optimizer's shard).
+    `shard` is the optimizer's order: with the extra axes last (`grads_shard` then
+    `optimizer_extra`) a rank's optimizer shard lies in its gradient shard; in another
+    order (`permuted`: the optimizer over ("node", "local"), the gradients over
+    ("local",)) it lies in another rank's, and the boundary's blocks are exchanged with
+    it (`Plan.rank_in_gradient_order`)."""
 
     axes: tuple[tuple[str, int], ...]
     shard: tuple[str, ...]
@@ -160,8 +164,22 @@ class OnMesh:
     @property
     def grads_shard(self) -> tuple[str, ...]:
         """The axes gradients and stage 3's parameters are split over: `shard` without
-        `optimizer_extra`."""
-        return self.shard[: len(self.shard) - len(self.optimizer_extra)]
+        `optimizer_extra` (with them, in mesh order)."""
+        if not self.optimizer_extra:
+            return self.shard
+        return tuple(a for a, _ in self.axes if a in self.shard and a not in self.optimizer_extra)
+
+    @property
+    def gradient_order(self) -> tuple[str, ...]:
+        """The axes in the order the accumulation boundary leaves optimizer blocks in:
+        `grads_shard` then `optimizer_extra` (`shard` unless `permuted`)."""
+        return self.grads_shard + self.optimizer_extra if self.optimizer_extra else self.shard
+
+    @property
+    def permuted(self) -> bool:
+        """Whether the optimizer's shards are in another order than `gradient_order`
+        (a rank's optimizer shard then lies in another rank's gradient shard)."""
+        return self.gradient_order != self.shard
 
 
 MEMORY_KINDS = ("device", "host", "nvme")
@@ -285,15 +303,41 @@ class Plan:
         `world_size`, over `optimizer_extra_size` with a finer optimizer split."""
         return self.world_size // self.optimizer_extra_size
 
+    def rank_in_gradient_order(self, rank: int) -> int:
+        """Plan rank `rank`'s index along `OnMesh.gradient_order`: the optimizer block the
+        accumulation boundary's reduce-scatter leaves it (its gradient shard's index times
+        `optimizer_extra_size`, plus its index along the extra axes). `rank` itself but
+        where the optimizer's order is `OnMesh.permuted`."""
+        if self.mesh is None or not self.mesh.permuted:
+            return rank
+        sizes = dict(self.mesh.axes)
+        coordinate = {}
+        for axis in reversed(self.mesh.shard):  # `rank` is row-major along `shard`
+            rank, coordinate[axis] = divmod(rank, sizes[axis])
+        index = 0
+        for axis in self.mesh.gradient_order:
+            index = index * sizes[axis] + coordinate[axis]
+        return index
+
+    def rank_in_plan_order(self, index: int) -> int:
+        """The plan rank whose `rank_in_gradient_order` is `index` (its inverse)."""
+        if self.mesh is None or not self.mesh.permuted:
+            return index
+        return next(r for r in range(self.world_size) if self.rank_in_gradient_order(r) == index)
+
+    def grads_rank(self, rank: int) -> int:
+        """Plan rank `rank`'s index in the gradients' group (`grads_world_size` ranks)."""
+        return self.rank_in_gradient_order(rank) // self.optimizer_extra_size
+
     def grads_range(self, unit: Unit, rank: int) -> tuple[int, int]:
         """`(start, stop)` of `unit`'s buffer that plan rank `rank`'s gradient shard
         (stages 2-3) and parameter shard (stage 3) hold: its shard (`Unit.shard_range`),
-        or with a finer optimizer split the `optimizer_extra_size` consecutive shards around
-        it (plan rank `r` is `r // optimizer_extra_size` in the gradients' group)."""
+        or with a finer optimizer split the `optimizer_extra_size` consecutive optimizer
+        shards of its gradient shard (`grads_rank`)."""
         if self.optimizer_extra_size == 1:
             return unit.shard_range(rank)
         size = self.optimizer_extra_size * unit.shard_numel
-        start = rank // self.optimizer_extra_size * size
+        start = self.grads_rank(rank) * size
         return start, start + size
 
     def grads_size(self, unit: Unit, rank: int) -> int:
@@ -302,10 +346,12 @@ class Plan:
         return stop - start
 
     def optimizer_in_grads(self, unit: Unit, rank: int) -> slice:
-        """Where rank `rank`'s optimizer shard lies in its gradient shard (stages 2-3):
-        all of it, or with a finer optimizer split the block the accumulation boundary's
-        reduce-scatter over `OnMesh.optimizer_extra` leaves there."""
-        start, stop = unit.shard_range(rank)
+        """Where rank `rank`'s optimizer shard's gradient is kept in its gradient shard
+        (stages 2-3): all of it, or with a finer optimizer split the block the
+        accumulation boundary's reduce-scatter over `OnMesh.optimizer_extra` leaves there
+        (in a `permuted` order, the block another rank's shard, exchanged for this one's:
+        the slot holds this rank's optimizer shard's gradient, not these elements')."""
+        start, stop = unit.shard_range(self.rank_in_gradient_order(rank))
         base = self.grads_range(unit, rank)[0]
         return slice(start - base, stop - base)
 
@@ -398,8 +444,8 @@ def validate(plan: Plan) -> Plan:
     - a unit's own `stage` in 0..3 and at most the plan's, which some unit uses (the plan's
       stage is the largest of its units'); `persistent` units only at stage 3;
     - on a mesh, `world_size` is the size of the `shard` axes' group, and a `secondary`
-      split names some of them, at stage 3; `optimizer_extra` is a proper suffix of them,
-      at stage 2 or 3, its units even and none at stage 1.
+      split names some of them, at stage 3; `optimizer_extra` names some of them (not
+      all, in mesh order), at stage 2 or 3, its units even.
     """
     if plan.world_size < 1:
         raise PlanError(f"world_size is {plan.world_size}; it must be >= 1")
@@ -564,16 +610,20 @@ def _validate_mesh(plan: Plan) -> None:
             f"hpZ's secondary copy ({mesh.secondary})"
         )
     extra = mesh.optimizer_extra
+    in_order = tuple(a for a, _ in mesh.axes if a in extra)
     if extra and (
-        extra != mesh.shard[len(mesh.shard) - len(extra) :]
+        extra != in_order
+        or len(set(extra)) != len(extra)
+        or set(extra) - set(mesh.shard)
         or len(extra) == len(mesh.shard)
         or plan.stage < 2
     ):
         raise PlanError(
             f"plan optimizer_extra {extra}: the optimizer's axes beyond the gradients' are "
-            f"the last of the shard axes {mesh.shard}, after at least one the gradients are "
-            f"split over, at stage 2 or 3 (stage {plan.stage})"
+            f"some of the shard axes {mesh.shard}, in mesh order, not all of them (the "
+            f"gradients are split over at least one), at stage 2 or 3 (stage {plan.stage})"
         )
+
     for unit in plan.units if extra else ():
         if unit.bounds:
             raise PlanError(

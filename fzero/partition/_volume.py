@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._mesh_plan import MeshPlan, _gradients_group, as_mesh_plan, publish_hops
+from fzero.partition._mesh_plan import (
+    MeshPlan,
+    _finer,
+    _gradients_group,
+    as_mesh_plan,
+    optimizer_exchange,
+    publish_hops,
+)
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets
 
@@ -46,11 +53,17 @@ class Collective:
     axes: tuple[str, ...] = ()
     """The mesh axes the collective runs over (plans on a mesh); () for a stage plan's
     world."""
+    exchange: bool = False
+    """An all-to-all that is a permutation: each rank's whole buffer goes to one rank
+    (the optimizer blocks' exchange, `optimizer_exchange`)."""
 
     @property
     def wire_bytes(self) -> int:
         """Bytes one rank sends per step with ring algorithms (a broadcast or a reduce:
-        every rank but one passes the bytes on once, on average (W-1)/W of them)."""
+        every rank but one passes the bytes on once, on average (W-1)/W of them); an
+        `exchange` sends its whole buffer (a rank that keeps its own block, none)."""
+        if self.exchange:
+            return self.bytes
         share = self.bytes * (self.world_size - 1) // self.world_size
         return 2 * share if self.operation == "all_reduce" else share
 
@@ -275,7 +288,10 @@ def _mesh_volume(
       over `grads.replicate` every micro-step too (FSDP2's HSDP; DeepSpeed's MiCS
       all-reduces once, at the accumulation boundary), or where the optimizer is split
       over more axes, the shard reduce-scattered over those once, at the accumulation
-      boundary (the gradients accumulate at their split); with qgZ each bucket's
+      boundary (the gradients accumulate at their split; where the optimizer's axes are
+      in another order than the gradients' then the rest, each block then moves to its
+      optimizer shard's rank by one all-to-all over the optimizer's axes, and each
+      updated shard back before the publishing gathers); with qgZ each bucket's
       quantized all-to-alls, one pair per axis of `grads.shard`, innermost first
       (ZeRO++'s hierarchical reduction);
     - after the update, the parameter shard gathered from optimizer shards over the
@@ -312,7 +328,7 @@ def _mesh_volume(
         axes = plan.shardings[bucket[0]].optimizer.shard
         # where the optimizer is split finer than other units' gradients: within their
         # group first, then over the extra axes, as their accumulated shards are
-        finer = 0 < len(grads_group) < len(axes) and axes[: len(grads_group)] == grads_group
+        finer = 0 < len(grads_group) < len(axes) and _finer(axes, grads_group)
         inner = grads_group if finer else axes
         size = sum(units[i].numel for i in bucket) * grad_bytes
         if scatter_as_all_reduce:
@@ -324,7 +340,9 @@ def _mesh_volume(
             shard_bytes = units[i].numel // mesh.group_size(inner) * grad_bytes
             across = "gradients across replicas"
             if finer:
-                add("reduce_scatter", across, axes[len(inner) :], 1, shard_bytes)
+                beyond = tuple(a for a in every if a in axes and a not in inner)
+                add("reduce_scatter", across, beyond, 1, shard_bytes)
+                _add_exchange(plan, i, grads_group, grad_bytes, "gradients", add)
             add("all_reduce", across, optimizer.replicate, 1, shard_bytes)
     split = [i for i, s in enumerate(plan.shardings) if s.grads.shard]
     weights, gradients, bits = quantized
@@ -341,15 +359,18 @@ def _mesh_volume(
         if not scatter_as_all_reduce and not gradients:
             add("reduce_scatter", "gradients", grads.shard, steps, unit.numel * grad_bytes * steps)
         shard_bytes = unit.numel // mesh.group_size(grads.shard) * grad_bytes
-        finer = plan.shardings[i].optimizer.shard[len(grads.shard) :]
+        optimizer = plan.shardings[i].optimizer.shard
+        finer = tuple(a for a in every if a in optimizer and a not in grads.shard)
         across = "gradients across replicas"
         if finer:  # once, at the boundary: the accumulated shard into the optimizer's
             add("reduce_scatter", across, finer, 1, shard_bytes)
+            _add_exchange(plan, i, grads_group, grad_bytes, "gradients", add)
         replicas = tuple(a for a in grads.replicate if a not in finer)  # pure replicas
         add("all_reduce", across, replicas, steps, shard_bytes * steps)
-    for unit, sharding in zip(units, plan.shardings):
+    for index, (unit, sharding) in enumerate(zip(units, plan.shardings)):
         gathered = unit.numel // mesh.group_size(sharding.optimizer.shard)
-        for hop in publish_hops(sharding, grads_group):  # each multiplies what a rank holds
+        _add_exchange(plan, index, grads_group, param_bytes, "parameters", add)
+        for hop in publish_hops(sharding, grads_group, mesh):  # each multiplies what it holds
             gathered *= mesh.group_size(hop)
             add("all_gather", "parameters after the update", hop, 1, gathered * param_bytes)
     for what, indices in (
@@ -366,10 +387,36 @@ def _mesh_volume(
         add("all_reduce", what, every if world else split_over, 1, size)
     checks = steps if len(whole) < len(units) else 1  # per micro-step once any are split
     add("all_reduce", "left-over gradients check", every, checks, 4 * checks)
+    exchanges = set(_EXCHANGES.values())
     return [
-        Collective(op, what, calls, size, mesh.group_size(axes), axes)
+        Collective(op, what, calls, size, mesh.group_size(axes), axes, what in exchanges)
         for (op, what, axes), (calls, size) in found.items()
     ]
+
+
+_EXCHANGES = {
+    "gradients": "gradients to optimizer shards",
+    "parameters": "updated params to grad blocks",
+}
+
+
+def _add_exchange(
+    plan: MeshPlan,
+    index: int,
+    gradients: tuple[str, ...],
+    size: int,
+    what: str,
+    add: Callable[[str, str, tuple[str, ...], int, int], None],
+) -> None:
+    """Where unit `index`'s optimizer shards are in another order than its gradients'
+    blocks (`optimizer_exchange`): one all-to-all of an optimizer shard (`size` bytes per
+    element) over the optimizer's axes: "gradients" at the boundary (the reduced blocks
+    to their shards' ranks) or "parameters" before the publish (the updated shards back
+    to the ranks whose gradient blocks they are)."""
+    axes = optimizer_exchange(plan.shardings[index], gradients, plan.mesh)
+    if axes:
+        numel = plan.units[index].numel // plan.mesh.group_size(axes)
+        add("all_to_all", _EXCHANGES[what], axes, 1, numel * size)
 
 
 def _zero1(plan: MeshPlan, index: int) -> bool:
