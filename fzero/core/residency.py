@@ -27,7 +27,8 @@ widened in place, rounded in place into its lower part to be written: [Note: bf1
 moments in their fp32 buffers]). With
 `zero_optimization.sub_group_size` below the largest unit's partition, the step (and
 the engine's build) take units in pieces through a pool of piece-sized buffers
-([Note: sub-groups]).
+([Note: sub-groups]). Backward's gradient sums in the file (adding each micro-step's,
+the writes in flight) are `fzero.core.swap_grads`'s.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from fzero.core.swap_buffers import (
     swap_buffer_numel,
     widen_packed,
 )
+from fzero.core.swap_grads import GradWrites, write_grad
 from fzero.optim import TensorNorms
 from fzero.partition import Plan, Unit
 
@@ -134,15 +136,13 @@ class Residency:
         self.rounding_step = 0  # the step whose update is written (set by the step)
         self.pipeline_depth = 2
         self.write_buffers = 2  # backward's gradient writes in flight: `_open_swap`
-        self._grad_writes: list[tuple[Any, Tensor, Any]] = []  # (ticket, buffer, pool)
-        self._grad_failure = ""  # the first gradient I/O error of this backward
+        self.grad_writes = GradWrites()  # backward's, in flight: `fzero.core.swap_grads`
         # host buffers of the largest unit partition, for what offload moves every step
         largest = max((partition_numel(u) for u in plan.units), default=0)
         self.pool = _nvme.BufferPool(swap_buffer_numel(largest))
         # the step's swap buffers: the pool's, or with sub-groups their own, smaller ones
         self.step_pool = self.pool
         self.grad_pool = self.pool  # backward's gradient writes: `use_grad_pieces`
-        self._fresh: set[int] = set()  # units whose accumulator this window starts now
         self.sub_group = 0  # elements per piece of a unit the step takes; 0: whole units
         self.lent: list[Tensor] = []  # pool buffers in use by the current unit update
         if "nvme" in (*where, *(plan.params_memory(u) for u in plan.units)):
@@ -508,87 +508,6 @@ class Residency:
             rt.grad.zero_()
             rt.grad_on_disk, rt.grad_stats = False, None
 
-    def accumulate_grad(
-        self,
-        rt: UnitRuntime,
-        value: Tensor,
-        at_boundary: bool,
-        stats: Callable[..., Any],
-        at: int = 0,
-    ) -> None:
-        """Stages 2-3: add this micro-step's reduced gradient shard, or its piece from
-        element `at` (pieces come in order: [Note: gradients reduced in pieces]), to the
-        unit's accumulator. With NVMe offload the accumulator is in the swap file: read
-        (after the window's first micro-step), added to, and written back
-        asynchronously, at most `pipeline_depth` writes in flight. At the window's last
-        micro-step its norm and finiteness are taken before it leaves memory, carried
-        from piece to piece (`stats(buffer, into)`)."""
-        numel = value.numel()
-        if not self.grad_on_disk(rt.index):
-            rt.grad[at : at + numel].add_(value)
-            return
-        if self._grad_failure:
-            return  # this window is dropped at the end of backward
-        if at == 0 and not rt.grad_on_disk:
-            self._fresh.add(rt.index)  # the window's first micro-step: nothing to read
-        fits = swap_buffer_numel(numel) <= self.grad_pool.numel  # a bf16 read: packed
-        pool = self.grad_pool if fits else self.pool
-        pooled = pool.take()
-        buffer, offset = pooled[:numel], self.grad_dtype.itemsize * at
-        region = self.grad_region(rt)
-        try:
-            if rt.index not in self._fresh:
-                narrow = self.narrow_grads
-                target = packed(pooled, numel) if narrow else buffer
-                ticket = self.nvme.submit(region, target, write=False, offset=offset)
-                self.nvme.wait(ticket, "reading")
-                if narrow:
-                    widen_packed(pooled, numel)
-                buffer.add_(value.to(buffer.device))
-            else:  # value + 0: the same arithmetic as a zeroed in-memory accumulator
-                torch.add(value.to(buffer.device), 0.0, out=buffer)
-            if self.narrow_grads:  # to nearest, as a bf16 accumulator's `add_` rounds
-                buffer = narrow_in_place(pooled, numel, None)
-            if at_boundary:
-                rt.grad_stats = stats(buffer, rt.grad_stats if at else None)
-            ticket = self.nvme.submit(region, buffer, write=True, offset=offset)
-            self._grad_writes.append((ticket, pooled, pool))
-            if at + numel == self.plan.grads_size(rt.unit, self.rank):  # the last piece
-                self._fresh.discard(rt.index)
-                rt.grad_on_disk = True
-            while len(self._grad_writes) > self.write_buffers:
-                self._wait_grad_write()
-        except OSError as error:
-            self._grad_failure = str(error)
-            self.drain([self._grad_writes])
-
-    def _wait_grad_write(self) -> None:
-        """Wait for the oldest gradient write; its buffer goes back to the pool."""
-        ticket, pooled, pool = self._grad_writes.pop(0)
-        self.nvme.wait(ticket, "writing")
-        pool.give(pooled)
-
-    def finish_grad_writes(self, units: Sequence[UnitRuntime], world_size: int) -> list[str]:
-        """End of backward with gradients on NVMe: wait for the writes, then every rank
-        learns whether any rank's gradient I/O failed. If one did, all drop the window
-        (its gradients are partly written): the caller raises, its micro-steps are to be
-        run again, and training goes on as if they had not happened."""
-        try:
-            while self._grad_writes:
-                self._wait_grad_write()
-        except OSError as error:
-            self._grad_failure = self._grad_failure or str(error)
-            self.drain([self._grad_writes])
-        if self.grad_pool is not self.pool:
-            self.grad_pool.trim(0)  # piece-sized: taken afresh by the next backward
-        messages = self.failures(self._grad_failure, world_size)
-        self._grad_failure = ""
-        self._fresh.clear()
-        if messages:
-            for rt in units:
-                rt.grad_on_disk, rt.grad_stats = False, None
-        return messages
-
     def failures(self, failure: str, world_size: int) -> list[str]:
         """Every rank's I/O failure of the pass just run ("rank r: error"), agreed by all
         (collective): either every rank commits or every rank rolls back."""
@@ -614,7 +533,7 @@ class Residency:
                 self.swap_out(rt, self.next_slot(rt), wait=True, buffers=buffers)
                 rt.slot = self.next_slot(rt)
                 if self.grads_on_disk:
-                    self.write_grad(rt)
+                    write_grad(self, rt)
         finally:
             self.evict(rt)
             self.give_back(buffers)
@@ -651,18 +570,9 @@ class Residency:
             self.stored += 1
             self.swap_out(rt, self.next_slot(rt), wait=True)
             if with_grad and self.grads_on_disk:
-                self.write_grad(rt)
+                write_grad(self, rt)
         finally:
             self.evict(rt)
-
-    def write_grad(self, rt: UnitRuntime) -> None:
-        """Write the gradient bound to `rt` to its region (from an aligned copy when it
-        is not in a swap buffer); it is this window's accumulator from now on."""
-        grad = rt.grad
-        if grad.data_ptr() % _nvme.ALIGN or grad.dtype != self.grad_dtype:
-            grad = _nvme.aligned_empty(grad.numel(), self.grad_dtype).copy_(grad)
-        self.nvme.wait(self.nvme.submit(self.grad_region(rt), grad, write=True), "writing")
-        rt.grad_on_disk = True
 
     def step_pass(
         self,

@@ -35,6 +35,7 @@ from fzero.core.gathering import Gatherer
 from fzero.core.layout import UnitRuntime
 from fzero.core.reduce import Reduction, any_rank
 from fzero.core.residency import Residency
+from fzero.core.swap_grads import accumulate_grad, finish_grad_writes
 from fzero.core.update import GradStats
 from fzero.partition import Plan
 
@@ -267,14 +268,14 @@ class GradientReduction:
     def _accumulate_grad(self, index: int, value: Tensor, at: int) -> None:
         """Stages 2-3: add this micro-step's reduced gradient shard (or its piece from
         element `at`) to the unit's accumulator (in the swap file with NVMe gradients;
-        see `Residency`)."""
+        see `fzero.core.swap_grads`)."""
         rt = self.units[index]
-        self.residency.accumulate_grad(rt, value, self.boundary_now, self.owner.grad_stats, at)
+        accumulate_grad(self.residency, rt, value, self.boundary_now, self.owner.grad_stats, at)
 
     def _finish_grad_writes(self) -> None:
         """With gradients on NVMe, a write that failed on any rank drops the window on
         every rank: its micro-steps are to be run again."""
-        messages = self.residency.finish_grad_writes(self.units, self.processes)
+        messages = finish_grad_writes(self.residency, self.units, self.processes)
         if messages:
             self.owner.drop_accumulation_window()
             raise OSError(
