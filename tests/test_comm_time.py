@@ -39,6 +39,9 @@ def test_ring_and_tree_times_follow_the_stated_formulas():
     assert tree.seconds == pytest.approx(2 * math.log2(4) * 0.5 + 2 * 4000 / 1000)
     (one,) = partition.comm_time([_row("all_reduce", 1, 4000)], links=links)
     assert one.seconds == 0.0
+    exchange = Collective("all_to_all", "x", 2, 4000, 4, exchange=True)  # a permutation
+    (moved,) = partition.comm_time([exchange], links=links)
+    assert exchange.wire_bytes == 4000 and moved.seconds == pytest.approx(2 * 0.5 + 4000 / 1000)
     with pytest.raises(PlanError, match="algorithm is 'mesh'"):
         partition.comm_time([], links=links, algorithm="mesh")
 

@@ -83,6 +83,13 @@ def _finer(mesh, unit):
     return UnitSharding(params=local, grads=local, optimizer=mesh.sharding("local", "node"))
 
 
+def _node_first(mesh, unit):
+    """`_finer` with the optimizer's quarters along ("node", "local"): each rank's in
+    another rank's gradient half (the boundary's blocks exchanged)."""
+    local = mesh.sharding("local")
+    return UnitSharding(params=local, grads=local, optimizer=mesh.sharding("node", "local"))
+
+
 def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None, finer=False):
     """Two steps of two micro-steps: the losses, the norms, a digest of the weights, and
     which units were pieced with the largest bucket bytes held in backward."""
@@ -103,7 +110,8 @@ def engine_case(rank, world, stage, bucket, nvme, precision, zero=None, top=None
 def _engine_run(rank, world, config, finer):
     strategy = None
     if finer:
-        preset = partition.Custom("finer optimizer", _finer, stage=3)
+        rule = _node_first if finer == "node first" else _finer
+        preset = partition.Custom("finer optimizer", rule, stage=3)
         strategy = partition.on_mesh(partition.Mesh({"node": 2, "local": 2}), preset)
     optimizer = fzero.optim.adamw(lr=1e-3)
     engine = fzero.shard(Model(), optimizer=optimizer, config=config, strategy=strategy)
@@ -166,15 +174,16 @@ def test_pieces_train_as_whole_units_with_gradients_on_nvme(tmp_path):
     [
         pytest.param(4, {"mics_shard_size": 2}, {}, False, marks=_FOUR_RANKS),
         pytest.param(4, {}, {}, True, marks=_FOUR_RANKS),
+        pytest.param(4, {}, {}, "node first", marks=_FOUR_RANKS),
         (2, {}, {"communication_data_type": "bf16"}, False),
     ],
-    ids=["mics-replicas", "optimizer-finer", "bf16-wire"],
+    ids=["mics-replicas", "optimizer-finer", "optimizer-finer-node-first", "bf16-wire"],
 )
 def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top, finer):
     """World 4 as MiCS groups of 2 with replicas (each piece averaged over the group,
     then over its replicas), world 4 with the optimizer split over every rank and the
     gradients within groups of 2 (pieces within the group; the boundary's re-split over
-    the other axis), and at world 2 with the gradients on the wire in bf16."""
+    the other axis; in either order of the optimizer's axes), and at world 2 with the gradients on the wire in bf16."""
     whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top, finer)
     pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top, finer)
     assert pieced["pieced"] == [False, True, True, False]

@@ -23,9 +23,19 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fzero.partition._manifest import Manifest, TensorSpec
+from fzero.partition._placement import (
+    DEEPSPEED_DEVICE,
+    GRAD_DTYPES,
+    MEMORY_DTYPES,
+    MEMORY_KINDS,
+    Memory,
+    OnMesh,
+    PlanError,
+    validate_on_mesh,
+)
 
 __all__ = [
     "MEMORY_KINDS",
@@ -40,10 +50,6 @@ __all__ = [
     "validate",
     "with_memory",
 ]
-
-
-class PlanError(ValueError):
-    """A plan breaks an invariant; the message names the unit or tensor."""
 
 
 @dataclass(frozen=True)
@@ -121,102 +127,6 @@ class Unit:
         return offset // self.shard_numel
 
 
-@dataclass(frozen=True)
-class OnMesh:
-    """Where a plan's ranks lie on a mesh of processes (`axes`: name and size, row-major,
-    the last fastest, as `partition.Mesh`). The plan's rank `i` is every process whose
-    index along the `shard` axes (row-major in that order) is `i`; the processes along
-    the other axes hold the same shards (replicas: their gradients are averaged by an
-    all-reduce over those axes). `secondary`: stage 3's parameters are kept after forward
-    split over these axes only (a subset of `shard`: ZeRO++ hpZ), and backward gathers
-    from that copy. `preset` names the mesh plan it came from. `hierarchical`: stage 3's
-    parameter gathers run one all-gather per `shard` axis, the outermost first (MiCS's
-    hierarchical all-gather: fewer, larger messages over the slow axis).
-    `optimizer_extra`: the axes of `shard` (in mesh order) that only the optimizer state
-    (and fp32 master) is split over; gradients and stage 3's parameters are split over
-    the other axes of `shard` (`grads_shard`), each such shard holding
-    `Plan.optimizer_extra_size` optimizer shards (the optimizer split over the world, the
-    gradients within a node: the gradients reduce-scattered over their axes every
-    micro-step, then over these at the accumulation boundary into the optimizer's shard).
-    `shard` is the optimizer's order: with the extra axes last (`grads_shard` then
-    `optimizer_extra`) a rank's optimizer shard lies in its gradient shard; in another
-    order (`permuted`: the optimizer over ("node", "local"), the gradients over
-    ("local",)) it lies in another rank's, and the boundary's blocks are exchanged with
-    it (`Plan.rank_in_gradient_order`)."""
-
-    axes: tuple[tuple[str, int], ...]
-    shard: tuple[str, ...]
-    secondary: tuple[str, ...] = ()
-    preset: str = "custom"
-    hierarchical: bool = False
-    optimizer_extra: tuple[str, ...] = ()
-
-    @property
-    def processes(self) -> int:
-        """Processes the plan runs on: the product of the axis sizes."""
-        return math.prod(size for _, size in self.axes)
-
-    @property
-    def replicate(self) -> tuple[str, ...]:
-        """The axes along which processes hold the same shards, in mesh order."""
-        return tuple(name for name, _ in self.axes if name not in self.shard)
-
-    @property
-    def grads_shard(self) -> tuple[str, ...]:
-        """The axes gradients and stage 3's parameters are split over: `shard` without
-        `optimizer_extra` (with them, in mesh order)."""
-        if not self.optimizer_extra:
-            return self.shard
-        return tuple(a for a, _ in self.axes if a in self.shard and a not in self.optimizer_extra)
-
-    @property
-    def gradient_order(self) -> tuple[str, ...]:
-        """The axes in the order the accumulation boundary leaves optimizer blocks in:
-        `grads_shard` then `optimizer_extra` (`shard` unless `permuted`)."""
-        return self.grads_shard + self.optimizer_extra if self.optimizer_extra else self.shard
-
-    @property
-    def permuted(self) -> bool:
-        """Whether the optimizer's shards are in another order than `gradient_order`
-        (a rank's optimizer shard then lies in another rank's gradient shard)."""
-        return self.gradient_order != self.shard
-
-
-MEMORY_KINDS = ("device", "host", "nvme")
-MEMORY_DTYPES = ("fp32", "bf16")
-GRAD_DTYPES = ("fp32", "bf16", "fp16")
-_DEEPSPEED_DEVICE = {"device": "none", "host": "cpu", "nvme": "nvme"}  # offload_*.device
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Where each kind of a plan's state lives between uses (JAX's `memory_kind`), and
-    the dtypes of the masters and optimizer states.
-
-    `params`: stage 3's parameter shards; `optimizer`: the masters, the optimizer state
-    and the update (with "nvme", stages 2-3 keep the gradient accumulators in the swap
-    file too). Each is "device" (with the compute), "host" (host memory: ZeRO-Offload,
-    Ren et al. 2021) or "nvme" (a swap file: ZeRO-Infinity, Rajbhandari et al. 2021).
-    `master`: the masters' dtype, "fp32" or "bf16" (bf16 masters are the bf16 parameters
-    themselves, so the compute dtype is bf16 too); `states`: the optimizer moments';
-    `grads`: the gradient accumulators' (summed across micro-steps and held until the
-    update), "fp32" or the compute dtype ("bf16", "fp16": half the accumulators' bytes,
-    each micro-step's reduced gradient rounded into the sum; the update widens each
-    unit's part to fp32). DeepSpeed's config says the same as
-    `offload_param.device`, `offload_optimizer.device` ("none", "cpu", "nvme"),
-    `bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states` and
-    `data_types.grad_accum_dtype`; where a
-    strategy's plan says nothing (the defaults), a door takes the config's
-    (`with_memory`). Where files go and how they are read (paths, buffers, threads) stay
-    the config's."""
-
-    params: str = "device"
-    optimizer: str = "device"
-    master: str = "fp32"
-    states: str = "fp32"
-    grads: str = "fp32"
-
-
 def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan:
     """`plan` with each field of its `memory` that it leaves at the default taken from
     `memory` (what `said_by` states); a field both state differently raises `PlanError`
@@ -260,7 +170,7 @@ class Plan:
     units: tuple[Unit, ...]
     strategy: str = "custom"
     mesh: OnMesh | None = None
-    memory: Memory = Memory()
+    memory: Memory = field(default_factory=Memory)
 
     @property
     def processes(self) -> int:
@@ -450,7 +360,8 @@ def validate(plan: Plan) -> Plan:
     if plan.world_size < 1:
         raise PlanError(f"world_size is {plan.world_size}; it must be >= 1")
     if plan.mesh is not None:
-        _validate_mesh(plan)
+        uneven = next((u.name for u in plan.units if u.bounds), None)
+        validate_on_mesh(plan.mesh, plan.world_size, plan.stage, uneven)
     if plan.stage not in (0, 1, 2, 3):
         raise PlanError(f"stage is {plan.stage!r}; allowed: 0, 1, 2, 3")
     if plan.alignment < 1:
@@ -534,7 +445,7 @@ def _validate_memory(plan: Plan) -> None:
             said = (
                 f"memory.optimizer is {where!r} (DeepSpeed's "
                 "zero_optimization.offload_optimizer.device is "
-                f"{_DEEPSPEED_DEVICE[where]!r})"
+                f"{DEEPSPEED_DEVICE[where]!r})"
                 if unit.optimizer_memory is None
                 else f"unit {unit.name!r}'s optimizer_memory is {where!r}"
             )
@@ -581,61 +492,8 @@ def _validate_memory(plan: Plan) -> None:
         raise PlanError(
             f"memory.params is {memory.params!r} (DeepSpeed's "
             "zero_optimization.offload_param.device is "
-            f"{_DEEPSPEED_DEVICE[memory.params]!r}) but the plan is stage {plan.stage}: only "
+            f"{DEEPSPEED_DEVICE[memory.params]!r}) but the plan is stage {plan.stage}: only "
             "stage 3's parameters are shards between uses; keep them on the device"
-        )
-
-
-def _validate_mesh(plan: Plan) -> None:
-    mesh = plan.mesh
-    assert mesh is not None
-    sizes = dict(mesh.axes)
-    named = [*mesh.shard, *mesh.secondary]
-    unknown = [axis for axis in named if axis not in sizes]
-    if unknown or len(sizes) != len(mesh.axes) or any(s < 1 for s in sizes.values()):
-        raise PlanError(
-            f"plan mesh {mesh.axes}: axes must be unique with sizes >= 1, and shard "
-            f"{mesh.shard} / secondary {mesh.secondary} name only them (unknown: {unknown})"
-        )
-    group = math.prod(sizes[axis] for axis in mesh.shard)
-    if group != plan.world_size or len(set(mesh.shard)) != len(mesh.shard):
-        raise PlanError(
-            f"plan world_size {plan.world_size} on mesh {mesh.axes} split over {mesh.shard}: "
-            f"the shard axes' group has {group} ranks; they must be equal"
-        )
-    if mesh.hierarchical and (plan.stage != 3 or mesh.secondary or len(mesh.grads_shard) < 2):
-        raise PlanError(
-            f"plan hierarchical gather over {mesh.grads_shard}: it is stage 3's (stage "
-            f"{plan.stage}), over two or more of the parameters' shard axes, and without "
-            f"hpZ's secondary copy ({mesh.secondary})"
-        )
-    extra = mesh.optimizer_extra
-    in_order = tuple(a for a, _ in mesh.axes if a in extra)
-    if extra and (
-        extra != in_order
-        or len(set(extra)) != len(extra)
-        or set(extra) - set(mesh.shard)
-        or len(extra) == len(mesh.shard)
-        or plan.stage < 2
-    ):
-        raise PlanError(
-            f"plan optimizer_extra {extra}: the optimizer's axes beyond the gradients' are "
-            f"some of the shard axes {mesh.shard}, in mesh order, not all of them (the "
-            f"gradients are split over at least one), at stage 2 or 3 (stage {plan.stage})"
-        )
-
-    for unit in plan.units if extra else ():
-        if unit.bounds:
-            raise PlanError(
-                f"unit {unit.name!r} optimizer: split over {mesh.shard}, finer than the "
-                f"gradients ({mesh.grads_shard}), but the unit has uneven shards; a finer "
-                "optimizer split runs for units with equal shards"
-            )
-    if mesh.secondary and (plan.stage != 3 or set(mesh.secondary) - set(mesh.grads_shard)):
-        raise PlanError(
-            f"plan secondary split over {mesh.secondary}: hpZ's secondary copy is stage 3's "
-            f"(stage {plan.stage}) and a subset of the parameters' shard axes "
-            f"{mesh.grads_shard}"
         )
 
 

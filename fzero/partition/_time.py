@@ -9,6 +9,9 @@ A collective over a group of W ranks is modelled as NCCL and gloo run it
 - ring all-reduce: a reduce-scatter then an all-gather: twice both terms;
 - tree all-reduce (`algorithm="tree"`, NCCL's double binary tree): `t = 2 * log2(W) *
   latency + 2 * B / bw` — fewer latency terms, for many small reductions;
+- an exchange (an all-to-all that is a permutation: the optimizer blocks' exchange,
+  `Collective.exchange`): each rank sends its whole buffer to one rank at once:
+  `t = latency + B / bw` (the worst rank: one that does not keep its own block);
 - a collective over several axes runs at the slowest of their links (its ring crosses
   them all): a group spanning nodes is as fast as the inter-node link.
 
@@ -94,6 +97,8 @@ def _seconds(row: Collective, link: Link, algorithm: str) -> float:
     world = row.world_size
     if world <= 1 or row.calls == 0:
         return 0.0
+    if row.exchange:  # one message per rank, to one rank
+        return row.calls * link.latency + row.bytes / link.bandwidth
     if row.operation == "all_reduce" and algorithm == "tree":
         latency = 2 * math.log2(world) * link.latency * row.calls
         return latency + 2 * row.bytes / link.bandwidth
