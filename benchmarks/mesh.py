@@ -7,8 +7,10 @@ LM built here (4 pre-norm blocks, width 256, vocab 1024, 64-token sequences, mic
 per rank, fixed seeds) on generated tokens (a permutation chain: the loss falls), fp32,
 AdamW. Rows, each in its own processes: ZeRO-3 over the 4 ranks, MiCS (`mics_shard_size:
 2`), hpZ (`zero_hpz_partition_size: 2`), a whole-layer plan (`"strategy":
-"mesh:whole_blocks"`), whole tensors (`"strategy": "whole_tensors"`: uneven shards), and
-the baseline, FSDP2's HSDP (`fully_shard` on a 2-D `DeviceMesh`, replicated over "node",
+"mesh:whole_blocks"`), whole tensors (`"strategy": "whole_tensors"`: uneven shards), MiCS
+with the optimizer state over every rank in either order (`"mesh:optimizer_local_first"`,
+`"mesh:optimizer_node_first"`: the second exchanges the boundary's blocks), and the
+baseline, FSDP2's HSDP (`fully_shard` on a 2-D `DeviceMesh`, replicated over "node",
 sharded over "local"). A row in `REFUSABLE` that fzero refuses prints as refused, with
 the error's first line.
 
@@ -42,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness
 
 import fzero
-from fzero.partition import Manifest, Plan, flat_even
+from fzero import partition
+from fzero.partition import Manifest, MeshPlan, Plan, flat_even
 
 WIDTH, DEPTH, HEADS, VOCAB, SEQ, MICRO = 256, 4, 4, 1024, 64, 8
 LR, DECAY = 1e-3, 0.01
@@ -109,6 +112,25 @@ def whole_blocks(manifest: Manifest, *, world_size: int, stage: int, **options: 
     each their own), every tensor of it sharded: the engine's `persistence_threshold`
     (DeepSpeed's 100,000 elements: LayerNorms, biases, `proj` stay whole) is not applied."""
     return flat_even(manifest, world_size=world_size, stage=stage)
+
+
+def _finer(order: tuple[str, str]) -> Callable[..., MeshPlan]:
+    """MiCS's ZeRO-3 within the node (parameters and gradients over "local") with the
+    optimizer state over every rank, along `order`: a quarter per rank; in the order
+    ("node", "local") each rank's quarter lies in another rank's gradient half, and the
+    boundary's blocks are exchanged (one all-to-all there, one before the publish)."""
+
+    def rule(mesh: partition.Mesh, unit: partition.Unit) -> partition.UnitSharding:
+        local = mesh.sharding("local")
+        params = mesh.replicated if unit.persistent else local
+        return partition.UnitSharding(params, local, mesh.sharding(*order))
+
+    mesh = partition.Mesh({"node": NODES, "local": LOCAL})
+    return partition.on_mesh(mesh, partition.Custom(f"optimizer over {order}", rule, stage=3))
+
+
+optimizer_local_first = _finer(("local", "node"))  # "strategy": "mesh:optimizer_local_first"
+optimizer_node_first = _finer(("node", "local"))
 
 
 Trainer = Callable[[torch.Tensor, torch.Tensor], float]  # one step on a batch: its loss
@@ -225,6 +247,9 @@ ROWS: dict[str, Callable[[nn.Module], tuple[Trainer, Traffic]]] = {
         zero_quantized_gradients_bits=4,
     ),
     "fzero whole-layer plan": fzero_row("mesh:whole_blocks"),  # this file, imported as `mesh`
+    # MiCS within the node, the optimizer over every rank in either order of its axes
+    "fzero MiCS, optimizer (local, node)": fzero_row("mesh:optimizer_local_first"),
+    "fzero MiCS, optimizer (node, local)": fzero_row("mesh:optimizer_node_first"),
     "fzero whole tensors": fzero_row("whole_tensors"),  # uneven: each tensor on one rank
     BASELINE: hsdp,
 }
