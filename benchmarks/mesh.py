@@ -248,8 +248,8 @@ ROWS: dict[str, Callable[[nn.Module], tuple[Trainer, Traffic]]] = {
     ),
     "fzero whole-layer plan": fzero_row("mesh:whole_blocks"),  # this file, imported as `mesh`
     # MiCS within the node, the optimizer over every rank in either order of its axes
-    "fzero MiCS, optimizer (local, node)": fzero_row("mesh:optimizer_local_first"),
-    "fzero MiCS, optimizer (node, local)": fzero_row("mesh:optimizer_node_first"),
+    "fzero MiCS + optimizer over local then node": fzero_row("mesh:optimizer_local_first"),
+    "fzero MiCS + optimizer over node then local": fzero_row("mesh:optimizer_node_first"),
     "fzero whole tensors": fzero_row("whole_tensors"),  # uneven: each tensor on one rank
     BASELINE: hsdp,
 }
