@@ -4,7 +4,8 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG);
 - `init`: building a `TrainState` from a model and a plan; what a door runs when the
   call and the config name no optimizer or schedule; consolidated weights;
-- `step`: `train_step`; `evaluate`: `eval_step`;
+- `step`: `train_step`; `evaluate`: `eval_step`; `donation`: what both check of a state
+  they take, and `train_step`'s donation of it;
 - `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
 - `build`: the one unit builder (a unit's buffers on this rank from its values), which
   `init` and the engine use;
