@@ -21,6 +21,8 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `apply`: applying the update to every unit (native kernels, LAMB's two halves, the
   transactional and in-place NVMe steps) and publishing new parameters — the one update
   loop both doors run, over `layout.UnitRuntime` records;
+- `whole_tensors`: the update of an optimizer that needs whole tensors (`WholeTensors`,
+  e.g. Muon), which `apply` runs unit by unit;
 - `publish`: writing updated masters back to the compute-dtype parameters (the step's
   overlapped all-gathers, restores);
 - `residency`: where optimizer partitions live between steps (device, host, NVMe swap
