@@ -183,7 +183,8 @@ def test_pieces_over_groups_with_replicas_and_in_the_wire_dtype(world, zero, top
     """World 4 as MiCS groups of 2 with replicas (each piece averaged over the group,
     then over its replicas), world 4 with the optimizer split over every rank and the
     gradients within groups of 2 (pieces within the group; the boundary's re-split over
-    the other axis; in either order of the optimizer's axes), and at world 2 with the gradients on the wire in bf16."""
+    the other axis; in either order of the optimizer's axes), and at world 2 with the
+    gradients on the wire in bf16."""
     whole = run_world(engine_case, world, 3, WHOLE, None, "fp32", zero, top, finer)
     pieced = run_world(engine_case, world, 3, PIECED, None, "fp32", zero, top, finer)
     assert pieced["pieced"] == [False, True, True, False]

@@ -137,11 +137,11 @@ MUTABLE_MODULE_STATE = {
         "_settings": "deepspeed.checkpointing.configure() is process-wide in DeepSpeed",
         "_timings": "its timers, as DeepSpeed's",
     },
+    "core/donation.py": {"_DONATED": "states a step consumed, to refuse their reuse"},
     "core/gather.py": {"_RUNNING": "placeholders of the train_step running now (nested)"},
     "core/zero3_params.py": {
         "DESCRIBED": "parameters carrying ds_* attributes, partitioned or an engine's (weak)"
     },
-    "core/step.py": {"_DONATED": "states a step consumed, to refuse their reuse"},
     "engine/_reduction.py": {"_EXPLICIT": "engines inside backward(loss) now"},
     "engine/zero3_attributes.py": {"_ANSWERING": "engines needing the ds_* answer (weak)"},
     "native/_cuda.py": {"_state": "NVRTC, the driver and compiled modules, loaded once"},

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fzero
-import fzero.core.apply
+import fzero.core.whole_tensors
 from fzero import partition
 from fzero.partition import Plan, PlanError
 from tests._dist import run_world
@@ -140,13 +140,13 @@ def test_whole_tensors_at_stages_1_to_3_match_torch_optim_through_both_doors():
 
 def _muon_case(rank: int, world: int, strategy: str) -> dict:
     gathers = []
-    original = fzero.core.apply.gather_optimizer_shards
+    original = fzero.core.whole_tensors.gather_optimizer_shards
 
     def counting(*args, **kwargs):
         gathers.append(1)
         return original(*args, **kwargs)
 
-    fzero.core.apply.gather_optimizer_shards = counting
+    fzero.core.whole_tensors.gather_optimizer_shards = counting
     try:
         optimizer = fzero.optim.muon(ns_dtype="fp32", **HP)
         config = {**_config(2), "strategy": strategy}
@@ -158,7 +158,7 @@ def _muon_case(rank: int, world: int, strategy: str) -> dict:
             engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
     finally:
-        fzero.core.apply.gather_optimizer_shards = original
+        fzero.core.whole_tensors.gather_optimizer_shards = original
     return {"state": engine.state_dict(dtype=torch.float32), "gathers": len(gathers)}
 
 

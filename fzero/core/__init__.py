@@ -4,7 +4,8 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `state`: `TrainState` (a pytree: plan, counters, per-unit shards, loss scale, RNG);
 - `init`: building a `TrainState` from a model and a plan; what a door runs when the
   call and the config name no optimizer or schedule; consolidated weights;
-- `step`: `train_step`; `evaluate`: `eval_step`;
+- `step`: `train_step`; `evaluate`: `eval_step`; `donation`: what both check of a state
+  they take, and `train_step`'s donation of it;
 - `layout`: each unit's flat buffers and how a tensor's pieces sit in them;
 - `build`: the one unit builder (a unit's buffers on this rank from its values), which
   `init` and the engine use;
@@ -20,6 +21,8 @@ front doors run (`fzero.train_step` from `functional_call`, the engine from its 
 - `apply`: applying the update to every unit (native kernels, LAMB's two halves, the
   transactional and in-place NVMe steps) and publishing new parameters — the one update
   loop both doors run, over `layout.UnitRuntime` records;
+- `whole_tensors`: the update of an optimizer that needs whole tensors (`WholeTensors`,
+  e.g. Muon), which `apply` runs unit by unit;
 - `publish`: writing updated masters back to the compute-dtype parameters (the step's
   overlapped all-gathers, restores);
 - `residency`: where optimizer partitions live between steps (device, host, NVMe swap

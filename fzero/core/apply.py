@@ -7,10 +7,10 @@ coefficient) and the compute-dtype copy fused in. What the update needs across s
 what the optimizer declares (`Optimizer.needs`, see [Note: needs] in `fzero.optim`),
 never its name: per-tensor norms (LAMB's trust ratio) take two halves with one
 all-reduce of norms between them; whole tensors (Muon's Newton-Schulz) are gathered
-where the plan splits them. With NVMe residency the step is transactional: new state
-goes to the other slot, every rank agrees on success, then all commit or all roll back.
-New masters are written back to the compute-dtype parameters by all-gathers that overlap
-the next units' updates (`publish` ... `finish_publish`).
+where the plan splits them (`fzero.core.whole_tensors`). With NVMe residency the step is
+transactional: new state goes to the other slot, every rank agrees on success, then all
+commit or all roll back. New masters are written back to the compute-dtype parameters
+by all-gathers that overlap the next units' updates (`publish` ... `finish_publish`).
 
 Both doors run it over their units' runtime records (`UnitRuntime`): the engine over its
 own, `fzero.train_step` over records of its `TrainState`'s units.
@@ -19,7 +19,6 @@ own, `fzero.train_step` over records of its `TrainState`'s units.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -27,8 +26,8 @@ from torch import Tensor
 
 from fzero import native
 from fzero.core import nvme as _nvme
-from fzero.core.groups import gather_optimizer_shards, groups_of
-from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
+from fzero.core.groups import groups_of
+from fzero.core.layout import UnitRuntime
 from fzero.core.precision import narrowed, round_bf16_, rounding_seed, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Piece, Residency
@@ -43,10 +42,11 @@ from fzero.core.update import (
     tensor_norms,
     tensor_segments,
 )
+from fzero.core.whole_tensors import whole_tensors_update_
 from fzero.optim import NativeKernel, Optimizer, Schedule, TensorNorms, WholeTensors
-from fzero.partition import Placement, Plan, Unit
+from fzero.partition import Plan, Unit
 
-__all__ = ["OptimizerApplication", "StepClock", "check_needs", "owns_whole", "state_piece"]
+__all__ = ["OptimizerApplication", "StepClock", "check_needs"]
 
 
 class StepClock(NamedTuple):
@@ -257,84 +257,14 @@ class OptimizerApplication:
         self, rt: UnitRuntime, factor: float, lrs: list[float], needs: WholeTensors
     ) -> None:
         """One unit's step for an optimizer that needs whole tensors (`WholeTensors`, e.g.
-        Muon): `direction_` on each taken tensor's piece of this rank's partition; each
-        taken tensor's direction made whole (one all-gather of the unit's directions
-        where the partition is a shard), `whole` on it where this rank owns part of it,
-        `apply_` on that part; `rest_` for the unit's other tensors. Collective when
+        Muon): `fzero.core.whole_tensors.whole_tensors_update_` from the unit's gradient
+        scaled by `factor`, at its hyper-parameters for this step. Collective when
         sharded: every rank runs every unit in order."""
         grad = self.step_grad(rt)
         if factor != 1.0:
             grad.mul_(factor)
         hp = self.step_hparams(rt, lrs)
-        shapes = {pl.fqn: tuple(self.plan.manifest[pl.fqn].shape) for pl in rt.unit.placements}
-        taken = {fqn for fqn, shape in shapes.items() if needs.takes(fqn, shape, hp)}
-        state = rt.state
-        direction = torch.zeros_like(grad) if taken else None
-        segments = self.segments(rt)
-        for start, stop, fqn in segments:
-            g, p, piece = grad[start:stop], rt.master[start:stop], state_piece(state, start, stop)
-            if fqn in taken:
-                direction[start:stop] = needs.direction_(g, piece, p, hp)  # type: ignore[index]
-            else:
-                needs.rest_(g, piece, p, hp)
-        if direction is not None:
-            update = self.whole_update_of(rt, direction, taken, segments, hp, needs)
-            for start, stop, fqn in segments:
-                if fqn in taken:
-                    needs.apply_(rt.master[start:stop], update[start:stop], hp)
-        rt.state = state._replace(step=state.step + 1)
-
-    def whole_update_of(
-        self,
-        rt: UnitRuntime,
-        direction: Tensor,
-        taken: set[str],
-        segments: Segments,
-        hp: Any,
-        needs: WholeTensors,
-    ) -> Tensor:
-        """`needs.whole`'s update over this rank's partition of the unit, from the
-        partition's directions (gathered into the whole unit where sharded)."""
-        unit, part = rt.unit, self.partition(rt.unit)
-        mine = {fqn for start, stop, fqn in segments if fqn in taken and stop > start}
-        if part.stop - part.start != unit.numel and owns_whole(unit, taken):
-            return self._whole_here(unit, part, direction.to(self.device), mine, hp, needs)
-        whole = direction.to(self.device)
-        if part.stop - part.start != unit.numel or part.start != 0:
-            whole = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
-            direction = direction.to(self.device).contiguous()
-            groups = groups_of(self.plan)
-            gather_optimizer_shards(whole, direction, self.plan, rt.index, groups, async_op=False)
-        out = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-        for pl in unit.placements:
-            if pl.fqn in mine:
-                shape = self.plan.manifest[pl.fqn].shape
-                value = needs.whole(gather_pieces(whole, pl, shape), hp)
-                scatter_pieces(out, value.reshape(-1), pl)
-        return out[part]
-
-    def _whole_here(
-        self,
-        unit: Unit,
-        part: slice,
-        local: Tensor,
-        mine: set[str],
-        hp: Any,
-        needs: WholeTensors,
-    ) -> Tensor:
-        """`needs.whole` where this rank's partition holds each of its taken tensors whole
-        (`partition.whole_tensors`): no gather."""
-        out = torch.zeros_like(local)
-        for pl in unit.placements:
-            if pl.fqn in mine:
-                here = Placement(
-                    pl.fqn, tuple(replace(p, offset=p.offset - part.start) for p in pl.pieces)
-                )
-                value = needs.whole(
-                    gather_pieces(local, here, self.plan.manifest[pl.fqn].shape), hp
-                )
-                scatter_pieces(out, value.reshape(-1), here)
-        return out
+        whole_tensors_update_(self.plan, self.rank, rt, grad, hp, needs, device=self.device)
 
     def tensor_norms_step(self, factor: float, lrs: list[float], needs: TensorNorms) -> None:
         """A trust ratio is per tensor, and a tensor may span ranks: every unit's first
@@ -654,21 +584,3 @@ def check_needs(optimizer: Optimizer) -> None:
             f"optimizer {optimizer.name!r} declares native={optimizer.native!r}; allowed: "
             "None or fzero.optim.NativeKernel(...)"
         )
-
-
-def state_piece(state: Any, start: int, stop: int) -> Any:
-    """`state` with each tensor field sliced to `[start:stop]` (views; `step` as is)."""
-    fields = {k: v[start:stop] for k, v in state._asdict().items() if isinstance(v, Tensor)}
-    return state._replace(**fields)
-
-
-def owns_whole(unit: Unit, taken: set[str]) -> bool:
-    """Whether each of the unit's `taken` tensors lies within one rank's part (the same
-    answer on every rank: a property of the plan)."""
-    for placement in unit.placements:
-        if placement.fqn not in taken:
-            continue
-        ends = [(p.offset, p.offset + p.numel - 1) for p in placement.pieces if p.numel]
-        if len({unit.owner(offset) for pair in ends for offset in pair}) > 1:
-            return False
-    return True

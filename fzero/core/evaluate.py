@@ -13,6 +13,7 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.config import Config
+from fzero.core.donation import adopt_memory, check_state
 from fzero.core.gather import Placeholders, StateShards
 from fzero.core.gathering import GatherSettings
 from fzero.core.groups import check_same_plan
@@ -20,7 +21,6 @@ from fzero.core.init import config_for_plan
 from fzero.core.layout import gather_pieces
 from fzero.core.precision import precision_of, run_plan
 from fzero.core.state import TrainState
-from fzero.core.step import adopt_memory, check_state
 from fzero.partition import Plan
 
 __all__ = ["eval_step"]

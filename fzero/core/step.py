@@ -20,16 +20,15 @@ overflow, global norm, clipping, the in-place update), and stage 3's per-unit ga
 (`fzero.core.gather`). Gradients come from autograd over `loss_fn` or from a `grad_fn`
 built with any torch.func transform. The step *donates* its input state (as
 `jax.jit(..., donate_argnums=0)`): the returned state reuses its buffers, and passing the
-old state again is an error — ZeRO's memory promise does not survive a second copy of the
-model state. Copy first (`tree_map_only(torch.Tensor, torch.clone, state)`) to keep one.
+old state again is an error (`fzero.core.donation`) — ZeRO's memory promise does not
+survive a second copy of the model state. Copy first
+(`tree_map_only(torch.Tensor, torch.clone, state)`) to keep one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero.config import Config, accumulation_steps
 from fzero.core.apply import OptimizerApplication, StepClock
+from fzero.core.donation import adopt_memory, check_state, donate
 from fzero.core.gather import Placeholders, StateShards, placeholder
 from fzero.core.gathering import GatherSettings, UseTrace
 from fzero.core.groups import check_same_plan, groups_of
@@ -55,11 +55,10 @@ from fzero.core.update import decide_step, grad_stats
 from fzero.optim import Optimizer, adamw
 from fzero.partition import MeshPlan, Placement, Plan
 
-__all__ = ["check_state", "train_step"]
+__all__ = ["train_step"]
 
 LossFn = Callable[[dict[str, Tensor], Any], Any]
 GradFn = Callable[[dict[str, Tensor], Any], tuple[Tensor, Mapping[str, Tensor]]]
-_DONATED: dict[int, weakref.ref] = {}  # states a step has consumed, by id
 
 
 # ---- the step ------------------------------------------------------------------------------
@@ -272,7 +271,7 @@ class _Step:
         if counters.micro_steps % self.accumulation == 0:
             counters, loss_scale, units = run.boundary(counters, metrics)
         new = state.replace(units=units, counters=counters, loss_scale=loss_scale)
-        _donate(state)
+        donate(state)
         return new
 
     def _call(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -314,7 +313,7 @@ class _Step:
         if counters.micro_steps % self.accumulation == 0:
             counters, loss_scale, units = run.boundary(counters, metrics)
         new = state.replace(units=units, counters=counters, loss_scale=loss_scale, rng=new_rng)
-        _donate(state)
+        donate(state)
         return new, metrics
 
     def _take(self, state: TrainState) -> None:
@@ -330,49 +329,6 @@ class _Step:
         if self.schedule is None:
             return [base]
         return [self.schedule(lr_steps, base)]
-
-
-def adopt_memory(plan: Plan, state_plan: Plan) -> Plan:
-    """`state_plan` where it is `plan` with fields of `Plan.memory` that `plan` leaves at
-    the defaults stated, else `plan` (`check_state` then names the difference)."""
-    try:
-        merged = partition.with_memory(plan, state_plan.memory, "the state's plan")
-    except partition.PlanError:
-        return plan
-    return state_plan if merged == state_plan else plan
-
-
-def check_state(state: TrainState, plan: Plan, where: str) -> None:
-    """`state` is a TrainState of `plan`, not given to a step before (NVMe: its file
-    holds a whole step)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"{where}: state is a {type(state).__name__}; expected fzero.TrainState")
-    if state.plan is not plan and state.plan != plan:
-        said = ""
-        if dataclasses.replace(state.plan, memory=plan.memory) == plan:  # only where it lives
-            said = "".join(
-                f"; state.plan.memory.{f.name} is {getattr(state.plan.memory, f.name)!r}, the "
-                f"step's {getattr(plan.memory, f.name)!r}"
-                for f in dataclasses.fields(plan.memory)
-                if getattr(state.plan.memory, f.name) != getattr(plan.memory, f.name)
-            )
-            said += ": build the state (fzero.init) and the step with the same plan and config"
-        raise ValueError(f"{where}: state.plan is not the plan this step was made for{said}")
-    if state.residence is not None:
-        state.residence.check_usable()
-    seen = _DONATED.get(id(state))
-    if seen is not None and seen() is state:
-        raise ValueError(
-            f"{where}: this TrainState (micro-step {state.counters.micro_steps}) was given to "
-            "a step already, which updated its buffers in place: use the state that step "
-            "returned (copy with tree_map_only(torch.Tensor, torch.clone, state) to keep one)"
-        )
-
-
-def _donate(state: TrainState) -> None:
-    """Remember that `state`'s buffers now belong to the state a step returned."""
-    key = id(state)
-    _DONATED[key] = weakref.ref(state, lambda _: _DONATED.pop(key, None))
 
 
 @contextlib.contextmanager
@@ -667,6 +623,3 @@ def _check_grads(out: Any, plan: Plan) -> tuple[Tensor, dict[str, Tensor]]:
             f"allowed names: the plan's parameters ({len(plan.manifest.fqns)})"
         )
     return torch.as_tensor(loss), dict(grads)
-
-
-# ---- evaluation -----------------------------------------------------------------------------
