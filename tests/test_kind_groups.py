@@ -24,6 +24,8 @@ from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
 from tests.test_mixed_stages import _per_step, _predicted, _tensor_states, engine_resumes
+from tests.test_muon import HP as MUON
+from tests.test_muon import reference_run as muon_reference
 
 MICRO, ACCUM, STEPS, LR, CLIP = 2, 2, 3, 1e-2, 0.05
 MESH = {"node": 2, "local": 2}
@@ -239,6 +241,55 @@ def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
     assert ("all_to_all" in sent) == name.endswith(", node first"), sent  # the exchange
     print(partition.format_comm_volume(result["volume"]))
     print(f"max abs error vs torch.optim, 2x2 mesh, {name}: {error:.3g}")
+
+
+def muon_case(rank: int, world: int, name: str) -> dict:
+    """Muon (Newton-Schulz on each hidden matrix's whole direction, gathered from the
+    optimizer's quarters) on the finer split, one micro-step per step: the engine's
+    weights and the functional door's."""
+    stage = CASES[name][0]
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0}
+    config["zero_optimization"] = {"stage": stage}
+    torch.manual_seed(0)
+    engine = fzero.shard(
+        Net(),
+        stage=stage,
+        optimizer=fzero.optim.muon(ns_dtype="fp32", **MUON),
+        config=config,
+        strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
+    )
+    torch.manual_seed(0)
+    model = Net()
+    plan = _plan(name)
+    state = fzero.init(model, plan, fzero.optim.muon(ns_dtype="fp32", **MUON), config=config)
+    step = fzero.train_step(
+        _loss_fn(model), plan, fzero.optim.muon(ns_dtype="fp32", **MUON), config=config
+    )
+    for i in range(STEPS):
+        x, y = global_batch(i, MICRO * world)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+        state, _ = step(state, (x[rows], y[rows]))
+    result = {
+        "engine": engine.state_dict(dtype=torch.float32),
+        "step": fzero.state_dict(state, module=model),
+    }
+    engine.destroy()
+    return result
+
+
+@pytest.mark.slow  # four ranks, two plans
+def test_muon_gathers_whole_directions_from_the_quarters_in_either_order():
+    """A whole-tensor optimizer's direction is gathered from the optimizer's quarters
+    (exchanged back first in the order ("node", "local")): both orders and both doors
+    equal the single-process Muon reference."""
+    reference = muon_reference(WORLD, steps=STEPS)
+    for name in ("mics zero3-like", "mics zero3-like, node first"):
+        result = run_world(muon_case, WORLD, name)
+        for key, expected in reference.items():
+            assert torch.equal(result["engine"][key], result["step"][key]), (name, key)
+            torch.testing.assert_close(result["engine"][key], expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- replicas beside the finer split: pod x node x local, 8 processes ---------------------------
