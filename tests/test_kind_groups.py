@@ -86,14 +86,14 @@ def _optimizer() -> fzero.optim.Optimizer:
     return fzero.optim.adamw(lr=LR, weight_decay=0.01)
 
 
-def _engine(name: str, seed: int = 0):
+def _engine(name: str, seed: int = 0, config: dict | None = None):
     stage = CASES[name][0]
     torch.manual_seed(seed)
     return fzero.shard(
         Net(),
         stage=stage,
         optimizer=_optimizer(),
-        config=_config(stage),
+        config=config or _config(stage),
         strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
     )
 
@@ -290,6 +290,57 @@ def test_muon_gathers_whole_directions_from_the_quarters_in_either_order():
         for key, expected in reference.items():
             assert torch.equal(result["engine"][key], result["step"][key]), (name, key)
             torch.testing.assert_close(result["engine"][key], expected, rtol=1e-5, atol=1e-6)
+
+
+def nvme_case(rank: int, world: int, name: str, path: str | None, swap: bool) -> dict:
+    """The engine with the optimizer state in an NVMe swap file at `path` (None: in
+    memory), its gradient accumulators there too (`swap`) or in host memory; and
+    `train_step` on the engine's plan (its accumulators always in memory)."""
+    config = _config(CASES[name][0])
+    if path is not None:
+        offload = {"device": "nvme", "nvme_path": path, "swap_gradients": swap}
+        config["zero_optimization"]["offload_optimizer"] = offload
+    try:
+        engine = _engine(name, config=config)
+    except ValueError as error:
+        return {"refused": str(error)}
+    torch.manual_seed(0)
+    model = Net()
+    plan = engine.plan  # the config's memory in it: the swap file for train_step too
+    state = fzero.init(model, plan, _optimizer(), config=config)
+    step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=config)
+    for i in range(STEPS):
+        for a in range(ACCUM):
+            x, y = _rows(rank, i, a)
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+            state, _ = step(state, (x, y))
+    result = {
+        "state": engine.state_dict(dtype=torch.float32),
+        "step": fzero.state_dict(state, module=model),
+        "held": (engine.memory_held(), engine.memory_planned()),
+    }
+    engine.destroy()
+    return result
+
+
+@pytest.mark.slow  # four ranks, three runs
+def test_the_optimizer_on_nvme_beside_the_finer_split_keeps_its_gradients_in_memory(tmp_path):
+    """The boundary reduces each accumulated shard once more, in memory: gradients in the
+    swap file (the default at stages 2-3) are refused naming the key, and with
+    `swap_gradients: false` the run trains bit for bit as in memory, its accumulators
+    in host memory (the same bytes as the in-memory run's)."""
+    name = "mics zero3-like, node first"
+    refused = run_world(nvme_case, WORLD, name, str(tmp_path), True)["refused"]
+    assert "offload_optimizer.swap_gradients is true" in refused
+    assert "('node', 'local'), finer than its gradients (('local',))" in refused
+    memory = run_world(nvme_case, WORLD, name, None, False)
+    nvme = run_world(nvme_case, WORLD, name, str(tmp_path), False)
+    for key, value in memory["state"].items():
+        assert torch.equal(nvme["state"][key], value), key
+        assert torch.equal(nvme["step"][key], value), key  # train_step over the file
+    assert nvme["held"][0].grads == memory["held"][0].grads > 0
+    assert nvme["held"][0].optimizer_state == 0  # in the swap file
 
 
 # ---- replicas beside the finer split: pod x node x local, 8 processes ---------------------------

@@ -173,6 +173,17 @@ class Residency:
         # Stages 2-3 keep each unit's reduced gradient there too (ZeRO-Infinity), so the
         # host holds no whole-model buffer: read with the state at the step.
         self.grads_on_disk = self.plan.stage >= 2 and self.swap_gradients
+        if self.grads_on_disk and self.plan.optimizer_extra_size > 1:
+            assert self.plan.mesh is not None
+            raise ValueError(
+                "zero_optimization.offload_optimizer.swap_gradients is true (the default "
+                "with device 'nvme' at stages 2-3) but the plan splits the optimizer state "
+                f"over {self.plan.mesh.shard}, finer than its gradients "
+                f"({self.plan.mesh.grads_shard}): the accumulation boundary reduces each "
+                "accumulated gradient shard once more, which fzero runs in memory only; set "
+                "offload_optimizer.swap_gradients to false (the accumulators in host memory, "
+                "the optimizer state on NVMe) or split the optimizer as the gradients"
+            )
         if self.grads_on_disk:
             if self.plan.memory.grads == "bf16":
                 self.grad_dtype = torch.bfloat16
