@@ -40,6 +40,9 @@ CASES = {
     "zero2-like, node first": (2, False),
     "mics zero3-like, node first": (3, True),
     "zero1 embed + zero2-like, node first": (2, False),
+    # a ZeRO-1 unit in one bucket with a stage-0 unit: all-reduced whole with it, then at
+    # the boundary over the extra axes and exchanged as the others
+    "zero0 + zero1 in a bucket, node first": (2, False),
 }
 
 
@@ -50,17 +53,29 @@ def _order(name: str) -> tuple[str, str]:
 
 def _zero1(name: str) -> tuple[str, ...]:
     """The modules whose units keep whole gradients (ZeRO-1) beside the finer split."""
+    if name.startswith("zero0 + zero1"):
+        return ("head",)
     return ("embed",) if name.startswith("zero1 embed") else ()
 
 
+def _zero0(name: str) -> tuple[str, ...]:
+    """The modules whose units keep every kind whole (stage 0) beside the finer split."""
+    return ("blocks.1",) if name.startswith("zero0 + zero1") else ()
+
+
 def _rule(
-    params_split: bool, zero1: tuple[str, ...] = (), order: tuple[str, str] = ("local", "node")
+    params_split: bool,
+    zero1: tuple[str, ...] = (),
+    order: tuple[str, str] = ("local", "node"),
+    zero0: tuple[str, ...] = (),
 ):
     """Every unit: optimizer over `order`, gradients over ("local",) (whole for the
-    modules in `zero1`), params over ("local",) or whole."""
+    modules in `zero1`), params over ("local",) or whole; the modules in `zero0` whole."""
 
     def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
         local = mesh.sharding("local")
+        if unit.module in zero0:
+            return UnitSharding(mesh.replicated, mesh.replicated, mesh.replicated)
         return UnitSharding(
             params=local if params_split and not unit.persistent else mesh.replicated,
             grads=mesh.replicated if unit.module in zero1 else local,
@@ -72,13 +87,15 @@ def _rule(
 
 def _preset(name: str) -> partition.Custom:
     stage, params_split = CASES[name]
-    rule = _rule(params_split, _zero1(name), _order(name))
+    rule = _rule(params_split, _zero1(name), _order(name), _zero0(name))
     return partition.Custom("finer optimizer", rule, stage=stage)
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, name: str = "") -> dict:
     config = parity_config(MICRO, ACCUM, CLIP)
     config["zero_optimization"]["stage"] = stage
+    if _zero0(name):  # buckets that hold the stage-0 and the ZeRO-1 unit together
+        config["zero_optimization"]["reduce_bucket_size"] = 2000
     return config
 
 
@@ -93,7 +110,7 @@ def _engine(name: str, seed: int = 0, config: dict | None = None):
         Net(),
         stage=stage,
         optimizer=_optimizer(),
-        config=config or _config(stage),
+        config=config or _config(stage, name),
         strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
     )
 
@@ -119,17 +136,17 @@ def _loss_fn(model):
     return loss_fn
 
 
-def _check_holdings(
-    plan: partition.Plan, rank: int, units, params_split: bool, zero1: tuple[str, ...] = ()
-) -> None:
+def _check_holdings(plan: partition.Plan, rank: int, units, params_split: bool, name: str) -> None:
     """Each kind at its split on this process: the optimizer state and master a quarter
-    of the unit (the finer split: half if it were ignored), the gradient accumulator a
-    half (whole for the `zero1` modules' units), the parameters half or whole. `units`:
-    (grad, master, moments, params numels)."""
+    of the unit (the finer split: half if it were ignored; whole for the stage-0
+    modules' units), the gradient accumulator a half (whole for the ZeRO-1 and stage-0
+    modules' units), the parameters half or whole. `units`: (grad, master, moments,
+    params numels)."""
     for unit, (grad, master, moments, params) in zip(plan.units, units):
-        where = (unit.name, rank)
-        assert master == unit.numel // 4 and all(m == unit.numel // 4 for m in moments), where
-        assert grad == unit.numel // (1 if unit.module in zero1 else 2), where
+        where, whole = (unit.name, rank), unit.module in _zero0(name)
+        quarter = unit.numel // (1 if whole else 4)
+        assert master == quarter and all(m == quarter for m in moments), where
+        assert grad == unit.numel // (1 if unit.module in _zero1(name) or whole else 2), where
         assert params == (unit.numel // 2 if params_split else unit.numel), where
 
 
@@ -147,8 +164,8 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
         assert plan.mesh.permuted == (_order(name) == ("node", "local"))
         torch.manual_seed(0)
         model = Net()
-        state = fzero.init(model, plan, _optimizer(), config=_config(stage))
-        step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(stage))
+        state = fzero.init(model, plan, _optimizer(), config=_config(stage, name))
+        step = fzero.train_step(_loss_fn(model), plan, _optimizer(), config=_config(stage, name))
         engine_losses, step_losses = [], []
         sent: dict[str, tuple[int, int]] = {}
         for i in range(STEPS):
@@ -175,7 +192,7 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
                 for rt in engine.runtime.units
             ],
             params_split,
-            _zero1(name),
+            name,
         )  # fmt: skip
         _check_holdings(
             plan,
@@ -183,7 +200,7 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
             [(u.grad.numel(), u.master.numel(), _moments(u.optim), u.params.numel())
              for u in state.units],
             params_split,
-            _zero1(name),
+            name,
         )  # fmt: skip
         out[name] = {
             "losses": (engine_losses, step_losses),
@@ -223,6 +240,7 @@ def _reference() -> dict[str, torch.Tensor]:
         "mics zero3-like, node first",
         pytest.param("zero2-like, node first", marks=pytest.mark.slow),
         pytest.param("zero1 embed + zero2-like, node first", marks=pytest.mark.slow),
+        pytest.param("zero0 + zero1 in a bucket, node first", marks=pytest.mark.slow),
     ],
 )
 def test_an_optimizer_split_finer_than_the_gradients_runs_in_both_doors(name):
@@ -715,6 +733,11 @@ def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():
     other = dataclasses.replace(plan.mesh, optimizer_extra=("local",))
     assert other.permuted and other.grads_shard == ("node",)
     partition.validate(dataclasses.replace(plan, mesh=other))
+    # an axis of size 1 orders nothing: no exchange where it alone is out of place
+    single = partition.OnMesh(
+        (("node", 2), ("local", 2), ("x", 1)), ("x", "local", "node"), optimizer_extra=("node",)
+    )
+    assert single.gradient_order == ("local", "x", "node") and not single.permuted
     staged = dataclasses.replace(plan.units[0], stage=1)  # ZeRO-1 beside it runs
     partition.validate(dataclasses.replace(plan, units=(staged, *plan.units[1:])))
     numel = plan.units[0].numel

@@ -83,8 +83,11 @@ class OnMesh:
     @property
     def permuted(self) -> bool:
         """Whether the optimizer's shards are in another order than `gradient_order`
-        (a rank's optimizer shard then lies in another rank's gradient shard)."""
-        return self.gradient_order != self.shard
+        (a rank's optimizer shard then lies in another rank's gradient shard); axes of
+        size 1 order nothing."""
+        sizes = dict(self.axes)
+        moving = [a for a in self.gradient_order if sizes.get(a, 1) > 1]
+        return moving != [a for a in self.shard if sizes.get(a, 1) > 1]
 
 
 MEMORY_KINDS = ("device", "host", "nvme")

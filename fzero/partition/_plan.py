@@ -144,6 +144,17 @@ def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan
     return validate(replace(plan, memory=Memory(**merged)))
 
 
+def _reorder(index: int, sizes: dict[str, int], of: tuple[str, ...], to: tuple[str, ...]) -> int:
+    """The index along the axes `to` (row-major) of the rank whose index along `of` (the
+    same axes in another order) is `index`."""
+    coordinate = {}
+    for axis in reversed(of):
+        index, coordinate[axis] = divmod(index, sizes[axis])
+    for axis in to:
+        index = index * sizes[axis] + coordinate[axis]
+    return index
+
+
 def unit_stage(plan_stage: int, unit: Unit) -> int:
     """The ZeRO stage `unit` runs as in a plan of stage `plan_stage`: its own `stage`, or
     the plan's when it has none; a persistent unit (parameters kept whole) at stage 3
@@ -220,20 +231,13 @@ class Plan:
         where the optimizer's order is `OnMesh.permuted`."""
         if self.mesh is None or not self.mesh.permuted:
             return rank
-        sizes = dict(self.mesh.axes)
-        coordinate = {}
-        for axis in reversed(self.mesh.shard):  # `rank` is row-major along `shard`
-            rank, coordinate[axis] = divmod(rank, sizes[axis])
-        index = 0
-        for axis in self.mesh.gradient_order:
-            index = index * sizes[axis] + coordinate[axis]
-        return index
+        return _reorder(rank, dict(self.mesh.axes), self.mesh.shard, self.mesh.gradient_order)
 
     def rank_in_plan_order(self, index: int) -> int:
         """The plan rank whose `rank_in_gradient_order` is `index` (its inverse)."""
         if self.mesh is None or not self.mesh.permuted:
             return index
-        return next(r for r in range(self.world_size) if self.rank_in_gradient_order(r) == index)
+        return _reorder(index, dict(self.mesh.axes), self.mesh.gradient_order, self.mesh.shard)
 
     def grads_rank(self, rank: int) -> int:
         """Plan rank `rank`'s index in the gradients' group (`grads_world_size` ranks)."""
