@@ -40,8 +40,8 @@ CASES = {
     "zero2-like, node first": (2, False),
     "mics zero3-like, node first": (3, True),
     "zero1 embed + zero2-like, node first": (2, False),
-    # a ZeRO-1 unit in one bucket with a stage-0 unit: all-reduced whole with it, then at
-    # the boundary over the extra axes and exchanged as the others
+    # a ZeRO-1 unit in one bucket with a stage-0 unit: all-reduced whole with it over
+    # every process, so its average is in place and nothing moves at the boundary
     "zero0 + zero1 in a bucket, node first": (2, False),
 }
 

@@ -41,7 +41,7 @@ units of one kind only (`fzero.partition.reduction_buckets`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -141,6 +141,9 @@ class Reduction:
         self.bits = bits
         self.world = plan.grads_world_size  # the gradients' group
         self.whole = [stage < 2 for stage in plan.stages]  # gradients all-reduced whole
+        # ZeRO-1 units whose bucket is all-reduced over every process (beside stage-0
+        # units): their whole average is everywhere, `reduce_to_optimizer_shards` skips them
+        self.reduced_whole: set[int] = set()
         self.groups = groups_of(plan)
         check_even(plan, quantized, "zero_quantized_gradients (qgZ)")
         check_finer(plan, quantized, "zero_quantized_gradients (qgZ)")
@@ -319,6 +322,7 @@ class Reduction:
             if span is not None and all(self.plan.stage_of(i) == 1 for i in indices):
                 self._launches.append(self._reduce_to_shards(indices, span, grads))
                 return
+            self.reduced_whole.update(i for i in indices if self.plan.stage_of(i) == 1)
             launched: Pending = []
             for tensor in [span] if span is not None else grads:
                 wire = tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
@@ -439,6 +443,7 @@ def reduce_to_optimizer_shards(
     grads: Sequence[Tensor],
     groups: Groups,
     wire_dtype: torch.dtype = torch.float32,
+    reduced_whole: Collection[int] = (),
 ) -> None:
     """At the accumulation boundary of a plan whose optimizer state is split finer than
     its gradients (`Plan.optimizer_extra_size` > 1): average each stage 1-3 unit's
@@ -449,13 +454,15 @@ def reduce_to_optimizer_shards(
     partition); where the optimizer's order differs (`OnMesh.permuted`) each block is
     first exchanged for the one of this rank's optimizer shard (`exchange_block`). The
     rest of the accumulator is stale until the step zeroes it. Collective; nothing
-    otherwise. `wire_dtype`: the dtype the sums travel in, as the micro-steps'."""
+    otherwise. `wire_dtype`: the dtype the sums travel in, as the micro-steps'.
+    `reduced_whole`: ZeRO-1 units whose whole gradient was all-reduced over every process
+    (`Reduction.reduced_whole`): their average is in place already, nothing moves."""
     if plan.optimizer_extra_size == 1:
         return
     pending: Pending = []
     for index, unit in enumerate(plan.units):
         stage = plan.stage_of(unit)
-        if stage == 0:
+        if stage == 0 or index in reduced_whole:
             continue
         accumulated, part = grads[index], plan.optimizer_in_grads(unit, rank)
         if stage == 1:  # its whole accumulator, reduced into this gradient shard already

@@ -513,7 +513,8 @@ class _Micro:
         dynamic = scaler is not None and scaler.dynamic
         grads = [u.grad for u in self.state.units]
         wire = gradient_wire_dtype(config)
-        reduce_to_optimizer_shards(plan, self.rank, grads, groups_of(plan), wire)
+        whole = self.reduction.reduced_whole  # ZeRO-1 units all-reduced beside stage 0's
+        reduce_to_optimizer_shards(plan, self.rank, grads, groups_of(plan), wire, whole)
         stats = [
             grad_stats(self._owned_grad(i), clipping=config.gradient_clipping, dynamic=dynamic)
             for i in range(len(plan.units))

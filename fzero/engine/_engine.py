@@ -285,6 +285,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
                     lrs=self.hyperparams.current_lrs(), skipped=self.skipped_steps,
                     clock=StepClock(self.lr_steps, self.global_steps + 1),
                     wire_dtype=gradient_wire_dtype(self.config),
+                    reduced_whole=self.reduction.core.reduced_whole,
                 )  # fmt: skip
         except (OSError, LossScaleError):  # not applied (NVMe I/O, fp16 stuck at the minimum)
             self.micro_steps -= 1

@@ -4,7 +4,7 @@ runtime's units, then its optimizer application) and its learning rates
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -56,13 +56,15 @@ def take_step(
     clock: StepClock,
     skipped: int,
     wire_dtype: torch.dtype = torch.float32,
+    reduced_whole: Collection[int] = (),
 ) -> StepDecision:
     """The step at an accumulation boundary: the accumulated gradient shards reduced into
     the optimizer's where it is split finer (`reduce_to_optimizer_shards`, in
-    `wire_dtype`), decide (collective), then skip it (fp16 overflow) or update every
-    unit; gradients zeroed either way."""
+    `wire_dtype`; but `reduced_whole`'s, all-reduced whole already), decide
+    (collective), then skip it (fp16 overflow) or update every unit; gradients zeroed
+    either way."""
     grads = [rt.grad for rt in units]
-    reduce_to_optimizer_shards(plan, groups.rank, grads, groups, wire_dtype)
+    reduce_to_optimizer_shards(plan, groups.rank, grads, groups, wire_dtype, reduced_whole)
     decision = decide_step(
         unit_grad_stats(units, plan, groups.rank, residency, grad_stats),
         loss_scaler=loss_scaler,

@@ -324,14 +324,6 @@ def _mesh_volume(
         size = sum(units[i].numel for b in whole_buckets if b not in zero1 for i in b)
         add("all_reduce", "gradients", every, len(whole_buckets) - len(zero1), size * grad_bytes)
     grads_group = _gradients_group(plan)
-    for bucket in whole_buckets:  # ZeRO-1 units all-reduced with stage-0 units beside them
-        for i in bucket if bucket not in zero1 else ():  # (those of a finer split: then
-            axes = plan.shardings[i].optimizer.shard  # over the extra axes, as the others)
-            if _zero1(plan, i) and 0 < len(grads_group) < len(axes) and _finer(axes, grads_group):
-                beyond = tuple(a for a in every if a in axes and a not in grads_group)
-                shard_bytes = units[i].numel // mesh.group_size(grads_group) * grad_bytes
-                add("reduce_scatter", "gradients across replicas", beyond, 1, shard_bytes)
-                _add_exchange(plan, i, grads_group, grad_bytes, "gradients", add)
     for bucket in zero1:  # at the boundary, into the optimizer's shards (as stage 2's)
         axes = plan.shardings[bucket[0]].optimizer.shard
         # where the optimizer is split finer than other units' gradients: within their
