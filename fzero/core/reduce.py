@@ -51,6 +51,7 @@ from fzero.core.groups import Groups, check_even, check_finer, exchange_block, g
 from fzero.core.layout import add_pieces
 from fzero.core.reduce_bucket import Pending, finish, nothing, reduce_bucket
 from fzero.core.reduce_pieces import Pieces
+from fzero.core.state import optimizer_partition
 from fzero.partition import Placement, Plan, Unit
 
 __all__ = ["Reduction", "any_rank", "bucket_accumulators", "reduce_to_optimizer_shards"]
@@ -472,10 +473,9 @@ def reduce_to_optimizer_shards(
         what = f"{_grads_of([index])} across replicas"
         group = groups.optimizer
         work = comm.reduce_scatter_into(block, wire, async_op=True, what=what, group=group)
-        target = accumulated[part]
-        if stage == 1:  # kept where the update reads a ZeRO-1 unit's: its partition
-            start, stop = unit.shard_range(rank)
-            target = grads[index][start:stop]
+        # kept where the update reads it: a ZeRO-1 unit's at its optimizer partition
+        mine = optimizer_partition(plan, unit, rank)
+        target = grads[index][mine] if stage == 1 else accumulated[part]
         pending.append((work, functools.partial(_keep_block, target, block, groups, index)))
     finish(pending)
 
