@@ -87,11 +87,13 @@ def measured_case(rank: int, world: int, cases: list[tuple]) -> dict:
             regathered=engine.gatherer.regathered,
             loss_scaling=precision == "fp16",
             optimizer=name.lower(),
+            whole_tensors=_muon_takes(engine.plan) if name == "Muon" else (),
         )
         out[(stage, precision, reuse, name, *strategy)] = {
             "sent": sent,
             "predicted": _by_operation(predicted),
             "same": predicted == pure,
+            "whats": {r.what for r in predicted},
             "regathered": sorted(engine.gatherer.regathered),
             "persistent": sum(u.persistent for u in engine.plan.units),
         }
@@ -108,7 +110,20 @@ CASES = [
     (3, "fp16", 1_000_000_000, "Lamb"),  # every unit kept from forward into backward
     (1, "fp32", 0, "AdamW", "whole_tensors"),  # uneven shards: gathers padded on the wire
     (3, "fp32", 0, "AdamW", "whole_tensors"),
+    # Muon's hidden matrices: their directions gathered whole once per step
+    (1, "fp32", 0, "Muon"),
+    (3, "fp32", 0, "Muon"),
+    (2, "fp32", 0, "Muon", "whole_tensors"),  # each matrix on one rank: nothing gathered
 ]
+
+
+def _muon_takes(plan) -> set[str]:
+    """The tensors Muon updates whole by default: 2-D, not named embed or lm_head."""
+    return {
+        t.fqn
+        for t in plan.manifest.tensors
+        if len(t.shape) >= 2 and not any(w in t.fqn for w in ("embed", "lm_head"))
+    }
 
 
 def test_a_step_sends_what_comm_volume_predicts():
@@ -119,6 +134,11 @@ def test_a_step_sends_what_comm_volume_predicts():
     assert results[(3, "fp32", 0, "AdamW")]["regathered"]  # the backward re-gathers counted
     assert results[(3, "fp16", 1_000_000_000, "Lamb")]["regathered"] == []
     assert results[(3, "fp16", 1_000_000_000, "Lamb")]["persistent"]  # persistent units too
+    for case in [(1, "fp32", 0, "Muon"), (3, "fp32", 0, "Muon")]:
+        assert "whole-tensor directions" in results[case]["whats"], case
+    assert (
+        "whole-tensor directions" not in results[(2, "fp32", 0, "Muon", "whole_tensors")]["whats"]
+    )
 
 
 def test_comm_volume_rows_by_stage():

@@ -286,12 +286,16 @@ def muon_case(rank: int, world: int, name: str) -> dict:
     for i in range(STEPS):
         x, y = global_batch(i, MICRO * world)
         rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        before = comm.traffic()
         engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
         engine.step()
+        sent = _per_step(before, comm.traffic(), 1)  # the last step's (a trace recorded)
         state, _ = step(state, (x[rows], y[rows]))
     result = {
         "engine": engine.state_dict(dtype=torch.float32),
         "step": fzero.state_dict(state, module=model),
+        "traffic": (sent, _predicted(engine)),
+        "directions": [r for r in engine.comm_volume() if "directions" in r.what],
     }
     engine.destroy()
     return result
@@ -308,6 +312,11 @@ def test_muon_gathers_whole_directions_from_the_quarters_in_either_order():
         for key, expected in reference.items():
             assert torch.equal(result["engine"][key], result["step"][key]), (name, key)
             torch.testing.assert_close(result["engine"][key], expected, rtol=1e-5, atol=1e-6)
+        sent, predicted = result["traffic"]
+        assert sent == predicted, (name, sent, predicted)  # the directions' gathers counted
+        hops = {(r.operation, r.axes) for r in result["directions"]}
+        assert {("all_gather", ("node",)), ("all_gather", ("local",))} <= hops, hops
+        assert (("all_to_all", ("node", "local")) in hops) == name.endswith("node first")
 
 
 def nvme_case(rank: int, world: int, name: str, path: str | None, swap: bool) -> dict:
@@ -721,6 +730,17 @@ def test_the_optimizer_s_axes_in_any_order_around_the_gradients_run_as_an_exchan
         "updated params to grad blocks",
     }
     assert all(r.operation == "all_to_all" and r.wire_bytes == r.bytes for r in exchanges)
+    # a whole-tensor optimizer's directions: back to the grad blocks, then gathered whole
+    unit = plan.units[plan.unit_of("blocks.0.0.weight")]
+    rows = partition.comm_volume(plan, whole_tensors={"blocks.0.0.weight"})
+    directions = {(r.operation, r.axes): r.bytes for r in rows if "directions" in r.what}
+    assert directions == {
+        ("all_to_all", order): unit.numel // 8 * 4,
+        ("all_gather", ("pod", "node")): unit.numel // 2 * 4,
+        ("all_gather", ("local",)): unit.numel * 4,
+    }
+    with pytest.raises(PlanError, match="whole_tensors names 'nope', which is not a tensor"):
+        partition.comm_volume(plan, whole_tensors={"nope"})
 
 
 def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():

@@ -27,7 +27,7 @@ from fzero.core.layout import UnitRuntime, gather_pieces, scatter_pieces
 from fzero.core.state import optimizer_partition
 from fzero.core.update import Segments, tensor_segments
 from fzero.optim import WholeTensors
-from fzero.partition import Placement, Plan, Unit
+from fzero.partition import Placement, Plan, Unit, spans_parts
 
 __all__ = ["owns_whole", "state_piece", "whole_tensors_update_", "whole_update"]
 
@@ -90,7 +90,8 @@ def whole_update(
         whole = torch.empty(unit.numel, dtype=torch.float32, device=device)
         direction = direction.to(device).contiguous()
         groups = groups_of(plan)
-        gather_optimizer_shards(whole, direction, plan, rt.index, groups, async_op=False)
+        what = f"whole-tensor directions of unit {rt.index} {unit.name!r}"
+        gather_optimizer_shards(whole, direction, plan, rt.index, groups, what=what, async_op=False)
     out = torch.zeros(unit.numel, dtype=torch.float32, device=device)
     for pl in unit.placements:
         if pl.fqn in mine:
@@ -130,11 +131,5 @@ def state_piece(state: Any, start: int, stop: int) -> Any:
 
 def owns_whole(unit: Unit, taken: set[str]) -> bool:
     """Whether each of the unit's `taken` tensors lies within one rank's part (the same
-    answer on every rank: a property of the plan)."""
-    for placement in unit.placements:
-        if placement.fqn not in taken:
-            continue
-        ends = [(p.offset, p.offset + p.numel - 1) for p in placement.pieces if p.numel]
-        if len({unit.owner(offset) for pair in ends for offset in pair}) > 1:
-            return False
-    return True
+    answer on every rank: a property of the plan, `partition.spans_parts`)."""
+    return not spans_parts(unit, taken)

@@ -24,7 +24,7 @@ from fzero.core.state import Counters, TrainState, UnitState
 from fzero.core.swap_units import SwapFileUnits
 from fzero.engine._runtime import Runtime
 from fzero.engine.zero3_attributes import AliasAnswers
-from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale, TensorNorms
+from fzero.optim import DynamicLossScale, LossScaleState, StaticLossScale, TensorNorms, WholeTensors
 from fzero.partition import MemoryEstimate
 
 __all__ = [
@@ -216,4 +216,19 @@ def comm_volume(
         quantized_gradients=zero.zero_quantized_gradients,
         quantized_gradient_bits=zero.zero_quantized_gradients_bits,
         grad_wire_dtype=partition.dtype_name(gradient_wire_dtype(config)),
+        whole_tensors=_taken_whole(runtime),
     )
+
+
+def _taken_whole(runtime: Runtime) -> set[str]:
+    """The tensors the optimizer updates whole (`WholeTensors.takes`, at each unit's
+    param group's hyper-parameters): none for an optimizer without that need."""
+    needs, manifest = runtime.optimizer.needs, runtime.plan.manifest
+    if not isinstance(needs, WholeTensors):
+        return set()
+    return {
+        pl.fqn
+        for rt in runtime.units
+        for pl in rt.unit.placements
+        if needs.takes(pl.fqn, tuple(manifest[pl.fqn].shape), rt.hparams)
+    }

@@ -77,6 +77,7 @@ PURPOSES = (
     "gradient norm",
     "fp16 overflow flag",
     "LAMB tensor norms",
+    "whole-tensor directions",
     "left-over gradients check",
     "telemetry",
 )
@@ -102,6 +103,8 @@ def purpose_of(what: str, within: str, backward: bool) -> str:
         if what.endswith("across replicas"):
             return "gradients across replicas"
         return "gradients" + (f" {what[-6:]}" if what.endswith(("(int8)", "(int4)")) else "")
+    if what.startswith("whole-tensor directions"):
+        return "whole-tensor directions"
     return _RENAMED.get(what, what or "unnamed")
 
 

@@ -68,6 +68,7 @@ from fzero.partition._queries import (
     owner_of,
     reduction_buckets,
     reshard_reads,
+    spans_parts,
 )
 from fzero.partition._strategies import (
     BUILT_IN,
@@ -166,6 +167,7 @@ __all__ = [
     "reshard_reads",
     "set_unit_memory",
     "set_unit_stages",
+    "spans_parts",
     "stage_shardings",
     "strategy_from_name",
     "to_bytes",

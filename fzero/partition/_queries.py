@@ -23,6 +23,7 @@ __all__ = [
     "owner_of",
     "reduction_buckets",
     "reshard_reads",
+    "spans_parts",
 ]
 
 
@@ -147,6 +148,25 @@ def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
                 return unit.owner(piece.offset + flat_index - piece.start)
     numel = plan.manifest[name].numel
     raise IndexError(f"index {flat_index} is out of range for tensor {fqn!r} of {numel} elements")
+
+
+def spans_parts(unit: Unit, fqns: frozenset[str] | set[str], block: int | None = None) -> bool:
+    """Whether one of `unit`'s tensors named in `fqns` spans two ranks' parts: of its
+    uneven bounds, or of even blocks of `block` elements (default `Unit.shard_numel`).
+    An optimizer that updates such tensors whole (`fzero.optim.WholeTensors`) gathers
+    the unit's directions then; where none does (`whole_tensors`), nothing moves."""
+    size = unit.shard_numel if block is None else block
+
+    def owner(offset: int) -> int:
+        return unit.owner(offset) if unit.bounds else offset // size
+
+    for placement in unit.placements:
+        if placement.fqn in fqns:
+            pieces = [p for p in placement.pieces if p.numel]
+            ends = [e for p in pieces for e in (p.offset, p.offset + p.numel - 1)]
+            if len({owner(e) for e in ends}) > 1:
+                return True
+    return False
 
 
 def _canonical(plan: Plan, alias: str) -> str:

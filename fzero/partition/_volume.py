@@ -32,7 +32,7 @@ from fzero.partition._mesh_plan import (
     publish_hops,
 )
 from fzero.partition._plan import Plan, PlanError, Unit
-from fzero.partition._queries import grads_split, reduction_buckets
+from fzero.partition._queries import grads_split, reduction_buckets, spans_parts
 
 __all__ = ["Collective", "comm_volume", "format_comm_volume", "volume_by_axes"]
 
@@ -86,6 +86,7 @@ def comm_volume(
     quantized_gradients: bool = False,
     quantized_gradient_bits: int = 8,
     grad_wire_dtype: str = "float32",
+    whole_tensors: Iterable[str] = (),
 ) -> list[Collective]:
     """The collectives one optimizer step of the engine issues under `plan`.
 
@@ -117,6 +118,16 @@ def comm_volume(
     `grad_wire_dtype` (DeepSpeed's `communication_data_type`): the dtype gradients travel
     in when reduced (fp32 by default; "bfloat16"/"float16": half the bytes).
 
+    `whole_tensors`: the tensors (fqns) whose update is a function of the whole tensor
+    (an optimizer declaring `fzero.optim.WholeTensors`, e.g. Muon's hidden matrices). A
+    unit holding one, with its optimizer state split so that such a tensor spans two
+    ranks' parts, gathers its fp32 directions whole once per step ("whole-tensor
+    directions"), as its updated parameters are published (an all-gather, or a
+    broadcast per owned part of an uneven unit; with an optimizer split finer than the
+    gradients, in two hops after the exchange back where the orders differ); one whose
+    every such tensor lies within one rank's part (`partition.whole_tensors`) gathers
+    nothing.
+
     Each unit counts as its own stage (`Plan.stage_of`): a plan of ZeRO-1 embeddings and
     ZeRO-3 blocks reduces the embeddings' buckets into their shards once per step and
     the blocks' every micro-step.
@@ -135,6 +146,12 @@ def comm_volume(
         raise PlanError(f"quantized_gradient_bits is {quantized_gradient_bits!r}; allowed: [4, 8]")
     grad_bytes = dtype_of(grad_wire_dtype).itemsize
     norms = optimizer == "lamb" if tensor_norms is None else tensor_norms
+    taken = frozenset(whole_tensors)
+    unknown = sorted(taken - {t.fqn for t in plan.manifest.tensors})
+    if unknown:
+        raise PlanError(
+            f"whole_tensors names {unknown[0]!r}, which is not a tensor of the plan's manifest"
+        )
     if isinstance(plan, Plan) and plan.mesh is not None:
         plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
@@ -148,6 +165,7 @@ def comm_volume(
             scatter_as_all_reduce=scatter_as_all_reduce,
             quantized=(quantized_weights, quantized_gradients, quantized_gradient_bits),
             grad_bytes=grad_bytes,
+            whole_tensors=taken,
         )
     world, stage, steps = plan.world_size, plan.stage, accumulation_steps
     if world == 1:
@@ -185,6 +203,10 @@ def comm_volume(
     sharded = [u for u in units if plan.stage_of(u) == 3]
     whole = [u for u in units if plan.stage_of(u) in (1, 2)]
     _add_gathers_of(whole, world, param_bytes, 1, "parameters after the update", add)
+    directions = [
+        u for u in units if plan.stage_of(u) >= 1 and spans_parts(u, taken, u.shard_numel)
+    ]
+    _add_gathers_of(directions, world, _DIRECTION_BYTES, 1, _DIRECTIONS, add)
     again = [units[i] for i in sorted(set(regathered))]
     if any(plan.stage_of(u) != 3 for u in again):
         raise PlanError("regathered names units stage 3 does not gather (persistent, or stage < 3)")
@@ -203,6 +225,10 @@ def comm_volume(
     checks = steps if stage >= 2 else 1  # per micro-step once any unit's are split
     add("all_reduce", "left-over gradients check", checks, 4 * checks)
     return rows
+
+
+_DIRECTIONS = "whole-tensor directions"
+_DIRECTION_BYTES = 4  # an update's directions are fp32
 
 
 def _owners(unit: Unit) -> int:
@@ -276,6 +302,7 @@ def _mesh_volume(
     scatter_as_all_reduce: bool = False,
     quantized: tuple[bool, bool, int] = (False, False, 8),
     grad_bytes: int = _GRAD_BYTES,
+    whole_tensors: frozenset[str] = frozenset(),
 ) -> list[Collective]:
     """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
 
@@ -297,7 +324,8 @@ def _mesh_volume(
     - after the update, the parameter shard gathered from optimizer shards over the
       optimizer's axes after the parameters' (ZeRO-1/2: the world; ZeRO-3: none), in the
       hops `publish_hops` says (a finer optimizer split: its extra axes, then the
-      gradients' beyond the parameters');
+      gradients' beyond the parameters'); a unit's `whole_tensors` directions
+      gathered whole the same way, from the optimizer's axes (all of them);
     - forward gathers every unit with split parameters over `params.shard` per
       micro-step (one gather per axis, outermost first, when hierarchical: MiCS's
       hierarchical all-gather); backward re-gathers the units in `regathered`, from hpZ's
@@ -373,6 +401,7 @@ def _mesh_volume(
         for hop in publish_hops(sharding, grads_group, mesh):  # each multiplies what it holds
             gathered *= mesh.group_size(hop)
             add("all_gather", "parameters after the update", hop, 1, gathered * param_bytes)
+        _add_directions(plan, index, grads_group, whole_tensors, add)
     for what, indices in (
         ("parameters for forward", range(len(units))),
         ("parameters for backward", regathered),
@@ -397,7 +426,35 @@ def _mesh_volume(
 _EXCHANGES = {
     "gradients": "gradients to optimizer shards",
     "parameters": "updated params to grad blocks",
+    "directions": "directions to grad blocks",
 }
+
+
+def _add_directions(
+    plan: MeshPlan,
+    index: int,
+    gradients: tuple[str, ...],
+    taken: frozenset[str],
+    add: Callable[[str, str, tuple[str, ...], int, int], None],
+) -> None:
+    """Unit `index`'s fp32 directions gathered whole once per step where one of its
+    `taken` tensors spans two optimizer shards: the publishing gathers' hops from none of
+    the parameters' axes (after the exchange back where the orders differ)."""
+    unit, sharding = plan.units[index], plan.shardings[index]
+    size = plan.mesh.group_size(sharding.optimizer.shard)
+    if size == 1 or not spans_parts(unit, taken, unit.numel // size):
+        return
+    _add_exchange(plan, index, gradients, _DIRECTION_BYTES, "directions", add)
+    whole = dataclasses.replace(
+        sharding,
+        params=plan.mesh.replicated,
+        params_secondary=None,
+        hierarchical_params_gather=False,
+    )
+    gathered = unit.numel // size
+    for hop in publish_hops(whole, gradients, plan.mesh):  # each multiplies what it holds
+        gathered *= plan.mesh.group_size(hop)
+        add("all_gather", _DIRECTIONS, hop, 1, gathered * _DIRECTION_BYTES)
 
 
 def _add_exchange(
