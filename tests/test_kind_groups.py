@@ -367,7 +367,10 @@ def test_the_optimizer_on_nvme_beside_the_finer_split_keeps_its_gradients_in_mem
         assert torch.equal(nvme["state"][key], value), key
         assert torch.equal(nvme["step"][key], value), key  # train_step over the file
     assert nvme["held"][0].grads == memory["held"][0].grads > 0
-    assert nvme["held"][0].optimizer_state == 0  # in the swap file
+    held, planned = nvme["held"]
+    assert held == planned  # the masters and state in the swap file, the sums in memory
+    assert held.nvme == held.master + held.optimizer_state > 0
+    assert held.device == memory["held"][0].device - held.nvme
 
 
 # ---- replicas beside the finer split: pod x node x local, 8 processes ---------------------------

@@ -98,7 +98,9 @@ def state_dict(
 
 
 def memory_held(runtime: Runtime) -> MemoryEstimate:
-    """Bytes of every model-state tensor this rank holds now, by kind (no duplicates)."""
+    """Bytes of every model-state tensor this rank holds now, by kind (no duplicates),
+    with those in host memory off the device (`host`) and in swap files (`nvme`: one
+    copy of each unit's states the files keep, by their dtypes)."""
     seen: set[int] = set()
 
     def size(t: Tensor | None) -> int:
@@ -110,27 +112,47 @@ def memory_held(runtime: Runtime) -> MemoryEstimate:
         seen.add(key)
         return t.untyped_storage().nbytes()
 
-    params = master = grads = state = offloaded = 0
+    residency, store, plan = runtime.residency, runtime.param_shards.store, runtime.plan
+    params = master = grads = state = host = nvme = 0
     for rt in runtime.units:
-        params += size(rt.full) + size(rt.param_shard) + size(runtime.gatherer.units[rt.index].full)
+        shard = size(rt.param_shard)
+        if store.on_disk(rt.index):
+            shard = plan.grads_size(rt.unit, runtime.rank) * runtime.compute_dtype.itemsize
+            nvme += shard
+        elif plan.params_memory(rt.index) == "host":
+            host += shard
+        params += size(rt.full) + shard + size(runtime.gatherer.units[rt.index].full)
         if rt.full is None and rt.param_shard is None:
             params += size(rt.master)  # fp32 stage 3: the master is the shard
         for p, _, _ in rt.params:
             params += size(p.data)
-        unit_master = size(rt.master)
-        unit_state = sum(size(t) for t in rt.state if isinstance(t, Tensor))
+        if residency.holds(rt.index):  # in the file: what memory holds is a buffer
+            numel = residency.partition_numel(rt.unit)
+            unit_master = numel * residency.kind_bytes(0)
+            unit_state = sum(
+                numel * residency.kind_bytes(k) for k in range(1, len(residency.kinds))
+            )
+            nvme += unit_master + unit_state
+        else:
+            unit_master = size(rt.master)
+            unit_state = sum(size(t) for t in rt.state if isinstance(t, Tensor))
+            host += unit_master + unit_state if residency.offloaded[rt.index] else 0
         master, state = master + unit_master, state + unit_state
-        grads += size(rt.grad)
-        if runtime.residency.offloaded[rt.index]:
-            offloaded += unit_master + unit_state
+        if residency.grad_on_disk(rt.index):
+            unit_grad = plan.grads_size(rt.unit, runtime.rank) * residency.grad_dtype.itemsize
+            nvme += unit_grad
+        else:
+            unit_grad = size(rt.grad)
+        grads += unit_grad
     grads += runtime.reduction.held_bytes()  # bucket buffers of a reduction in flight
     return MemoryEstimate(
         params=params,
         master=master,
         grads=grads,
         optimizer_state=state,
-        offload_optimizer=runtime.residency.offload,
-        offloaded=offloaded,
+        offload_optimizer=residency.offload,
+        offloaded=host,
+        nvme=nvme,
     )
 
 
@@ -147,6 +169,7 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         master_dtype=None,  # the plan's, unit by unit (`Plan.master_dtype`)
         state_dtype=None,  # and `Plan.states_dtype`
         eval_live_parameters=eval_live_parameters,
+        swap_gradients=runtime.residency.swap_gradients,
     )
 
 

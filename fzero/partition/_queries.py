@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh import KINDS
 from fzero.partition._mesh_plan import MeshPlan
-from fzero.partition._plan import Memory, Plan, PlanError, Unit
+from fzero.partition._plan import MEMORY_KINDS, Memory, Plan, PlanError, Unit
 
 __all__ = [
     "LocalSlice",
@@ -214,11 +215,14 @@ def optimizer_state_slots(optimizer: str | int | object) -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds for model states (no activations, no buffers).
+    """Bytes one rank holds for model states (no activations, no buffers), by kind,
+    wherever they live, and how many of them live off the compute device.
 
-    `params`: the compute-dtype parameters; `master`: fp32 master copy (only
-    when params are not fp32); `grads`; `optimizer_state`. With optimizer
-    offload, master and optimizer state are host bytes.
+    `params`: the compute-dtype parameters; `master`: the master copy (none where the
+    parameters in the master's dtype are it); `grads`: the gradient accumulators;
+    `optimizer_state`: the optimizer's moments. `host`: those bytes in host memory
+    (offloaded: `offload_optimizer` / `offload_param` "cpu"); `nvme`: those in swap
+    files (one copy each; "nvme"); `device`: the rest.
     """
 
     params: int
@@ -232,8 +236,15 @@ class MemoryEstimate:
     """Stage 3: whole units kept gathered between forwards without gradients
     (generation, evaluation) up to `stage3_eval_live_parameters` elements."""
     offloaded: int | None = None
-    """Bytes of masters and optimizer state off the device (host or NVMe), unit by unit
-    (`Plan.optimizer_memory`); None: all of them with `offload_optimizer`, else none."""
+    """Bytes in host memory off the device: masters and optimizer state of units whose
+    optimizer lives on the host (`Plan.optimizer_memory`), stage-3 parameter shards kept
+    there (`Plan.params_memory`); None: the masters and optimizer state with
+    `offload_optimizer`, else none."""
+    nvme: int = 0
+    """Bytes in swap files (ZeRO-Infinity): masters, optimizer state and (stages 2-3,
+    `offload_optimizer.swap_gradients`) gradient accumulators of units whose optimizer
+    lives on NVMe, stage-3 parameter shards kept there; one copy of each (a file keeps
+    two slots of the optimizer's with `commit: two_slots`)."""
 
     @property
     def total(self) -> int:
@@ -248,7 +259,7 @@ class MemoryEstimate:
 
     @property
     def device(self) -> int:
-        return self.total - self.host
+        return self.total - self.host - self.nvme
 
 
 def memory_per_rank(
@@ -262,6 +273,7 @@ def memory_per_rank(
     master_dtype: str | None = None,
     state_dtype: str | None = None,
     eval_live_parameters: int = 0,
+    swap_gradients: bool = True,
 ) -> MemoryEstimate:
     """Model-state bytes on `rank`, the ZeRO paper's formula made exact for this plan.
 
@@ -274,9 +286,14 @@ def memory_per_rank(
     accumulators in `memory.grads` (fp32 unless it says bf16 or fp16; `grad_dtype`
     names another, None: the parameters' dtype, the paper's mixed-precision figures),
     fp32 masters and states. A master in the parameters' dtype is the parameters
-    (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless offloaded.
-    `offload_optimizer`, `master_dtype` and `state_dtype` default to what the plan says
-    (`Plan.memory`: the optimizer off the device, bf16 masters or states).
+    (`master_dtype="bfloat16"` with bf16 params: no master bytes), unless either is off
+    the device. `offload_optimizer` (True: the host for units on the device; False:
+    every unit on the device), `master_dtype` and `state_dtype` default to what the plan
+    says (`Plan.memory`, unit by unit: the optimizer off the device, bf16 masters or
+    states). Where each unit's states live is counted in `host` and `nvme`: with the
+    optimizer on NVMe its masters and state, and at stages 2-3 its gradient accumulators
+    unless `swap_gradients` is False (the config's `offload_optimizer.swap_gradients`),
+    are in the swap file; stage 3's parameter shards where `Plan.params_memory` says.
 
     On a mesh each kind holds its unit's buffer over the group size of its shard axes
     (`MeshPlan.shard_range`), plus hpZ's secondary copy in `params_secondary`. MiCS (Zhang
@@ -292,75 +309,83 @@ def memory_per_rank(
     _check_rank(plan, rank)
     if eval_live_parameters < 0:
         raise PlanError(f"eval_live_parameters is {eval_live_parameters}; it must be >= 0")
-    held = _mesh_numel(plan) if isinstance(plan, MeshPlan) else _stage_numel(plan, rank)
-    params, secondary, grads, optimizer_numel = (held[kind] for kind in _HELD_KINDS)
-    apart, off_device = held["master apart"], held["optimizer off the device"]
-    narrow, narrow_off = held["bf16 states"], held["bf16 states off the device"]
-    half_grads = held["half grads"]
-    memory = plan.memory
-    if offload_optimizer is not None:  # said for every unit
-        off_device = optimizer_numel if offload_optimizer else 0
-        narrow_off = narrow if offload_optimizer else 0
-    offload_optimizer = off_device > 0
-    said_master = master_dtype is not None  # for every unit; else each unit's own
-    if master_dtype is None:
-        master_dtype = "bfloat16" if memory.master == "bf16" else "float32"
-    said_states = state_dtype is not None  # for every unit; else each unit's own
-    if state_dtype is None:
-        state_dtype = "bfloat16" if memory.states == "bf16" else "float32"
-    grad_bytes = None  # each unit's accumulator in its own dtype (`Unit.grads_dtype`)
-    if grad_dtype == "plan":
-        grad_bytes = (grads - half_grads) * 4 + half_grads * 2
-        grad_dtype = _GRAD_DTYPES[memory.grads]
     param_size = dtype_of(param_dtype).itemsize
-    grad_size = dtype_of(grad_dtype or param_dtype).itemsize
-    if grad_bytes is None:
-        grad_bytes = grads * grad_size
-    state_size = dtype_of(state_dtype).itemsize
     slots = optimizer_state_slots(optimizer)
-    full_master = dtype_of(master_dtype).itemsize
-    master = _master_bytes(optimizer_numel, off_device, apart, master_dtype, param_dtype)
-    off_master = off_device * full_master
-    if not said_master:  # units whose masters' dtype differs from the plan's
-        kinds = ("bf16 masters", "bf16 masters off the device", "bf16 masters apart")
-        bf16 = [held[kind] for kind in kinds]
-        wide = [optimizer_numel - bf16[0], off_device - bf16[1], apart - bf16[2]]
-        master = _master_bytes(*wide, "float32", param_dtype)
-        master += _master_bytes(*bf16, "bfloat16", param_dtype)
-        off_master = wide[1] * 4 + bf16[1] * 2
-    state_bytes = optimizer_numel * state_size * slots
-    off_state_bytes = off_device * state_size * slots
-    if not said_states:  # units whose moments' dtype differs from the plan's (bf16 or fp32)
-        fp32, bf16 = 4, 2
-        wide_numel, wide_off = optimizer_numel - narrow, off_device - narrow_off
-        state_bytes = (wide_numel * fp32 + narrow * bf16) * slots
-        off_state_bytes = (wide_off * fp32 + narrow_off * bf16) * slots
+    split_grads = _splits_grads(plan)
+    field_bytes = dict.fromkeys(("params", "secondary", "master", "grads", "state"), 0)
+    where_bytes = dict.fromkeys(MEMORY_KINDS, 0)
+    off_device = False
+    for held in _unit_holdings(plan, rank):
+        where = held.optimizer_where
+        if offload_optimizer is not None:  # said for every unit
+            where = ("host" if where == "device" else where) if offload_optimizer else "device"
+        off_device |= where != "device"
+        master_name = master_dtype or _DTYPES[held.master]
+        state_size = dtype_of(state_dtype or _DTYPES[held.states]).itemsize
+        if grad_dtype == "plan":
+            grad_size = dtype_of(_DTYPES[held.grads_dtype]).itemsize
+        else:
+            grad_size = dtype_of(grad_dtype or param_dtype).itemsize
+        # a master in the parameters' dtype, both on the device, is the parameter shard
+        # itself, but where parameters are split coarser than the optimizer (`apart`)
+        once = (
+            dtype_of(master_name) == dtype_of(param_dtype)
+            and where == "device"
+            and held.params_where == "device"
+        )
+        master_numel = held.apart if once else held.optimizer
+        grads_where = "nvme" if where == "nvme" and swap_gradients and split_grads else "device"
+        for name, size, kind in (
+            ("params", held.params * param_size, held.params_where),
+            ("secondary", held.secondary * param_size, "device"),
+            ("master", master_numel * dtype_of(master_name).itemsize, where),
+            ("grads", held.grads * grad_size, grads_where),
+            ("state", held.optimizer * state_size * slots, where),
+        ):
+            field_bytes[name] += size
+            where_bytes[kind] += size
     return MemoryEstimate(
-        params=params * param_size,
-        master=master,
-        grads=grad_bytes,
-        optimizer_state=state_bytes,
-        offload_optimizer=offload_optimizer,
-        params_secondary=secondary * param_size,
+        params=field_bytes["params"],
+        master=field_bytes["master"],
+        grads=field_bytes["grads"],
+        optimizer_state=field_bytes["state"],
+        offload_optimizer=off_device,
+        params_secondary=field_bytes["secondary"],
         params_kept=min(eval_live_parameters, _gathered_numel(plan)) * param_size,
-        offloaded=off_master + off_state_bytes,
+        offloaded=where_bytes["host"],
+        nvme=where_bytes["nvme"],
     )
 
 
-def _master_bytes(numel: int, off_device: int, apart: int, dtype: str, param_dtype: str) -> int:
-    """Bytes of `numel` elements of masters in `dtype`, `off_device` of them off the
-    device and `apart` held apart from coarser parameter shards: masters in the
-    parameters' dtype on the device are the parameters (no bytes of their own)."""
-    size = dtype_of(dtype).itemsize
-    held_once = dtype_of(dtype) == dtype_of(param_dtype)
-    master = (numel - off_device) * (0 if held_once else size) + off_device * size
-    # a parameter shard coarser than the optimizer's holds no master of its own
-    if held_once and not off_device:
-        master += apart * size
-    return master
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-_GRAD_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+@dataclass(frozen=True)
+class _Holding:
+    """Elements one rank holds of one unit, by kind, where they live and their dtypes
+    (the plan's names: "fp32", "bf16", "fp16"). `apart`: optimizer elements whose master
+    cannot be the parameter shard (parameters split coarser than the optimizer state)."""
+
+    params: int
+    secondary: int
+    grads: int
+    optimizer: int
+    apart: int
+    params_where: str
+    optimizer_where: str
+    master: str
+    states: str
+    grads_dtype: str
+
+
+def _splits_grads(plan: Plan | MeshPlan) -> bool:
+    """Whether every unit's gradients are split (stages 2-3): then a swap file holds the
+    gradient accumulators of the units whose optimizer state it holds (a unit at stage
+    0-1 keeps every accumulator in memory: whole gradients are all-reduced at the
+    boundary)."""
+    if isinstance(plan, MeshPlan):
+        return all(plan.mesh.group_size(s.grads.shard) > 1 for s in plan.shardings)
+    return plan.stage >= 2 and not plan.runs_stage(lambda s: s < 2)
 
 
 def _gathered_numel(plan: Plan | MeshPlan) -> int:
@@ -371,77 +396,55 @@ def _gathered_numel(plan: Plan | MeshPlan) -> int:
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _stage_numel(plan: Plan, rank: int) -> dict[str, int]:
-    """Elements `rank` holds of params, grads and optimizer state under a stage plan, each
-    unit as its own stage (`Plan.stage_of`), of masters apart from the parameters
-    (stage-3 shards coarser than the optimizer's: `Plan.optimizer_extra_size`), of
-    optimizer state off the device (`Plan.optimizer_memory`), of optimizer state in bf16
-    (`Plan.states_dtype`), all of it and off the device, of gradients held in a 2-byte
-    dtype (`Plan.grads_dtype`), and of the optimizer state of units with bf16 masters
-    (`Plan.master_dtype`), all of it, off the device and apart."""
-    params = grads = optimizer_numel = apart = off_device = narrow = narrow_off = 0
-    half_grads = bf16_masters = bf16_off = bf16_apart = 0
+def _unit_holdings(plan: Plan | MeshPlan, rank: int) -> list[_Holding]:
+    """What `rank` holds of each unit: under a stage plan each unit as its own stage
+    (`Plan.stage_of`), with masters apart from the parameters where stage-3 shards are
+    coarser than the optimizer's (`Plan.optimizer_extra_size`); under a mesh plan each
+    kind its unit's buffer over its shard axes' group (blocks are equal: any rank)."""
+    if isinstance(plan, MeshPlan):
+        return [_mesh_holding(plan, unit, s) for unit, s in zip(plan.units, plan.shardings)]
+    out = []
     for unit in plan.units:
         shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
         start, stop = plan.grads_range(unit, rank)
-        params += stop - start if stage == 3 else full
-        held_grads = stop - start if stage >= 2 else full
-        grads += held_grads
-        half_grads += held_grads if plan.grads_dtype(unit) != "fp32" else 0
-        optimizer_numel += shard if stage >= 1 else full
-        apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
-        off_device += shard if plan.optimizer_memory(unit) != "device" else 0
-        if plan.states_dtype(unit) == "bf16":
-            narrow += shard if stage >= 1 else full
-            narrow_off += shard if plan.optimizer_memory(unit) != "device" else 0
-        if plan.master_dtype(unit) == "bf16":
-            bf16_masters += shard if stage >= 1 else full
-            bf16_off += shard if plan.optimizer_memory(unit) != "device" else 0
-            bf16_apart += shard if stage == 3 and plan.optimizer_extra_size > 1 else 0
-    return dict(
-        zip(
-            (*_HELD_KINDS, *_MORE_KINDS),
-            (params, 0, grads, optimizer_numel, apart, off_device, narrow, narrow_off,
-             half_grads, bf16_masters, bf16_off, bf16_apart),
-        )
-    )  # fmt: skip
-
-
-_HELD_KINDS = ("params", "params_secondary", "grads", "optimizer")
-_MORE_KINDS = (
-    "master apart", "optimizer off the device", "bf16 states", "bf16 states off the device",
-    "half grads", "bf16 masters", "bf16 masters off the device", "bf16 masters apart",
-)  # fmt: skip
-
-
-def _mesh_numel(plan: MeshPlan) -> dict[str, int]:
-    """Elements one rank holds of each kind under a mesh plan (blocks are equal), and of
-    masters apart from split parameters split coarser than the optimizer state."""
-    held = dict.fromkeys((*_HELD_KINDS, *_MORE_KINDS), 0)
-    for unit, sharding in zip(plan.units, plan.shardings):
-        where = plan.memory.optimizer if unit.optimizer_memory is None else unit.optimizer_memory
-        part = unit.numel // plan.mesh.group_size(sharding.optimizer.shard)
-        narrow = (unit.states_dtype or plan.memory.states) == "bf16"
-        narrow_master = (unit.master_dtype or plan.memory.master) == "bf16"
-        if where != "device":
-            held["optimizer off the device"] += part
-            held["bf16 states off the device"] += part if narrow else 0
-            held["bf16 masters off the device"] += part if narrow_master else 0
-        held["bf16 states"] += part if narrow else 0
-        held["bf16 masters"] += part if narrow_master else 0
-        if (unit.grads_dtype or plan.memory.grads) != "fp32":
-            held["half grads"] += unit.numel // plan.mesh.group_size(sharding.grads.shard)
-        for kind in _HELD_KINDS:
-            split = sharding.of(kind)
-            if split is not None:
-                held[kind] += unit.numel // plan.mesh.group_size(split.shard)
-        params, optimizer = sharding.params.shard, sharding.optimizer.shard
-        if params and len(optimizer) > len(params):
-            held["master apart"] += unit.numel // plan.mesh.group_size(optimizer)
-            held["bf16 masters apart"] += (
-                unit.numel // plan.mesh.group_size(optimizer) if narrow_master else 0
+        out.append(
+            _Holding(
+                params=stop - start if stage == 3 else full,
+                secondary=0,
+                grads=stop - start if stage >= 2 else full,
+                optimizer=shard if stage >= 1 else full,
+                apart=shard if stage == 3 and plan.optimizer_extra_size > 1 else 0,
+                params_where=plan.params_memory(unit),
+                optimizer_where=plan.optimizer_memory(unit),
+                master=plan.master_dtype(unit),
+                states=plan.states_dtype(unit),
+                grads_dtype=plan.grads_dtype(unit),
             )
-    return held
+        )
+    return out
+
+
+def _mesh_holding(plan: MeshPlan, unit: Unit, sharding: Any) -> _Holding:
+    mesh, memory = plan.mesh, plan.memory
+    numel = {}
+    for kind in KINDS:
+        split = sharding.of(kind)
+        numel[kind] = 0 if split is None else unit.numel // mesh.group_size(split.shard)
+    params, optimizer = sharding.params.shard, sharding.optimizer.shard
+    apart = numel["optimizer"] if params and len(optimizer) > len(params) else 0
+    params_where = (unit.params_memory or memory.params) if params else "device"
+    return _Holding(
+        params=numel["params"],
+        secondary=numel["params_secondary"],
+        grads=numel["grads"],
+        optimizer=numel["optimizer"],
+        apart=apart,
+        params_where=params_where,
+        optimizer_where=unit.optimizer_memory or memory.optimizer,
+        master=unit.master_dtype or memory.master,
+        states=unit.states_dtype or memory.states,
+        grads_dtype=unit.grads_dtype or memory.grads,
+    )
 
 
 @dataclass(frozen=True)
