@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import fzero
 from fzero import comm, partition
 from fzero.partition import Mesh, PlanError, UnitSharding
+from fzero.partition._mesh_plan import publish_hops
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
 from tests.test_mixed_stages import _per_step, _predicted, _tensor_states, engine_resumes
@@ -744,6 +745,36 @@ def test_the_optimizer_s_axes_in_any_order_around_the_gradients_run_as_an_exchan
     }
     with pytest.raises(PlanError, match="whole_tensors names 'nope', which is not a tensor"):
         partition.comm_volume(plan, whole_tensors={"nope"})
+
+
+def test_a_hand_built_plan_naming_an_axis_of_size_1_costs_what_its_run_sends():
+    """A mesh with an axis of size 1 named in the gradients' split: the ZeRO-1 unit beside
+    the finer split is reduced and published in two hops, as `executable` runs it, and
+    the rows are named without the axis (`partition.without_unit_axes`)."""
+    mesh = Mesh({"pod": 1, **MESH})
+
+    def rule(m: Mesh, unit: partition.Unit) -> UnitSharding:
+        if unit.name.startswith("embed"):  # ZeRO-1 beside the finer split
+            return UnitSharding(m.replicated, m.replicated, m.sharding("local", "node"))
+        return UnitSharding(
+            m.replicated, m.sharding("pod", "local"), m.sharding("pod", "local", "node")
+        )
+
+    mp = partition.mesh_plan(
+        partition.describe(Net()), mesh, partition.Custom("mine", rule, stage=2),
+        persistence_threshold=0,
+    )  # fmt: skip
+    ran = partition.executable(mp)
+
+    def rows(plan):
+        return sorted((r.operation, r.what, r.axes, r.calls, r.bytes) for r in plan)
+
+    assert rows(partition.comm_volume(mp, accumulation_steps=ACCUM)) == rows(
+        partition.comm_volume(ran, accumulation_steps=ACCUM)
+    )
+    embed = partition.without_unit_axes(mp).shardings[0]
+    assert publish_hops(embed, ("local",), mesh) == (("node",), ("local",))
+    assert partition.process_groups(mp) == (("node", "local"), ("node",), ("local",))
 
 
 def test_a_stage_plan_that_states_the_finer_split_badly_is_refused():

@@ -28,6 +28,7 @@ from fzero.partition._mesh_plan import (
     stage_shardings,
     to_plan,
     validate,
+    without_unit_axes,
 )
 from fzero.partition._plan import (
     MEMORY_KINDS,
@@ -179,4 +180,5 @@ __all__ = [
     "with_memory",
     "with_unit_memory",
     "with_unit_stages",
+    "without_unit_axes",
 ]

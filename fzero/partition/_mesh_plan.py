@@ -52,6 +52,7 @@ __all__ = [
     "publish_hops",
     "to_plan",
     "validate",
+    "without_unit_axes",
 ]
 
 
@@ -393,6 +394,33 @@ def _significant(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.axis_size(a) > 1)
 
 
+def without_unit_axes(plan: MeshPlan) -> MeshPlan:
+    """`plan` with the axes of size 1 left out of every kind's split and replicas: the
+    same groups (an axis of size 1 moves nothing), named as `executable` names them, so
+    that rules comparing axes (a finer optimizer split, the gradients' group) read a
+    hand-built plan as the run does."""
+    mesh = plan.mesh
+    if all(size > 1 for _, size in mesh.axes):
+        return plan
+
+    def strip(split: Sharding | None) -> Sharding | None:
+        if split is None:
+            return None
+        return Sharding(_significant(mesh, split.shard), _significant(mesh, split.replicate))
+
+    shardings = tuple(
+        replace(
+            s,
+            params=strip(s.params),
+            grads=strip(s.grads),
+            optimizer=strip(s.optimizer),
+            params_secondary=strip(s.params_secondary),
+        )
+        for s in plan.shardings
+    )
+    return replace(plan, shardings=shardings)
+
+
 def executable(plan: MeshPlan | Plan) -> Plan:
     """The plan both doors run for `plan`: a stage plan over the group of ranks along the
     axes every kind is split over (its `world_size`), with `OnMesh` saying where those
@@ -545,7 +573,8 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
     gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
     all-reduce (`grads.replicate`), the optimizer blocks' exchange where their order
     differs (`optimizer_exchange`) and the publishing gathers after the update
-    (`publish_hops`)."""
+    (`publish_hops`). Axes of size 1 are left out (`without_unit_axes`)."""
+    plan = without_unit_axes(plan)
     found: dict[tuple[str, ...], None] = {}
     for sharding in plan.shardings:
         params = sharding.params.shard

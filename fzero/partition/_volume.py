@@ -30,6 +30,7 @@ from fzero.partition._mesh_plan import (
     as_mesh_plan,
     optimizer_exchange,
     publish_hops,
+    without_unit_axes,
 )
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets, spans_parts
@@ -156,7 +157,7 @@ def comm_volume(
         plan = as_mesh_plan(plan)
     if isinstance(plan, MeshPlan):
         return _mesh_volume(
-            plan,
+            without_unit_axes(plan),
             steps=accumulation_steps,
             param_bytes=dtype_of(param_dtype).itemsize,
             bucket_numel=bucket_numel,
