@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import json
 import re
+import sys
 import typing
 import warnings
 from pathlib import Path
@@ -189,6 +190,39 @@ def test_unresolved_key_left_when_value_not_given():
             },
             "give one of them",
         ),
+        # DeepSpeed's own refusals of compute_grad_norm false, and of a deprecated key
+        # beside the one replacing it
+        (
+            {"zero_optimization": {"stage": 3, "compute_grad_norm": False}},
+            "'zero_optimization.compute_grad_norm' is false but it is supported only at "
+            r"ZeRO stages 1 and 2 \(stage 3\)",
+        ),
+        (
+            {
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 2, "compute_grad_norm": False},
+            },
+            r"needs gradient_clipping 0 \(found 1.0\)",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 1,
+                    "compute_grad_norm": False,
+                    "offload_optimizer": {"device": "cpu"},
+                }
+            },
+            "does not run with offload_optimizer.device 'cpu'",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {}}},
+            r"'zero_optimization.cpu_offload' \(deprecated\) and 'zero_optimization.offload_opt",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}},
+            "'zero_optimization.cpu_offload_param' must be true, false or null, found 'yes'",
+        ),
+        ({"zero_optimization": {"cpu_offload_params": True}}, "unknown config key"),
     ],
 )
 def test_bad_configs_name_the_key(raw, message):
@@ -338,6 +372,31 @@ def test_every_config_key_is_read_or_says_why_it_changes_nothing():
             "'zero_optimization.ignore_unused_parameters' is False",
             "only True",
         ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+            "'zero_optimization.offload_optimizer.ratio' is 0.5",
+            "only 1.0",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"super_offload": True}}},
+            "'zero_optimization.offload_optimizer.super_offload' is True",
+            "only False",
+        ),
+        (
+            {"zero_optimization": {"stage3_model_persistence_threshold": 1000}},
+            "'zero_optimization.stage3_model_persistence_threshold' is 1000",
+            f"only {sys.maxsize}",
+        ),
+        (
+            {"zero_optimization": {"model_persistence_threshold": 1000}},  # DeepSpeed's name
+            "'zero_optimization.model_persistence_threshold' is 1000",
+            f"only {sys.maxsize}",
+        ),
+        (
+            {"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+            "'zero_optimization.zero_quantized_nontrainable_weights' is True",
+            "only False",
+        ),
     ],
 )
 def test_keys_fzero_takes_only_at_their_default_refuse_other_values(raw, key, allowed):
@@ -364,6 +423,42 @@ def test_keys_that_change_nothing_take_any_value_of_their_type():
     assert config.zero_optimization.contiguous_gradients is False
     with pytest.raises(ConfigError, match="'memory_breakdown' must be true or false, found 3"):
         load_config({"memory_breakdown": 3})
+
+
+def test_deepspeeds_field_names_and_deprecated_offload_keys_read_as_deepspeed_reads_them():
+    """DeepSpeed's config takes its fields' own names beside the stage3_ keys, and reads
+    `cpu_offload` / `cpu_offload_param` as the offload blocks (every key it knows, at its
+    default, initialises under both: tests/deepspeed_reference)."""
+    zero = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "max_live_parameters": 7,
+                "max_reuse_distance": 8,
+                "param_persistence_threshold": 9,
+                "prefetch_bucket_size": 10,
+                "gather_16bit_weights_on_model_save": True,
+                "cpu_offload_param": True,
+                "cpu_offload": True,
+                "cpu_offload_use_pin_memory": True,
+                "memory_efficient_linear": True,
+                "use_multi_rank_bucket_allreduce": True,
+                "stage3_module_granularity_threshold": 0,
+                "override_module_apply": False,
+            }
+        }
+    ).zero_optimization
+    assert (zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance) == (7, 8)
+    assert (zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size) == (9, 10)
+    assert zero.stage3_gather_16bit_weights_on_model_save
+    assert zero.offload_param.device == zero.offload_optimizer.device == "cpu"
+    assert zero.override_module_apply is False
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config(
+            {"zero_optimization": {"max_live_parameters": 7, "stage3_max_live_parameters": 7}}
+        )
+    off = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization
+    assert off.offload_optimizer.device == "none"
 
 
 def test_the_config_and_the_optimizer_registry_share_one_list_of_params():

@@ -92,6 +92,51 @@ def test_ranks_that_build_differently_keep_rank_0s_weights():
         assert torch.equal(whole[name], p.detach()), name
 
 
+class Reinitialised(Net):
+    """Re-initialises its children by `apply` at the end of its constructor, as many
+    models do (Transformers' `post_init`): its children are partitioned by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.apply(_reinit)
+
+
+def _reinit(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+    elif isinstance(module, nn.Embedding):
+        nn.init.uniform_(module.weight, -1.0, 1.0)
+
+
+def apply_case(rank, world, override, seed_by_rank):
+    torch.manual_seed(rank if seed_by_rank else 0)
+    with fzero.init_context(override_module_apply=override):
+        model = Reinitialised()
+        model.apply(lambda m: nn.init.ones_(m.weight) if isinstance(m, nn.LayerNorm) else None)
+    with fzero.gathered_parameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_module_apply_inside_the_context_sees_and_edits_whole_parameters(world):
+    """`apply` in a constructor and after it, inside the context: the weights of a plain
+    construction with the same seed, rank 0's where ranks draw differently (DeepSpeed's
+    `override_module_apply`, checked against DeepSpeed in tests/deepspeed_reference);
+    with it off, `apply` sees the placeholders and the edits are lost, as DeepSpeed's."""
+    torch.manual_seed(0)
+    plain = Reinitialised()
+    plain.apply(lambda m: nn.init.ones_(m.weight) if isinstance(m, nn.LayerNorm) else None)
+    for seed_by_rank in (False, True):
+        whole = run_world(apply_case, world, True, seed_by_rank)
+        for name, p in plain.named_parameters():
+            assert torch.equal(whole[name], p.detach()), (world, seed_by_rank, name)
+    torch.manual_seed(0)
+    unedited = Net()
+    whole = run_world(apply_case, world, False, False)
+    for name, p in unedited.named_parameters():
+        assert torch.equal(whole[name], p.detach()), (world, name)
+
+
 def _losses(engine, rank, steps=3):
     losses = []
     for step in range(steps):

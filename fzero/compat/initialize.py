@@ -84,6 +84,12 @@ def _with_deepspeed_defaults(cfg: Config, source: Any) -> Config:
     params = (raw.get("optimizer") or {}).get("params") or {}
     if "gradient_clipping" in raw or "max_grad_norm" in params:
         return cfg
+    if cfg.zero_optimization.compute_grad_norm is False:
+        raise ConfigError(
+            "config key 'zero_optimization.compute_grad_norm' is false but it needs "
+            "gradient_clipping 0, and without the key DeepSpeed clips at 1.0: set "
+            "'gradient_clipping': 0, as DeepSpeed asks"
+        )
     log.info("fzero: gradient_clipping not in the config: 1.0, DeepSpeed's default (0: none)")
     return dataclasses.replace(cfg, gradient_clipping=1.0)
 

@@ -54,6 +54,8 @@ class Init(Construction, contextlib.ContextDecorator):
     given, and its `offload_param` block (`device`, `nvme_path`, `pin_memory`) overrides
     `remote_device` and `pin_memory`. Without `dtype` or a config, parameters keep the
     dtype they are built in (DeepSpeed picks fp16 or bf16 from the accelerator).
+    `module.apply(fn)` inside sees whole parameters unless the config's
+    `zero_optimization.override_module_apply` is false (DeepSpeed's).
     `module=` partitions an already built model now. `data_parallel_group` other than
     every rank, and `mpu`, are refused by name."""
 
@@ -83,7 +85,7 @@ class Init(Construction, contextlib.ContextDecorator):
             )
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"zero.Init dtype is {dtype}; allowed: {list(_DTYPES)}")
-        nvme_path, threshold = None, 0
+        nvme_path, threshold, override_apply = None, 0, True
         source = config_dict_or_path if config_dict_or_path is not None else config
         if source is not None:
             cfg = load_config(source)
@@ -102,6 +104,7 @@ class Init(Construction, contextlib.ContextDecorator):
             # "auto" (Transformers fills it once the model exists, after this context):
             # DeepSpeed's default; the engine adopts the partitions whatever its own
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if threshold == AUTO else int(threshold)
+            override_apply = zero.override_module_apply
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(
                 f"zero.Init remote_device is {remote_device!r}; allowed: None, 'cpu', 'nvme'"
@@ -118,6 +121,7 @@ class Init(Construction, contextlib.ContextDecorator):
             nvme_path=nvme_path,
             persistence_threshold=threshold,
             enabled=enabled,
+            override_module_apply=override_apply,
         )
         if module is not None and enabled:  # DeepSpeed's: partition a built model now
             with self:

@@ -265,11 +265,52 @@ def _take_max_grad_norm(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, "optimizer": optimizer, "gradient_clipping": norm}
 
 
+_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _take_deprecated_offload(raw: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's deprecated `zero_optimization` keys, read as DeepSpeed 0.19.8 reads
+    them: `cpu_offload: true` is `offload_optimizer: {"device": "cpu"}`,
+    `cpu_offload_param: true` is `offload_param: {"device": "cpu"}` (refused beside the
+    key that replaces it, as DeepSpeed refuses it), `cpu_offload_use_pin_memory` sets
+    nothing (as in DeepSpeed)."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, Mapping) or not any(
+        k in zero for k in (*_DEPRECATED_OFFLOAD, "cpu_offload_use_pin_memory")
+    ):
+        return raw
+    zero = dict(zero)
+    for old, new in _DEPRECATED_OFFLOAD.items():
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if not (value is None or isinstance(value, bool)):
+            raise ConfigError(
+                f"config key 'zero_optimization.{old}' must be true, false or null, found "
+                f"{value!r} (deprecated: use 'zero_optimization.{new}')"
+            )
+        if new in zero:
+            raise ConfigError(
+                f"config keys 'zero_optimization.{old}' (deprecated) and "
+                f"'zero_optimization.{new}' are both given; give only {new!r}, as DeepSpeed "
+                "refuses both together"
+            )
+        if value:
+            zero[new] = {"device": "cpu"}
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    if not (pin is None or isinstance(pin, bool)):
+        raise ConfigError(
+            f"config key 'zero_optimization.cpu_offload_use_pin_memory' must be true, false "
+            f"or null, found {pin!r} (deprecated: use the offload blocks' 'pin_memory')"
+        )
+    return {**raw, "zero_optimization": zero}
+
+
 def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
     """Parse a DeepSpeed JSON config (a path or a dict) into a validated `Config`."""
     if isinstance(source, Config):
         return source
-    raw = _take_max_grad_norm(dict(read_config(source)))
+    raw = _take_deprecated_offload(_take_max_grad_norm(dict(read_config(source))))
     if raw.get("steps_per_print") == math.inf:  # DeepSpeed's "never", from Transformers
         raw["steps_per_print"] = 0
     config = parse_section(Config, raw, "")
@@ -324,6 +365,7 @@ def _check(config: Config) -> None:
     report = config.collective_report_s
     if isinstance(report, float) and not (math.isfinite(report) and report >= 0):
         raise ConfigError(f"'collective_report_s' is {report}; it must be seconds >= 0")
+    _check_compute_grad_norm(config)
     for block in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, block)
         if offload.device == "nvme" and not offload.nvme_path:
@@ -357,3 +399,23 @@ def _check(config: Config) -> None:
                 "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
             )
         _check_params("scheduler", kind, config.scheduler.params, SCHEDULE_PARAMS[kind])
+
+
+def _check_compute_grad_norm(config: Config) -> None:
+    """`zero_optimization.compute_grad_norm: false` where DeepSpeed takes it: stages 1-2,
+    no `gradient_clipping`, the optimizer on the device (its messages' conditions)."""
+    zero = config.zero_optimization
+    if zero.compute_grad_norm is not False:
+        return
+    why = ""
+    if zero.stage not in (1, 2, AUTO):
+        why = f"it is supported only at ZeRO stages 1 and 2 (stage {zero.stage})"
+    elif config.gradient_clipping not in (0, 0.0, None, AUTO):
+        why = f"it needs gradient_clipping 0 (found {config.gradient_clipping})"
+    elif zero.offload_optimizer.device not in ("none", AUTO):
+        why = f"it does not run with offload_optimizer.device {zero.offload_optimizer.device!r}"
+    if why:
+        raise ConfigError(
+            f"config key 'zero_optimization.compute_grad_norm' is false but {why}, as "
+            "DeepSpeed says; remove it"
+        )

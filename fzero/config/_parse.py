@@ -44,24 +44,25 @@ NOT_SUPPORTED = {
         "zenflow",
         "zero_force_ds_cpu_optimizer",
     },
-    "zero_optimization": {
-        "cpu_offload",
-        "cpu_offload_params",
-        "cpu_offload_use_pin_memory",
-        "zeropp_loco_param",
-        "stage3_module_granularity_threshold",
-        "use_multi_rank_bucket_allreduce",
-        "memory_efficient_linear",
-    },
+    "zero_optimization": {"zeropp_loco_param", "zenflow"},
     "fp16": {"auto_cast", "fp16_master_weights_and_grads"},
-    "bf16": {"immediate_grad_update", "check_grad_overflow"},
-    "zero_optimization.offload_optimizer": {"ratio"},
+    "bf16": {"immediate_grad_update"},
 }
 
 ALIASES = {
     "": {"bfloat16": "bf16"},
     "zero_optimization": {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        # DeepSpeed's field names, which its config takes beside the stage3_ keys
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "module_granularity_threshold": "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential": "stage3_allgather_sequential",
     },
 }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fzero.config._base import Section, no_effect
+from fzero.config._base import Section, no_effect, only_default
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
@@ -37,6 +37,32 @@ class OffloadOptimizerConfig(Section):
         False,
         "DeepSpeed skips writing the initial swap files eagerly; fzero writes each unit's "
         "state to its file once, as it builds the unit",
+    )
+    pipeline_read: bool = no_effect(
+        False,
+        "DeepSpeed overlaps reading the next sub-group's state with the update; fzero's "
+        "step always reads units ahead of the one it updates (`buffer_count`)",
+    )
+    pipeline_write: bool = no_effect(
+        False,
+        "DeepSpeed overlaps writing the updated state with the next update; fzero's step "
+        "always writes behind it",
+    )
+    cpuadam_cores_perc: float = no_effect(
+        0.8,
+        "the share of host cores DeepSpeed's CPU Adam runs on; fzero's host update uses "
+        "torch's threads (the same values)",
+    )
+    ratio: float = only_default(
+        1.0,
+        "DeepSpeed's partial offload (ZeRO-3 only) keeps that share of the optimizer state "
+        "on the host and the rest on the device; fzero offloads each unit whole (per unit: "
+        "a plan's `unit_memory`)",
+    )
+    super_offload: bool = only_default(
+        False,
+        "DeepSpeed's SuperOffload (a CPU update pipelined with the GPU's, for superchips); "
+        "fzero runs the host update of ZeRO-Offload",
     )
     commit: Literal["two_slots", "in_place"] = "two_slots"
     """fzero, NVMe: how a step's new master and optimizer state reach the swap file.

@@ -42,6 +42,11 @@ class BF16Config(Section):
 
     enabled: bool = False
     """Compute in bf16 (no loss scale needed)."""
+    check_grad_overflow: bool = True
+    """At ZeRO stages 1-2, a step whose gradients are not finite (inf or NaN) is skipped
+    (counted in `skipped_steps`, the weights, optimizer state and lr schedule as they
+    were), as DeepSpeed 0.19.8's default; false applies it. At stages 0 and 3 such a step
+    is always skipped, as DeepSpeed's (`fzero.core.update.skips_nonfinite`)."""
     bf16_master_weights_and_grads: bool = False
     """Master weights in bf16: in memory they are the bf16 parameters themselves (held
     once, no fp32 copy), in the NVMe swap file 2 bytes per element; each update runs in

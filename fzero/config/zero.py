@@ -4,8 +4,9 @@ ZeRO++ and MiCS."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fzero.config._base import Section, no_effect, only_default
 from fzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
@@ -126,4 +127,80 @@ class ZeroConfig(Section):
         False,
         "DeepSpeed's checkpoints reload on another world size only with it; fzero's "
         "always do (any N ranks to any M)",
+    )
+    compute_grad_norm: bool = True
+    """Stages 1-2: false lets DeepSpeed skip the global gradient norm, and with it (in
+    fp32) the check that skips a step whose gradients are not finite; refused, as
+    DeepSpeed refuses it, at stages 0 and 3, with `gradient_clipping` (DeepSpeed's
+    default clips at 1.0) or with the optimizer offloaded. fzero still reports the norm
+    (one 8-byte all-reduce); what false changes is that in fp32 such a step is applied
+    (`fzero.core.update.skips_nonfinite`; bf16 follows `bf16.check_grad_overflow`)."""
+    override_module_apply: bool = True
+    """Stage 3 under `zero.Init` / `fzero.init_context`: `module.apply(fn)` called inside
+    the context sees each module's parameters whole (gathered as `fn` reaches the
+    module) and rank 0's edits become the partitions, as DeepSpeed's does; false runs
+    `fn` on the partitioned placeholders (its edits are lost)."""
+    legacy_stage1: bool = no_effect(
+        False,
+        "DeepSpeed's older ZeRO-1 code path; the same sharded update",
+    )
+    parameter_alignment: bool = no_effect(
+        False,
+        "DeepSpeed pads its flat buffers so each parameter starts 16-byte aligned; fzero's "
+        "units are laid out by the plan (`alignment`), with the same values",
+    )
+    use_multi_rank_bucket_allreduce: bool = no_effect(
+        True,
+        "DeepSpeed all-reduces small buckets of several ranks instead of reducing each to "
+        "its owner; the same averages, which fzero reduces as the plan says",
+    )
+    memory_efficient_linear: bool = no_effect(
+        True,
+        "DeepSpeed's stage 3 runs linear layers through its own autograd function that "
+        "gathers the weight again in backward; fzero's stage 3 gathers every unit again "
+        "in backward as its plan says (the same gradients)",
+    )
+    stage3_module_granularity_threshold: int = no_effect(
+        0,
+        "DeepSpeed fetches the parameters of fine-grained modules together; fzero fetches "
+        "by plan unit (its strategy says how tensors group)",
+    )
+    stage3_use_all_reduce_for_fetch_params: bool = no_effect(
+        False,
+        "DeepSpeed gathers stage 3's parameters by an all-reduce instead of an all-gather: "
+        "the same values; fzero all-gathers",
+    )
+    stage3_allgather_sequential: bool = no_effect(
+        False,
+        "DeepSpeed gathers stage 3's parameters one by one instead of by bucket: the same "
+        "values; fzero gathers one plan unit at a time",
+    )
+    stage3_model_persistence_threshold: int = only_default(
+        sys.maxsize,
+        "DeepSpeed's budget of elements kept whole across the model; fzero keeps every "
+        "tensor under stage3_param_persistence_threshold whole, without a budget",
+    )
+    zero_quantized_nontrainable_weights: bool = only_default(
+        False,
+        "DeepSpeed keeps frozen weights stored in int8 (changing what forward computes); "
+        "fzero keeps them in their dtype",
+    )
+    pipeline_loading_checkpoint: bool = only_default(
+        False,
+        "DeepSpeed's stage 3 loading for pipeline-parallel models, which fzero does not run",
+    )
+    log_trace_cache_warnings: bool = no_effect(False, "DeepSpeed's trace-cache logging")
+    enable_sanity_checks: bool = no_effect(False, "DeepSpeed's internal debugging checks")
+    save_muon_momentum_buffer_in_memory: bool = no_effect(
+        False,
+        "DeepSpeed keeps Muon's momentum in memory when the rest of the state is on NVMe; "
+        "fzero refuses Muon with NVMe offload by name",
+    )
+    leaf_module: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "no_effect": "DeepSpeed gathers a leaf module's parameters together (for "
+            "mixtures of experts whose experts a step may not run); fzero's stage 3 runs "
+            "such models as they are: a unit a pass does not use reduces zero gradients"
+        },
     )

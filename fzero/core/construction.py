@@ -19,11 +19,20 @@ were first seen (the same on every rank). So a parent's constructor sees its chi
 parameters partitioned, as under DeepSpeed: it edits them through
 `GatheredParameters`. A parameter created outside any module stays whole until a module
 registers it.
+
+`module.apply(fn)` inside the context (a parent's constructor re-initialising its
+children, as many models do) sees each module's parameters whole: `fn` runs on a module
+inside `GatheredParameters` of its own partitioned parameters, and rank 0's values
+become the partitions (DeepSpeed's `override_module_apply`, its default). That is the
+one torch attribute the context sets: `torch.nn.Module.apply`, for the context's
+duration, restored on exit.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -33,7 +42,12 @@ from torch.nn.modules import module as torch_module
 
 from fzero import comm
 from fzero.core import nvme as _nvme
-from fzero.core.partitioned import PartitionStore, is_partitioned, partition_parameters
+from fzero.core.partitioned import (
+    PartitionStore,
+    gathered_partitions,
+    is_partitioned,
+    partition_parameters,
+)
 
 __all__ = ["Construction", "init_context"]
 
@@ -57,6 +71,7 @@ class Construction:
         nvme_path: str | None = None,
         persistence_threshold: int = 0,
         enabled: bool = True,
+        override_module_apply: bool = True,
     ) -> None:
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(f"remote_device is {remote_device!r}; allowed: None, 'cpu', 'nvme'")
@@ -68,6 +83,8 @@ class Construction:
         self.where = {None: "device", "none": "device"}.get(remote_device, remote_device)
         self.pin_memory, self.nvme_path = pin_memory, nvme_path
         self.persistence_threshold = persistence_threshold
+        self.override_module_apply = override_module_apply
+        self._apply: Any = None  # `nn.Module.apply` as found on entry, while overridden
         if self.where == "nvme" and not nvme_path:
             raise ValueError(
                 "remote_device 'nvme' needs a directory for the partitions: nvme_path "
@@ -95,6 +112,9 @@ class Construction:
             torch_module.register_module_buffer_registration_hook(self._on_registration),
             torch_module.register_module_module_registration_hook(self._on_registration),
         ]
+        if self.override_module_apply:
+            self._apply = nn.Module.apply
+            nn.Module.apply = _gathering_apply(self._apply)  # type: ignore[method-assign]
         return self
 
     def __exit__(
@@ -108,6 +128,9 @@ class Construction:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._apply is not None:
+            nn.Module.apply = self._apply  # type: ignore[method-assign]
+            self._apply = None
         if kind is None:  # every constructor has returned: the rest is partitioned
             self._partition(list(self._pending.values()))
         self._pending.clear()
@@ -150,6 +173,35 @@ class Construction:
             )
 
 
+def _gathering_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`nn.Module.apply` that runs each `fn` on whole parameters (`_gathering`)."""
+
+    def apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+        return original(module, _gathering(fn))
+
+    return functools.wraps(original)(apply)
+
+
+def _gathering(fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """`fn` run on a module inside `GatheredParameters` of its own partitioned
+    parameters with `modifier_rank=0` (collective: every rank applies `fn` to the same
+    modules in the same order), as DeepSpeed's `apply_with_gather`; once (a child's
+    `apply` gets the wrapped `fn` again)."""
+    if getattr(fn, "_fzero_gathers", False):
+        return fn
+
+    def each(module: nn.Module) -> None:
+        params = [p for p in module._parameters.values() if p is not None]
+        if not any(is_partitioned(p) for p in params):
+            fn(module)
+            return
+        with gathered_partitions(params, modifier_rank=0):
+            fn(module)
+
+    each._fzero_gathers = True  # type: ignore[attr-defined]
+    return each
+
+
 def _under_construction(frame: FrameType | None) -> set[int]:
     """The ids of the modules whose `__init__` (any class's in their hierarchy) is on
     the call stack from `frame` outwards."""
@@ -171,6 +223,7 @@ def init_context(
     pin_memory: bool = False,
     nvme_path: str | None = None,
     enabled: bool = True,
+    override_module_apply: bool = True,
 ) -> Construction:
     """Modules constructed inside are partitioned as their constructors return: each
     rank keeps only its part of every parameter (the weights those of a plain
@@ -178,12 +231,14 @@ def init_context(
     `fzero.shard`, `fzero.initialize` and `fzero.init` adopt the partitions unit by unit;
     `fzero.gathered_parameters` shows them whole (and takes a rank's edits, loads read
     by byte range). `dtype`: keep floating parameters in it; `remote_device` None (the
-    compute device), "cpu" or "nvme" (a file under `nvme_path`). Starts the default
-    process group if none runs."""
+    compute device), "cpu" or "nvme" (a file under `nvme_path`). `module.apply(fn)`
+    inside sees whole parameters (`override_module_apply`, DeepSpeed's default; false:
+    the partitioned placeholders). Starts the default process group if none runs."""
     return Construction(
         dtype=dtype,
         remote_device=remote_device,
         pin_memory=pin_memory,
         nvme_path=nvme_path,
         enabled=enabled,
+        override_module_apply=override_module_apply,
     )

@@ -51,7 +51,7 @@ from fzero.core.reduce_pieces import reduction_piece
 from fzero.core.residency import Residency
 from fzero.core.state import Counters, TrainState, UnitState, owned_grad, partition_numel
 from fzero.core.swap_units import SwapFileUnits
-from fzero.core.update import decide_step, grad_stats
+from fzero.core.update import decide_step, grad_stats, skips_nonfinite
 from fzero.optim import Optimizer, adamw
 from fzero.partition import MeshPlan, Placement, Plan
 
@@ -98,7 +98,8 @@ def train_step(
 
     Gradients are averaged over ranks as the plan says (stages 0-1 at the accumulation
     boundary, 2-3 per micro-batch into shards); every `gradient_accumulation_steps`-th
-    call is a boundary, where fp16 overflow skips, `gradient_clipping` clips and the
+    call is a boundary, where an fp16 overflow or gradients that are not finite skip
+    (`fzero.core.update.skips_nonfinite`), `gradient_clipping` clips and the
     optimizer updates. `config` is a DeepSpeed config (dict, JSON path or `Config`);
     `optimizer` defaults to its `optimizer` block, else AdamW's defaults (as `fzero.shard`);
     `schedule(step, base_lr)` to its `scheduler` block. `metrics`: `loss`, `stepped`,
@@ -530,6 +531,7 @@ class _Micro:
             group=groups_of(plan).shard,
             step=counters.global_steps + 1,
             skipped=counters.skipped_steps,
+            check_finite=skips_nonfinite(config, plan.stage),
         )
         metrics.update(grad_norm=decision.norm, skipped=decision.skip, stepped=not decision.skip)
         if decision.loss_scale is not None:

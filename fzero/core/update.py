@@ -1,6 +1,7 @@
 """The update's rules, one implementation for both doors (the engine and
 `fzero.train_step`): what each unit's gradient says (its squares, whether it is finite);
-from all units together whether the step runs (fp16 overflow), the global norm and the
+from all units together whether the step runs (an fp16 overflow; gradients that are not
+finite, where DeepSpeed skips such a step: `skips_nonfinite`), the global norm and the
 factor every gradient is scaled by (loss-scale inverse x clip coefficient, as
 DeepSpeed's `unscale_and_clip_grads`); and the halves of an update that needs each
 tensor's norms (`fzero.optim.TensorNorms`: LAMB's trust ratio is per tensor and a tensor
@@ -38,6 +39,7 @@ __all__ = [
     "norms_direction",
     "scheduled_beta1",
     "scheduled_overrides",
+    "skips_nonfinite",
     "tensor_norms",
     "tensor_segments",
 ]
@@ -77,8 +79,26 @@ def grad_stats(
     return sq, finite and (into is None or into[1])
 
 
+def skips_nonfinite(config: Any, stage: int) -> bool:
+    """Whether a step whose gradients are not finite (inf or NaN anywhere, so the global
+    norm is not) is skipped rather than applied, as DeepSpeed 0.19.8 decides it from
+    `config` for a plan of ZeRO stage `stage`: with fp16 always (its overflow check; a
+    dynamic loss scale also halves); with bf16 at stages 0 and 3, and at stages 1-2 unless
+    `bf16.check_grad_overflow` is false; in fp32 at stage 3, and at stages 1-2 unless
+    `zero_optimization.compute_grad_norm` is false (stage 0 in fp32 runs the client's
+    update as torch does: the step is applied). A skipped step counts in
+    `skipped_steps` and leaves the weights, the optimizer state and the lr schedule
+    where they were."""
+    if config.fp16.enabled:
+        return True
+    if config.bf16.enabled:
+        return stage in (0, 3) or bool(config.bf16.check_grad_overflow)
+    return stage == 3 or (stage in (1, 2) and bool(config.zero_optimization.compute_grad_norm))
+
+
 class StepDecision(NamedTuple):
-    """What the step does: skip it (an fp16 overflow), and otherwise scale every
+    """What the step does: skip it (an fp16 overflow, or gradients that are not finite
+    where `skips_nonfinite`), and otherwise scale every
     gradient by `factor`; the global norm before clipping; the next loss-scale state."""
 
     skip: bool
@@ -99,11 +119,14 @@ def decide_step(
     skipped: int = 0,
     processes: int | None = None,
     group: Any = None,
+    check_finite: bool = False,
 ) -> StepDecision:
     """Every rank's unit statistics agreed by all-reduces (collective): an overflow
     anywhere (of `processes`, default `world_size`) skips the step everywhere; the norm
     is over the shards of the `world_size` ranks of `group` (a plan's shard group: its
-    replicas hold the same shards). An overflow
+    replicas hold the same shards); with `check_finite` (`skips_nonfinite`) a norm that
+    is not finite (gradients with inf or NaN on any rank: every rank sums the same
+    squares) skips the step too, the loss scale as it was. An overflow
     the loss scale cannot absorb (at its minimum) raises `LossScaleError` on every rank,
     naming `step` (the one being decided) and the `skipped` steps before it."""
     scale = loss_scale.scale if loss_scale is not None else 1.0
@@ -130,6 +153,8 @@ def decide_step(
         comm.all_reduce(sq, op="sum", what="gradient norm", group=group)
     factor = 1.0 / scale
     norm = math.sqrt(sq.item()) * factor
+    if check_finite and not math.isfinite(norm):
+        return StepDecision(True, 0.0, math.inf, loss_scale)
     if clipping > 0:
         factor *= clip_coefficient(norm, clipping)
     return StepDecision(False, factor, norm, loss_scale)

@@ -77,6 +77,11 @@ class DeepSpeedAccessors:
     def zero_optimization_stage(self) -> int:
         return self.stage
 
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state lives off the device (`offload_optimizer` cpu or
+        nvme), as DeepSpeed's accessor says."""
+        return bool(self.config.zero_optimization.offload_optimizer.on)
+
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
@@ -85,7 +90,8 @@ class DeepSpeedAccessors:
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the last step's gradients, before clipping (None before
-        the first step; inf when an fp16 overflow skipped the step)."""
+        the first step; inf when the step was skipped: an fp16 overflow, or gradients
+        that are not finite)."""
         return self._global_grad_norm
 
     def get_mom(self) -> list[Any]:

@@ -28,7 +28,7 @@ from fzero.core.apply import StepClock
 from fzero.core.layout import UnitRuntime
 from fzero.core.precision import Precision, gradient_wire_dtype, precision_of
 from fzero.core.state import Counters, TrainState, optimizer_partition
-from fzero.core.update import GradStats, grad_stats
+from fzero.core.update import GradStats, grad_stats, skips_nonfinite
 from fzero.engine import _views
 from fzero.engine._accessors import DeepSpeedAccessors
 from fzero.engine._build import plan_for
@@ -266,7 +266,8 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     @named("step")
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: unscale, clip, update owned shards, regather;
-        then step `lr_scheduler` (with `lr_kwargs`) unless fp16 overflow skipped it."""
+        then step `lr_scheduler` (with `lr_kwargs`) unless the step was skipped (an fp16
+        overflow; gradients not finite, as DeepSpeed skips them: `skips_nonfinite`)."""
         self.check_trainable()
         if self.reduction.no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
@@ -286,6 +287,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
                     clock=StepClock(self.lr_steps, self.global_steps + 1),
                     wire_dtype=gradient_wire_dtype(self.config),
                     reduced_whole=self.reduction.core.reduced_whole,
+                    check_finite=skips_nonfinite(self.config, self.plan.stage),
                 )  # fmt: skip
         except (OSError, LossScaleError):  # not applied (NVMe I/O, fp16 stuck at the minimum)
             self.micro_steps -= 1
@@ -293,8 +295,12 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         self.loss_scale_state = decision.loss_scale
         if decision.skip:
             self.skipped_steps += 1
-            log.warning("fzero: step %d skipped: gradient overflow; loss scale now %s",
-                        self.global_steps, self.loss_scale)  # fmt: skip
+            if decision.loss_scale is not None:
+                log.warning("fzero: step %d skipped: gradient overflow; loss scale now %s",
+                            self.global_steps, self.loss_scale)  # fmt: skip
+            else:
+                log.warning("fzero: step %d skipped: the gradients are not finite (inf or "
+                            "NaN); the weights were not updated", self.global_steps)  # fmt: skip
         else:
             step_scheduler(self, lr_kwargs)
         self._global_grad_norm, self._skipped_last = decision.norm, decision.skip

@@ -57,12 +57,14 @@ def take_step(
     skipped: int,
     wire_dtype: torch.dtype = torch.float32,
     reduced_whole: Collection[int] = (),
+    check_finite: bool = False,
 ) -> StepDecision:
     """The step at an accumulation boundary: the accumulated gradient shards reduced into
     the optimizer's where it is split finer (`reduce_to_optimizer_shards`, in
     `wire_dtype`; but `reduced_whole`'s, all-reduced whole already), decide
-    (collective), then skip it (fp16 overflow) or update every unit; gradients zeroed
-    either way."""
+    (collective), then skip it (fp16 overflow; gradients not finite with
+    `check_finite`, `fzero.core.update.skips_nonfinite`) or update every unit; gradients
+    zeroed either way."""
     grads = [rt.grad for rt in units]
     reduce_to_optimizer_shards(plan, groups.rank, grads, groups, wire_dtype, reduced_whole)
     decision = decide_step(
@@ -76,6 +78,7 @@ def take_step(
         group=groups.shard,
         step=clock.step,
         skipped=skipped,
+        check_finite=check_finite,
     )
     if not decision.skip:
         application.apply(list(units), decision.factor, lrs, clock)

@@ -44,13 +44,7 @@ def _one_process_env(**extra: str) -> dict[str, str]:
 
 
 def _result(python: str, *args: str) -> dict:
-    done = subprocess.run(
-        [python, str(HERE / "contract.py"), *args],
-        cwd=ROOT, env=_one_process_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return _script_result(python, str(HERE / "contract.py"), *args)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -64,6 +58,31 @@ def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage)
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-6)
     for key in ("config_weights", "client_weights"):
         assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
+
+
+def test_nonfinite_steps_module_apply_and_every_zero_key_as_deepspeed():
+    """A batch with an inf at stages 0-3 in fp32 and bf16 (with and without
+    `check_grad_overflow`, `compute_grad_norm` false): the same steps skipped, the same
+    lrs after them, the weights kept or not as DeepSpeed's; `module.apply` inside
+    `zero.Init` sees whole parameters (and with `override_module_apply` false, not);
+    every `zero_optimization` key DeepSpeed knows, at its default, initialises."""
+    script = str(HERE / "nonfinite.py")
+    theirs = _script_result(DEEPSPEED_PYTHON, script)
+    ours = _script_result(sys.executable, script, "--fzero")
+    assert ours == theirs
+    assert theirs["2 fp32"]["kept"] and not theirs["0 fp32"]["finite"]  # the cases differ
+    assert theirs["apply, override True"]["applied"]
+    assert not theirs["apply, override False"]["applied"]
+
+
+def _script_result(python: str, script: str, *args: str) -> dict:
+    done = subprocess.run(
+        [python, script, *args],
+        cwd=ROOT, env=_one_process_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
 
 
 def _accelerate(python: str, tmp: Path, name: str, fzero: bool) -> tuple[dict, list[dict]]:

@@ -1,0 +1,142 @@
+"""What a step does with gradients that are not finite, `module.apply` inside
+`zero.Init`, and every `zero_optimization` key at its default, run the same under
+DeepSpeed and under fzero (`--fzero`: `import deepspeed` served by fzero).
+
+One process. Per ZeRO stage and precision (fp32; bf16; bf16 with
+`check_grad_overflow: false`; fp32 with `compute_grad_norm: false`): three steps with a
+warmup schedule, the second on a batch holding an inf; each step's global and skipped
+step counts and lr, and whether the weights stay finite. Then a model built under
+`zero.Init` that re-initialises its layers by `module.apply`, seen whole. Prints one
+JSON line.
+"""
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--fzero", action="store_true")
+args = parser.parse_args()
+if args.fzero:
+    from fzero import compat
+
+    compat.install()
+import deepspeed  # noqa: E402
+
+deepspeed.init_distributed(dist_backend="gloo")
+
+# DeepSpeed 0.19.8's `zero_optimization` keys (its aliases where it has them) at their
+# defaults, but the blocks and the deprecated ones
+EVERY_ZERO_KEY = {
+    "allgather_bucket_size": 500000000, "allgather_partitions": True,
+    "stage3_allgather_sequential": False, "compute_grad_norm": True,
+    "contiguous_gradients": True, "elastic_checkpoint": False, "enable_sanity_checks": False,
+    "stage3_gather_16bit_weights_on_model_save": False, "ignore_unused_parameters": True,
+    "legacy_stage1": False, "load_from_fp32_weights": True, "log_trace_cache_warnings": False,
+    "stage3_max_live_parameters": 1000000000, "stage3_max_reuse_distance": 1000000000,
+    "memory_efficient_linear": True, "stage3_model_persistence_threshold": 9223372036854775807,
+    "stage3_module_granularity_threshold": 0, "override_module_apply": True,
+    "stage3_param_persistence_threshold": 100000, "parameter_alignment": False,
+    "pipeline_loading_checkpoint": False, "stage3_prefetch_bucket_size": 50000000,
+    "reduce_bucket_size": 500000000, "reduce_scatter": True, "round_robin_gradients": False,
+    "save_muon_momentum_buffer_in_memory": False, "sub_group_size": 1000000000,
+    "stage3_use_all_reduce_for_fetch_params": False, "use_multi_rank_bucket_allreduce": True,
+    "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
+    "zero_quantized_nontrainable_weights": False, "zero_quantized_weights": False,
+}  # fmt: skip
+
+
+def config(stage: int, precision: str, clipping: float | None = 0.0, **zero: object) -> dict:
+    out = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2},
+        },
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    if clipping is not None:
+        out["gradient_clipping"] = clipping
+    if precision.startswith("bf16"):
+        out["bf16"] = {"enabled": True}
+        if precision == "bf16, no check":
+            out["bf16"]["check_grad_overflow"] = False
+    return out
+
+
+def weights(engine, stage: int) -> torch.Tensor:
+    params = list(engine.module.parameters())
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            return torch.cat([p.detach().float().flatten() for p in params])
+    return torch.cat([p.detach().float().flatten() for p in params])
+
+
+def run(stage: int, precision: str, clipping: float | None = 0.0, **zero: object) -> dict:
+    torch.manual_seed(0)
+    settings = config(stage, precision, clipping, **zero)
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    steps, before = [], None
+    for i in range(3):
+        x = torch.randn(2, 3).to(dtype)
+        if i == 1:
+            x[0, 0] = float("inf")
+            before = weights(engine, stage)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        steps.append([engine.global_steps, engine.skipped_steps, engine.get_lr()[0]])
+        if i == 1:
+            after = weights(engine, stage)
+            kept = bool(torch.equal(before, after))
+    finite = bool(torch.isfinite(weights(engine, stage)).all())
+    return {"steps": steps, "finite": finite, "kept": kept}
+
+
+out: dict = {}
+for stage in range(4):
+    for precision in ("fp32", "bf16", "bf16, no check"):
+        out[f"{stage} {precision}"] = run(stage, precision)
+out["2 fp32, compute_grad_norm false"] = run(2, "fp32", compute_grad_norm=False)
+out["1 bf16, compute_grad_norm false"] = run(1, "bf16", compute_grad_norm=False)
+try:  # without gradient_clipping, DeepSpeed clips at 1.0, which compute_grad_norm refuses
+    run(2, "fp32", compute_grad_norm=False, clipping=None)
+    out["compute_grad_norm false, default clipping"] = "accepted"
+except ValueError:
+    out["compute_grad_norm false, default clipping"] = "refused"
+
+seen = []
+
+
+def constant(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        seen.append(list(module.weight.shape))
+        nn.init.constant_(module.weight, 0.5)
+
+
+for override in (True, False):
+    seen.clear()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "override_module_apply": override}
+    settings = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    with deepspeed.zero.Init(config_dict_or_path=settings):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+        model.apply(constant)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        applied = bool((model[0].weight == 0.5).all())
+    out[f"apply, override {override}"] = {"seen": list(seen), "applied": applied}
+
+every = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+         "zero_optimization": {"stage": 3, **EVERY_ZERO_KEY}}  # fmt: skip
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=every)
+out["every zero key"] = engine.zero_optimization_stage()
+legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 2, "cpu_offload": True}}  # fmt: skip
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=legacy)
+out["cpu_offload"] = engine.zero_cpu_offload()
+print("RESULT " + json.dumps(out), flush=True)
