@@ -459,6 +459,15 @@ def test_deepspeeds_field_names_and_deprecated_offload_keys_read_as_deepspeed_re
         )
     off = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization
     assert off.offload_optimizer.device == "none"
+    # DeepSpeed's checkpoint block (any case of its modes) and aio's 0.19 name
+    config = load_config(
+        {"checkpoint": {"tag_validation": "fail"}, "aio": {"intra_op_parallelism": 4}}
+    )
+    assert (config.checkpoint.tag_validation, config.aio.thread_count) == ("fail", 4)
+    with pytest.raises(ConfigError, match=r"'checkpoint\.tag_validation' is 'maybe'; allowed"):
+        load_config({"checkpoint": {"tag_validation": "maybe"}})
+    with pytest.raises(ConfigError, match=r"'checkpoint\.load_universal' is True; fzero allows"):
+        load_config({"checkpoint": {"load_universal": True}})
 
 
 def test_the_config_and_the_optimizer_registry_share_one_list_of_params():

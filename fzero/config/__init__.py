@@ -56,6 +56,7 @@ __all__ = [
     "BF16Config",
     "BatchSizes",
     "CSVConfig",
+    "CheckpointConfig",
     "CometConfig",
     "CommsLoggerConfig",
     "Config",
@@ -98,6 +99,40 @@ class ActivationCheckpointingConfig(Section):
     """Synchronise the device around each checkpointed block (for timing)."""
     profile: bool = False
     """Time each checkpointed block's forward and recomputation (`checkpointing.timings()`)."""
+
+
+TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(Section):
+    """DeepSpeed's `checkpoint` block: how a save checks its tag and where files go."""
+
+    tag_validation: str = no_effect(
+        "Warn",
+        "DeepSpeed warns (Warn), says nothing (Ignore) or stops (Fail) when ranks save "
+        "under different tags; an fzero checkpoint is one directory that every rank "
+        "writes its shard into, so a save whose ranks name different tags always stops, "
+        "naming each rank's (DeepSpeed's Fail); any case of Warn, Ignore or Fail",
+    )
+    load_universal: bool = only_default(
+        False,
+        "DeepSpeed loads its universal checkpoints (converted offline to reshard); "
+        "fzero's own checkpoints load under any world size and plan as they are",
+    )
+    use_node_local_storage: bool = only_default(
+        False,
+        "DeepSpeed writes each node's files to storage only that node sees; fzero writes "
+        "one directory that every rank reads back",
+    )
+    parallel_write: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "no_effect": "DeepSpeed's writing by pipeline stage; fzero runs no pipeline "
+            "parallelism (its `pipeline` block is refused), and every rank writes its own "
+            "shard of a checkpoint"
+        },
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +211,7 @@ class Config(Section):
     )
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """The dtype gradients travel in when reduced over ranks: null or "fp32" (fzero's
     default: fp32 at every precision, the average rounded once); "bf16" or "fp16" cast each
@@ -366,6 +402,12 @@ def _check(config: Config) -> None:
     if isinstance(report, float) and not (math.isfinite(report) and report >= 0):
         raise ConfigError(f"'collective_report_s' is {report}; it must be seconds >= 0")
     _check_compute_grad_norm(config)
+    mode = config.checkpoint.tag_validation
+    if isinstance(mode, str) and mode != AUTO and mode.upper() not in TAG_VALIDATION_MODES:
+        raise ConfigError(
+            f"config key 'checkpoint.tag_validation' is {mode!r}; allowed (any case): "
+            "Warn, Ignore, Fail"
+        )
     for block in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, block)
         if offload.device == "nvme" and not offload.nvme_path:

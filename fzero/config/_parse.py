@@ -24,7 +24,6 @@ NOT_SUPPORTED = {
     "": {
         "amp",
         "autotuning",
-        "checkpoint",
         "compression_training",
         "data_efficiency",
         "compile",
@@ -51,6 +50,7 @@ NOT_SUPPORTED = {
 
 ALIASES = {
     "": {"bfloat16": "bf16"},
+    "aio": {"intra_op_parallelism": "thread_count"},  # DeepSpeed 0.19's name
     "zero_optimization": {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
         # DeepSpeed's field names, which its config takes beside the stage3_ keys

@@ -116,7 +116,13 @@ class AioConfig(Section):
         "one request at a time",
     )
     thread_count: int = 1
-    """Threads of the native I/O pool (the requests in flight at once)."""
+    """Threads of the native I/O pool (the requests in flight at once); DeepSpeed 0.19
+    names it `intra_op_parallelism`, which fzero reads as this key."""
+    use_gds: bool = no_effect(
+        False,
+        "DeepSpeed moves swap files by NVIDIA GPUDirect Storage; fzero reads and writes "
+        "them through host buffers (the same bytes)",
+    )
     single_submit: bool = no_effect(False, "libaio-specific (see `queue_depth`)")
     overlap_events: bool = no_effect(
         True, "libaio-specific: fzero's submission and completion always overlap"

@@ -6,7 +6,8 @@ One process. Per ZeRO stage and precision (fp32; bf16; bf16 with
 `check_grad_overflow: false`; fp32 with `compute_grad_norm: false`): three steps with a
 warmup schedule, the second on a batch holding an inf; each step's global and skipped
 step counts and lr, and whether the weights stay finite. Then a model built under
-`zero.Init` that re-initialises its layers by `module.apply`, seen whole. Prints one
+`zero.Init` that re-initialises its layers by `module.apply`, seen whole; and a config
+with every `zero_optimization`, `checkpoint` and `aio` key at its default. Prints one
 JSON line.
 """
 
@@ -131,7 +132,12 @@ for override in (True, False):
 
 every = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
          "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-         "zero_optimization": {"stage": 3, **EVERY_ZERO_KEY}}  # fmt: skip
+         "zero_optimization": {"stage": 3, **EVERY_ZERO_KEY},
+         "checkpoint": {"tag_validation": "Warn", "load_universal": False,
+                        "use_node_local_storage": False,
+                        "parallel_write": {"pipeline_stage": False}},
+         "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+                 "single_submit": False, "overlap_events": True, "use_gds": False}}  # fmt: skip
 engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=every)
 out["every zero key"] = engine.zero_optimization_stage()
 legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
