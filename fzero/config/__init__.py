@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fzero.config._base import AUTO, ConfigError, Section, no_effect, only_default
+from fzero.config._base import (
+    AUTO,
+    ConfigError,
+    Section,
+    no_effect,
+    no_effect_object,
+    only_default,
+)
 from fzero.config._parse import parse_section, unknown_key
 from fzero.config.batch import BatchSizes, accumulation_steps, batch_sizes, batch_sizes_or_none
 from fzero.config.monitor import (
@@ -125,13 +132,10 @@ class CheckpointConfig(Section):
         "DeepSpeed writes each node's files to storage only that node sees; fzero writes "
         "one directory that every rank reads back",
     )
-    parallel_write: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={
-            "no_effect": "DeepSpeed's writing by pipeline stage; fzero runs no pipeline "
-            "parallelism (its `pipeline` block is refused), and every rank writes its own "
-            "shard of a checkpoint"
-        },
+    parallel_write: dict[str, Any] = no_effect_object(  # noqa: RUF009 (a field)
+        "DeepSpeed's writing by pipeline stage; fzero runs no pipeline "
+        "parallelism (its `pipeline` block is refused), and every rank writes its own "
+        "shard of a checkpoint"
     )
 
 

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-__all__ = ["AUTO", "ConfigError", "Section", "no_effect", "only_default"]
+__all__ = ["AUTO", "ConfigError", "Section", "no_effect", "no_effect_object", "only_default"]
 
 AUTO = "auto"
 """A value the Hugging Face integration fills in later (`fzero.resolve_auto`)."""
@@ -32,6 +32,11 @@ def no_effect(default: Any, why: str) -> Any:
     """A DeepSpeed key accepted with any value of its type, which changes nothing in
     fzero: `why` says what DeepSpeed does with it and why fzero computes the same."""
     return field(default=default, metadata={"no_effect": why})
+
+
+def no_effect_object(why: str) -> Any:
+    """`no_effect` for a DeepSpeed key whose value is an object (default `{}`)."""
+    return field(default_factory=dict, metadata={"no_effect": why})
 
 
 def only_default(default: Any, why: str) -> Any:

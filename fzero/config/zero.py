@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fzero.config._base import Section, no_effect, only_default
+from fzero.config._base import Section, no_effect, no_effect_object, only_default
 from fzero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = ["ZeroConfig"]
@@ -196,11 +196,8 @@ class ZeroConfig(Section):
         "DeepSpeed keeps Muon's momentum in memory when the rest of the state is on NVMe; "
         "fzero refuses Muon with NVMe offload by name",
     )
-    leaf_module: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={
-            "no_effect": "DeepSpeed gathers a leaf module's parameters together (for "
-            "mixtures of experts whose experts a step may not run); fzero's stage 3 runs "
-            "such models as they are: a unit a pass does not use reduces zero gradients"
-        },
+    leaf_module: dict[str, Any] = no_effect_object(  # noqa: RUF009 (a field)
+        "DeepSpeed gathers a leaf module's parameters together (for "
+        "mixtures of experts whose experts a step may not run); fzero's stage 3 runs "
+        "such models as they are: a unit a pass does not use reduces zero gradients"
     )
