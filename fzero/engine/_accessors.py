@@ -29,6 +29,7 @@ class DeepSpeedAccessors:
     schedule: Any
     lr_steps: int
     _skipped_last: bool
+    _step_applied: bool
     _global_grad_norm: float | None
 
     def train(self, mode: bool = True) -> Any:
@@ -52,6 +53,11 @@ class DeepSpeedAccessors:
 
     def was_step_skipped(self) -> bool:
         return self._skipped_last
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest `step()` updated the parameters (DeepSpeed's): False off an
+        accumulation boundary and when the step was skipped."""
+        return self._step_applied
 
     def train_batch_size(self) -> int | None:
         return self.batch.train_batch_size if self.batch else None

@@ -121,7 +121,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     timers = _part("timers")
     loss_scaler = _part("loss_scaler")  # fp16's, else None
     boundary_override: bool | None = None  # set by set_gradient_accumulation_boundary
-    _skipped_last = False
+    _skipped_last = _step_applied = False
     _global_grad_norm: float | None = None
 
     def __init__(
@@ -273,7 +273,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             raise RuntimeError("engine.step() inside engine.no_sync(); leave the block first")
         self.reduction.before_step()
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
+        self.micro_steps, self._step_applied = self.micro_steps + 1, False
         if not boundary:
             return
         try:
@@ -304,6 +304,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         else:
             step_scheduler(self, lr_kwargs)
         self._global_grad_norm, self._skipped_last = decision.norm, decision.skip
+        self._step_applied = not decision.skip
         self.global_steps += 1
         if self.batch is not None:
             self.global_samples += self.batch.train_batch_size

@@ -5,10 +5,10 @@ DeepSpeed and under fzero (`--fzero`: `import deepspeed` served by fzero).
 One process. Per ZeRO stage and precision (fp32; bf16; bf16 with
 `check_grad_overflow: false`; fp32 with `compute_grad_norm: false`): three steps with a
 warmup schedule, the second on a batch holding an inf; each step's global and skipped
-step counts and lr, and whether the weights stay finite. Then a model built under
-`zero.Init` that re-initialises its layers by `module.apply`, seen whole; and a config
-with every `zero_optimization`, `checkpoint` and `aio` key at its default. Prints one
-JSON line.
+step counts, whether it was applied, its lr, and whether the weights stay finite. Then a
+model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
+whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
+default. Prints one JSON line.
 """
 
 import argparse
@@ -90,7 +90,8 @@ def run(stage: int, precision: str, clipping: float | None = 0.0, **zero: object
             before = weights(engine, stage)
         engine.backward(engine(x).float().square().mean())
         engine.step()
-        steps.append([engine.global_steps, engine.skipped_steps, engine.get_lr()[0]])
+        counts = [engine.global_steps, engine.skipped_steps, engine.was_step_applied()]
+        steps.append([*counts, engine.get_lr()[0]])
         if i == 1:
             after = weights(engine, stage)
             kept = bool(torch.equal(before, after))
