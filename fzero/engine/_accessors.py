@@ -19,6 +19,9 @@ class DeepSpeedAccessors:
 
     module: torch.nn.Module
     rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    gatherer: Any
     loss_scale_state: Any
     batch: Any
     accumulation: int
@@ -90,6 +93,159 @@ class DeepSpeedAccessors:
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
+
+    # ---- the config as DeepSpeed's engine reports it -----------------------------------
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel processes: every process (fzero has no model parallelism)."""
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.stage == 3
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        return self.config.memory_breakdown
+
+    def postscale_gradients(self) -> bool:
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self.config.gradient_predivide_factor
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type in lower case (DeepSpeed's), None without one."""
+        block = self.config.optimizer
+        return block.type.lower() if block is not None else None
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        block = self.config.optimizer
+        return dict(block.params) if block is not None else None
+
+    def scheduler_name(self) -> str | None:
+        block = self.config.scheduler
+        return block.type if block is not None else None
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        block = self.config.scheduler
+        return dict(block.params) if block is not None else None
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.allgather_bucket_size)
+
+    def zero_reduce_scatter(self) -> bool:
+        return self.config.zero_optimization.reduce_scatter
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self.config.zero_optimization.contiguous_gradients
+
+    def zero_overlap_comm(self) -> bool:
+        """DeepSpeed's default: on at stage 3 only."""
+        overlap = self.config.zero_optimization.overlap_comm
+        return self.stage == 3 if overlap is None else bool(overlap)
+
+    def zero_sub_group_size(self) -> int:
+        return int(self.config.zero_optimization.sub_group_size)
+
+    def zero_max_live_parameters(self) -> int:
+        return int(self.config.zero_optimization.stage3_max_live_parameters)
+
+    def zero_max_reuse_distance(self) -> int:
+        return int(self.config.zero_optimization.stage3_max_reuse_distance)
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.stage3_prefetch_bucket_size)
+
+    def zero_param_persistence_threshold(self) -> int:
+        return int(self.config.zero_optimization.stage3_param_persistence_threshold)
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        return self.config.zero_optimization.load_from_fp32_weights
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return self.config.zero_optimization.elastic_checkpoint
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self.config.zero_optimization.ignore_unused_parameters
+
+    def zero_hpz_partition_size(self) -> int:
+        return int(self.config.zero_optimization.zero_hpz_partition_size)
+
+    def zero_quantized_weights(self) -> bool:
+        return self.config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self.config.zero_optimization.zero_quantized_gradients
+
+    def get_batch_info(self) -> tuple[int | None, int | None, int]:
+        """(train batch size, micro batch size per rank, accumulation steps)."""
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the model's compute dtype, the gradient accumulators' dtype)."""
+        accum = self.config.data_types.grad_accum_dtype
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return self.compute_dtype, dtypes.get(accum, torch.float32)
+
+    @property
+    def mpu(self) -> None:
+        """No model-parallel unit: fzero is data parallel (a plan on a mesh for groups)."""
+        return None
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group data parallelism runs over: every process."""
+        return torch.distributed.group.WORLD
+
+    def gradient_average(self) -> bool:
+        return True
+
+    def flops_profiler_enabled(self) -> bool:
+        return self.config.flops_profiler.enabled
+
+    def autotuning_enabled(self) -> bool:
+        return False
+
+    def curriculum_learning_enabled(self) -> bool:
+        return False
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release every gathered unit (kept for generation or prefetched), as
+        DeepSpeed's; the next forward gathers again."""
+        if self.stage == 3:
+            self.gatherer.release_all()
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return str(self.config.checkpoint.tag_validation).upper() != "IGNORE"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return str(self.config.checkpoint.tag_validation).upper() == "FAIL"
+
+    def load_universal_checkpoint(self) -> bool:
+        return self.config.checkpoint.load_universal
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print

@@ -137,6 +137,15 @@ class CheckpointMethods:
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
         )
 
+    def save_fp16_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written and committed."""
         from fzero.engine import checkpoint_io as _engine_io

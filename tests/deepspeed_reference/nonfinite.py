@@ -8,7 +8,7 @@ warmup schedule, the second on a batch holding an inf; each step's global and sk
 step counts, whether it was applied, its lr, and whether the weights stay finite. Then a
 model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
-default. Prints one JSON line.
+default; and DeepSpeed's engine accessors of the config. Prints one JSON line.
 """
 
 import argparse
@@ -146,4 +146,34 @@ legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
           "zero_optimization": {"stage": 2, "cpu_offload": True}}  # fmt: skip
 engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=legacy)
 out["cpu_offload"] = engine.zero_cpu_offload()
+ACCESSORS = (
+    "dp_world_size", "mp_world_size", "zero_optimization_partition_gradients",
+    "zero_optimization_partition_weights", "dynamic_loss_scale", "wall_clock_breakdown",
+    "memory_breakdown", "postscale_gradients", "gradient_predivide_factor",
+    "dataloader_drop_last", "optimizer_name", "optimizer_params", "scheduler_name",
+    "scheduler_params", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
+    "zero_reduce_scatter", "zero_contiguous_gradients", "zero_overlap_comm",
+    "zero_sub_group_size", "zero_max_live_parameters", "zero_max_reuse_distance",
+    "zero_prefetch_bucket_size", "zero_param_persistence_threshold",
+    "zero_load_from_fp32_weights", "zero_elastic_checkpoint", "zero_ignore_unused_parameters",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+    "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail",
+    "load_universal_checkpoint", "gradient_average", "flops_profiler_enabled",
+    "autotuning_enabled", "curriculum_learning_enabled", "zero_cpu_offload", "mpu",
+)  # fmt: skip
+for stage in (1, 3):
+    settings = {
+        **config(stage, "fp32"),
+        "gradient_accumulation_steps": 2,
+        "checkpoint": {"tag_validation": "fail"},
+    }
+    settings["zero_optimization"].update(reduce_bucket_size=1000, stage3_max_live_parameters=77)
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+    values = {}
+    for name in ACCESSORS:
+        value = getattr(engine, name)
+        values[name] = value() if callable(value) else value
+    # (get_batch_info is left out: DeepSpeed 0.19.8's returns its three methods, uncalled)
+    values["data types"] = [str(t) for t in engine.get_data_types()]
+    out[f"accessors, stage {stage}"] = values
 print("RESULT " + json.dumps(out), flush=True)
