@@ -18,7 +18,7 @@ from tests.models import Net, global_batch
 
 MICRO, STEPS, BAD = 2, 3, 1  # the step at index BAD has an inf on rank 1
 
-# (stage, precision) -> whether DeepSpeed 0.19.8 skips the step (its run: nonfinite.py)
+# (stage, precision) -> whether DeepSpeed 0.19.8 skips the step (deepspeed_reference/parity.py)
 SKIPS = {
     (0, "fp32"): False,  # the client's update, as torch applies it
     (1, "fp32"): True,

@@ -1,7 +1,7 @@
-"""DeepSpeed's read-only engine accessors (`fp16_enabled()`, `train_batch_size()`,
+"""DeepSpeed's engine accessors (`fp16_enabled()`, `train_batch_size()`,
 `get_global_grad_norm()`, ...), which scripts and clients (Transformers, Accelerate,
 Lightning) call by name: one-line answers from the engine's state, kept apart from the
-engine's own logic."""
+engine's own logic; and DeepSpeed's two batch-size setters (a batch-size ramp)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from fzero.config import BatchSizes
 
 __all__ = ["DeepSpeedAccessors"]
 
@@ -195,6 +197,27 @@ class DeepSpeedAccessors:
 
     def zero_quantized_gradients(self) -> bool:
         return self.config.zero_optimization.zero_quantized_gradients
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch by a new number of accumulation steps (the
+        micro batch kept); from the next micro-step on, as DeepSpeed's."""
+        micro = self.train_micro_batch_size_per_gpu()
+        if micro is None or train_batch_size % (micro * self.world_size) != 0:
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): the train batch size must be a "
+                f"multiple of the micro batch ({micro}) times the data-parallel world size "
+                f"({self.world_size})"
+            )
+        self.accumulation = train_batch_size // (micro * self.world_size)
+        self.batch = BatchSizes(train_batch_size, micro, self.accumulation)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro batch per rank, the accumulation steps kept (so a new
+        global batch)."""
+        if micro_batch_size < 1:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): it must be >= 1")
+        train = micro_batch_size * self.accumulation * self.world_size
+        self.batch = BatchSizes(train, micro_batch_size, self.accumulation)
 
     def get_batch_info(self) -> tuple[int | None, int | None, int]:
         """(train batch size, micro batch size per rank, accumulation steps)."""

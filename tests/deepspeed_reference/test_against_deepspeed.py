@@ -60,15 +60,20 @@ def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage)
         assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
 
 
-def test_nonfinite_steps_module_apply_and_every_zero_key_as_deepspeed():
+def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_deepspeed():
     """A batch with an inf at stages 0-3 in fp32 and bf16 (with and without
     `check_grad_overflow`, `compute_grad_norm` false): the same steps skipped, the same
     lrs after them, the weights kept or not as DeepSpeed's; `module.apply` inside
     `zero.Init` sees whole parameters (and with `override_module_apply` false, not);
-    every `zero_optimization` key DeepSpeed knows, at its default, initialises."""
-    script = str(HERE / "nonfinite.py")
+    every `zero_optimization`, `checkpoint` and `aio` key DeepSpeed knows, at its
+    default, initialises; the engine's config accessors say what DeepSpeed's say; a
+    batch-size ramp steps and trains as DeepSpeed's."""
+    script = str(HERE / "parity.py")
     theirs = _script_result(DEEPSPEED_PYTHON, script)
     ours = _script_result(sys.executable, script, "--fzero")
+    ramp = ours.pop("batch ramp"), theirs.pop("batch ramp")
+    assert ramp[0]["steps"] == ramp[1]["steps"]
+    assert ramp[0]["weights"] == pytest.approx(ramp[1]["weights"], rel=0, abs=1e-5)
     assert ours == theirs
     assert theirs["2 fp32"]["kept"] and not theirs["0 fp32"]["finite"]  # the cases differ
     assert theirs["apply, override True"]["applied"]

@@ -8,7 +8,8 @@ warmup schedule, the second on a batch holding an inf; each step's global and sk
 step counts, whether it was applied, its lr, and whether the weights stay finite. Then a
 model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
-default; and DeepSpeed's engine accessors of the config. Prints one JSON line.
+default; DeepSpeed's engine accessors of the config; and a batch-size ramp
+(`set_train_batch_size`, `set_train_micro_batch_size`). Prints one JSON line.
 """
 
 import argparse
@@ -176,4 +177,20 @@ for stage in (1, 3):
     # (get_batch_info is left out: DeepSpeed 0.19.8's returns its three methods, uncalled)
     values["data types"] = [str(t) for t in engine.get_data_types()]
     out[f"accessors, stage {stage}"] = values
+# a batch-size ramp: accumulation 1, then 2 (set_train_batch_size), then a smaller micro
+settings = {**config(2, "fp32"), "train_micro_batch_size_per_gpu": 2}
+torch.manual_seed(0)
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+ramp = []
+for i in range(6):
+    if i == 2:
+        engine.set_train_batch_size(4)
+    if i == 4:
+        engine.set_train_micro_batch_size(1)
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 3)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    sizes = [engine.train_batch_size(), engine.gradient_accumulation_steps()]
+    ramp.append([engine.global_steps, engine.global_samples, *sizes])
+out["batch ramp"] = {"steps": ramp, "weights": weights(engine, 2).tolist()}
 print("RESULT " + json.dumps(out), flush=True)
