@@ -195,4 +195,5 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
             collate_fn=collate_fn,
         )
+    engine.training_dataloader = loader  # DeepSpeed's attribute (None without data)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -19,6 +19,9 @@ __all__ = ["DeepSpeedAccessors"]
 class DeepSpeedAccessors:
     """Mixed into `fzero.engine.Engine`; reads only the attributes annotated here."""
 
+    training_dataloader: Any = None
+    """The loader `initialize` built from `training_data` (DeepSpeed's attribute)."""
+
     module: torch.nn.Module
     rank: int
     world_size: int

@@ -177,6 +177,18 @@ for stage in (1, 3):
     # (get_batch_info is left out: DeepSpeed 0.19.8's returns its three methods, uncalled)
     values["data types"] = [str(t) for t in engine.get_data_types()]
     out[f"accessors, stage {stage}"] = values
+# the loader initialize builds from training_data, and the engine's attribute for it
+data = torch.utils.data.TensorDataset(torch.arange(10).float().unsqueeze(1), torch.arange(10))
+torch.manual_seed(0)
+loaded = {**config(0, "fp32"), "train_micro_batch_size_per_gpu": 3}
+engine, _, loader, _ = deepspeed.initialize(
+    model=nn.Linear(1, 1), config=loaded, training_data=data
+)
+out["loader"] = {
+    "batches": [b[1].tolist() for b in loader],
+    "attribute": engine.training_dataloader is loader,
+}
+
 # a batch-size ramp: accumulation 1, then 2 (set_train_batch_size), then a smaller micro
 settings = {**config(2, "fp32"), "train_micro_batch_size_per_gpu": 2}
 torch.manual_seed(0)
