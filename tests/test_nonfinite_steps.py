@@ -28,6 +28,8 @@ SKIPS = {
     (2, "bf16"): True,
     (2, "bf16, no check"): False,  # bf16.check_grad_overflow false
     (3, "bf16, no check"): True,  # stage 3 checks whatever the key says
+    (0, "fp16, static scale"): True,  # fp16 checks always (DeepSpeed's overflow check)
+    (2, "fp16, static scale"): True,
 }
 
 
@@ -42,6 +44,8 @@ def _config(stage: int, precision: str) -> dict:
     }
     if precision.startswith("bf16"):
         config["bf16"] = {"enabled": True, "check_grad_overflow": precision == "bf16"}
+    if precision.startswith("fp16"):
+        config["fp16"] = {"enabled": True, "loss_scale": 128}
     return config
 
 
@@ -58,14 +62,15 @@ def case(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
     out = {}
     for stage, precision in cases:
         config = _config(stage, precision)
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision[:4], torch.float32)
         torch.manual_seed(0)
         engine, *_ = fzero.initialize(model=Net(), config=config)
         torch.manual_seed(0)
         model = Net()
         plan = partition.plan(partition.describe(model), world_size=world, stage=stage)
-        precision_of = "bf16" if dtype == torch.bfloat16 else "fp32"
-        state = fzero.init(model, plan, fzero.optim.adamw(lr=1e-2), precision=precision_of)
+        precision_of = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        optimizer = fzero.optim.adamw(lr=1e-2)
+        state = fzero.init(model, plan, optimizer, precision=precision_of, config=config)
 
         def loss_fn(params, batch, model=model):
             x, y = batch
@@ -107,6 +112,7 @@ def case(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
     [
         [(0, "fp32"), (2, "fp32"), (0, "bf16"), (2, "bf16, no check")],
         [(1, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16, no check")],
+        [(0, "fp16, static scale"), (2, "fp16, static scale")],
     ],
 )
 def test_a_step_with_gradients_that_are_not_finite_is_skipped_where_deepspeed_skips_it(cases):
