@@ -72,6 +72,7 @@ def main() -> None:
         )
         with open(args.out + ".json", "w") as f:
             json.dump(record, f)
+    accelerator.end_training()  # destroys the process group: a clean exit
 
 
 if __name__ == "__main__":

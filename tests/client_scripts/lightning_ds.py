@@ -134,6 +134,10 @@ def main() -> None:
         save_file(weights, f"{ARGS.out}.safetensors")
         with open(f"{ARGS.out}.json", "w") as f:
             json.dump(model.record, f)
+    # Without this a gloo process may abort at interpreter teardown ("terminate called
+    # without an active exception"): torch's advice.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

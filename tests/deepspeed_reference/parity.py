@@ -206,3 +206,6 @@ for i in range(6):
     ramp.append([engine.global_steps, engine.global_samples, *sizes])
 out["batch ramp"] = {"steps": ramp, "weights": weights(engine, 2).tolist()}
 print("RESULT " + json.dumps(out), flush=True)
+# Without this a gloo process may abort at interpreter teardown ("terminate called
+# without an active exception", seen under DeepSpeed in CI): torch's advice.
+torch.distributed.destroy_process_group()

@@ -102,6 +102,9 @@ def main():
         flush=True,
     )
     engine.destroy()
+    # Without this a gloo process may abort at interpreter teardown ("terminate called
+    # without an active exception", seen under DeepSpeed in CI): torch's advice.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ def main():
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f)
+    # Without this a gloo process may abort at interpreter teardown ("terminate called
+    # without an active exception", seen under DeepSpeed in CI): torch's advice.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -91,6 +91,9 @@ def main() -> None:
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "samples": engine.global_samples}, f)
+    # Without this a gloo process may abort at interpreter teardown ("terminate called
+    # without an active exception", seen under DeepSpeed in CI): torch's advice.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
