@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["RankZeroInfo", "install"]
+__all__ = ["RankZeroInfo", "install", "set_level"]
 
 
 def _rank() -> int:
@@ -36,3 +36,15 @@ def install() -> None:
     logger = logging.getLogger("fzero")
     if not any(isinstance(f, RankZeroInfo) for f in logger.filters):
         logger.addFilter(RankZeroInfo())
+
+
+def set_level(name: str | None) -> None:
+    """The config's `log_level` ("debug" ... "critical"; None leaves it): on the "fzero"
+    logger and its handlers, as DeepSpeed sets its own from its config."""
+    if name is None:
+        return
+    level = getattr(logging, name.upper())
+    logger = logging.getLogger("fzero")
+    logger.setLevel(level)
+    for handler in logger.handlers:
+        handler.setLevel(level)

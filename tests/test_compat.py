@@ -466,6 +466,33 @@ def forward_only_case(rank: int, world: int) -> dict:
     }
 
 
+def log_level_case(rank: int, world: int) -> dict:
+    import logging
+
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "log_level": "error",
+        "disable_python_gc": True,
+    }
+    engine, *_ = fzero.initialize(model=Net(), config=config)
+    return {
+        "level": logging.getLogger("fzero").level,
+        "collected": type(engine.collect_python_gc()).__name__,
+        "average": engine.gradient_average,
+    }
+
+
+def test_log_level_sets_the_logger_level_and_python_gc_is_collected_on_request():
+    """`log_level` sets the level of the logger fzero and `deepspeed.utils.logger` log
+    through when the engine is built, as DeepSpeed sets its own; `collect_python_gc()`
+    (for `disable_python_gc` scripts) collects; `gradient_average` is an attribute."""
+    import logging
+
+    result = run_world(log_level_case, 1)
+    assert result == {"level": logging.ERROR, "collected": "int", "average": True}
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

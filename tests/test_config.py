@@ -167,7 +167,19 @@ def test_unresolved_key_left_when_value_not_given():
         ({"fp16": {"enabled": 1}}, "'fp16.enabled' must be true or false, found 1"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
         ({"train_batch_size": 0}, "'train_batch_size' is 0"),
-        ({"pipeline": {"stages": 2}}, "'pipeline' is not supported yet"),
+        (
+            {"expert_parallel": {"enabled": True, "autoep_size": 2}},
+            r"'expert_parallel' is not supported yet.*\(off: `false`, `null`, or a block",
+        ),
+        ({"compile": {"deepcompile": True}}, "'compile' is not supported yet"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "'tensor_parallel' is not supported yet"),
+        ({"tensor_parallel": {"tp": {"tp_size": 2}}}, "'tensor_parallel' is not supported yet"),
+        (
+            {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
+            "'weight_quantization' is not supported yet",
+        ),
+        ({"datastates_ckpt": {"host_cache_size": 16}}, "'datastates_ckpt' is not supported yet"),
+        ({"log_level": "verbose"}, r"'log_level' is 'verbose'; allowed: \['debug'"),
         ({"tensorboard": {"enabled": True, "path": "x"}}, "'tensorboard.path'.*'output_path'"),
         ({"comms_logger": {"enabled": "yes"}}, "'comms_logger.enabled' must be true or false"),
         ({"flops_profiler": {"profile_step": 1.5}}, "'flops_profiler.profile_step'.*whole"),
@@ -232,10 +244,27 @@ def test_bad_configs_name_the_key(raw, message):
 
 
 def test_switched_off_unsupported_blocks_are_accepted():
+    """Off as DeepSpeed reads each block: most are off without `"enabled": true` (its
+    default is false), `compile` without `deepcompile`, `tensor_parallel` at size 0 or
+    1; `pipeline` is read only for a PipelineModule, which fzero does not serve."""
     config = load_config(
-        {"train_batch_size": 8, "pipeline": {"enabled": False}, "bfloat16": {"enabled": True}}
+        {
+            "train_batch_size": 8,
+            "bfloat16": {"enabled": True},
+            "pipeline": {"stages": 2, "partition": "best"},
+            "expert_parallel": {"autoep_size": 1},
+            "autotuning": {"fast": True},
+            "hybrid_engine": {"max_out_tokens": 512},
+            "data_efficiency": {"seed": 1234},
+            "compile": {"deepcompile": False, "offload_opt_states": True},
+            "tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}},
+            "weight_quantization": {"quantized_initialization": None},
+            "datastates_ckpt": False,
+            "dump_state": False,
+            "zero_optimization": {"zenflow": None},
+        }
     )
-    assert config.bf16.enabled
+    assert config.bf16.enabled and config.pipeline == {"stages": 2, "partition": "best"}
 
 
 def test_quantized_gradient_bits_read_as_declared():
@@ -397,6 +426,13 @@ def test_every_config_key_is_read_or_says_why_it_changes_nothing():
             "'zero_optimization.zero_quantized_nontrainable_weights' is True",
             "only False",
         ),
+        (
+            {"managed_gradient_accumulation": False},
+            "'managed_gradient_accumulation' is False",
+            "only True",
+        ),
+        ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op' is 'sum'", "only 'mean'"),
+        ({"sequence_parallel_size": 2}, "'sequence_parallel_size' is 2", "only 1"),
     ],
 )
 def test_keys_fzero_takes_only_at_their_default_refuse_other_values(raw, key, allowed):
@@ -416,6 +452,13 @@ def test_keys_that_change_nothing_take_any_value_of_their_type():
         {
             "memory_breakdown": True,
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "disable_allgather": True,
+            "disable_python_gc": True,
+            "seq_parallel_communication_data_type": "bf16",
+            "use_data_before_expert_parallelism": True,
+            "vocabulary_size": 50257,
+            "timers": {"throughput": {"enabled": False}},
             "zero_optimization": {"contiguous_gradients": False, "reduce_scatter": False},
         }
     )

@@ -90,8 +90,8 @@ def config_keys() -> Iterator[Key]:
     from fzero.config._parse import ALIASES, NOT_SUPPORTED
 
     yield from _section_keys(Config, "")
-    for section, names in sorted(NOT_SUPPORTED.items()):
-        for name in sorted(names):
+    for section, switches in sorted(NOT_SUPPORTED.items()):
+        for name, switch in sorted(switches.items()):
             path = f"{section}.{name}" if section else name
             yield Key(
                 path,
@@ -99,7 +99,7 @@ def config_keys() -> Iterator[Key]:
                 "off",
                 "DeepSpeed",
                 "refused",
-                'accepted only while switched off (`false`, `null` or `{"enabled": false}`); '
+                f"accepted only while switched off ({switch.off}); "
                 "any other value is an error naming the key.",
             )
     for section, aliases in sorted(ALIASES.items()):

@@ -213,6 +213,59 @@ class Config(Section):
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
+    zero_force_ds_cpu_optimizer: bool = no_effect(
+        True,
+        "DeepSpeed refuses a client torch optimizer beside ZeRO-Offload unless this is "
+        "false (its CPU Adam is the fast one); fzero runs its own fused CPU twin of a torch "
+        "Adam, AdamW or SGD either way",
+    )
+    disable_allgather: bool = no_effect(
+        False, "DeepSpeed 0.19 reads it and uses it nowhere; the parameters are gathered alike"
+    )
+    disable_python_gc: bool = no_effect(
+        False,
+        "DeepSpeed turns Python's automatic garbage collection off and leaves "
+        "`engine.collect_python_gc()` to the script; fzero leaves the collector as it is "
+        "(the values computed are the same) and serves that method",
+    )
+    managed_gradient_accumulation: bool = only_default(
+        True,
+        "false makes DeepSpeed leave the accumulation boundary to the script (each "
+        "`step()` call steps); fzero steps every `gradient_accumulation_steps` micro-steps",
+    )
+    gradient_allreduce_op: Literal["mean", "sum"] = only_default(
+        "mean",
+        '"sum" makes DeepSpeed sum gradients over ranks without dividing by the world '
+        "size; fzero averages them",
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """The level of the logger fzero (and its `deepspeed.utils.logger`) logs through, set
+    when the engine is built, as DeepSpeed sets its own; null leaves it as it is."""
+    sequence_parallel_size: int = only_default(
+        1,
+        "DeepSpeed's Ulysses sequence parallelism splits each sequence over this many "
+        "ranks; fzero has none",
+    )
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] = no_effect(
+        "fp32", "the dtype of Ulysses' sequence-parallel all-to-alls; fzero has none"
+    )
+    use_data_before_expert_parallelism: bool = no_effect(
+        False,
+        "orders the ranks of MoE expert groups; fzero has no expert parallelism "
+        "(`expert_parallel` is refused)",
+    )
+    vocabulary_size: int | None = no_effect(
+        None, "DeepSpeed only warns when it is not a multiple of 8"
+    )
+    timers: dict[str, Any] = no_effect_object(  # noqa: RUF009 (a field)
+        "DeepSpeed's throughput timer for its own log lines; fzero's step report times "
+        "itself (and `wall_clock_breakdown` adds the phases)"
+    )
+    pipeline: dict[str, Any] = no_effect_object(  # noqa: RUF009 (a field)
+        "read only by DeepSpeed's PipelineEngine, for a `deepspeed.pipe.PipelineModule`; "
+        "fzero does not serve `deepspeed.pipe`, so every model it runs ignores the block, "
+        "as DeepSpeed does for one that is not a PipelineModule"
+    )
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -16,36 +16,91 @@ from typing import Any, Literal, Union
 
 from fzero.config._base import AUTO, ConfigError
 
-__all__ = ["ALIASES", "NOT_SUPPORTED", "parse_section", "unknown_key"]
+__all__ = ["ALIASES", "NOT_SUPPORTED", "Switch", "parse_section", "unknown_key"]
 
+
+class Switch(typing.NamedTuple):
+    """When a DeepSpeed key fzero does not implement is on: `on(value)` reads the value as
+    DeepSpeed does (a block's `enabled` defaults to false where DeepSpeed's does), and
+    `off` says, for the error and the reference, which values are off."""
+
+    on: typing.Callable[[Any], bool]
+    off: str
+
+
+def _present(value: Any) -> bool:
+    """On unless `false`, `null` or `{"enabled": false}` (a block DeepSpeed runs as given)."""
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, Mapping) and value.get("enabled", True) is False)
+
+
+def _enabled(value: Any) -> bool:
+    """On when `true` or a block whose `enabled` is true (DeepSpeed's default: false)."""
+    if isinstance(value, Mapping):
+        return value.get("enabled", False) is not False
+    return value not in (None, False)
+
+
+def _entry(name: str, off: int = 1) -> typing.Callable[[Any], bool]:
+    """On when the block's `name` is set above `off` (falsy values are off)."""
+
+    def on(value: Any) -> bool:
+        if not isinstance(value, Mapping):
+            return _present(value)
+        given = value.get(name)
+        return bool(given) and not (isinstance(given, int | float) and given <= off)
+
+    return on
+
+
+def _tensor_parallel(value: Any) -> bool:
+    """DeepSpeed's AutoTP for training: on with `autotp_size` (or `tp.tp_size`) above 1."""
+    if not isinstance(value, Mapping):
+        return _present(value)
+    inner = value.get("tp", value.get("tensor_parallel")) or {}
+    return _entry("autotp_size")(value) or (isinstance(inner, Mapping) and _entry("tp_size")(inner))
+
+
+def _any_set(value: Any) -> bool:
+    """On when any of the block's entries is set (`{}` and `null` entries are off)."""
+    if not isinstance(value, Mapping):
+        return _present(value)
+    return any(v not in (None, False, {}) for v in value.values())
+
+
+_PRESENT = Switch(_present, '`false`, `null` or `{"enabled": false}`')
+_ENABLED = Switch(_enabled, '`false`, `null`, or a block without `"enabled": true`')
 
 # Keys DeepSpeed knows that fzero does not implement: accepted only while off.
-NOT_SUPPORTED = {
+NOT_SUPPORTED: dict[str, dict[str, Switch]] = {
     "": {
-        "amp",
-        "autotuning",
-        "compression_training",
-        "data_efficiency",
-        "compile",
-        "curriculum_learning",
-        "dump_state",
-        "eigenvalue",
-        "elasticity",
-        "expert_parallel",
-        "hybrid_engine",
-        "nebula",
-        "pipeline",
-        "progressive_layer_drop",
-        "quantize_training",
-        "sparse_attention",
-        "sparse_gradients",
-        "tensor_parallel",
-        "zenflow",
-        "zero_force_ds_cpu_optimizer",
+        "amp": _ENABLED,
+        "autotuning": _ENABLED,
+        "compression_training": _PRESENT,
+        "data_efficiency": _ENABLED,
+        "compile": Switch(_entry("deepcompile", 0), 'a block without `"deepcompile": true`'),
+        "curriculum_learning": _ENABLED,
+        "datastates_ckpt": _PRESENT,
+        "dump_state": _ENABLED,
+        "eigenvalue": _ENABLED,
+        "elasticity": _ENABLED,
+        "expert_parallel": _ENABLED,
+        "hybrid_engine": _ENABLED,
+        "nebula": _ENABLED,
+        "progressive_layer_drop": _ENABLED,
+        "quantize_training": _ENABLED,
+        "sparse_attention": _PRESENT,
+        "sparse_gradients": _ENABLED,
+        "tensor_parallel": Switch(
+            _tensor_parallel, "a block whose `autotp_size` (and `tp.tp_size`) is 0 or 1"
+        ),
+        "weight_quantization": Switch(_any_set, "`null`, or a block whose entries are `null`"),
+        "zenflow": _PRESENT,
     },
-    "zero_optimization": {"zeropp_loco_param", "zenflow"},
-    "fp16": {"auto_cast", "fp16_master_weights_and_grads"},
-    "bf16": {"immediate_grad_update"},
+    "zero_optimization": {"zeropp_loco_param": _PRESENT, "zenflow": _PRESENT},
+    "fp16": {"auto_cast": _PRESENT, "fp16_master_weights_and_grads": _PRESENT},
+    "bf16": {"immediate_grad_update": _PRESENT},
 }
 
 ALIASES = {
@@ -65,13 +120,6 @@ ALIASES = {
         "allgather_sequential": "stage3_allgather_sequential",
     },
 }
-
-
-def _is_off(value: Any) -> bool:
-    """A block that is present but disabled (`{"enabled": false}`, `false`, `null`)."""
-    if value is None or value is False:
-        return True
-    return isinstance(value, Mapping) and value.get("enabled", True) is False
 
 
 def unknown_key(key: str, known: set[str] | frozenset[str], where: str) -> ConfigError:
@@ -144,7 +192,7 @@ def parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     known = set(fields)
     aliases = ALIASES.get(section, {})
-    unsupported = NOT_SUPPORTED.get(section, set())
+    unsupported = NOT_SUPPORTED.get(section, {})
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
@@ -154,13 +202,14 @@ def parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
             values[name] = _convert(value, hints[name], where + key)
             _check_default(fields[name], values[name], where + key)
         elif name in unsupported:
-            if not _is_off(value):
+            switch = unsupported[name]
+            if switch.on(value):
                 raise ConfigError(
                     f"config key {where + key!r} is not supported yet by fzero "
-                    f"(found {value!r}); remove it or switch it off"
+                    f"(found {value!r}); remove it or switch it off (off: {switch.off})"
                 )
         else:
-            raise unknown_key(key, known | set(aliases) | unsupported, where)
+            raise unknown_key(key, known | set(aliases) | set(unsupported), where)
     return cls(**values)
 
 

@@ -5,6 +5,7 @@ engine's own logic; and DeepSpeed's two batch-size setters (a batch-size ramp)."
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -246,8 +247,14 @@ class DeepSpeedAccessors:
         """The process group data parallelism runs over: every process."""
         return torch.distributed.group.WORLD
 
-    def gradient_average(self) -> bool:
-        return True
+    gradient_average = True
+    """Gradients are averaged over ranks (DeepSpeed's attribute; its config's
+    `gradient_allreduce_op` "sum" makes it false, which fzero refuses)."""
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now (DeepSpeed's, for scripts that set
+        `disable_python_gc`); the number of objects it found unreachable."""
+        return gc.collect()
 
     def flops_profiler_enabled(self) -> bool:
         return self.config.flops_profiler.enabled

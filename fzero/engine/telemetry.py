@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fzero import comm, monitoring
+from fzero import _logs, comm, monitoring
 from fzero.partition import MemoryEstimate, Plan
 
 
@@ -136,6 +136,7 @@ class Telemetry:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        _logs.set_level(engine.config.log_level)  # before the engine's first line
         self.timers: Timers = engine.timers
         self.losses: list[float] = []  # rank 0's micro-batch losses since the last report
         self.step_losses: list[float] = []  # ... since the last optimizer step

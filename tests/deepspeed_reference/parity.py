@@ -142,6 +142,30 @@ every = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                  "single_submit": False, "overlap_events": True, "use_gds": False}}  # fmt: skip
 engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=every)
 out["every zero key"] = engine.zero_optimization_stage()
+# DeepSpeed 0.19.8's other top-level keys at their defaults, or switched off
+top = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+       "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+       "zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": True,
+       "disable_allgather": False, "disable_python_gc": False,
+       "managed_gradient_accumulation": True, "gradient_allreduce_op": "mean",
+       "log_level": "warning", "sequence_parallel_size": 1,
+       "seq_parallel_communication_data_type": "fp32",
+       "use_data_before_expert_parallelism": False, "vocabulary_size": 32000,
+       "timers": {"throughput": {"enabled": True, "synchronized": True}},
+       "pipeline": {"stages": 2, "partition": "best"}, "compile": {"deepcompile": False},
+       "tensor_parallel": {"autotp_size": 0}, "expert_parallel": {"autoep_size": 1},
+       "datastates_ckpt": False, "dump_state": False, "hybrid_engine": {"enabled": False},
+       "autotuning": {"enabled": False}, "data_efficiency": {"enabled": False}}  # fmt: skip
+torch.manual_seed(0)
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=top)
+for _ in range(2):
+    engine.backward(engine(torch.randn(2, 3)).pow(2).mean())
+    engine.step()
+out["top-level keys"] = {
+    "weights": weights(engine, 2).tolist(),
+    "gradient_average": engine.gradient_average,
+    "collect_python_gc": type(engine.collect_python_gc()).__name__,
+}
 legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": 2, "cpu_offload": True}}  # fmt: skip
@@ -173,7 +197,7 @@ for stage in (1, 3):
     values = {}
     for name in ACCESSORS:
         value = getattr(engine, name)
-        values[name] = value() if callable(value) else value
+        values[name] = [callable(value), value() if callable(value) else value]
     # (get_batch_info is left out: DeepSpeed 0.19.8's returns its three methods, uncalled)
     values["data types"] = [str(t) for t in engine.get_data_types()]
     out[f"accessors, stage {stage}"] = values

@@ -66,14 +66,19 @@ def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_de
     lrs after them, the weights kept or not as DeepSpeed's; `module.apply` inside
     `zero.Init` sees whole parameters (and with `override_module_apply` false, not);
     every `zero_optimization`, `checkpoint` and `aio` key DeepSpeed knows, at its
-    default, initialises; the engine's config accessors say what DeepSpeed's say; a
-    batch-size ramp steps and trains as DeepSpeed's."""
+    default, initialises, and so do its other top-level keys at their defaults (or
+    switched off), training alike; the engine's config accessors say what DeepSpeed's
+    say, methods where DeepSpeed's are methods; a batch-size ramp steps and trains as
+    DeepSpeed's."""
     script = str(HERE / "parity.py")
     theirs = _script_result(DEEPSPEED_PYTHON, script)
     ours = _script_result(sys.executable, script, "--fzero")
     ramp = ours.pop("batch ramp"), theirs.pop("batch ramp")
     assert ramp[0]["steps"] == ramp[1]["steps"]
     assert ramp[0]["weights"] == pytest.approx(ramp[1]["weights"], rel=0, abs=1e-5)
+    top = ours.pop("top-level keys"), theirs.pop("top-level keys")
+    assert top[0].pop("weights") == pytest.approx(top[1].pop("weights"), rel=0, abs=1e-5)
+    assert top[0] == top[1]
     assert ours == theirs
     assert theirs["2 fp32"]["kept"] and not theirs["0 fp32"]["finite"]  # the cases differ
     assert theirs["apply, override True"]["applied"]
