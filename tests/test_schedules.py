@@ -21,6 +21,16 @@ def test_warmup_lr_log_and_linear():
     assert linear(501, 0.0) == pytest.approx(1e-4 + 9e-4 * 0.5)
 
 
+def test_warmup_lr_without_a_max_warms_up_to_the_group_lr_as_deepspeed_019():
+    """DeepSpeed 0.19's WarmupLR defaults `warmup_max_lr` to each group's lr (its
+    WarmupDecayLR keeps 1e-3); checked against DeepSpeed running in
+    tests/deepspeed_reference/parity.py."""
+    s = fo.WarmupLR(warmup_num_steps=4, warmup_type="linear")
+    assert s(3, 0.2) == pytest.approx(0.1)  # iteration 2 of 4
+    assert s(10, 0.2) == 0.2 and s(10, 0.05) == 0.05
+    assert fo.WarmupDecayLR(warmup_num_steps=2, total_num_steps=10)(2, 0.2) == pytest.approx(1e-3)
+
+
 def test_warmup_decay_lr():
     s = fo.WarmupDecayLR(warmup_max_lr=1e-3, warmup_num_steps=1000, total_num_steps=10_000)
     assert s(5001, 0.0) == pytest.approx(1e-3 * 5000 / 9000)
@@ -55,6 +65,24 @@ def test_one_cycle_lr_and_momentum():
     )
     assert decaying(30, 0.0) == pytest.approx(0.01 / (1 + 10 / 5))
     assert fo.OneCycle(cycle_momentum=False).momentum(3) is None
+    # DeepSpeed's OneCycle writes (momentum, 0.99) as an Adam's betas, whatever beta2 was
+    assert s.betas(5) == (pytest.approx(0.85), 0.99)
+    assert fo.OneCycle(cycle_momentum=False).betas(3) is None
+
+
+def test_one_cycle_stairs():
+    """With stair counts the lr climbs in equal stairs: 2 up over 4 steps, 1 down over 2
+    (DeepSpeed's `_get_scale_factor`)."""
+    s = fo.OneCycle(
+        cycle_min_lr=0.0,
+        cycle_max_lr=1.0,
+        cycle_first_step_size=4,
+        cycle_second_step_size=2,
+        cycle_first_stair_count=2,
+        cycle_second_stair_count=1,
+    )
+    assert [s(step, 0.0) for step in range(1, 7)] == [0.0, 0.5, 0.5, 1.0, 0.0, 0.0]
+    assert s.momentum(2) == pytest.approx(0.85) and s.momentum(4) == pytest.approx(0.8)
 
 
 def test_lr_range_test():

@@ -37,7 +37,7 @@ __all__ = [
     "hparam_fields",
     "norms_apply",
     "norms_direction",
-    "scheduled_beta1",
+    "scheduled_betas",
     "scheduled_overrides",
     "skips_nonfinite",
     "tensor_norms",
@@ -165,19 +165,19 @@ def hparam_fields(hparams: Any) -> dict[str, Any]:
     return {name: getattr(hparams, name) for name in hparams.__dataclass_fields__}
 
 
-def scheduled_beta1(schedule: Any, lr_steps: int) -> float | None:
-    """A schedule's cycled beta1 at `lr_steps` (OneCycle's `momentum`), or None."""
-    momentum = getattr(schedule, "momentum", None)
-    return momentum(lr_steps) if momentum is not None else None
+def scheduled_betas(schedule: Any, lr_steps: int) -> tuple[float, float] | None:
+    """A schedule's cycled betas at `lr_steps` (OneCycle's `betas`), or None."""
+    betas = getattr(schedule, "betas", None)
+    return betas(lr_steps) if betas is not None else None
 
 
 def scheduled_overrides(hparams: Any, schedule: Any, lr_steps: int, lr: float) -> dict[str, Any]:
     """What a step overrides in a unit's hyper-parameters: `lr`, and where the optimizer
-    has `betas`, a schedule's cycled beta1 (both doors, every unit)."""
+    has `betas`, a schedule's cycled betas (both doors, every unit)."""
     overrides: dict[str, Any] = {"lr": lr}
-    beta1 = scheduled_beta1(schedule, lr_steps)
-    if beta1 is not None and hasattr(hparams, "betas"):
-        overrides["betas"] = (beta1, hparams.betas[1])
+    betas = scheduled_betas(schedule, lr_steps)
+    if betas is not None and hasattr(hparams, "betas"):
+        overrides["betas"] = betas
     return overrides
 
 

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fzero.core.update import scheduled_betas
+
 __all__ = ["ConfigScheduler", "step_scheduler"]
 
 
@@ -84,8 +86,14 @@ class ConfigScheduler:
         self.engine.lr_steps = int(state["last_batch_iteration"]) + 1
 
     def _write(self) -> None:
+        """The lrs into the param groups, and a cycled momentum's betas into those that
+        have betas (DeepSpeed's OneCycle writes both; the update reads them from the
+        schedule, so these are what the groups show)."""
+        betas = scheduled_betas(self.schedule, self.engine.lr_steps)
         for group, lr in zip(self.engine.param_groups, self.get_lr()):
             group["lr"] = lr
+            if betas is not None and "betas" in group:
+                group["betas"] = betas
 
 
 def step_scheduler(engine: Engine, lr_kwargs: dict[str, Any] | None) -> None:

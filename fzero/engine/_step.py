@@ -15,7 +15,7 @@ from fzero.core.layout import UnitRuntime
 from fzero.core.reduce import reduce_to_optimizer_shards
 from fzero.core.residency import Residency
 from fzero.core.state import owned_grad
-from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_beta1
+from fzero.core.update import GradStats, StepDecision, decide_step, hparam_fields, scheduled_betas
 from fzero.optim import LossScaleState, Optimizer, with_overrides
 from fzero.partition import Plan
 
@@ -129,13 +129,12 @@ class Hyperparams:
 
     def momentum(self, schedule: Any, lr_steps: int) -> list[Any]:
         """Each param group's momentum: Adam's `betas`, SGD's `momentum` (DeepSpeed's
-        `get_mom`), with `schedule`'s cycled beta1 at position `lr_steps` in place."""
-        beta1 = scheduled_beta1(schedule, lr_steps)
+        `get_mom`), with `schedule`'s cycled betas at position `lr_steps` in place."""
+        cycled = scheduled_betas(schedule, lr_steps)
         result = []
         for group in self.param_groups:
             if "betas" in group:
-                betas = tuple(group["betas"])
-                result.append((beta1, betas[1]) if beta1 is not None else betas)
+                result.append(cycled if cycled is not None else tuple(group["betas"]))
             else:
                 result.append(group.get("momentum", 0.0))
         return result

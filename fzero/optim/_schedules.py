@@ -53,10 +53,12 @@ def _warmup_gamma(iteration: int, warmup_num_steps: int, warmup_type: str) -> fl
 
 @dataclass(frozen=True)
 class WarmupLR:
-    """Warm up from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then hold."""
+    """Warm up from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then hold.
+    Without `warmup_max_lr`, up to each group's configured lr (DeepSpeed 0.19's default;
+    `WarmupDecayLR` keeps 1e-3, as DeepSpeed's)."""
 
     warmup_min_lr: float = 0.0
-    warmup_max_lr: float = 1e-3
+    warmup_max_lr: float | None = None
     warmup_num_steps: int = 1000
     warmup_type: Literal["log", "linear"] = "log"
 
@@ -69,9 +71,8 @@ class WarmupLR:
         iteration = step - 1
         if iteration < 0:
             return self.warmup_min_lr
-        return self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self.gamma(
-            iteration
-        )
+        top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
+        return self.warmup_min_lr + (top - self.warmup_min_lr) * self.gamma(iteration)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class WarmupDecayLR(WarmupLR):
     """`WarmupLR`, then linear decay to 0 at `total_num_steps`."""
 
     total_num_steps: int = 10_000
+    warmup_max_lr: float | None = 1e-3
 
     def gamma(self, iteration: int) -> float:
         if iteration < max(2, self.warmup_num_steps):
@@ -118,8 +120,11 @@ class OneCycle:
     """One triangular cycle between `cycle_min_lr` and `cycle_max_lr`, then decay.
 
     With `cycle_momentum`, beta1 cycles inversely between `cycle_max_mom` and
-    `cycle_min_mom` (`momentum(step)`). `decay_step_size = 0` means no post-cycle
-    decay (DeepSpeed divides by it; fzero holds `cycle_min_lr` instead).
+    `cycle_min_mom` (`momentum(step)`), and an Adam-family optimizer's betas are
+    `(beta1, 0.99)` meanwhile (`betas(step)`: DeepSpeed's OneCycle writes that pair into
+    the param groups, whatever beta2 was). Stair counts above 0 move the lr (and
+    momentum) in that many equal stairs per half-cycle. `decay_step_size = 0` means no
+    post-cycle decay (DeepSpeed divides by it; fzero holds `cycle_min_lr` instead).
     """
 
     cycle_min_lr: float = 1e-4
@@ -143,11 +148,25 @@ class OneCycle:
         )
 
     def _scale(self, iteration: int) -> float:
-        step_ratio = self.cycle_first_step_size / self.total_size
+        first, total = float(self.cycle_first_step_size), self.total_size
+        step_ratio = first / total
         batch = iteration + 1
-        cycle = math.floor(1 + batch / self.total_size)
-        x = 1.0 + batch / self.total_size - cycle
-        return x / step_ratio if x <= step_ratio else (x - 1) / (step_ratio - 1)
+        cycle = math.floor(1 + batch / total)
+        x = 1.0 + batch / total - cycle
+        if x <= step_ratio:
+            scale, stairs = x / step_ratio, self.cycle_first_stair_count
+        else:
+            second = self.cycle_second_stair_count
+            scale = (x - 1) / (step_ratio - 1)
+            stairs = self.cycle_first_stair_count if second is None else second
+        if stairs > 0:
+            within = batch % total
+            if within <= first:
+                position = within * stairs / first
+            else:
+                position = (total - within) * stairs / (total - first)
+            scale = math.floor(position) / stairs
+        return scale
 
     def _decay_interval(self, iteration: int) -> float:
         if not self.decay_step_size:
@@ -176,6 +195,12 @@ class OneCycle:
                 iteration
             )
         return self.cycle_max_mom * (1 + self.decay_mom_rate * self._decay_interval(iteration))
+
+    def betas(self, step: int) -> tuple[float, float] | None:
+        """An Adam-family optimizer's betas for step `step`, or None when momentum is not
+        cycled: `(momentum(step), 0.99)`, the pair DeepSpeed's OneCycle writes."""
+        beta1 = self.momentum(step)
+        return None if beta1 is None else (beta1, 0.99)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ warmup schedule, the second on a batch holding an inf; each step's global and sk
 step counts, whether it was applied, its lr, and whether the weights stay finite. Then a
 model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
-default; DeepSpeed's engine accessors of the config; and a batch-size ramp
+default; the config's schedules at DeepSpeed's defaults, OneCycle's stairs and cycled
+betas; DeepSpeed's engine accessors of the config; and a batch-size ramp
 (`set_train_batch_size`, `set_train_micro_batch_size`). Prints one JSON line.
 """
 
@@ -171,6 +172,35 @@ legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
           "zero_optimization": {"stage": 2, "cpu_offload": True}}  # fmt: skip
 engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=legacy)
 out["cpu_offload"] = engine.zero_cpu_offload()
+# the config's schedules, at DeepSpeed's defaults where a script leaves them out (WarmupLR
+# warms up to the optimizer's lr), OneCycle's stairs and cycled betas: lrs, betas, weights
+SCHEDULES = (
+    ("WarmupLR", {"warmup_num_steps": 5}),
+    ("WarmupDecayLR", {"warmup_num_steps": 3, "total_num_steps": 8}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
+                  "cycle_first_stair_count": 2, "cycle_second_step_size": 2,
+                  "cycle_second_stair_count": 1, "decay_step_size": 2, "decay_lr_rate": 0.5,
+                  "decay_mom_rate": 0.1}),
+)  # fmt: skip
+schedules = {}
+for name, params in SCHEDULES:
+    torch.manual_seed(0)
+    settings = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+                "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                "scheduler": {"type": name, "params": params}}  # fmt: skip
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+    lrs, betas = [scheduler.get_lr()[0]], [list(optimizer.param_groups[0]["betas"])]
+    for _ in range(9):
+        engine.backward(engine(torch.randn(2, 3)).sum())
+        engine.step()
+        lrs.append(scheduler.get_last_lr()[0])
+        betas.append(list(optimizer.param_groups[0]["betas"]))
+    schedules[f"{name} {json.dumps(params)}"] = {
+        "lrs": lrs, "betas": betas, "mom": [list(m) for m in engine.get_mom()],
+        "weights": weights(engine, 0).tolist(),
+    }  # fmt: skip
+out["schedules"] = schedules
 ACCESSORS = (
     "dp_world_size", "mp_world_size", "zero_optimization_partition_gradients",
     "zero_optimization_partition_weights", "dynamic_loss_scale", "wall_clock_breakdown",

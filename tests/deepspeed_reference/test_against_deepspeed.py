@@ -60,11 +60,19 @@ def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage)
         assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
 
 
+def _flat(values: object) -> list[float]:
+    if isinstance(values, list):
+        return [x for v in values for x in _flat(v)]
+    return [values]
+
+
 def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_deepspeed():
     """A batch with an inf at stages 0-3 in fp32 and bf16 (with and without
     `check_grad_overflow`, `compute_grad_norm` false): the same steps skipped, the same
     lrs after them, the weights kept or not as DeepSpeed's; `module.apply` inside
-    `zero.Init` sees whole parameters (and with `override_module_apply` false, not);
+    `zero.Init` sees whole parameters (and with `override_module_apply` false, not); the
+    config's schedules give the same lrs, betas and weights (DeepSpeed's defaults, and
+    OneCycle's stairs and cycled betas);
     every `zero_optimization`, `checkpoint` and `aio` key DeepSpeed knows, at its
     default, initialises, and so do its other top-level keys at their defaults (or
     switched off), training alike; the engine's config accessors say what DeepSpeed's
@@ -76,6 +84,12 @@ def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_de
     ramp = ours.pop("batch ramp"), theirs.pop("batch ramp")
     assert ramp[0]["steps"] == ramp[1]["steps"]
     assert ramp[0]["weights"] == pytest.approx(ramp[1]["weights"], rel=0, abs=1e-5)
+    for name, schedule in theirs.pop("schedules").items():
+        mine = ours["schedules"].pop(name)
+        for key in ("lrs", "betas", "mom", "weights"):
+            flat = _flat(mine[key]), _flat(schedule[key])
+            assert flat[0] == pytest.approx(flat[1], rel=0, abs=1e-5), (name, key)
+    assert not ours.pop("schedules")
     top = ours.pop("top-level keys"), theirs.pop("top-level keys")
     assert top[0].pop("weights") == pytest.approx(top[1].pop("weights"), rel=0, abs=1e-5)
     assert top[0] == top[1]
