@@ -430,4 +430,6 @@ def test_an_unsliced_wait_is_reported_from_its_progress(tmp_path, recorder):
     lines = [line for line in ranks[0].stderr.splitlines() if "has not completed after" in line]
     assert lines, ranks[0].stderr[-4000:]
     assert "rank 0 waits in collective #" in lines[0]
-    assert "rank 1 is in a data loader (" in lines[0]
+    # the first report can come before rank 1's answer says where it is when the machine
+    # is loaded (seen once: "outside fzero's operations"); the next, 4 s on, names it
+    assert any("rank 1 is in a data loader (" in line for line in lines), lines
