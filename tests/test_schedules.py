@@ -48,6 +48,40 @@ def test_warmup_cosine_lr_scales_the_group_lr():
     assert s(11, 0.2) == pytest.approx(2 * s(11, 0.1))
 
 
+def test_warmup_cosine_lr_holds_its_floor_past_the_end():
+    """DeepSpeed clamps the cosine's progress at 1: past `total_num_steps` the ratio stays
+    at `cos_min_ratio` (it used to climb back up)."""
+    s = fo.WarmupCosineLR(total_num_steps=6, warmup_num_steps=2, cos_min_ratio=0.01)
+    assert s(6, 1.0) == pytest.approx(0.01)
+    assert [s(step, 1.0) for step in (7, 9, 30)] == [pytest.approx(0.01)] * 3
+
+
+def test_deepspeeds_scheduler_classes_over_a_script_optimizer():
+    """`deepspeed.runtime.lr_schedules`' classes write the pure schedules' lrs into each
+    group (checked against DeepSpeed in tests/deepspeed_reference/schedulers.py);
+    OneCycle's momentum cycling over an optimizer with betas is refused by name."""
+    import torch
+
+    from fzero.compat.deepspeed.runtime import lr_schedules
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.Adam([{"params": [params[0]], "lr": 0.2}, {"params": [params[1]]}])
+    warmup = lr_schedules.WarmupLR(optimizer, warmup_num_steps=4, warmup_type="linear")
+    assert [g["lr"] for g in optimizer.param_groups] == [0.0, 0.0]
+    for _ in range(3):
+        warmup.step()
+    assert warmup.get_last_lr() == [pytest.approx(0.1), pytest.approx(0.5e-3)]
+    assert warmup.state_dict() == {"last_batch_iteration": 2}
+    with pytest.raises(NotImplementedError, match=r"cycle_momentum=True.*scheduler"):
+        lr_schedules.OneCycle(optimizer, 0.01, 0.1)
+    sgd = torch.optim.SGD(params, lr=0.1)  # no betas: DeepSpeed turns the cycling off
+    cycle = lr_schedules.OneCycle(sgd, 0.01, 0.1, cycle_first_step_size=2)
+    cycle.step()
+    assert cycle.get_last_lr() == [pytest.approx(0.055)] and cycle.get_mom() is None
+    with pytest.raises(ValueError, match="expected 2 value for max_lr, got 1"):
+        lr_schedules.WarmupLR(optimizer, warmup_max_lr=[1.0])
+
+
 def test_one_cycle_lr_and_momentum():
     s = fo.OneCycle(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=10)
     assert s(0, 0.0) == 0.01

@@ -108,7 +108,8 @@ class WarmupCosineLR:
             return self.warmup_min_ratio + gamma * (1.0 - self.warmup_min_ratio)
         done = iteration - warmup + 1
         total = self.total_num_steps - warmup
-        cosine = (1 + math.cos(math.pi * done / max(1, total))) / 2
+        # past the end it stays at cos_min_ratio (DeepSpeed clamps the progress at 1)
+        cosine = (1 + math.cos(math.pi * min(1.0, done / max(1, total)))) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def __call__(self, step: int, base_lr: float) -> float:

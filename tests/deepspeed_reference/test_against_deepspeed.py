@@ -60,6 +60,26 @@ def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage)
         assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
 
 
+def test_scheduler_classes_a_script_builds_run_as_under_deepspeed():
+    """`deepspeed.runtime.lr_schedules`' classes built over a script's own optimizer
+    (per-group values, stepped past their end, DeepSpeed's argument checks) write the
+    same lrs as DeepSpeed's; a WarmupLR handed to `initialize` trains alike."""
+    script = str(HERE / "schedulers.py")
+    theirs = _script_result(DEEPSPEED_PYTHON, script)
+    ours = _script_result(sys.executable, script, "--fzero")
+    assert set(ours) == set(theirs)
+    assert ours.pop("errors") == theirs.pop("errors")
+    for name in theirs:
+        assert _flat(_values(ours[name])) == pytest.approx(
+            _flat(_values(theirs[name])), rel=1e-12, abs=1e-7
+        ), name
+    assert theirs["handed to initialize"]["same object"]
+
+
+def _values(record: dict) -> list:
+    return [_values(v) if isinstance(v, dict) else v for _, v in sorted(record.items())]
+
+
 def _flat(values: object) -> list[float]:
     if isinstance(values, list):
         return [x for v in values for x in _flat(v)]
