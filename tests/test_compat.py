@@ -1,7 +1,9 @@
 """The DeepSpeed surface real scripts call: the `deepspeed` namespace, `get_accelerator`,
 `deepspeed.comm`, `zero.Init`/`GatheredParameters`, engine accessors, the optimizer
 `initialize` returns, `no_sync`, `destroy`, config keys of current DeepSpeed, the
-launcher's flags, and errors that name what went wrong across ranks."""
+launcher's flags, errors that name what went wrong across ranks, DeepSpeed's memory
+estimators and `see_memory_usage`, `runtime.activation_checkpointing.checkpointing`, and
+`ops.lamb.FusedLamb`."""
 
 from __future__ import annotations
 
@@ -661,3 +663,209 @@ def test_engine_optimizer_refuses_what_it_cannot_do_by_name():
     assert messages[1].startswith("EngineOptimizer.register_step_pre_hook: the engine's")
     assert messages[2].startswith("EngineOptimizer.register_load_state_dict_post_hook")
     assert lr == pytest.approx(0.05)
+
+
+# ---- DeepSpeed's memory estimators, see_memory_usage, the checkpointing path, FusedLamb ----
+
+# `f"{OffloadDeviceEnum.cpu:4}"` as DeepSpeed's tables print it on this Python
+_CPU = "cpu " if sys.version_info < (3, 11) else "OffloadDeviceEnum.cpu"
+
+
+def test_memory_estimators_give_deepspeeds_figures_for_a_known_model(deepspeed, capsys):
+    """nn.Linear(1000, 1000) and a second Parameter over its weight's storage: 1,001,000
+    parameters, the largest layer all of them; the figures worked out from DeepSpeed's
+    formulas (`tests/deepspeed_reference/estimators.py` runs DeepSpeed beside)."""
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    model, n = nn.Sequential(nn.Linear(1000, 1000), nn.Module()), 1_001_000
+    model[1].alias = nn.Parameter(model[0].weight.detach())  # the same storage: counted once
+    assert stage3.model_to_params(model) == (n, n) and stage_1_and_2.model_to_params(model) == n
+    # ZeRO-3, 4 GPUs on 2 nodes: both offloaded (18 bytes a parameter on a node's CPU,
+    # the largest layer's 4 on the GPU); none offloaded (18 over 8 GPUs)
+    assert stage3.estimate_zero3_model_states_mem_needs(n, n, 4, 2) == (13_513_500, 4 * n, 4 * n)
+    assert stage3.estimate_zero3_model_states_mem_needs(
+        n, n, 4, 2, cpu_offload=False, cpu_offload_params=False, zero_init=False
+    ) == (n * 4 * 4 * 1.5, 4 * n + 2_252_250, 4 * n)
+    assert stage3.estimate_zero3_model_states_mem_needs(1e9, 1e8)[2] == 4e8  # of its type
+    assert stage_1_and_2.estimate_zero2_model_states_mem_needs(n) == (n * 16 * 1.5, 2 * n)
+    assert stage_1_and_2.estimate_zero2_model_states_mem_needs(
+        n, 4, cpu_offload=False, additional_buffer_factor=2
+    ) == (n * 4 * 4 * 2, 2 * n + 4_504_500)
+    capsys.readouterr()
+    assert stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(model, 8) is None
+    assert capsys.readouterr().out == (
+        "Estimated memory needed for params, optim states and gradients for a:\n"
+        "HW: Setup with 1 node, 8 GPUs per node.\n"
+        "SW: Model with 1M total params.\n"
+        "  per CPU  |  per GPU |   Options\n"
+        f"    0.04GB |   0.00GB | offload_optimizer={_CPU}\n"
+        "    0.04GB |   0.00GB | offload_optimizer=none\n"
+    )
+    assert stage3.estimate_zero3_model_states_mem_needs_all_cold(2e9, 1e8, 1, 2) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == [
+        "HW: Setup with 2 nodes, 1 GPU per node.",
+        "SW: Model with 2000M total params, 100M largest layer params.",
+    ]
+    assert (
+        lines[4]
+        == f"   25.15GB |   0.37GB | offload_param={_CPU}, offload_optimizer={_CPU}, zero_init=1"
+    )
+    assert (
+        lines[-1]
+        == "   11.18GB |  17.14GB | offload_param=none, offload_optimizer=none, zero_init=0"
+    )
+    assert len(lines) == 10
+
+
+def test_see_memory_usage_prints_deepspeeds_lines_only_when_forced_on_rank_0(
+    deepspeed, capsys, monkeypatch
+):
+    from deepspeed.runtime.utils import see_memory_usage
+
+    see_memory_usage("not forced")
+    assert capsys.readouterr().out == ""
+    see_memory_usage("forced", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "forced" and len(lines) == 3
+    gap, number = " " * 9, r"\d+\.\d+"  # the CPU: this process's resident memory, no CUDA
+    assert re.fullmatch(
+        rf"MA {number} GB{gap}Max_MA {number} GB{gap}CA {number} GB{gap}Max_CA \d+ GB ", lines[1]
+    ), lines[1]
+    assert float(lines[1].split()[1]) > 0
+    assert re.fullmatch(rf"CPU Virtual Memory:  used = {number} GB, percent = {number}%", lines[2])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    see_memory_usage("rank 1", force=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_activation_checkpointing_is_deepspeed_checkpointing_by_every_path(deepspeed):
+    """As in DeepSpeed, where `deepspeed.checkpointing` is this module (Megatron-style
+    code imports it by its `runtime` path): one module object, however reached."""
+    import deepspeed.checkpointing
+    import deepspeed.runtime.activation_checkpointing.checkpointing as by_path
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+
+    served = deepspeed.checkpointing
+    assert by_path is checkpointing is served is fzero.checkpointing is compat.checkpointing
+    assert checkpoint is compat.checkpointing.checkpoint
+    compat.uninstall()  # forgets them all, served by `fzero.compat.checkpointing` or not
+    assert not [name for name in sys.modules if name.split(".")[0] == "deepspeed"]
+    compat.install()  # the fixture's teardown expects it
+
+
+def _deepspeed_fused_lamb_(p, g, m, v, step, *, lr, betas, eps, wd, max_coeff, min_coeff, bc):
+    """One step of DeepSpeed's FusedLamb kernel on one tensor, transcribed in torch
+    (`csrc/lamb/fused_lamb_cuda_kernel.cu`, eps outside the square root): the moments
+    uncorrected, the bias correction in the step size, the trust ratio of that update."""
+    b1, b2 = betas
+    m.mul_(b1).add_((1 - b1) * g)
+    v.mul_(b2).add_((1 - b2) * g * g)
+    update = m / (v.sqrt() + eps) + wd * p
+    w_norm, u_norm = p.norm().item(), update.norm().item()
+    coeff = 1.0
+    if w_norm != 0 and u_norm != 0:
+        coeff = max(min(w_norm / u_norm, max_coeff), min_coeff)
+    step_size = lr * (1 - b2**step) ** 0.5 / (1 - b1**step) if bc else lr
+    p.sub_(step_size * coeff * update)
+
+
+FUSED_LAMB = {"lr": 2e-2, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+# the BERT tutorial's clamp: the ratios of Net's tensors meet both bounds
+FUSED_LAMB_CLAMP = {"max_coeff": 0.3, "min_coeff": 0.01}
+
+
+def _lamb_runs(bias_correction: bool) -> tuple[nn.Module, nn.Module]:
+    """Net after 4 steps of fzero's Lamb (FusedLamb's, or with `bias_correction` the
+    paper's), and after 4 of DeepSpeed's kernel, from the same weights."""
+    from fzero.compat.deepspeed.ops.lamb import FusedLamb
+
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    theirs.load_state_dict(ours.state_dict())
+    if bias_correction:
+        opt = fzero.optim.lamb(**FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=True)
+        states = [opt.init(p) for p in ours.parameters()]
+    else:
+        opt = FusedLamb(ours.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in theirs.parameters()]
+    hp = {**FUSED_LAMB, "wd": FUSED_LAMB["weight_decay"], **FUSED_LAMB_CLAMP}
+    hp.pop("weight_decay")
+    for step in range(1, 5):
+        x, y = global_batch(step, 8)
+        for model in (ours, theirs):
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            if bias_correction:
+                states = [opt.update_(p.grad, s, p) for p, s in zip(ours.parameters(), states)]
+            else:
+                opt.step()
+            for p, (m, v) in zip(theirs.parameters(), moments):
+                _deepspeed_fused_lamb_(p, p.grad, m, v, step, **hp, bc=bias_correction)
+    return ours, theirs
+
+
+def test_fused_lamb_steps_as_deepspeeds_kernel_and_refuses_what_fzero_would_run_differently():
+    ours, theirs = _lamb_runs(bias_correction=False)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # why True is refused: fzero's Lamb corrects the moments, DeepSpeed's the step size
+    ours, theirs = _lamb_runs(bias_correction=True)
+    worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    assert worst > 1e-4
+
+    from fzero.compat.deepspeed.ops.lamb import FusedLamb
+
+    params = list(Net().parameters())
+    refused = {
+        "bias_correction=True": {},  # DeepSpeed's default
+        "eps_inside_sqrt=True": {"eps_inside_sqrt": True, "bias_correction": False},
+        "max_grad_norm=1.0": {"max_grad_norm": 1.0, "bias_correction": False},
+    }
+    for name, kwargs in refused.items():
+        with pytest.raises(NotImplementedError, match=rf"FusedLamb: {name} .*allowed: "):
+            FusedLamb(params, **kwargs)
+    with pytest.raises(RuntimeError, match="AMSGrad"):  # DeepSpeed's own refusal
+        FusedLamb(params, bias_correction=False, amsgrad=True)
+    with pytest.raises(ValueError, match=r"min_coeff 0\.5 and max_coeff 0\.3"):
+        FusedLamb(params, bias_correction=False, max_coeff=0.3, min_coeff=0.5)
+    with pytest.raises(NotImplementedError, match="bias_correction=True"):  # a group's own
+        FusedLamb([{"params": params[:2], "bias_correction": True}], bias_correction=False)
+    opt = FusedLamb(params[:2], bias_correction=False)
+    with pytest.raises(NotImplementedError, match="max_grad_norm=2"):
+        opt.add_param_group({"params": params[2:], "max_grad_norm": 2})
+    assert len(opt.param_groups) == 1
+
+
+def fused_lamb_case(rank: int, world: int) -> dict:
+    """FusedLamb handed to `initialize` at stage 3 (each tensor's norms across ranks)."""
+    from fzero.compat.deepspeed.ops.lamb import FusedLamb
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    engine, _, _, _ = fzero.initialize(model=model, optimizer=opt, config=_config(3))
+    for step in range(3):
+        _micro_step(engine, rank, world, step)
+        engine.step()
+    return {"name": engine.functional_optimizer.name, "state": engine.state_dict()}
+
+
+def test_fused_lamb_handed_to_initialize_trains_as_it_steps_alone():
+    from fzero.compat.deepspeed.ops.lamb import FusedLamb
+
+    result = run_world(fused_lamb_case, 2)
+    torch.manual_seed(0)
+    model = Net()
+    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    for step in range(3):
+        x, y = global_batch(step, MICRO * 2)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert result["name"] == "lamb"
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6)

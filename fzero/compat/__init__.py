@@ -125,5 +125,7 @@ def uninstall() -> None:
     """Undo `install()` and forget the `deepspeed` modules it served."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _DeepSpeedFinder)]
     for name in [n for n in sys.modules if n == _PREFIX or n.startswith(_PREFIX + ".")]:
-        if sys.modules[name].__name__.startswith(_TARGET):
+        # served by `fzero.compat.deepspeed...` or, as `deepspeed.zero` and
+        # `deepspeed.checkpointing`, by another `fzero` module
+        if sys.modules[name].__name__.split(".")[0] == "fzero":
             del sys.modules[name]

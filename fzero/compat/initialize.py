@@ -18,7 +18,7 @@ from fzero.core.init import optimizer_of, schedule_of
 from fzero.engine import Engine
 from fzero.engine.entry import config_of, param_groups_of
 from fzero.engine.optimizer import EngineOptimizer
-from fzero.optim import Optimizer, adagrad, adam, adamw, lion, sgd
+from fzero.optim import Optimizer, adagrad, adam, adamw, lamb, lion, sgd
 from fzero.partition import Plan
 
 __all__ = ["initialize"]
@@ -27,8 +27,8 @@ log = logging.getLogger("fzero")
 
 
 # A client optimizer's class -> the functional optimizer fzero runs for it, and the
-# hyper-parameters its groups carry (DeepSpeed's Lion ops are fzero's own classes,
-# `fzero.compat.deepspeed.ops.lion`; its CPU Adam and Adagrad are torch's)
+# hyper-parameters its groups carry (DeepSpeed's Lion and Lamb ops are fzero's own
+# classes, `fzero.compat.deepspeed.ops.lion`, `.lamb`; its CPU Adam and Adagrad are torch's)
 _CLIENTS: dict[str, tuple[Callable[..., Optimizer], tuple[str, ...]]] = {
     "Adam": (adam, ("lr", "betas", "eps", "weight_decay")),
     "AdamW": (adamw, ("lr", "betas", "eps", "weight_decay")),
@@ -36,6 +36,11 @@ _CLIENTS: dict[str, tuple[Callable[..., Optimizer], tuple[str, ...]]] = {
     "Adagrad": (adagrad, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")),
     "DeepSpeedCPULion": (lion, ("lr", "betas", "weight_decay")),
     "FusedLion": (lion, ("lr", "betas", "weight_decay")),
+    # what FusedLamb would run differently it refuses when built (`bias_correction` True)
+    "FusedLamb": (
+        lamb,
+        ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"),
+    ),
 }
 
 
@@ -45,7 +50,8 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[st
     if kind not in _CLIENTS:
         raise TypeError(
             f"client optimizer {kind} is not supported; allowed: torch.optim.Adam, AdamW, SGD, "
-            "Adagrad, deepspeed.ops.lion.DeepSpeedCPULion, FusedLion (or configure "
+            "Adagrad, deepspeed.ops.lion.DeepSpeedCPULion, FusedLion, "
+            "deepspeed.ops.lamb.FusedLamb (or configure "
             "Adam/AdamW/Lamb/SGD/Muon/Adagrad/Lion in the config)"
         )
     build, keep = _CLIENTS[kind]
@@ -115,8 +121,8 @@ def initialize(
     Returns `(engine, optimizer, dataloader, lr_scheduler)`. The config comes
     from `config`/`config_params` or `args.deepspeed_config` / `args.fzero_config`.
     A client `torch.optim` optimizer (Adam, AdamW, SGD, Adagrad, or DeepSpeed's Lion
-    ops) is run as fzero's functional equivalent with its hyper-parameters and param
-    groups.
+    ops and FusedLamb) is run as fzero's functional equivalent with its hyper-parameters
+    and param groups.
 
     The scheduler is DeepSpeed's: `lr_scheduler` (an object, or a callable given the
     optimizer) wins over the config's `scheduler` block; with neither it is None, and a

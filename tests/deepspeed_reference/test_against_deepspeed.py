@@ -119,6 +119,20 @@ def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_de
     assert not theirs["apply, override False"]["applied"]
 
 
+def test_memory_estimators_and_see_memory_usage_print_and_return_what_deepspeeds_do():
+    """DeepSpeed's ZeRO-3 and ZeRO-2 memory estimators (`_all_live` over a model with
+    shared storage, `_all_cold` over sizes, the per-option estimates, `model_to_params`)
+    at several GPUs, nodes and buffer factors: the same text printed, byte for byte, and
+    the same values returned, of the same types; `see_memory_usage` prints nothing
+    without `force` and, with it, DeepSpeed's lines (their figures masked)."""
+    script = str(HERE / "estimators.py")
+    theirs = _script_result(DEEPSPEED_PYTHON, script)
+    ours = _script_result(sys.executable, script, "--fzero")
+    assert ours == theirs
+    assert "offload_optimizer=none" in theirs["live"]["tied 8x1"][1]["printed"]  # it printed
+    assert theirs["see_memory_usage"]["forced"].startswith("after the model\nMA N GB ")
+
+
 def _script_result(python: str, script: str, *args: str) -> dict:
     done = subprocess.run(
         [python, script, *args],

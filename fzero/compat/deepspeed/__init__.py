@@ -4,9 +4,12 @@ The names DeepSpeed training scripts and the clients built on it (Transformers,
 Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
 `accelerator`, `checkpointing`, `utils` (logger, zero_to_fp32, safe_get_full_*), `ops.adam`,
-`ops.adagrad`, `ops.lion`, `runtime.engine`, `runtime.lr_schedules`,
-`runtime.base_optimizer`, `moe.utils`, `launcher.runner`, `comm.log_summary`/`configure`
-(the communication logger), `profiling.flops_profiler` and `monitor.monitor.MonitorMaster`.
+`ops.adagrad`, `ops.lion`, `ops.lamb`, `runtime.engine`, `runtime.lr_schedules`,
+`runtime.base_optimizer`, `runtime.utils` (`see_memory_usage`), the memory estimators of
+`runtime.zero.stage3` and `runtime.zero.stage_1_and_2`,
+`runtime.activation_checkpointing.checkpointing` (`checkpointing`), `moe.utils`,
+`launcher.runner`, `comm.log_summary`/`configure` (the communication logger),
+`profiling.flops_profiler` and `monitor.monitor.MonitorMaster`.
 What fzero does not do is refused by name: `deepspeed.moe.layer`, `deepspeed.pipe` and
 `runtime.sequence_parallel` on import, `tp_model_init` when called.
 `tests/test_client_names.py` scans the installed clients for

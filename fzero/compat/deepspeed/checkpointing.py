@@ -1,5 +1,10 @@
-"""`deepspeed.checkpointing`: activation checkpointing (`fzero.compat.checkpointing`)."""
+"""`deepspeed.checkpointing`: activation checkpointing, `fzero.compat.checkpointing`
+itself, handed over as this module is imported; as in DeepSpeed, where it is one module
+with `deepspeed.runtime.activation_checkpointing.checkpointing`, the three names (and
+the `deepspeed.checkpointing` attribute) are one module object."""
 
-from fzero.compat.checkpointing import checkpoint, configure, is_configured, reset
+import sys
 
-__all__ = ["checkpoint", "configure", "is_configured", "reset"]
+from fzero.compat import checkpointing
+
+sys.modules[__name__] = checkpointing

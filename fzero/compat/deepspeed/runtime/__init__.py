@@ -1,6 +1,14 @@
-"""`deepspeed.runtime`: the engine class, the schedule names and `zero`, as Accelerate
-and Transformers look them up."""
+"""`deepspeed.runtime`: the engine class, the schedule names, `zero`, `utils` and
+`activation_checkpointing`, as Accelerate, Transformers and Megatron-style code look
+them up."""
 
-from fzero.compat.deepspeed.runtime import base_optimizer, engine, lr_schedules, utils, zero
+from fzero.compat.deepspeed.runtime import (
+    activation_checkpointing,
+    base_optimizer,
+    engine,
+    lr_schedules,
+    utils,
+    zero,
+)
 
-__all__ = ["base_optimizer", "engine", "lr_schedules", "utils", "zero"]
+__all__ = ["activation_checkpointing", "base_optimizer", "engine", "lr_schedules", "utils", "zero"]

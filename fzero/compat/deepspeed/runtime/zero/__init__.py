@@ -1,13 +1,22 @@
 """`deepspeed.runtime.zero`: `Init` and `GatheredParameters` (fzero's `deepspeed.zero`),
-and `partition_parameters`, whose construction hooks Transformers patches."""
+`partition_parameters`, whose construction hooks Transformers patches, and DeepSpeed's
+memory estimators in `stage3` and `stage_1_and_2`."""
 
-from fzero.compat.deepspeed.runtime.zero import partition_parameters
+from fzero.compat.deepspeed.runtime.zero import (
+    offload_config,
+    partition_parameters,
+    stage3,
+    stage_1_and_2,
+)
 from fzero.compat.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "offload_config",
     "partition_parameters",
     "register_external_parameter",
+    "stage3",
+    "stage_1_and_2",
 ]
