@@ -359,6 +359,18 @@ def test_no_checkpoint_returns_none_with_a_warning(tmp_path):
     assert any("no checkpoint to load" in m for m in caught)
 
 
+def test_a_tag_that_is_not_there_is_an_error_naming_the_tags_that_are(saved, tmp_path):
+    """DeepSpeed asserts when the tag asked for (or the one `latest` names) is missing;
+    fzero says which tags there are, and a script never trains on from scratch."""
+    status, text = run_world(load_case, 2, str(saved), "nope", "Net")
+    assert status == "error" and "nope" in text, text
+    assert "tags in" in text and "['good']" in text, text
+    root = _copy(saved, tmp_path)
+    (root / "latest").write_text("gone")
+    status, text = run_world(load_case, 2, str(root), None, "Net")
+    assert status == "error" and "gone" in text and "latest" in text, text
+
+
 def load_faults_case(rank, world, root):
     """A damaged file leaves the engine as it was; a read failing after the checksums
     passed leaves it refusing to go on until a load succeeds; loads read in place."""

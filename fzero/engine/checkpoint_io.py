@@ -29,9 +29,11 @@ from fzero import comm
 from fzero.checkpoint._consolidate import write_model_files
 from fzero.checkpoint._files import CheckpointError, write_safetensors_stream
 from fzero.checkpoint._format import (
+    INDEX,
     jsonable,
     process_rng,
     read_index,
+    read_latest,
     restore_process_rng,
     saved_rng,
 )
@@ -197,6 +199,15 @@ def save_checkpoint(
     )
 
 
+def _tags(load_dir: str) -> list[str]:
+    """The checkpoint directories in `load_dir` (those with an index)."""
+    if not os.path.isdir(load_dir):
+        return []
+    return sorted(
+        name for name in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, name, INDEX))
+    )
+
+
 def load_checkpoint(
     engine: Engine,
     load_dir: str,
@@ -215,9 +226,18 @@ def load_checkpoint(
     )
     directory = find(load_dir, tag)
     if directory is None:
-        missing = os.path.join(load_dir, tag if tag is not None else "latest")
-        warnings.warn(f"no checkpoint to load: {missing} does not exist", stacklevel=3)
-        return None, None
+        named = tag if tag is not None else read_latest(load_dir)
+        if named is None:  # nothing saved there: DeepSpeed's (None, None)
+            missing = os.path.join(load_dir, "latest")
+            warnings.warn(f"no checkpoint to load: {missing} does not exist", stacklevel=3)
+            return None, None
+        # a tag asked for (or named by `latest`) that is not there: an error, as DeepSpeed's
+        # assertion, never a silent start from scratch
+        where = "" if tag is not None else f" (the tag {os.path.join(load_dir, 'latest')} names)"
+        raise CheckpointError(
+            f"load_checkpoint: no checkpoint {os.path.join(load_dir, named)!r}{where}; "
+            f"tags in {load_dir!r}: {_tags(load_dir)}"
+        )
     if not load_module_only:
         _check_scheduler_state(engine, directory, load_lr_scheduler_states)
     # NVMe offload: restore writes each unit to the other slot of its swap regions as it
