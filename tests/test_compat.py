@@ -778,18 +778,16 @@ FUSED_LAMB_CLAMP = {"max_coeff": 0.3, "min_coeff": 0.01}
 
 
 def _lamb_runs(bias_correction: bool) -> tuple[nn.Module, nn.Module]:
-    """Net after 4 steps of fzero's Lamb (FusedLamb's, or with `bias_correction` the
-    paper's), and after 4 of DeepSpeed's kernel, from the same weights."""
+    """Net after 4 steps of FusedLamb (fzero's Lamb) and after 4 of DeepSpeed's kernel,
+    from the same weights."""
     from fzero.compat.deepspeed.ops.lamb import FusedLamb
 
     torch.manual_seed(0)
     ours, theirs = Net(), Net()
     theirs.load_state_dict(ours.state_dict())
-    if bias_correction:
-        opt = fzero.optim.lamb(**FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=True)
-        states = [opt.init(p) for p in ours.parameters()]
-    else:
-        opt = FusedLamb(ours.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    opt = FusedLamb(
+        ours.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=bias_correction
+    )
     moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in theirs.parameters()]
     hp = {**FUSED_LAMB, "wd": FUSED_LAMB["weight_decay"], **FUSED_LAMB_CLAMP}
     hp.pop("weight_decay")
@@ -799,42 +797,35 @@ def _lamb_runs(bias_correction: bool) -> tuple[nn.Module, nn.Module]:
             model.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
         with torch.no_grad():
-            if bias_correction:
-                states = [opt.update_(p.grad, s, p) for p, s in zip(ours.parameters(), states)]
-            else:
-                opt.step()
+            opt.step()
             for p, (m, v) in zip(theirs.parameters(), moments):
                 _deepspeed_fused_lamb_(p, p.grad, m, v, step, **hp, bc=bias_correction)
     return ours, theirs
 
 
 def test_fused_lamb_steps_as_deepspeeds_kernel_and_refuses_what_fzero_would_run_differently():
-    ours, theirs = _lamb_runs(bias_correction=False)
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    # why True is refused: fzero's Lamb corrects the moments, DeepSpeed's the step size
-    ours, theirs = _lamb_runs(bias_correction=True)
-    worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
-    assert worst > 1e-4
+    for bias_correction in (True, False):  # DeepSpeed's kernel corrects in the step size
+        ours, theirs = _lamb_runs(bias_correction=bias_correction)
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
     from fzero.compat.deepspeed.ops.lamb import FusedLamb
 
     params = list(Net().parameters())
     refused = {
-        "bias_correction=True": {},  # DeepSpeed's default
-        "eps_inside_sqrt=True": {"eps_inside_sqrt": True, "bias_correction": False},
-        "max_grad_norm=1.0": {"max_grad_norm": 1.0, "bias_correction": False},
+        "eps_inside_sqrt=True": {"eps_inside_sqrt": True},
+        "max_grad_norm=1.0": {"max_grad_norm": 1.0},
     }
     for name, kwargs in refused.items():
         with pytest.raises(NotImplementedError, match=rf"FusedLamb: {name} .*allowed: "):
             FusedLamb(params, **kwargs)
     with pytest.raises(RuntimeError, match="AMSGrad"):  # DeepSpeed's own refusal
-        FusedLamb(params, bias_correction=False, amsgrad=True)
+        FusedLamb(params, amsgrad=True)
     with pytest.raises(ValueError, match=r"min_coeff 0\.5 and max_coeff 0\.3"):
-        FusedLamb(params, bias_correction=False, max_coeff=0.3, min_coeff=0.5)
-    with pytest.raises(NotImplementedError, match="bias_correction=True"):  # a group's own
-        FusedLamb([{"params": params[:2], "bias_correction": True}], bias_correction=False)
-    opt = FusedLamb(params[:2], bias_correction=False)
+        FusedLamb(params, max_coeff=0.3, min_coeff=0.5)
+    with pytest.raises(NotImplementedError, match="max_grad_norm=3"):  # a group's own
+        FusedLamb([{"params": params[:2], "max_grad_norm": 3}])
+    opt = FusedLamb(params[:2])
     with pytest.raises(NotImplementedError, match="max_grad_norm=2"):
         opt.add_param_group({"params": params[2:], "max_grad_norm": 2})
     assert len(opt.param_groups) == 1
@@ -846,7 +837,7 @@ def fused_lamb_case(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model = Net()
-    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP)
     engine, _, _, _ = fzero.initialize(model=model, optimizer=opt, config=_config(3))
     for step in range(3):
         _micro_step(engine, rank, world, step)
@@ -860,7 +851,7 @@ def test_fused_lamb_handed_to_initialize_trains_as_it_steps_alone():
     result = run_world(fused_lamb_case, 2)
     torch.manual_seed(0)
     model = Net()
-    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP, bias_correction=False)
+    opt = FusedLamb(model.parameters(), **FUSED_LAMB, **FUSED_LAMB_CLAMP)
     for step in range(3):
         x, y = global_batch(step, MICRO * 2)
         opt.zero_grad()

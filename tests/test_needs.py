@@ -30,6 +30,7 @@ from fzero.optim import (
     lamb_apply_,
     lamb_direction_,
     lamb_init,
+    lamb_step_hparams,
     lamb_update,
     lamb_update_,
     trust_ratio,
@@ -171,8 +172,9 @@ def test_the_guard_rail_catches_an_optimizer_specific_import(tmp_path):
 
 def user_lamb(calls: list[str], **hparams: Any) -> Optimizer:
     """LAMB from fzero's public pieces, under another name: the pure halves
-    (`lamb_direction_`, `lamb_apply_`), native twins calling `fzero.native`'s kernels
-    (counted in `calls`), and `lamb_update`/`lamb_update_` for whole tensors."""
+    (`lamb_direction_`, `lamb_apply_`, `lamb_step_hparams`), native twins calling
+    `fzero.native`'s kernels (counted in `calls`), and `lamb_update`/`lamb_update_` for
+    whole tensors."""
     hp = LambHParams(**hparams)
 
     def native_direction_(kernels, param, grad, state, h, grad_scale, out):
@@ -180,7 +182,7 @@ def user_lamb(calls: list[str], **hparams: Any) -> Optimizer:
         kernels.lamb_direction_(
             param, grad, state.exp_avg, state.exp_avg_sq, out, step=state.step + 1,
             betas=h.betas, eps=h.eps, weight_decay=h.weight_decay,
-            bias_correction=h.bias_correction, grad_scale=grad_scale,
+            bias_correction=False, grad_scale=grad_scale,  # in the step size
         )  # fmt: skip
 
     def native_apply_(kernels, param, direction, segments, p_norms, d_norms, h):
@@ -201,7 +203,9 @@ def user_lamb(calls: list[str], **hparams: Any) -> Optimizer:
         update,
         update_,
         state_slots=2,
-        needs=TensorNorms(direction_=lamb_direction_, apply_=lamb_apply_),
+        needs=TensorNorms(
+            direction_=lamb_direction_, apply_=lamb_apply_, step_hparams=lamb_step_hparams
+        ),
         native=NativeKernel(direction_=native_direction_, apply_=native_apply_),
     )
 

@@ -100,7 +100,8 @@ def test_adam_without_bias_correction():
 
 
 def _lamb_reference(start, grads, lr, betas, eps, wd, min_coeff, max_coeff):
-    """LAMB, Algorithm 2 of You et al. 2020, in float64, with FusedLamb's trust clamp."""
+    """LAMB as DeepSpeed's FusedLamb kernel computes it (csrc/lamb, eps outside the
+    square root, bias correction in the step size), in float64."""
     p = start.double().clone()
     m = torch.zeros_like(p)
     v = torch.zeros_like(p)
@@ -108,12 +109,11 @@ def _lamb_reference(start, grads, lr, betas, eps, wd, min_coeff, max_coeff):
         g = g.double()
         m = betas[0] * m + (1 - betas[0]) * g
         v = betas[1] * v + (1 - betas[1]) * g * g
-        m_hat = m / (1 - betas[0] ** t)
-        v_hat = v / (1 - betas[1] ** t)
-        r = m_hat / (v_hat.sqrt() + eps) + wd * p
+        step_size = lr * math.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
+        r = m / (v.sqrt() + eps) + wd * p
         w_norm, r_norm = p.norm().item(), r.norm().item()
         trust = min(max(w_norm / r_norm, min_coeff), max_coeff) if w_norm and r_norm else 1.0
-        p = p - lr * trust * r
+        p = p - step_size * trust * r
     return p
 
 

@@ -307,6 +307,8 @@ class OptimizerApplication:
         rt.state, direction = norms_direction(
             needs, self.kernel_of(rt), rt.master, grad, rt.state, hp, factor, out=out
         )
+        if needs.step_hparams is not None:  # what the second half reads (LAMB's step size)
+            hp = needs.step_hparams(hp, rt.state)
         self.residency.give_back(self.residency.lent)
         segments = self.segments(rt)
         add_tensor_squares(

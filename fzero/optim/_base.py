@@ -63,11 +63,16 @@ class TensorNorms(NamedTuple):
       second half: moves each segment `(start, stop)` of `param` (one tensor's piece),
       given that whole tensor's norms ‖p‖ and ‖u‖ (`param` before this step's move).
 
+    - `step_hparams(hparams, state) -> hparams` (optional): the hyper-parameters `apply_`
+      is given, from the step's and the state the first half advanced (LAMB's
+      bias-corrected step size); without it, the step's own.
+
     The state does not reach `apply_`: between the halves it may rest in a swap file.
     """
 
     direction_: Callable[[Tensor, Any, Tensor, Any], Tensor]
     apply_: Callable[[Tensor, Tensor, Segments, Sequence[float], Sequence[float], Any], None]
+    step_hparams: Callable[[Any, Any], Any] | None = None
 
 
 class WholeTensors(NamedTuple):

@@ -1,12 +1,16 @@
-"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2).
+"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), as DeepSpeed's
+FusedLamb computes it (the optimizer of its config's `"Lamb"` and of its BERT tutorial):
 
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g²
-    u = m̂ / (sqrt(v̂) + eps) + wd · p          (m̂, v̂ bias-corrected if enabled)
+    u = m / (sqrt(v) + eps) + wd · p
     trust = clamp(‖p‖ / ‖u‖, min_coeff, max_coeff) when both norms are non-zero, else 1
-    p = p - lr · trust · u
+    p = p - lr · c · trust · u,   c = sqrt(1 - b2^t) / (1 - b1^t) (1 without bias correction)
 
-The trust ratio is per tensor, as in DeepSpeed's FusedLamb (whose clamp bounds
-`max_coeff`/`min_coeff` these are; the BERT tutorial uses 0.3 / 0.01). A flat
+FusedLamb's kernel corrects the bias in the step size `c`, not in the moments as the
+paper's Algorithm 2 writes m̂ / (sqrt(v̂) + eps): the two differ in where eps sits and,
+through the trust ratio's clamp and the weight decay, in the step. The trust ratio is
+per tensor, as in FusedLamb (whose clamp bounds `max_coeff`/`min_coeff` these are; the
+BERT tutorial uses 0.3 / 0.01). A flat
 buffer holding several tensors is updated segment by segment. Under sharding a
 tensor's norms span ranks, so LAMB declares `TensorNorms` (`fzero.optim.Optimizer`):
 `lamb_direction_` computes u (and the moments), the core sums `segment_sq_sums`
@@ -16,6 +20,8 @@ halves through fzero's native kernels.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,9 +40,11 @@ __all__ = [
     "lamb_direction_",
     "lamb_init",
     "lamb_native",
+    "lamb_step_hparams",
     "lamb_update",
     "lamb_update_",
     "segment_sq_sums",
+    "step_size",
     "trust_ratio",
 ]
 
@@ -69,11 +77,20 @@ def trust_ratio(param_norm: float, update_norm: float, hparams: LambHParams) -> 
     return 1.0
 
 
-def _corrections(hp: LambHParams, step: int) -> tuple[float, float]:
+def step_size(hp: LambHParams, step: int) -> float:
+    """lr · sqrt(1 - b2^step) / (1 - b1^step) (lr without bias correction): FusedLamb's
+    step size at 1-based `step`."""
     beta1, beta2 = hp.betas
     if not hp.bias_correction:
-        return 1.0, 1.0
-    return 1 - beta1**step, 1 - beta2**step
+        return hp.lr
+    return hp.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+def lamb_step_hparams(hparams: LambHParams, state: LambState) -> LambHParams:
+    """The second half's hyper-parameters once the first advanced `state` (its step
+    counted): lr the bias-corrected step size, bias correction done."""
+    lr = step_size(hparams, state.step)
+    return dataclasses.replace(hparams, lr=lr, bias_correction=False)
 
 
 def lamb_update(
@@ -84,22 +101,22 @@ def lamb_update(
     beta1, beta2 = hp.betas
     exp_avg = state.exp_avg.mul(beta1).add(grad, alpha=1 - beta1)
     exp_avg_sq = state.exp_avg_sq.mul(beta2).addcmul(grad, grad, value=1 - beta2)
-    c1, c2 = _corrections(hp, step)
-    update = (exp_avg / c1) / ((exp_avg_sq / c2).sqrt().add(hp.eps))
+    update = exp_avg / exp_avg_sq.sqrt().add(hp.eps)
     if hp.weight_decay:
         update = update.add(param, alpha=hp.weight_decay)
     ratio = trust_ratio(param.norm().item(), update.norm().item(), hp)
-    return param.add(update, alpha=-hp.lr * ratio), LambState(step, exp_avg, exp_avg_sq)
+    moved = param.add(update, alpha=-step_size(hp, step) * ratio)
+    return moved, LambState(step, exp_avg, exp_avg_sq)
 
 
 def lamb_direction_(grad: Tensor, state: LambState, param: Tensor, hparams: LambHParams) -> Tensor:
-    """Advance the moments in place and return the update direction u (a new tensor)."""
+    """Advance the moments in place and return the update direction u (a new tensor;
+    the bias correction is the step size's, `lamb_step_hparams`)."""
     hp = hparams
     beta1, beta2 = hp.betas
     state.exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     state.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    c1, c2 = _corrections(hp, state.step + 1)
-    update = (state.exp_avg / c1) / ((state.exp_avg_sq / c2).sqrt().add_(hp.eps))
+    update = state.exp_avg / state.exp_avg_sq.sqrt().add_(hp.eps)
     if hp.weight_decay:
         update.add_(param, alpha=hp.weight_decay)
     return update
@@ -139,8 +156,10 @@ def lamb_update_(
     update = lamb_direction_(grad, state, param, hparams)
     param_norms = segment_sq_sums(param, segments).sqrt().tolist()
     update_norms = segment_sq_sums(update, segments).sqrt().tolist()
-    lamb_apply_(param, update, segments, param_norms, update_norms, hparams)
-    return LambState(state.step + 1, state.exp_avg, state.exp_avg_sq)
+    advanced = LambState(state.step + 1, state.exp_avg, state.exp_avg_sq)
+    second = lamb_step_hparams(hparams, advanced)
+    lamb_apply_(param, update, segments, param_norms, update_norms, second)
+    return advanced
 
 
 def _native_direction_(
@@ -157,7 +176,7 @@ def _native_direction_(
     kernels.lamb_direction_(
         param, grad, state.exp_avg, state.exp_avg_sq, out, step=state.step + 1,
         betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
-        bias_correction=hp.bias_correction, grad_scale=grad_scale,
+        bias_correction=False, grad_scale=grad_scale,  # the step size's (`step_size`)
     )  # fmt: skip
 
 
@@ -190,7 +209,8 @@ def lamb(
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
 ) -> Optimizer:
-    """LAMB with DeepSpeed FusedLamb's defaults (eps 1e-6, trust clamp [0.01, 10])."""
+    """LAMB as DeepSpeed's FusedLamb computes it, with its defaults (eps 1e-6, trust
+    clamp [0.01, 10], the bias corrected in the step size)."""
     hp = LambHParams(lr, tuple(betas), eps, weight_decay, bias_correction, max_coeff, min_coeff)
     if not 0 <= min_coeff <= max_coeff:
         raise ValueError(f"min_coeff {min_coeff} and max_coeff {max_coeff}: need 0 <= min <= max")
@@ -203,7 +223,9 @@ def lamb(
     def update_(grad: Tensor, state: LambState, param: Tensor, segments=None, **overrides: Any):
         return lamb_update_(grad, state, param, with_overrides(hp, overrides), segments)
 
-    needs = TensorNorms(direction_=lamb_direction_, apply_=lamb_apply_)
+    needs = TensorNorms(
+        direction_=lamb_direction_, apply_=lamb_apply_, step_hparams=lamb_step_hparams
+    )
     leaf = Optimizer(
         "lamb", hp, lamb_init, update, update_, state_slots=2, needs=needs, native=lamb_native
     )

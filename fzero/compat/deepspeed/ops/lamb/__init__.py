@@ -8,14 +8,11 @@ DeepSpeed's FusedLamb kernel (`csrc/lamb/fused_lamb_cuda_kernel.cu`) computes, p
     u = m / (sqrt(v) + eps) + wd · p
     p = p - step_size · clamp(‖p‖ / ‖u‖, min_coeff, max_coeff) · u
 
-with `step_size = lr` — fzero's Lamb with `bias_correction=False`, the same update. Its
-other options compute what fzero's Lamb does not, so they are refused here rather than
-run differently: `bias_correction=True` (its default) scales the step by
-`sqrt(1 - b2^t) / (1 - b1^t)` and takes the trust ratio of the uncorrected `u`, where
-fzero's Lamb corrects `m` and `v` first (the paper's Algorithm 2);
-`eps_inside_sqrt=True` divides by `sqrt(v + eps)`; `max_grad_norm > 0` clips by a norm
-that only a caller of `step(grad_norms=...)` gives it (clip with the config's
-`gradient_clipping`).
+with `step_size = lr · sqrt(1 - b2^t) / (1 - b1^t)` (`lr` without `bias_correction`):
+fzero's Lamb, the same update. Its other options compute what fzero's Lamb does not,
+so they are refused here rather than run differently: `eps_inside_sqrt=True` divides by
+`sqrt(v + eps)`; `max_grad_norm > 0` clips by a norm that only a caller of
+`step(grad_norms=...)` gives it (clip with the config's `gradient_clipping`).
 """
 
 from __future__ import annotations
@@ -39,13 +36,6 @@ def _refusal(name: str, value: Any, allowed: str, why: str) -> NotImplementedErr
 def _rule(group: dict[str, Any]) -> Optimizer:
     """The Lamb a param group steps with, after refusing what fzero's Lamb does not compute
     (`fzero.optim.lamb` checks betas and the coefficient bounds, naming a bad one)."""
-    if group["bias_correction"]:
-        raise _refusal(
-            "bias_correction", group["bias_correction"], "False",
-            "DeepSpeed's kernel scales the step by sqrt(1 - beta2^t) / (1 - beta1^t) after "
-            "taking the trust ratio of the uncorrected update, which fzero's Lamb does not "
-            "compute (it corrects the moments first, as the LAMB paper)",
-        )  # fmt: skip
     if group["max_grad_norm"] != 0:
         raise _refusal(
             "max_grad_norm", group["max_grad_norm"], "0",
@@ -54,7 +44,8 @@ def _rule(group: dict[str, Any]) -> Optimizer:
         )  # fmt: skip
     return lamb(
         group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
-        bias_correction=False, max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
+        bias_correction=bool(group["bias_correction"]), max_coeff=group["max_coeff"],
+        min_coeff=group["min_coeff"],
     )  # fmt: skip
 
 
@@ -68,7 +59,7 @@ class FusedLamb(torch.optim.Optimizer):
     Args:
         params (Iterable): parameters, or dicts of param groups.
         lr (float): learning rate.
-        bias_correction (bool): DeepSpeed's default True is refused; give False.
+        bias_correction (bool): correct the moments' bias in the step size.
         betas (tuple[float, float]): the moments' decay rates.
         eps (float): added to sqrt(v).
         eps_inside_sqrt (bool): True (eps under the square root) is refused.
