@@ -232,7 +232,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
     ) -> Tensor:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale;
         without the division when not `scale_wrt_gas`, for callers that scale the loss
-        themselves); reduces gradients as the plan says. Returns `loss`."""
+        themselves); reduces gradients as the plan says. Returns that divided `loss`."""
         self.check_trainable()
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scale_state.scale if self.loss_scale_state else 1.0
@@ -242,7 +242,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         with self.timers("backward"):
             self.reduction.finish()
         self.telemetry.backward_done()
-        return loss
+        return loss / accumulation  # DeepSpeed's return value
 
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the fp16 loss scale, for a plain `engine.scale(loss).backward()`

@@ -172,6 +172,15 @@ legacy = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
           "zero_optimization": {"stage": 2, "cpu_offload": True}}  # fmt: skip
 engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=legacy)
 out["cpu_offload"] = engine.zero_cpu_offload()
+# what backward returns: the loss divided by the accumulation steps (or not)
+torch.manual_seed(0)
+settings = {**config(2, "fp32"), "gradient_accumulation_steps": 4}
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+loss = engine(torch.randn(2, 3)).pow(2).sum()
+returned = [engine.backward(loss).item() / loss.item()]
+loss = engine(torch.randn(2, 3)).pow(2).sum()
+returned.append(engine.backward(loss, scale_wrt_gas=False).item() / loss.item())
+out["backward returns"] = returned
 # the config's schedules, at DeepSpeed's defaults where a script leaves them out (WarmupLR
 # warms up to the optimizer's lr), OneCycle's stairs and cycled betas: lrs, betas, weights
 SCHEDULES = (
