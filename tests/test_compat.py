@@ -495,6 +495,46 @@ def test_log_level_sets_the_logger_level_and_python_gc_is_collected_on_request()
     assert result == {"level": logging.ERROR, "collected": "int", "average": True}
 
 
+def _set_group_values(groups: list[dict], step: int) -> None:
+    """What a script's own schedule of other hyper-parameters writes at step 2."""
+    if step == 2:
+        groups[0]["weight_decay"] = 0.3
+        groups[0]["betas"] = (0.5, 0.9)
+
+
+def group_values_case(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    config = {k: v for k, v in _config(stage).items() if k != "optimizer"}
+    engine, *_ = fzero.initialize(model=model, optimizer=optimizer, config=config)
+    for step in range(4):
+        _set_group_values(engine.optimizer.param_groups, step)
+        _micro_step(engine, rank, world, step)
+        engine.step()
+    return engine.state_dict(dtype=torch.float32)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hyper_parameters_a_script_sets_in_a_param_group_are_read_each_step(stage):
+    """A script that changes a group's weight decay and betas mid-run (its own schedule,
+    or DeepSpeed's OneCycle writing betas) trains as torch.optim does: the engine reads
+    its groups at every step (it read only the lr); checked against DeepSpeed in
+    tests/deepspeed_reference/schedulers.py."""
+    got = run_world(group_values_case, 2, stage)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(4):
+        _set_group_values(optimizer.param_groups, step)
+        x, y = global_batch(step, MICRO * 2)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

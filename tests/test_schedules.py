@@ -58,8 +58,8 @@ def test_warmup_cosine_lr_holds_its_floor_past_the_end():
 
 def test_deepspeeds_scheduler_classes_over_a_script_optimizer():
     """`deepspeed.runtime.lr_schedules`' classes write the pure schedules' lrs into each
-    group (checked against DeepSpeed in tests/deepspeed_reference/schedulers.py);
-    OneCycle's momentum cycling over an optimizer with betas is refused by name."""
+    group, and OneCycle its cycled betas (checked against DeepSpeed in
+    tests/deepspeed_reference/schedulers.py)."""
     import torch
 
     from fzero.compat.deepspeed.runtime import lr_schedules
@@ -72,8 +72,11 @@ def test_deepspeeds_scheduler_classes_over_a_script_optimizer():
         warmup.step()
     assert warmup.get_last_lr() == [pytest.approx(0.1), pytest.approx(0.5e-3)]
     assert warmup.state_dict() == {"last_batch_iteration": 2}
-    with pytest.raises(NotImplementedError, match=r"cycle_momentum=True.*scheduler"):
-        lr_schedules.OneCycle(optimizer, 0.01, 0.1)
+    cycled = lr_schedules.OneCycle(optimizer, 0.01, 0.1, cycle_first_step_size=2)
+    assert [g["betas"] for g in optimizer.param_groups] == [(0.8, 0.99)] * 2  # DeepSpeed's
+    cycled.step()
+    assert cycled.get_mom() == [(pytest.approx(0.85), 0.99)] * 2
+    assert optimizer.param_groups[0]["betas"] == cycled.get_mom()[0]
     sgd = torch.optim.SGD(params, lr=0.1)  # no betas: DeepSpeed turns the cycling off
     cycle = lr_schedules.OneCycle(sgd, 0.01, 0.1, cycle_first_step_size=2)
     cycle.step()

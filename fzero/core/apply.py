@@ -46,7 +46,11 @@ from fzero.core.whole_tensors import whole_tensors_update_
 from fzero.optim import NativeKernel, Optimizer, Schedule, TensorNorms, WholeTensors
 from fzero.partition import Plan, Unit
 
-__all__ = ["OptimizerApplication", "StepClock", "check_needs"]
+__all__ = ["GroupValues", "OptimizerApplication", "StepClock", "check_needs"]
+
+GroupValues = list[dict[str, Any]]
+"""Per param group, what a step reads from it: `"lr"`, and any other hyper-parameter a
+script set there since the optimizer was built (torch reads its groups every step)."""
 
 
 class StepClock(NamedTuple):
@@ -133,43 +137,45 @@ class OptimizerApplication:
         return partition_numel(self.plan, unit, self.rank)
 
     def apply(
-        self, units: list[UnitRuntime], factor: float, lrs: list[float], clock: StepClock
+        self, units: list[UnitRuntime], factor: float, group_values: GroupValues, clock: StepClock
     ) -> None:
-        """Update every unit of `units` with gradients scaled by `factor` at the groups'
-        `lrs`, and publish the new parameters: the units in the swap file first (all or
-        nothing on every rank), then those in memory."""
+        """Update every unit of `units` with gradients scaled by `factor` with the groups'
+        `group_values` (their lr, ...), and publish the new parameters: the units in the
+        swap file first (all or nothing on every rank), then those in memory."""
         self.units, self.clock = units, clock
         needs = self.optimizer.needs
         self.swapped_units = [rt for rt in units if self.residency.holds(rt.index)]
         if self.swapped_units:  # an optimizer that needs tensor norms: all of them (refused else)
-            self.nvme_updates(factor, lrs)
+            self.nvme_updates(factor, group_values)
             units = [rt for rt in units if not self.residency.holds(rt.index)]
         if isinstance(needs, WholeTensors):  # never with NVMe (refused)
             for rt in units:
                 with self.widened_if_narrow(rt):
-                    self.whole_tensors_unit(rt, factor, lrs, needs)
+                    self.whole_tensors_unit(rt, factor, group_values, needs)
                 self.residency.give_back(self.residency.lent)
                 self.publish(rt)
         elif isinstance(needs, TensorNorms):
             if units:
-                self.tensor_norms_step(factor, lrs, needs)
+                self.tensor_norms_step(factor, group_values, needs)
         else:
             for rt in units:
-                self.publish(rt, self.update_unit(rt, factor, lrs))
+                self.publish(rt, self.update_unit(rt, factor, group_values))
         self.finish_publish()
 
     def kernel_of(self, rt: UnitRuntime) -> NativeKernel | None:
         """The native kernel for where the unit's optimizer lives (None: the pure one)."""
         return self.kernels[self.residency.offloaded[rt.index]]
 
-    def update_unit(self, rt: UnitRuntime, factor: float, lrs: list[float]) -> Tensor | None:
+    def update_unit(
+        self, rt: UnitRuntime, factor: float, group_values: GroupValues
+    ) -> Tensor | None:
         """Update the unit's master and state; returns the compute-dtype copy of the new
         master when the native kernel wrote one (for `publish`). bf16 masters or states:
         the update runs in fp32 and rounds back (`fzero.core.precision.widened`)."""
         if not (narrowed(rt.master) or narrowed(rt.state)):
-            return self._update_unit(rt, factor, lrs, self.copy_target(rt))
+            return self._update_unit(rt, factor, group_values, self.copy_target(rt))
         with self.widened_if_narrow(rt):  # the rounding writes the bf16 master itself
-            self._update_unit(rt, factor, lrs, written=None)
+            self._update_unit(rt, factor, group_values, written=None)
         return None
 
     def widened_if_narrow(self, rt: UnitRuntime) -> contextlib.AbstractContextManager[None]:
@@ -182,12 +188,12 @@ class OptimizerApplication:
         self,
         rt: UnitRuntime,
         factor: float,
-        lrs: list[float],
+        group_values: GroupValues,
         written: Tensor | None,
         grad: Tensor | None = None,
     ) -> Tensor | None:
         grad = self.step_grad(rt) if grad is None else grad
-        hp = self.step_hparams(rt, lrs)
+        hp = self.step_hparams(rt, group_values)
         if not self.native_update(rt, grad, factor, hp, written):
             written = None
             if factor != 1.0:
@@ -244,17 +250,19 @@ class OptimizerApplication:
             return rt.full[self.partition(rt.unit)]
         return torch.empty(rt.master.numel(), dtype=self.compute_dtype, device=self.device)
 
-    def step_hparams(self, rt: UnitRuntime, lrs: list[float]) -> Any:
-        """The unit's hyper-parameters at this step: its group's, with the step's lr (and
-        a schedule's cycled beta1), as the optimizer applies overrides
-        (`Optimizer.override`)."""
-        overrides = scheduled_overrides(
-            rt.hparams, self.schedule, self.clock.lr_steps, lrs[rt.unit.group]
+    def step_hparams(self, rt: UnitRuntime, group_values: GroupValues) -> Any:
+        """The unit's hyper-parameters at this step: its group's, with what the step
+        reads from its param group (the lr, and any other a script changed there, as
+        torch reads its groups every step) and a schedule's cycled betas, as the
+        optimizer applies overrides (`Optimizer.override`)."""
+        values = group_values[rt.unit.group]
+        scheduled = scheduled_overrides(
+            rt.hparams, self.schedule, self.clock.lr_steps, values["lr"]
         )
-        return self.optimizer.override(rt.hparams, overrides)
+        return self.optimizer.override(rt.hparams, {**values, **scheduled})
 
     def whole_tensors_unit(
-        self, rt: UnitRuntime, factor: float, lrs: list[float], needs: WholeTensors
+        self, rt: UnitRuntime, factor: float, group_values: GroupValues, needs: WholeTensors
     ) -> None:
         """One unit's step for an optimizer that needs whole tensors (`WholeTensors`, e.g.
         Muon): `fzero.core.whole_tensors.whole_tensors_update_` from the unit's gradient
@@ -263,10 +271,12 @@ class OptimizerApplication:
         grad = self.step_grad(rt)
         if factor != 1.0:
             grad.mul_(factor)
-        hp = self.step_hparams(rt, lrs)
+        hp = self.step_hparams(rt, group_values)
         whole_tensors_update_(self.plan, self.rank, rt, grad, hp, needs, device=self.device)
 
-    def tensor_norms_step(self, factor: float, lrs: list[float], needs: TensorNorms) -> None:
+    def tensor_norms_step(
+        self, factor: float, group_values: GroupValues, needs: TensorNorms
+    ) -> None:
         """A trust ratio is per tensor, and a tensor may span ranks: every unit's first
         half with its tensors' squares summed locally, one all-reduce, then every unit's
         second half."""
@@ -274,7 +284,7 @@ class OptimizerApplication:
         work = []
         for rt in self.units:
             with self.widened_if_narrow(rt):
-                work.append(self.norms_direction(rt, factor, lrs, sums, needs))
+                work.append(self.norms_direction(rt, factor, group_values, sums, needs))
         norms = self.tensor_norms(sums)
         for rt, hp, direction, segments in work:
             with self.widened_if_narrow(rt):
@@ -294,7 +304,7 @@ class OptimizerApplication:
         self,
         rt: UnitRuntime,
         factor: float,
-        lrs: list[float],
+        group_values: GroupValues,
         sums: Tensor,
         needs: TensorNorms,
         out: Tensor | None = None,
@@ -303,7 +313,7 @@ class OptimizerApplication:
         advanced, the direction (into `out` when given) and its tensors' squares added
         to `sums`."""
         grad = self.step_grad(rt)
-        hp = self.step_hparams(rt, lrs)
+        hp = self.step_hparams(rt, group_values)
         rt.state, direction = norms_direction(
             needs, self.kernel_of(rt), rt.master, grad, rt.state, hp, factor, out=out
         )
@@ -350,7 +360,7 @@ class OptimizerApplication:
     def finish_publish(self) -> None:
         self.publisher.finish_publish()
 
-    def nvme_updates(self, factor: float, lrs: list[float]) -> None:
+    def nvme_updates(self, factor: float, group_values: GroupValues) -> None:
         """The step over NVMe-resident units, pipelined (`Residency.step_pass`).
 
         Transactional: each unit's new state goes to its other slot and the new
@@ -365,13 +375,13 @@ class OptimizerApplication:
         def update(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:  # Adam, SGD
             self.residency.bind_swapped(rt, buffers)
             if self.residency.narrow_master:  # published from the copy: the master's
-                self._update_unit(rt, factor, lrs, written=None)  # buffer is narrowed
+                self._update_unit(rt, factor, group_values, written=None)  # buffer is narrowed
                 written = self.copy_target(rt)  # in place as it is written
                 if written is None:
                     written = self.unit_copy(rt)
                 self.round_master(rt, written, 0)
             else:
-                written = self.update_unit(rt, factor, lrs)
+                written = self.update_unit(rt, factor, group_values)
             tickets = self.residency.swap_out(
                 rt, self.residency.next_slot(rt), wait=False, buffers=buffers
             )
@@ -382,10 +392,10 @@ class OptimizerApplication:
         needs = self.optimizer.needs
         pieces = self.residency.sub_groups(self.swapped_units)
         if isinstance(needs, TensorNorms):
-            self.nvme_tensor_norms(factor, lrs, updated, steps, needs)
+            self.nvme_tensor_norms(factor, group_values, updated, steps, needs)
         elif pieces is not None:
             step_of = dict(zip((rt.index for rt in self.swapped_units), steps))
-            pass_ = self.piece_updates(factor, lrs, updated, step_of)
+            pass_ = self.piece_updates(factor, group_values, updated, step_of)
             failure = self.residency.step_pass(pieces, self.residency.swap_in_piece, pass_)
             self.agree(self.settle(failure), updated, steps)
         else:
@@ -398,7 +408,11 @@ class OptimizerApplication:
         _nvme.return_free_memory()
 
     def piece_updates(
-        self, factor: float, lrs: list[float], updated: list[UnitRuntime], step_of: dict[int, int]
+        self,
+        factor: float,
+        group_values: GroupValues,
+        updated: list[UnitRuntime],
+        step_of: dict[int, int],
     ) -> Any:
         """The step's `compute` over `Piece`s of the swapped units ([Note: sub-groups] in
         `fzero.core.residency`): each piece updated from the unit's step count and
@@ -417,7 +431,7 @@ class OptimizerApplication:
             try:
                 narrow = self.residency.narrow_master
                 out = copy if self.writes_copy(rt) and not narrow else None
-                if self._update_unit(rt, factor, lrs, out, grad) is None and not narrow:
+                if self._update_unit(rt, factor, group_values, out, grad) is None and not narrow:
                     copy.copy_(rt.master)
                 if narrow:  # the parameters' new values are the rounded master's
                     self.round_master(rt, copy, piece.start)
@@ -466,7 +480,7 @@ class OptimizerApplication:
     def nvme_tensor_norms(
         self,
         factor: float,
-        lrs: list[float],
+        group_values: GroupValues,
         updated: list[UnitRuntime],
         steps: list[int],
         needs: TensorNorms,
@@ -480,7 +494,7 @@ class OptimizerApplication:
         def direction(rt: UnitRuntime, buffers: list[Tensor]) -> list[Any]:
             self.residency.bind_swapped(rt, buffers)
             update = buffers[-1][: rt.master.numel()]
-            _, hp, _, segments = self.norms_direction(rt, factor, lrs, sums, needs, update)
+            _, hp, _, segments = self.norms_direction(rt, factor, group_values, sums, needs, update)
             kept[rt.index] = (hp, segments)
             slot = self.residency.next_slot(rt)
             return [

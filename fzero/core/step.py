@@ -559,7 +559,7 @@ class _Micro:
         runtimes = self.step.records(state)
         groups = 1 + max((u.group for u in plan.units), default=0)
         self.step.application(state, self.dtype, self.device).apply(
-            runtimes, factor, [lr] * groups, clock
+            runtimes, factor, [{"lr": lr}] * groups, clock
         )
         return tuple(
             u._replace(master=rt.master, optim=rt.state) for u, rt in zip(state.units, runtimes)

@@ -283,7 +283,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
                     application=self.runtime.application, grad_stats=self.grad_stats,
                     loss_scaler=self.loss_scaler, loss_scale=self.loss_scale_state,
                     clipping=self.config.gradient_clipping, device=self.device,
-                    lrs=self.hyperparams.current_lrs(), skipped=self.skipped_steps,
+                    group_values=self.hyperparams.current(), skipped=self.skipped_steps,
                     clock=StepClock(self.lr_steps, self.global_steps + 1),
                     wire_dtype=gradient_wire_dtype(self.config),
                     reduced_whole=self.reduction.core.reduced_whole,

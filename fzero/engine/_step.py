@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fzero.core.apply import OptimizerApplication, StepClock
+from fzero.core.apply import GroupValues, OptimizerApplication, StepClock
 from fzero.core.groups import Groups
 from fzero.core.layout import UnitRuntime
 from fzero.core.reduce import reduce_to_optimizer_shards
@@ -52,7 +52,7 @@ def take_step(
     loss_scale: LossScaleState | None,
     clipping: float,
     device: torch.device,
-    lrs: list[float],
+    group_values: GroupValues,
     clock: StepClock,
     skipped: int,
     wire_dtype: torch.dtype = torch.float32,
@@ -81,7 +81,7 @@ def take_step(
         check_finite=check_finite,
     )
     if not decision.skip:
-        application.apply(list(units), decision.factor, lrs, clock)
+        application.apply(list(units), decision.factor, group_values, clock)
     residency.zero_grads(list(units))
     return decision
 
@@ -116,6 +116,28 @@ class Hyperparams:
             for group, hp in zip(groups, group_hparams)
         ]
         self.group_hparams = group_hparams  # each unit's, by its group (`UnitRuntime`)
+        # what the groups said when built: a value a script changes later is read (torch's)
+        self._built = [self._values(g, hp) for g, hp in zip(self.param_groups, group_hparams)]
+
+    @staticmethod
+    def _values(group: dict[str, Any], hparams: Any) -> dict[str, Any]:
+        """The group's values of `hparams`' fields but the lr (sequences as tuples)."""
+        names = [f for f in hparams.__dataclass_fields__ if f != "lr" and f in group]
+        return {
+            n: tuple(group[n]) if isinstance(group[n], list | tuple) else group[n] for n in names
+        }
+
+    def current(self) -> GroupValues:
+        """Per group, what the step reads from it: its lr, and every hyper-parameter a
+        script changed there since the engine was built (a client's OneCycle writes
+        betas, a weight-decay schedule writes weight_decay), as torch reads its groups
+        at every step."""
+        out = []
+        for group, hp, built in zip(self.param_groups, self.group_hparams, self._built):
+            now = self._values(group, hp)
+            changed = {k: v for k, v in now.items() if v != built.get(k)}
+            out.append({"lr": float(group["lr"]), **changed})
+        return out
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

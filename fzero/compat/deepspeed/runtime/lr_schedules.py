@@ -250,10 +250,10 @@ class WarmupCosineLR(_GroupSchedules):
 
 class OneCycle(_GroupSchedules):
     """One triangular cycle of each group's lr between `cycle_min_lr` and `cycle_max_lr`
-    (in stairs with stair counts), then a decay. Momentum cycling
-    (`cycle_momentum=True`, DeepSpeed's default) over an optimizer with betas is refused:
-    DeepSpeed writes the cycled betas into the param groups for its optimizer to read,
-    and fzero's engine reads them from a config's schedule, not from the groups."""
+    (in stairs with stair counts), then a decay; with `cycle_momentum` (over an
+    optimizer with betas) each group's betas cycle inversely as `(momentum, 0.99)`,
+    written into the group as DeepSpeed's OneCycle writes them (the engine reads a
+    group's betas at every step)."""
 
     def __init__(
         self,
@@ -267,8 +267,8 @@ class OneCycle(_GroupSchedules):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -281,6 +281,8 @@ class OneCycle(_GroupSchedules):
             raise ValueError(
                 f"cycle_second_step_size must be non-negative, got {float(cycle_second_step_size)}"
             )
+        lows = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        highs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
         if cycle_momentum and "betas" not in optimizer.defaults:
             log.warning(
                 "cycle_momentum is disabled because optimizer %s does not support momentum, "
@@ -288,17 +290,11 @@ class OneCycle(_GroupSchedules):
                 type(optimizer).__name__,
             )
             cycle_momentum = False
-        if cycle_momentum:
-            raise NotImplementedError(
-                "OneCycle(cycle_momentum=True) built over an optimizer with betas: "
-                "DeepSpeed cycles beta1 by writing (momentum, 0.99) into the param groups, "
-                "which fzero's engine does not read; give OneCycle in the config's "
-                '"scheduler" block (fzero cycles the betas there, as DeepSpeed does), or '
-                "pass cycle_momentum=False"
-            )
-        lows = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
-        highs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
-        self.min_lrs, self.max_lrs, self.cycle_momentum = lows, highs, False
+        mins, maxs = [0.8] * len(lows), [0.9] * len(lows)  # unused without cycling
+        if cycle_momentum:  # DeepSpeed checks the momentum lists only then
+            mins = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+            maxs = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+        self.min_lrs, self.max_lrs, self.cycle_momentum = lows, highs, cycle_momentum
         schedules = [
             fo.OneCycle(
                 cycle_min_lr=float(low),
@@ -309,19 +305,33 @@ class OneCycle(_GroupSchedules):
                 cycle_first_stair_count=cycle_first_stair_count,
                 cycle_second_stair_count=cycle_second_stair_count,
                 decay_step_size=decay_step_size,
-                cycle_momentum=False,
+                cycle_momentum=cycle_momentum,
+                cycle_min_mom=float(low_mom),
+                cycle_max_mom=float(high_mom),
+                decay_mom_rate=decay_mom_rate,
             )
-            for low, high in zip(lows, highs)
+            for low, high, low_mom, high_mom in zip(lows, highs, mins, maxs)
         ]
         super().__init__(optimizer, schedules, last_batch_iteration)
+        if cycle_momentum and last_batch_iteration == -1:
+            self._write_betas()
 
-    def get_mom(self) -> None:
-        """None: momentum is not cycled (see the class)."""
-        return None
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's betas at `last_batch_iteration` (None without momentum cycling)."""
+        if not self.cycle_momentum:
+            return None
+        step = self.last_batch_iteration + 1
+        return [s.betas(step) for s in self._schedules]
+
+    def _write_betas(self) -> None:
+        for group, betas in zip(self.optimizer.param_groups, self.get_mom() or []):
+            group["betas"] = betas
 
     def step(self, batch_iteration: int | None = None) -> None:  # DeepSpeed's argument name
-        """Advance one position (or go to `batch_iteration`) and write the lrs."""
+        """Advance one position (or go to `batch_iteration`); write the lrs and betas."""
         super().step(batch_iteration)
+        if self.cycle_momentum:
+            self._write_betas()
 
 
 class LRRangeTest(_GroupSchedules):
