@@ -535,6 +535,32 @@ def test_hyper_parameters_a_script_sets_in_a_param_group_are_read_each_step(stag
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_on_device_and_deepspeeds_other_top_level_names(deepspeed):
+    """`deepspeed.OnDevice` builds on its device in its dtype inside the block only
+    (DeepSpeed 0.19.8's own fails on this torch: its Tensor.__new__ patch no longer
+    fits); `init_inference` and DeepSpeed's names fzero does not serve say what they are,
+    and stay False to `hasattr` (clients' feature checks)."""
+    with deepspeed.OnDevice(dtype=torch.bfloat16, device="meta"):
+        model = nn.Linear(3, 4)
+        index = torch.zeros(2, dtype=torch.int64)
+    assert model.weight.device.type == "meta" and model.weight.dtype == torch.bfloat16
+    assert index.device.type == "meta" and index.dtype == torch.int64  # not floating: kept
+    with deepspeed.OnDevice(dtype=torch.float16, device="cpu"):
+        assert nn.Linear(2, 2).weight.dtype == torch.float16
+    with deepspeed.utils.init_on_device.OnDevice(dtype=torch.float16, enabled=False):
+        assert nn.Linear(2, 2).weight.dtype == torch.float32
+    after = nn.Linear(2, 2).weight
+    assert after.device.type == "cpu" and after.dtype == torch.float32
+    assert deepspeed.get_accelerator() is not None and deepspeed.logger.name == "fzero"
+    with pytest.raises(NotImplementedError, match=r"init_inference .*not supported by fzero"):
+        deepspeed.init_inference(nn.Linear(2, 2))
+    assert not hasattr(deepspeed, "PipelineModule")
+    with pytest.raises(AttributeError, match="DeepSpeedConfig is DeepSpeed's config object"):
+        deepspeed.DeepSpeedConfig  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        deepspeed.nope  # noqa: B018
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]
