@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from fzero.monitoring import read_run
-from tests.deepspeed_reference.test_against_deepspeed import DEEPSPEED_PYTHON, ROOT, _port
+from tests.deepspeed_reference.test_against_deepspeed import (
+    DEEPSPEED_PYTHON,
+    ROOT,
+    _launch,
+    _port,
+    _script_argv,
+)
 
 pytestmark = [
     pytest.mark.deepspeed_reference,
@@ -55,10 +60,11 @@ def _run(python: str, out: Path, fzero: bool) -> str:
     if fzero:
         launcher = [python, "-m", "fzero.cli", "run", "--as-deepspeed", "-n", "2",
                     "--master_port", port]  # fmt: skip
-    done = subprocess.run(
-        [*launcher, str(SCRIPT), "--deepspeed_config", str(config), "--steps", "6",
-         "--out", str(out / "result.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    done = _launch(
+        python,
+        [*launcher, *_script_argv(python, str(SCRIPT)), "--deepspeed_config", str(config),
+         "--steps", "6", "--out", str(out / "result.json")],
+        cwd=ROOT, timeout=1800,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
