@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fzero.compat.deepspeed.ops._stepping import step_each
 from fzero.optim import LambState, Optimizer, lamb
 
 __all__ = ["FusedLamb"]
@@ -104,24 +105,6 @@ class FusedLamb(torch.optim.Optimizer):
         _rule({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Lamb step of every parameter with a gradient (sparse gradients refused)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            rule = _rule(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedLamb does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                moments = LambState(state["step"], state["exp_avg"], state["exp_avg_sq"])
-                state["step"] = rule.update_(p.grad, moments, p).step
-        return loss
+        return step_each(self, closure, _rule, LambState)

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from fzero.optim import LionState, lion
+from fzero.compat.deepspeed.ops._stepping import step_each
+from fzero.optim import LionState, Optimizer, lion
 
 __all__ = ["DeepSpeedCPULion", "FusedLion"]
 
@@ -37,26 +38,13 @@ class DeepSpeedCPULion(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(model_params, defaults)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One Lion step of every parameter with a gradient (sparse gradients refused)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            rule = lion(group["lr"], group["betas"], group["weight_decay"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise NotImplementedError(f"{type(self).__name__}: sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"], state["exp_avg"] = 0, torch.zeros_like(p)
-                new = rule.update_(p.grad, LionState(state["step"], state["exp_avg"]), p)
-                state["step"] = new.step
-        return loss
+        return step_each(self, closure, _rule, LionState)
+
+
+def _rule(group: dict[str, Any]) -> Optimizer:
+    return lion(group["lr"], group["betas"], group["weight_decay"])
 
 
 class FusedLion(DeepSpeedCPULion):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fzero.compat.deepspeed.runtime.zero._estimate_table import print_header, print_row
 from fzero.compat.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 __all__ = [
@@ -148,15 +149,11 @@ def estimate_zero3_model_states_mem_needs_all_cold(
         num_nodes (int): nodes.
         additional_buffer_factor (float): the CPU figures' margin.
     """
-    nodes = "nodes" if num_nodes > 1 else "node"
-    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
-    print(
-        "Estimated memory needed for params, optim states and gradients for a:\n"
-        f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.\n"
+    model = (
         f"SW: Model with {int(total_params / 1e6)}M total params, "
         f"{int(largest_layer_params / 1e6)}M largest layer params."
     )
-    print("  per CPU  |  per GPU |   Options")
+    print_header(num_nodes, num_gpus_per_node, model)
     for cpu_offload, cpu_offload_params in _OFFLOADS:
         for zero_init in (True, False):
             cpu_mem, gpu_mem, _ = estimate_zero3_model_states_mem_needs(
@@ -170,4 +167,4 @@ def estimate_zero3_model_states_mem_needs_all_cold(
                 additional_buffer_factor=additional_buffer_factor,
             )
             options = _options(cpu_offload, cpu_offload_params, zero_init)
-            print(f" {cpu_mem / 2**30:7.2f}GB | {gpu_mem / 2**30:6.2f}GB | {options}")
+            print_row(cpu_mem, gpu_mem, options)
