@@ -155,7 +155,7 @@ def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
                 dist.all_gather(parts, part)
                 whole = torch.empty(unit.numel)
                 for process, r in enumerate(ranks):
-                    whole[slice(*unit.shard_range(r))] = parts[process]
+                    whole[slice(*plan.shard_range(unit, r))] = parts[process]
             else:
                 whole = part
             for pl in unit.placements:
@@ -207,26 +207,10 @@ def doors_case(
         kind_of = {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
         assert engine.plan.memory == partition.Memory(optimizer=kind_of), name  # the config's
         assert partition.with_memory(plan, engine.plan.memory) == engine.plan, name
-        optimizer = OPTIMIZERS[kind]()
-        state = fzero.init(model, plan, optimizer, config=_config(stage, offload))
-
-        def loss_fn(params, batch, model=model):
-            x, y = batch
-            return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
-
-        step = fzero.train_step(loss_fn, plan, optimizer, config=_config(stage, offload))
-        engine_losses, step_losses = [], []
-        for i in range(STEPS):
-            for a in range(ACCUM):
-                x, y = _rows(rank, world, i, a)
-                loss = F.mse_loss(engine(x), y)
-                engine.backward(loss)
-                engine.step()
-                state, metrics = step(state, (x, y))
-                engine_losses.append(loss.item())
-                step_losses.append(metrics["loss"].item())
+        config = _config(stage, offload)
+        losses, state = train_both(rank, world, engine, model, plan, OPTIMIZERS[kind](), config)
         out[name] = {
-            "losses": (engine_losses, step_losses),
+            "losses": losses,
             "engine": engine.state_dict(dtype=torch.float32),
             "step": fzero.state_dict(state, module=model),
             "stages": engine.plan.stages,
@@ -236,6 +220,37 @@ def doors_case(
         }
         engine.destroy()
     return out
+
+
+def train_both(
+    rank: int,
+    world: int,
+    engine,
+    model: torch.nn.Module,
+    plan: partition.Plan,
+    optimizer: fzero.optim.Optimizer,
+    config: dict,
+) -> tuple[tuple[list[float], list[float]], fzero.TrainState]:
+    """`STEPS` steps of `engine` and of `train_step` under `plan` (from `model`'s
+    weights) on the same rows: both doors' losses, and the final `TrainState`."""
+    state = fzero.init(model, plan, optimizer, config=config)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = fzero.train_step(loss_fn, plan, optimizer, config=config)
+    engine_losses, step_losses = [], []
+    for i in range(STEPS):
+        for a in range(ACCUM):
+            x, y = _rows(rank, world, i, a)
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            state, metrics = step(state, (x, y))
+            engine_losses.append(loss.item())
+            step_losses.append(metrics["loss"].item())
+    return (engine_losses, step_losses), state
 
 
 def _holdings(engine) -> list[tuple[int, int, int, int, int, int]]:
@@ -264,6 +279,18 @@ def _state_holdings(state: fzero.TrainState) -> list[tuple[int, int, int, int, i
 
 
 def _check_doors(results: dict, world: int) -> dict[str, float]:
+    errors = check_against_torch(results, world)
+    for name, result in results.items():
+        assert len(set(result["stages"])) > 1, name  # the units do differ in stage
+        _check_holdings(name, result["holdings"], world)
+        _check_holdings(name, result["state_holdings"], world, bound=False)
+    return errors
+
+
+def check_against_torch(results: dict, world: int) -> dict[str, float]:
+    """Each case's result (`losses` of both doors, their `engine` and `step` weights,
+    whether the engine `held` what it planned) against a single-process torch.optim
+    AdamW run: both doors bitwise alike, within 1e-6 of it. The largest error per case."""
     # one weight decay for every tensor: train_step takes one optimizer's hyper-parameters
     _, ref_state = torch_reference(
         lambda groups: torch.optim.AdamW(
@@ -281,10 +308,7 @@ def _check_doors(results: dict, world: int) -> dict[str, float]:
             (result["engine"][k] - v).abs().max().item() for k, v in ref_state.items()
         )
         assert errors[name] <= 1e-6, (name, errors[name])
-        assert len(set(result["stages"])) > 1, name  # the units do differ in stage
         assert result["held"], name  # memory_held() == memory_planned()
-        _check_holdings(name, result["holdings"], world)
-        _check_holdings(name, result["state_holdings"], world, bound=False)
     return errors
 
 
@@ -420,22 +444,30 @@ def _predicted(engine) -> dict[str, tuple[int, int]]:
     return predicted
 
 
+def sent_and_predicted(
+    rank: int, world: int, engine, warm: int, steps: int
+) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    """`engine` trained `warm` steps, then `steps` more counted: what they sent per step
+    (`comm.traffic()`) and what `engine.comm_volume()` predicts, by operation."""
+
+    def run(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            for a in range(ACCUM):
+                x, y = _rows(rank, world, i, a)
+                engine.backward(F.mse_loss(engine(x), y))
+                engine.step()
+
+    run(0, warm)
+    before = comm.traffic()
+    run(warm, steps)
+    return _per_step(before, comm.traffic(), steps), _predicted(engine)
+
+
 def traffic_case(rank: int, world: int, names: list[str], on_mesh: bool) -> dict:
     out = {}
     for name in names:
         engine = _engine(name, on_mesh, door="shard" if on_mesh else "initialize")
-
-        def steps(first: int, count: int, engine=engine) -> None:
-            for i in range(first, first + count):
-                for a in range(ACCUM):
-                    x, y = _rows(rank, world, i, a)
-                    engine.backward(F.mse_loss(engine(x), y))
-                    engine.step()
-
-        steps(0, 2)
-        before = comm.traffic()
-        steps(2, 3)
-        sent, predicted = _per_step(before, comm.traffic(), 3), _predicted(engine)
+        sent, predicted = sent_and_predicted(rank, world, engine, 2, 3)
         staged = {u.name: s for u, s in zip(engine.plan.units, engine.plan.stages)}
         out[name] = (sent, predicted, staged)
         engine.destroy()
@@ -508,13 +540,23 @@ def state_resume_case(rank: int, world: int, root: str, name: str) -> bool:
     """train_step: save after 3 micro-steps (mid-window), resume bitwise."""
     stage, stages = CASES[name]
 
+    def plan_of(manifest: partition.Manifest) -> partition.Plan:
+        return partition.plan(
+            manifest, world_size=world, stage=stage, unit_stages=stages, persistence_threshold=0
+        )
+
+    return state_resumes(rank, world, root, plan_of, stage)
+
+
+def state_resumes(rank: int, world: int, root: str, plan_of, stage: int) -> bool:
+    """train_step under `plan_of(manifest)` (config at `stage`): save after 3 micro-steps
+    (mid-window), a fresh state (seed 7) restores it; whether the next 3 micro-steps end
+    bitwise alike."""
+
     def setup(seed: int):
         torch.manual_seed(seed)
         model = Net()
-        manifest = partition.describe(model)
-        plan = partition.plan(
-            manifest, world_size=world, stage=stage, unit_stages=stages, persistence_threshold=0
-        )
+        plan = plan_of(partition.describe(model))
         optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
         state = fzero.init(model, plan, optimizer, config=_config(stage))
 
@@ -539,6 +581,16 @@ def state_resume_case(rank: int, world: int, root: str, name: str) -> bool:
     return all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def restores_under_zero3(root: str, saved: dict, name: str) -> None:
+    """The checkpoint at `root` restores under plain ZeRO-3 at world 2 and 1 to exactly
+    the tensor states `saved` (`_tensor_states` of the run that wrote it)."""
+    for world in (2, 1):
+        restored = run_world(restore_case, world, root)
+        assert restored.keys() == saved.keys(), name
+        for key, value in saved.items():
+            assert torch.equal(restored[key], value), (name, world, key)
+
+
 def test_mixed_checkpoints_resume_exactly_and_restore_under_zero3_at_world_2_and_1(tmp_path):
     for index, name in enumerate(CASES):
         root = str(tmp_path / f"engine{index}")
@@ -547,11 +599,7 @@ def test_mixed_checkpoints_resume_exactly_and_restore_under_zero3_at_world_2_and
         report, intact = fzero.checkpoint.inspect(root)
         # units below stage 2 by stage; stage 2 in a stage-3 plan: persistent units
         assert intact and ("units by stage: " in report or "persistent)" in report), report
-        for world in (2, 1):
-            restored = run_world(restore_case, world, root)
-            assert restored.keys() == result["saved"].keys(), name
-            for key, value in result["saved"].items():
-                assert torch.equal(restored[key], value), (name, world, key)
+        restores_under_zero3(root, result["saved"], name)
         assert run_world(state_resume_case, 2, str(tmp_path / f"state{index}"), name), name
 
 

@@ -347,7 +347,7 @@ def _read(
         if index["mid_accumulation"]:
             # in the accumulator's dtype (the plan's memory.grads), cast as it is read
             grad = torch.empty(grad_numel(plan, i, like.rank), dtype=old.grad.dtype)
-            reader.read_whole(like.rank, f"grad/unit{i}", grad)
+            reader.read_whole(_grad_writer(plan, i, like.rank), f"grad/unit{i}", grad)
             read.grads[i] = grad
         if like.residence is None or not like.residence.holds(i):
             for kind in kinds:
@@ -509,6 +509,15 @@ def _in_place(like: TrainState, i: int, kind: str) -> Tensor:
     return out
 
 
+def _grad_writer(plan: Plan, i: int, rank: int) -> int:
+    """The plan rank whose file holds the accumulator of unit i that `rank` holds: its
+    own, but a reduced shard of a unit on its own axes (stages 2-3) its replica 0's."""
+    unit = plan.units[i]
+    if plan.stage_of(unit) < 2:
+        return rank
+    return plan.shard_writer(unit, plan.shard_index(unit, rank))
+
+
 def _layout(plan: Plan, rank: int, i: int) -> tuple[int, list[tuple[int, int]]]:
     """The numel of unit i's partition on `rank` and the ranges no saved slice covers."""
     unit = plan.units[i]
@@ -520,7 +529,7 @@ def _layout(plan: Plan, rank: int, i: int) -> tuple[int, list[tuple[int, int]]]:
             if s.unit == i:
                 base = unit.shard_range(r)[0] if whole else 0
                 covered.append((base + s.shard_offset, s.numel))
-    numel = unit.numel if whole else unit.shard_size(rank)
+    numel = unit.numel if whole else unit.shard_size(plan.shard_index(unit, rank))
     gaps, at = [], 0
     for start, count in sorted(covered):
         gaps.append((at, start))

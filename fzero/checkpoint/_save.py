@@ -154,7 +154,7 @@ def _buffer(unit: UnitState, kind: str) -> Tensor:
 def _partition_start(state: TrainState, index: int) -> int:
     """Where the rank's owned shard starts inside its partition (stage 0 holds all)."""
     whole = state.plan.stage_of(index) == 0
-    return state.plan.units[index].shard_range(state.rank)[0] if whole else 0
+    return state.plan.shard_range(state.plan.units[index], state.rank)[0] if whole else 0
 
 
 def grad_numel(plan: Plan, index: int, rank: int) -> int:
@@ -180,7 +180,7 @@ def _save_entries(
     """What this rank's file holds, unit by unit: each slice of the master and of every
     state kind, mid-window the gradient accumulator; on rank 0, the module's tensors."""
     kinds = ["master", *state_kinds(state)]
-    slices = partition.local_slices(state.plan, state.rank)
+    slices = partition.written_slices(state.plan, state.rank)
     entries: list[_Entry] = []
     for index in range(len(state.plan.units)):
         for kind in kinds:
@@ -192,7 +192,9 @@ def _save_entries(
                 get = functools.partial(_slice_of, kind, at, s.numel, dtype)
                 span = (kind.removeprefix("optim."), at, at + s.numel)
                 entries.append(_Entry(record, index, (key, dtype, (s.numel,)), get, span))
-        if mid_accumulation:
+        unit = state.plan.units[index]
+        shared = state.plan.unit_replica(unit, state.rank) and state.plan.stage_of(unit) >= 2
+        if mid_accumulation and not shared:  # a reduced shard's replicas hold it alike
             key, numel = f"grad/unit{index}", grad_numel(state.plan, index, state.rank)
             record = {"key": key, "kind": "grad", "fqn": None, "start": 0, "stop": numel}
             dtype = stored_dtype(state, "grad", index)  # the plan's memory.grads

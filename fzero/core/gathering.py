@@ -55,7 +55,14 @@ from torch import Tensor
 
 from fzero import comm
 from fzero.core import nvme as _nvme
-from fzero.core.groups import check_even, check_finer, gather_unit, groups_of, secondary_block
+from fzero.core.groups import (
+    check_even,
+    check_finer,
+    gather_unit,
+    groups_of,
+    secondary_block,
+    unit_group,
+)
 from fzero.core.quantize import quantized_all_gather
 from fzero.partition import Plan
 
@@ -355,9 +362,10 @@ class Gatherer:
     def _start_gather(self, g: GatheredUnit, full: Tensor, shard: Tensor) -> None:
         self.gathers += 1
         unit = self.plan.units[g.index]
+        own = unit_group(self.plan, self.groups, unit, self.rank)
         if not g.exact:
             work = quantized_all_gather(full, shard.contiguous(), group=self.groups.shard)
-        elif self.plan.grads_world_size == 1:
+        elif own.world == 1:
             work = _Done(full.copy_(shard))
         elif self.plan.mesh is not None and self.plan.mesh.hierarchical and self.groups.hops:
             work = _Done(self._gather_by_axis(g.index, full, shard.contiguous()))
@@ -366,9 +374,9 @@ class Gatherer:
                 full,
                 shard.contiguous(),
                 unit,
-                self.plan.grads_world_size,
+                own.world,
                 what=f"parameters of unit {g.index} {unit.name!r}",
-                group=self.groups.grads,
+                group=own.group,
             )
         g.gathering(full, shard, work)  # the shard stays alive until the gather lands
 

@@ -31,6 +31,7 @@ from fzero.partition import Mesh, MeshPlan, Plan, Unit
 
 __all__ = [
     "Groups",
+    "UnitComm",
     "check_even",
     "check_finer",
     "check_same_plan",
@@ -39,6 +40,7 @@ __all__ = [
     "gather_unit",
     "groups_of",
     "secondary_block",
+    "unit_group",
 ]
 
 
@@ -54,7 +56,8 @@ class Groups(NamedTuple):
     none); `exchange`: where the optimizer's shards are in another order than the
     gradients' blocks (`OnMesh.permuted`), the processes (global ranks) this one sends
     its reduced block to and receives its optimizer shard's from, within `shard` (None:
-    no exchange; the publish runs it the other way)."""
+    no exchange; the publish runs it the other way); `own`: each set of axes some unit
+    splits over on its own (`Unit.shard_axes`), with its `UnitComm` (`unit_group`)."""
 
     shard: Any = None
     replicate: Any = None
@@ -66,6 +69,30 @@ class Groups(NamedTuple):
     grads: Any = None
     optimizer: Any = None
     exchange: tuple[int, int] | None = None
+    own: tuple[tuple[tuple[str, ...], UnitComm], ...] = ()
+
+
+class UnitComm(NamedTuple):
+    """Where one unit's gradients are reduced and its parameters gathered: `group` (None:
+    every process), its `world` size, this process's `rank` in it (the shard it holds),
+    and `replicate`, the processes holding the same shard (None: none), over which each
+    reduced shard is averaged."""
+
+    group: Any
+    world: int
+    rank: int
+    replicate: Any
+
+
+def unit_group(plan: Plan, groups: Groups, unit: Unit, rank: int) -> UnitComm:
+    """`unit`'s group (`UnitComm`) for plan rank `rank`: the plan's gradients' group, or
+    for a unit on its own axes (`Unit.shard_axes`) the group along them, its replicas
+    along the plan's other axes."""
+    if unit.shard_axes is None:
+        return UnitComm(
+            groups.grads, plan.grads_world_size, plan.grads_rank(rank), groups.replicate
+        )
+    return dict(groups.own)[unit.shard_axes]
 
 
 def groups_of(plan: Plan) -> Groups:
@@ -92,7 +119,31 @@ def groups_of(plan: Plan) -> Groups:
         grads=comm.mesh_group(on.axes, on.grads_shard) if extra else shard,
         optimizer=comm.mesh_group(on.axes, extra) if extra else None,
         exchange=_exchange(mesh, process, on) if on.permuted else None,
+        own=_own_groups(plan, mesh, process),
     )
+
+
+def _own_groups(
+    plan: Plan, mesh: Mesh, process: int
+) -> tuple[tuple[tuple[str, ...], UnitComm], ...]:
+    """The `UnitComm` of each set of axes some unit splits over on its own, in unit
+    order (collective on first use: every process makes them in that order)."""
+    on = plan.mesh
+    assert on is not None
+    found: dict[tuple[str, ...], UnitComm] = {}
+    for unit in plan.units:
+        axes = unit.shard_axes
+        if axes is None or axes in found:
+            continue
+        rest = tuple(a for a in on.shard if a not in axes) + on.replicate
+        rest = tuple(a for a in mesh.names if a in rest)  # in mesh order
+        found[axes] = UnitComm(
+            comm.mesh_group(on.axes, axes),
+            mesh.group_size(axes),
+            mesh.index_in_group(process, axes),
+            comm.mesh_group(on.axes, rest),
+        )
+    return tuple(found.items())
 
 
 def _exchange(mesh: Mesh, process: int, on: partition.OnMesh) -> tuple[int, int]:
@@ -179,6 +230,11 @@ def gather_optimizer_shards(
     into `full`. The work in flight, or None
     when not `async_op`."""
     unit = plan.units[index]
+    if unit.shard_axes is not None:  # on its own axes: within their group
+        own = unit_group(plan, groups, unit, groups.rank)
+        return gather_unit(
+            full, shard, unit, own.world, group=own.group, what=what, async_op=async_op
+        )
     if plan.optimizer_extra_size == 1:
         return gather_unit(
             full, shard, unit, plan.world_size, group=groups.shard, what=what, async_op=async_op
@@ -227,7 +283,16 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
 
 def check_finer(plan: Plan, quantized: bool, key: str) -> None:
     """Quantized collectives are not run where the optimizer is split finer than the
-    gradients (`Plan.optimizer_extra_size`): refuse naming the key and the plan's axes."""
+    gradients (`Plan.optimizer_extra_size`) or a unit splits over its own axes
+    (`Unit.shard_axes`): refuse naming the key and the plan's or unit's axes."""
+    own = next((u for u in plan.units if u.shard_axes is not None), None)
+    if quantized and own is not None:
+        raise ValueError(
+            f"zero_optimization.{key.split()[0]} is true but unit {own.name!r} of the plan is "
+            f"split over its own axes {own.shard_axes} (the plan's: "
+            f"{plan.mesh.shard if plan.mesh else ()}); quantized collectives are not run with "
+            "units on different groups yet: turn it off, or split every unit over one group"
+        )
     if quantized and plan.optimizer_extra_size > 1:
         assert plan.mesh is not None
         raise ValueError(

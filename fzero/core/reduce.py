@@ -47,7 +47,15 @@ import torch
 from torch import Tensor
 
 from fzero import comm
-from fzero.core.groups import Groups, check_even, check_finer, exchange_block, groups_of
+from fzero.core.groups import (
+    Groups,
+    UnitComm,
+    check_even,
+    check_finer,
+    exchange_block,
+    groups_of,
+    unit_group,
+)
 from fzero.core.layout import add_pieces
 from fzero.core.reduce_bucket import Pending, finish, nothing, reduce_bucket
 from fzero.core.reduce_pieces import Pieces
@@ -140,7 +148,6 @@ class Reduction:
         self.sizes, self.accumulator, self.keep = list(sizes), accumulator, keep
         self.device, self.quantized, self.overlap = device, quantized, overlap
         self.bits = bits
-        self.world = plan.grads_world_size  # the gradients' group
         self.whole = [stage < 2 for stage in plan.stages]  # gradients all-reduced whole
         # ZeRO-1 units whose bucket is all-reduced over every process (beside stage-0
         # units): their whole average is everywhere, `reduce_to_optimizer_shards` skips them
@@ -339,17 +346,18 @@ class Reduction:
         buffer = self._buffers.pop(b)
         self._zeroed.difference_update(indices)
         owned = [slice(*self.plan.grads_range(self.plan.units[i], self.rank)) for i in indices]
+        own = self._group(indices[0])  # a bucket's units reduce over one group
         pending = reduce_bucket(
             buffer,
             flats,
             owned,
             lambda k, part: self.keep(indices[k], part, 0),
-            world_size=self.world,
+            world_size=own.world,
             quantized=self.quantized,
             what=_grads_of(indices),
             bits=self.bits,
-            group=self.groups.grads,
-            replicas=self.groups.replicate,
+            group=own.group,
+            replicas=own.replicate,
             hops=self.groups.hops,
             bounds=[self.plan.units[i].bounds for i in indices],
             wire_dtype=self.wire_dtype,
@@ -368,16 +376,22 @@ class Reduction:
         source = buffer if buffer is not None else self._sources.pop(index, None)
         self._zeroed.discard(index)
         unit, extra = self.plan.units[index], self.plan.optimizer_extra_size
-        ranks, plan_rank = range(self.world), self.plan.rank_in_plan_order
+        own, plan_rank = self._group(index), self.plan.rank_in_plan_order
+        if unit.shard_axes is None:
+            starts = [
+                self.plan.grads_range(unit, plan_rank(r * extra))[0] for r in range(own.world)
+            ]
+        else:  # on its own axes: its shards in their group's order
+            starts = [unit.shard_range(r)[0] for r in range(own.world)]
         chain = Pieces(
             source,
-            [self.plan.grads_range(unit, plan_rank(r * extra))[0] for r in ranks],
+            starts,
             self.plan.grads_size(unit, self.rank),
             self.piece,
             lambda part, at: self.keep(index, part, at),
-            rank=self.plan.grads_rank(self.rank),
-            group=self.groups.grads,
-            replicas=self.groups.replicate,
+            rank=own.rank,
+            group=own.group,
+            replicas=own.replicate,
             wire_dtype=self.wire_dtype,
             device=self.device,
             what=_grads_of([index]),
@@ -407,18 +421,24 @@ class Reduction:
             if part.data_ptr() != target.data_ptr():
                 target.copy_(part)
 
+        own = self._group(indices[0])
         return reduce_bucket(
             span,
             grads,
             owned,
             keep,
-            world_size=self.world,
+            world_size=own.world,
             what=_grads_of(indices),
-            group=self.groups.grads,
-            replicas=self.groups.replicate,
+            group=own.group,
+            replicas=own.replicate,
             bounds=[self.plan.units[i].bounds for i in indices],
             wire_dtype=self.wire_dtype,
         )
+
+    def _group(self, index: int) -> UnitComm:
+        """Where unit `index`'s gradients reduce (the plan's gradients' group, or its own
+        axes': `unit_group`)."""
+        return unit_group(self.plan, self.groups, self.plan.units[index], self.rank)
 
     def _reuse(self, buffer: Tensor) -> None:
         del self._in_flight[id(buffer)]

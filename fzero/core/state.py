@@ -200,7 +200,7 @@ def optimizer_partition(plan: Plan, unit: Unit, rank: int) -> slice:
     unit's stage, `Plan.stage_of`)."""
     if plan.stage_of(unit) == 0:
         return slice(0, unit.numel)
-    start, stop = unit.shard_range(rank)
+    start, stop = plan.shard_range(unit, rank)
     return slice(start, stop)
 
 
@@ -210,13 +210,17 @@ def owned_grad(plan: Plan, unit: Unit, rank: int, grad: Tensor, for_update: bool
     it, which every rank updates), the accumulator (stages 2-3), or with an optimizer
     split finer than the gradients the block the boundary's reduce-scatter left in it
     (`Plan.optimizer_in_grads`). Each element is owned by one rank of the plan: what the
-    gradient norm sums."""
+    gradient norm sums (a unit on its own axes, `Unit.shard_axes`, has replicas among
+    the plan's ranks: there only its replica 0 owns its shard, the others nothing; with
+    `for_update` each has its shard, which each updates alike)."""
     stage = plan.stage_of(unit)
+    if not for_update and plan.unit_replica(unit, rank):
+        return grad[:0]
     if stage >= 2:
         return grad if plan.optimizer_extra_size == 1 else grad[plan.optimizer_in_grads(unit, rank)]
     if for_update:
         return grad[optimizer_partition(plan, unit, rank)]
-    return grad[slice(*unit.shard_range(rank))]
+    return grad[slice(*plan.shard_range(unit, rank))]
 
 
 def partition_numel(plan: Plan, unit: Unit, rank: int) -> int:

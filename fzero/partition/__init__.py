@@ -70,6 +70,7 @@ from fzero.partition._queries import (
     reduction_buckets,
     reshard_reads,
     spans_parts,
+    written_slices,
 )
 from fzero.partition._strategies import (
     BUILT_IN,
@@ -181,4 +182,5 @@ __all__ = [
     "with_unit_memory",
     "with_unit_stages",
     "without_unit_axes",
+    "written_slices",
 ]

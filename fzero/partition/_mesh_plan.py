@@ -32,6 +32,15 @@ shard, where they accumulate; the boundary reduce-scatters that shard over E int
 optimizer's (a reduce-scatter: half the bytes of an all-reduce, each rank receiving only
 its block); after the update one all-gather over E gives the gradient shard's
 parameters, and one over S the whole unit where the parameters are whole.
+
+They also run units split over different groups, each unit's kinds over one group of its
+own (or whole): MiCS for the blocks within the node beside ZeRO-3 over the world for the
+rest, ZeRO-1 embeddings within the node beside ZeRO-3 units over the world. The stage
+plan's ranks are then the group along every axis some unit splits over (U), and a unit
+split over fewer (`Unit.shard_axes`) has replicas among them: its gradients are
+reduce-scattered within its group and averaged over the rest of U (and any replica
+axes), its parameters gathered within its group, its shard counted once in the norm and
+written once to checkpoints (by replica 0, `Plan.unit_replica`).
 """
 
 from __future__ import annotations
@@ -119,9 +128,29 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
 def _check_runs(plan: MeshPlan) -> None:
     """What both doors run (`executable`), checked here so that a plan `validate`
     accepts is one they run: the errors name the unit, kind and axes."""
-    group, finer = _shard_group(plan)
-    _unit_stages(plan, group, finer)
-    _secondary(plan, group)
+    _groups(plan)
+
+
+def _groups(
+    plan: MeshPlan,
+) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[str, ...] | None] | None]:
+    """How the doors run `plan`: (the group S every split is over, the optimizer's axes
+    where it is split over S and more (else ()), None), checked unit by unit; or, where
+    units split over different groups of axes each over its own one, (their union, (),
+    each unit's own axes: `_own_groups`). A plan neither way raises the one-group
+    `PlanError` naming the unit, kind and axes."""
+    try:
+        group, finer = _shard_group(plan)
+        _unit_stages(plan, group, finer)
+        _secondary(plan, group)
+        return group, finer, None
+    except PlanError:
+        own = _own_groups(plan)
+        if own is None:
+            raise
+        union, axes = own
+        _own_stages(plan, union, axes)
+        return union, (), axes
 
 
 def _check_even(units: tuple[Unit, ...]) -> None:
@@ -282,7 +311,7 @@ def to_plan(plan: MeshPlan) -> Plan:
     Equal means every kind of every unit is whole or split over every axis of size > 1
     in mesh order; units split as different ZeRO stages keep theirs (`Unit.stage`)."""
     validate(plan)
-    stage, units = _staged_units(plan, None)
+    stage, units = _staged_units(plan, _unit_stages(plan, None))
     result = Plan(
         plan.manifest, plan.mesh.size, stage, plan.alignment, units, plan.strategy,
         memory=plan.memory,
@@ -300,14 +329,12 @@ def _unit_stages(
     return [_unit_stage(plan.mesh, u, s, group, finer) for u, s in zip(plan.units, plan.shardings)]
 
 
-def _staged_units(
-    plan: MeshPlan, group: tuple[str, ...] | None, finer: tuple[str, ...] = ()
-) -> tuple[int, tuple[Unit, ...]]:
-    """The stage plan's stage (the largest any unit is split as; a persistent unit's
-    whole params count as stage 3's) and its units: a unit at the plan's stage as it is,
-    a stage-2 unit of a stage-3 plan persistent (params whole, as today's stage-3
-    plans keep small tensors), any other lower one with its own `Unit.stage`."""
-    stages = _unit_stages(plan, group, finer)
+def _staged_units(plan: MeshPlan, stages: list[int]) -> tuple[int, tuple[Unit, ...]]:
+    """The stage plan's stage (the largest any unit is split as (`stages`, in unit
+    order); a persistent unit's whole params count as stage 3's) and its units: a unit
+    at the plan's stage as it is, a stage-2 unit of a stage-3 plan persistent (params
+    whole, as today's stage-3 plans keep small tensors), any other lower one with its
+    own `Unit.stage`."""
     said = [3 if u.persistent and s == 2 else s for u, s in zip(plan.units, stages)]
     stage = max(said, default=0)
     units = []
@@ -364,8 +391,9 @@ _WORLD_ONLY = (
 _ONE_GROUP = (
     "fzero runs plans whose every split is over one group of axes (each unit ZeRO-0/1/2/3 "
     "over it, replicas along the rest: MiCS/HSDP), or whose optimizer state is split over "
-    "that group and more axes; other splits over different groups per kind or unit are "
-    "not run yet"
+    "that group and more axes, or whose units each split every kind over one group of "
+    "their own (MiCS blocks beside ZeRO-3 units); other splits over different groups per "
+    "kind are not run yet"
 )
 
 
@@ -436,13 +464,20 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     outermost first; the optimizer split over S and other axes E, in any order that keeps
     S's (the gradients of stage 2-3 units over S): the plan's ranks are then the
     optimizer's shards, along its axes in its order, and `OnMesh.optimizer_extra` is E
-    (in mesh order). Anything else is a `PlanError` naming the unit, kind and axes."""
+    (in mesh order). Or units split over different groups, each unit every kind it splits
+    over one group of its own, in mesh order (MiCS's blocks within the node beside ZeRO-3's
+    other units over the world): the plan's ranks are the group along every axis any unit
+    splits over, and a unit on fewer of them says so (`Unit.shard_axes`: its gradients
+    reduce-scattered over them and averaged over the rest, its parameters gathered over
+    them). Anything else is a `PlanError` naming the unit, kind and axes."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
     validate(plan)
     mesh = plan.mesh
-    group, finer = _shard_group(plan)
-    stage, staged = _staged_units(plan, group, finer)
+    group, finer, own = _groups(plan)
+    if own is not None:
+        return _on_own_groups(plan, group, own)
+    stage, staged = _staged_units(plan, _unit_stages(plan, group, finer))
     secondary = _secondary(plan, group)
     shard = finer or group  # the plan's ranks: the optimizer's shards, in its order
     extra = tuple(a for a in mesh.names if a in finer and a not in group)
@@ -450,6 +485,72 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
     on = OnMesh(mesh.axes, shard, secondary, plan.preset, hierarchical, extra)
+    result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
+    return _validate_stage_plan(result)
+
+
+def _own_groups(
+    plan: MeshPlan,
+) -> tuple[tuple[str, ...], list[tuple[str, ...] | None]] | None:
+    """Where units split over different groups of axes, each unit every kind it splits
+    over its one group, in mesh order (MiCS's blocks within the node beside ZeRO-3's
+    other units over the world; ZeRO-1 units over the node beside ZeRO-3 units over the
+    world): the plan's group (every axis any unit splits over, in mesh order) and each
+    unit's own axes (None: the plan's, or nothing split). None where some unit's kinds
+    split over different groups, or every unit's over one. A secondary copy (hpZ) or a
+    hierarchical gather beside them is a `PlanError` naming the unit."""
+    mesh = plan.mesh
+    per_unit = []
+    for sharding in plan.shardings:
+        split = {
+            _significant(mesh, sharding.of(kind).shard) for kind in ("params", "grads", "optimizer")
+        } - {()}
+        if len(split) > 1:
+            return None
+        per_unit.append(split.pop() if split else ())
+    found = sorted({axes for axes in per_unit if axes})
+    if len(found) < 2:
+        return None
+    for axes, unit in zip(per_unit, plan.units):
+        if axes:
+            _in_mesh_order(mesh, axes, f"unit {unit.name!r} params, grads and optimizer")
+    for unit, sharding in zip(plan.units, plan.shardings):
+        secondary = sharding.params_secondary
+        if (secondary is not None and _significant(mesh, secondary.shard)) or (
+            sharding.hierarchical_params_gather
+        ):
+            raise PlanError(
+                f"unit {unit.name!r} params: a secondary copy (hpZ) or a hierarchical gather "
+                f"where units split over different groups of axes ({found}) is not run yet"
+            )
+    union = tuple(a for a in mesh.names if any(a in axes for axes in found))
+    return union, [axes if axes and axes != union else None for axes in per_unit]
+
+
+def _own_stages(
+    plan: MeshPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
+) -> list[int]:
+    """Each unit's ZeRO stage over its own group of axes (`_own_groups`)."""
+    return [
+        _unit_stage(plan.mesh, u, s, own or union)
+        for u, s, own in zip(plan.units, plan.shardings, axes)
+    ]
+
+
+def _on_own_groups(
+    plan: MeshPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
+) -> Plan:
+    """The stage plan of a mesh plan whose units split over different groups of axes
+    (`_own_groups`): its ranks the group along `union`, each unit on its own axes
+    (`Unit.shard_axes`) at its own stage."""
+    mesh = plan.mesh
+    stage, staged = _staged_units(plan, _own_stages(plan, union, axes))
+    size = mesh.group_size(union)
+    units = tuple(
+        replace(u, shard_numel=u.numel // mesh.group_size(own or union), shard_axes=own)
+        for u, own in zip(staged, axes)
+    )
+    on = OnMesh(mesh.axes, union, (), plan.preset)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
     return _validate_stage_plan(result)
 
@@ -463,12 +564,16 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
     if on is None:
         return from_plan(plan)
     mesh = Mesh(on.axes)
-    split, whole = mesh.sharding(*on.grads_shard), mesh.replicated
-    optimizer = mesh.sharding(*on.shard)  # finer than `split` with `optimizer_extra`
+    whole = mesh.replicated
     secondary = mesh.sharding(*on.secondary) if on.secondary else None
     units, shardings = [], []
     for unit in plan.units:
         stage = plan.stage_of(unit)
+        if unit.shard_axes is not None:  # its own axes: a plain split over them
+            split = mesh.sharding(*unit.shard_axes)
+            optimizer = split
+        else:
+            split, optimizer = mesh.sharding(*on.grads_shard), mesh.sharding(*on.shard)
         params = split if stage == 3 else whole
         shardings.append(
             UnitSharding(
@@ -479,7 +584,9 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
                 hierarchical_params_gather=on.hierarchical and params is split,
             )
         )
-        units.append(replace(unit, shard_numel=unit.numel // mesh.size, stage=None))
+        units.append(
+            replace(unit, shard_numel=unit.numel // mesh.size, stage=None, shard_axes=None)
+        )
     return MeshPlan(
         plan.manifest, mesh, plan.alignment, tuple(units), tuple(shardings), plan.strategy,
         on.preset, plan.memory,
@@ -594,8 +701,10 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
 
 
 def _gradients_group(plan: MeshPlan) -> tuple[str, ...]:
-    """The axes the first unit with split gradients splits them over (() when none)."""
-    return next((s.grads.shard for s in plan.shardings if s.grads.shard), ())
+    """The axes every unit with split gradients splits them over (() when none, or where
+    units split over different groups of axes, each reduced over its own)."""
+    found = {s.grads.shard for s in plan.shardings if s.grads.shard}
+    return found.pop() if len(found) == 1 else ()
 
 
 def publish_hops(

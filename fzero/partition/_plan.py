@@ -90,7 +90,13 @@ class Unit:
     gradient accumulator's, one of `GRAD_DTYPES` (None: the plan's `memory.grads`);
     `Plan.grads_dtype` reads it. `master_dtype`: its masters', one of `MEMORY_DTYPES`
     (None: the plan's `memory.master`; "bf16" masters are the unit's bf16 parameters
-    themselves); `Plan.master_dtype` reads it.
+    themselves); `Plan.master_dtype` reads it. `shard_axes`: on a mesh, the axes of the
+    plan's `OnMesh.shard` this unit's split states are split over when they are fewer
+    (in that order; None: all of them): MiCS's blocks within a node beside ZeRO-3's
+    other units over the world. Its `numel` is then `shard_numel` times their group's
+    size, and the processes along the plan's other shard axes hold the same shards
+    (replicas of the unit: gradients averaged over them, its shard counted once);
+    `Plan.shard_index` says which shard a plan rank holds.
     """
 
     name: str
@@ -108,9 +114,11 @@ class Unit:
     states_dtype: str | None = None
     grads_dtype: str | None = None
     master_dtype: str | None = None
+    shard_axes: tuple[str, ...] | None = None
 
     def shard_range(self, rank: int) -> tuple[int, int]:
-        """Rank `rank`'s part of the buffer as `(start, stop)` element offsets."""
+        """Shard `rank`'s part of the buffer as `(start, stop)` element offsets (the plan
+        rank's, but for a unit with its own `shard_axes`: `Plan.shard_index`)."""
         if self.bounds:
             return self.bounds[rank], self.bounds[rank + 1]
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -121,7 +129,7 @@ class Unit:
         return stop - start
 
     def owner(self, offset: int) -> int:
-        """The rank whose part holds buffer element `offset`."""
+        """The shard (`shard_range`'s index) that holds buffer element `offset`."""
         if self.bounds:
             return bisect.bisect_right(self.bounds, offset, hi=len(self.bounds) - 1) - 1
         return offset // self.shard_numel
@@ -145,8 +153,8 @@ def with_memory(plan: Plan, memory: Memory, said_by: str = "the config") -> Plan
 
 
 def _reorder(index: int, sizes: dict[str, int], of: tuple[str, ...], to: tuple[str, ...]) -> int:
-    """The index along the axes `to` (row-major) of the rank whose index along `of` (the
-    same axes in another order) is `index`."""
+    """The index along the axes `to` (row-major) of the rank whose index along `of` is
+    `index`: `of` in another order, or some of its axes (a projection)."""
     coordinate = {}
     for axis in reversed(of):
         index, coordinate[axis] = divmod(index, sizes[axis])
@@ -243,13 +251,54 @@ class Plan:
         """Plan rank `rank`'s index in the gradients' group (`grads_world_size` ranks)."""
         return self.rank_in_gradient_order(rank) // self.optimizer_extra_size
 
+    def shards_of(self, unit: Unit) -> int:
+        """How many shards `unit`'s gradients (stages 2-3) and parameters (stage 3) are
+        split into: the group size of its own `shard_axes`, else `grads_world_size`."""
+        if unit.shard_axes is None or self.mesh is None:
+            return self.grads_world_size
+        sizes = dict(self.mesh.axes)
+        return math.prod(sizes[axis] for axis in unit.shard_axes)
+
+    def shard_index(self, unit: Unit, rank: int) -> int:
+        """The shard of `unit` plan rank `rank` holds (`Unit.shard_range`'s index): `rank`,
+        or for a unit with its own `shard_axes` the rank's index along them."""
+        if unit.shard_axes is None or self.mesh is None:
+            return rank
+        return _reorder(rank, dict(self.mesh.axes), self.mesh.shard, unit.shard_axes)
+
+    def unit_replica(self, unit: Unit, rank: int) -> int:
+        """Plan rank `rank`'s index among the plan ranks holding its shard of `unit` (0
+        but for a unit with its own `shard_axes`, whose shard the plan ranks along the
+        other shard axes hold too): replica 0 counts the shard in norms and writes it to
+        checkpoints."""
+        if unit.shard_axes is None or self.mesh is None:
+            return 0
+        rest = tuple(a for a in self.mesh.shard if a not in unit.shard_axes)
+        return _reorder(rank, dict(self.mesh.axes), self.mesh.shard, rest)
+
+    def shard_writer(self, unit: Unit, shard: int) -> int:
+        """The plan rank holding `unit`'s shard `shard` as its replica 0, which counts it
+        and writes it to checkpoints: `shard`, but for a unit on its own `shard_axes`."""
+        if unit.shard_axes is None or self.mesh is None:
+            return shard
+        return next(
+            r
+            for r in range(self.world_size)
+            if self.shard_index(unit, r) == shard and not self.unit_replica(unit, r)
+        )
+
+    def shard_range(self, unit: Unit, rank: int) -> tuple[int, int]:
+        """`(start, stop)` of `unit`'s buffer plan rank `rank`'s optimizer partition (and
+        master) holds at stages 1-3: `unit.shard_range(shard_index(unit, rank))`."""
+        return unit.shard_range(self.shard_index(unit, rank))
+
     def grads_range(self, unit: Unit, rank: int) -> tuple[int, int]:
         """`(start, stop)` of `unit`'s buffer that plan rank `rank`'s gradient shard
         (stages 2-3) and parameter shard (stage 3) hold: its shard (`Unit.shard_range`),
         or with a finer optimizer split the `optimizer_extra_size` consecutive optimizer
         shards of its gradient shard (`grads_rank`)."""
         if self.optimizer_extra_size == 1:
-            return unit.shard_range(rank)
+            return self.shard_range(unit, rank)
         size = self.optimizer_extra_size * unit.shard_numel
         start = self.grads_rank(rank) * size
         return start, start + size
@@ -510,7 +559,9 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
             f"{where}: shard_numel {unit.shard_numel} is not a multiple of "
             f"alignment {plan.alignment}"
         )
-    if not unit.bounds and unit.numel != unit.shard_numel * plan.world_size:
+    if unit.shard_axes is not None:
+        _validate_shard_axes(plan, unit)
+    elif not unit.bounds and unit.numel != unit.shard_numel * plan.world_size:
         raise PlanError(
             f"{where}: numel {unit.numel} != world_size {plan.world_size} "
             f"x shard_numel {unit.shard_numel}"
@@ -544,6 +595,55 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
     for (_, stop, a), (start, _, b) in itertools.pairwise(spans):
         if start < stop:
             raise PlanError(f"{where}: tensors {a!r} and {b!r} overlap at buffer offset {start}")
+
+
+def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
+    """A unit split over fewer of the plan's shard axes than the plan (`Unit.shard_axes`):
+    some of them, in their order, on a plan whose other units' splits are plain (no
+    secondary copy, hierarchical gather or finer optimizer split), even, split as
+    stage 1 or more, its states in memory; `numel` its shards' elements."""
+    where = f"unit {unit.name!r}"
+    on = plan.mesh
+    axes = unit.shard_axes
+    if on is None:
+        raise PlanError(
+            f"{where}: shard_axes is {axes!r} but the plan is not on a mesh; a unit splits "
+            "over fewer axes than its plan only on a mesh (fzero.partition.executable)"
+        )
+    inside = tuple(a for a in on.shard if a in (axes or ()))
+    if not isinstance(axes, tuple) or not axes or inside != axes or axes == on.shard:
+        raise PlanError(
+            f"{where}: shard_axes is {axes!r}; allowed: None (the plan's {on.shard}) or "
+            f"some of them, not all, in that order"
+        )
+    why = next(
+        (
+            reason
+            for reason, found in (
+                ("uneven bounds", bool(unit.bounds)),
+                (f"stage {plan.stage_of(unit)} (nothing split)", plan.stage_of(unit) == 0),
+                ("hpZ's secondary copy in the plan", bool(on.secondary)),
+                ("a hierarchical gather in the plan", on.hierarchical),
+                ("an optimizer split finer than the gradients", bool(on.optimizer_extra)),
+                ("its optimizer on 'nvme'", plan.optimizer_memory(unit) == "nvme"),
+                ("its parameters on 'nvme'", plan.params_memory(unit) == "nvme"),
+            )
+            if found
+        ),
+        None,
+    )
+    if why is not None:
+        raise PlanError(
+            f"{where}: split over {axes}, fewer axes than the plan's {on.shard}, with {why}; "
+            "fzero runs a unit on its own axes only as an even split at stages 1-3 with its "
+            "states in memory, beside plain splits (not run yet otherwise)"
+        )
+    shards = plan.shards_of(unit)
+    if unit.numel != unit.shard_numel * shards:
+        raise PlanError(
+            f"{where}: numel {unit.numel} != {shards} shards (over {axes}) "
+            f"x shard_numel {unit.shard_numel}"
+        )
 
 
 def _validate_bounds(where: str, unit: Unit, world_size: int) -> None:

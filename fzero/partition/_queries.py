@@ -25,6 +25,7 @@ __all__ = [
     "reduction_buckets",
     "reshard_reads",
     "spans_parts",
+    "written_slices",
 ]
 
 
@@ -58,8 +59,17 @@ def local_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
     _check_rank(plan, rank)
     found = []
     for index, unit in enumerate(plan.units):
-        found += _slices_in(index, unit, *unit.shard_range(rank))
+        found += _slices_in(index, unit, *plan.shard_range(unit, rank))
     return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
+
+
+def written_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
+    """`local_slices(plan, rank)` that plan rank `rank` writes to a checkpoint: each of a
+    unit's shards is written once, by its replica 0 (`Plan.unit_replica`: a unit on its
+    own `shard_axes` has replicas among the plan's ranks; other units none)."""
+    return tuple(
+        s for s in local_slices(plan, rank) if not plan.unit_replica(plan.units[s.unit], rank)
+    )
 
 
 def kind_slices(plan: MeshPlan, rank: int, kind: str) -> tuple[LocalSlice, ...]:
@@ -113,6 +123,7 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
         other = bool(current) and (
             grads_split(plan, index) != grads_split(plan, current[-1])
             or _grads_dtype(plan, index) != _grads_dtype(plan, current[-1])
+            or _grads_group(plan, index) != _grads_group(plan, current[-1])
         )
         if current and (filled + numel > bucket_numel or other):
             buckets.append(tuple(current))
@@ -122,6 +133,13 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     if current:
         buckets.append(tuple(current))
     return tuple(buckets)
+
+
+def _grads_group(plan: Plan | MeshPlan, index: int) -> tuple[str, ...] | None:
+    """The axes unit `index`'s gradients are reduced over, where units differ in them."""
+    if isinstance(plan, MeshPlan):
+        return plan.shardings[index].grads.shard
+    return plan.units[index].shard_axes
 
 
 def _grads_dtype(plan: Plan | MeshPlan, index: int) -> str:
@@ -138,7 +156,8 @@ def grads_split(plan: Plan | MeshPlan, index: int) -> bool:
 
 
 def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
-    """The rank that owns element `flat_index` of flattened tensor `fqn`."""
+    """The rank that owns element `flat_index` of flattened tensor `fqn` (of a shard
+    several plan ranks hold, a unit on its own `shard_axes`, its replica 0)."""
     name = fqn if fqn in plan.manifest.fqns else _canonical(plan, fqn)
     unit = plan.units[plan.unit_of(name)]
     for placement in unit.placements:
@@ -146,7 +165,8 @@ def owner_of(plan: Plan, fqn: str, flat_index: int) -> int:
             continue
         for piece in placement.pieces:
             if piece.start <= flat_index < piece.start + piece.numel:
-                return unit.owner(piece.offset + flat_index - piece.start)
+                shard = unit.owner(piece.offset + flat_index - piece.start)
+                return plan.shard_writer(unit, shard)
     numel = plan.manifest[name].numel
     raise IndexError(f"index {flat_index} is out of range for tensor {fqn!r} of {numel} elements")
 
@@ -405,7 +425,8 @@ def _unit_holdings(plan: Plan | MeshPlan, rank: int) -> list[_Holding]:
         return [_mesh_holding(plan, unit, s) for unit, s in zip(plan.units, plan.shardings)]
     out = []
     for unit in plan.units:
-        shard, full, stage = unit.shard_size(rank), unit.numel, plan.stage_of(unit)
+        full, stage = unit.numel, plan.stage_of(unit)
+        shard = unit.shard_size(plan.shard_index(unit, rank))
         start, stop = plan.grads_range(unit, rank)
         out.append(
             _Holding(
@@ -472,7 +493,7 @@ def reshard_reads(old_plan: Plan, new_plan: Plan, rank: int) -> tuple[Read, ...]
     _check_same_tensors(old_plan, new_plan)
     old_by_fqn: dict[str, list[tuple[int, LocalSlice]]] = {}
     for old_rank in range(old_plan.world_size):
-        for piece in local_slices(old_plan, old_rank):
+        for piece in written_slices(old_plan, old_rank):
             old_by_fqn.setdefault(piece.fqn, []).append((old_rank, piece))
     reads = []
     for new in local_slices(new_plan, rank):
@@ -535,6 +556,7 @@ def format_plan(plan: Plan | MeshPlan) -> str:
     for index, unit in enumerate(plan.units):
         flags = " persistent" if unit.persistent else ""
         flags += f" stage={unit.stage}" if unit.stage is not None else ""
+        flags += f" over={'+'.join(unit.shard_axes)}" if unit.shard_axes is not None else ""
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
@@ -544,10 +566,17 @@ def format_plan(plan: Plan | MeshPlan) -> str:
         )
         for rank in range(plan.world_size):
             owned = [s for s in slices[rank] if s.unit == index]
-            empty = "(none)" if unit.shard_size(rank) == 0 else "(padding only)"
+            size = unit.shard_size(plan.shard_index(unit, rank))
+            empty = "(none)" if size == 0 else "(padding only)"
             text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or empty
-            pad = unit.shard_size(rank) - sum(s.stop - s.start for s in owned)
-            lines.append(f"    rank {rank}: {text}" + (f" (+{pad:,} padding)" if pad else ""))
+            pad = size - sum(s.stop - s.start for s in owned)
+            replica = plan.unit_replica(unit, rank)
+            also = (
+                f" (replica {replica} of shard {plan.shard_index(unit, rank)})" if replica else ""
+            )
+            lines.append(
+                f"    rank {rank}: {text}" + (f" (+{pad:,} padding)" if pad else "") + also
+            )
     buffers = sum(u.numel for u in plan.units)
     padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
     owned = owned_numel(plan)

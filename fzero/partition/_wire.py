@@ -71,6 +71,7 @@ def encode_unit(unit: Unit) -> dict[str, Any]:
         **({"states_dtype": unit.states_dtype} if unit.states_dtype else {}),
         **({"grads_dtype": unit.grads_dtype} if unit.grads_dtype else {}),
         **({"master_dtype": unit.master_dtype} if unit.master_dtype else {}),
+        **({"shard_axes": list(unit.shard_axes)} if unit.shard_axes is not None else {}),
     }
 
 
@@ -105,6 +106,7 @@ def decode_unit(raw: dict[str, Any]) -> Unit:
         states_dtype=raw.get("states_dtype"),
         grads_dtype=raw.get("grads_dtype"),
         master_dtype=raw.get("master_dtype"),
+        shard_axes=tuple(raw["shard_axes"]) if "shard_axes" in raw else None,
     )
 
 

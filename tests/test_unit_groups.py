@@ -1,0 +1,228 @@
+"""Units of one plan split over different groups of mesh axes (`Unit.shard_axes`): MiCS
+for the blocks (within the node, replicas across it) beside ZeRO-3 over the world for the
+rest, ZeRO-1 embeddings within the node beside ZeRO-3 over the world. On 2x2 both doors
+match a single-process torch.optim run, agree bitwise, hold what the plan says, send what
+`comm_volume` says, resume bitwise and restore under plain ZeRO-3 at world 2 and 1."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fzero
+from fzero import partition
+from fzero.partition import Mesh, PlanError, UnitSharding
+from tests._dist import run_world
+from tests.models import Net
+from tests.test_mixed_stages import (
+    LR,
+    _config,
+    _rows,
+    check_against_torch,
+    engine_resumes,
+    restores_under_zero3,
+    sent_and_predicted,
+    state_resumes,
+    train_both,
+)
+
+MESH = {"node": 2, "local": 2}
+WORLD, LOCAL = ("node", "local"), ("local",)
+
+# name -> the plan's stage, and per top-level module of `tests.models.Net`: (stage, axes)
+CASES = {
+    "mics blocks + zero3 rest": (3, {"blocks": (3, LOCAL)}, (3, WORLD)),
+    "zero1 embed in node + zero3": (3, {"embed": (1, LOCAL)}, (3, WORLD)),
+    "zero2 blocks in node + zero1 head + zero3 embed": (
+        3,
+        {"blocks": (2, LOCAL), "head": (1, WORLD)},
+        (3, WORLD),
+    ),
+}
+
+
+def _preset(name: str) -> partition.Custom:
+    stage, own, rest = CASES[name]
+
+    def rule(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        unit_stage, axes = own.get(unit.module.split(".")[0], rest)
+        split, whole = mesh.sharding(*axes), mesh.replicated
+        return UnitSharding(
+            params=split if unit_stage == 3 else whole,
+            grads=split if unit_stage >= 2 else whole,
+            optimizer=split,
+        )
+
+    return partition.Custom(name.replace(" ", "_"), rule, stage=stage)
+
+
+def _laid(name: str) -> partition.MeshPlan:
+    manifest = partition.describe(Net())
+    return partition.mesh_plan(manifest, Mesh(MESH), _preset(name), persistence_threshold=0)
+
+
+def _engine(name: str, seed: int = 0):
+    stage = CASES[name][0]
+    torch.manual_seed(seed)
+    return fzero.shard(
+        Net(),
+        stage=stage,
+        optimizer=fzero.optim.adamw(lr=LR, weight_decay=0.01),
+        config=_config(stage),
+        strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
+    )
+
+
+# ---- the plan alone -------------------------------------------------------------------------
+
+
+def test_units_on_their_own_axes_lower_to_one_plan_whose_queries_follow_them():
+    plan = partition.executable(_laid("mics blocks + zero3 rest"))
+    assert plan.world_size == 4 and plan.mesh.shard == WORLD
+    blocks = [u for u in plan.units if u.module.startswith("blocks")]
+    assert blocks and all(u.shard_axes == LOCAL for u in blocks)
+    assert all(u.shard_axes is None for u in plan.units if u not in blocks)
+    block = blocks[0]
+    assert block.shard_numel == block.numel // 2
+    # plan ranks (node, local) = 0:(0,0) 1:(0,1) 2:(1,0) 3:(1,1): shard = local index
+    assert [plan.shard_index(block, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [plan.unit_replica(block, r) for r in range(4)] == [0, 0, 1, 1]
+    assert [plan.shard_writer(block, s) for s in (0, 1)] == [0, 1]
+    # what each rank holds, and what it writes: each shard once
+    held = {s.fqn for r in range(4) for s in partition.local_slices(plan, r) if s.unit == 1}
+    assert held == {pl.fqn for pl in block.placements}
+    written = [s for r in range(4) for s in partition.written_slices(plan, r) if s.unit == 1]
+    assert sum(s.numel for s in written) == sum(
+        pc.numel for pl in block.placements for pc in pl.pieces
+    )
+    # the wire format keeps the axes; lowering again gives the same plan
+    assert partition.from_bytes(partition.to_bytes(plan)) == plan
+    assert partition.executable(partition.as_mesh_plan(plan)) == plan
+    rows = partition.comm_volume(plan, accumulation_steps=2)
+    axes = {(r.operation, r.what, r.axes) for r in rows}
+    assert ("reduce_scatter", "gradients", LOCAL) in axes  # the blocks within the node
+    assert ("reduce_scatter", "gradients", WORLD) in axes  # the rest over the world
+    assert ("all_reduce", "gradients across replicas", ("node",)) in axes
+    assert ("all_gather", "parameters for forward", LOCAL) in axes
+    assert "over=local" in partition.format_plan(plan)
+    assert partition.process_groups(partition.as_mesh_plan(plan)) == (WORLD, LOCAL, ("node",))
+
+
+def test_a_unit_on_its_own_axes_is_refused_by_name_where_not_run():
+    plan = partition.executable(_laid("mics blocks + zero3 rest"))
+    units = list(plan.units)
+    units[1] = dataclasses.replace(units[1], shard_axes=("node", "local"))
+    with pytest.raises(PlanError, match=r"unit 'blocks.0': shard_axes is \('node', 'local'\)"):
+        partition.validate(dataclasses.replace(plan, units=tuple(units)))
+    units[1] = dataclasses.replace(plan.units[1], optimizer_memory="nvme")
+    with pytest.raises(PlanError, match=r"unit 'blocks\.0': split over .* its optimizer on 'nvme'"):
+        partition.validate(dataclasses.replace(plan, units=tuple(units)))
+
+    def finer_beside(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        local = mesh.sharding("local")
+        if unit.module.startswith("blocks"):  # the optimizer finer than its gradients
+            return UnitSharding(params=local, grads=local, optimizer=mesh.sharding(*WORLD))
+        every = mesh.sharding(*WORLD)
+        return UnitSharding(params=every, grads=every, optimizer=every)
+
+    with pytest.raises(PlanError, match=r"unit 'blocks\.0'"):
+        partition.mesh_plan(
+            partition.describe(Net()),
+            Mesh(MESH),
+            partition.Custom("x", finer_beside, stage=3),
+            persistence_threshold=0,
+        )
+
+
+# ---- both doors against torch.optim ---------------------------------------------------------
+
+
+def doors_case(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        stage = CASES[name][0]
+        engine = _engine(name)
+        torch.manual_seed(0)
+        model = Net()
+        plan = partition.executable(_laid(name))
+        assert engine.plan == partition.with_memory(plan, engine.plan.memory), name
+        optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
+        losses, state = train_both(rank, world, engine, model, plan, optimizer, _config(stage))
+        holdings = [
+            (plan.stage_of(u), u.numel, plan.shards_of(u), s.grad.numel(), s.master.numel())
+            for u, s in zip(plan.units, state.units)
+        ]
+        out[name] = {
+            "losses": losses,
+            "engine": engine.state_dict(dtype=torch.float32),
+            "step": fzero.state_dict(state, module=model),
+            "held": engine.memory_held() == engine.memory_planned(),
+            "holdings": holdings,
+        }
+        engine.destroy()
+    return out
+
+
+def test_units_on_their_own_axes_match_torch_optim_in_both_doors_on_a_2x2_mesh():
+    results = run_world(doors_case, 4, list(CASES))
+    errors = check_against_torch(results, 4)
+    for name, result in results.items():
+        shards = set()
+        for stage, numel, parts, grad, master in result["holdings"]:
+            assert grad == (numel // parts if stage >= 2 else numel), (name, stage, numel)
+            assert master == numel // parts, (name, stage, numel)
+            shards.add(parts)
+        assert shards == {2, 4}, name  # units do split over different groups
+    print("max abs error vs torch.optim, 2x2:", errors)
+
+
+def traffic_case(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        engine = _engine(name)
+        out[name] = sent_and_predicted(rank, world, engine, 1, 2)
+        engine.destroy()
+    return out
+
+
+def test_units_on_their_own_axes_send_what_comm_volume_predicts():
+    for name, (sent, predicted) in run_world(traffic_case, 4, list(CASES)).items():
+        assert sent == predicted, name
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+def save_case(rank: int, world: int, root: str, name: str) -> dict:
+    saved, resumed = engine_resumes(
+        lambda seed: _engine(name, seed=seed), lambda i, a: _rows(rank, world, i, a), root
+    )
+    return {"saved": saved, "resumed": resumed}
+
+
+def state_resume_case(rank: int, world: int, root: str, name: str) -> bool:
+    """train_step saved mid-window (a reduced shard's accumulator written once, by its
+    replica 0; a ZeRO-1 unit's whole one by every rank) resumes bitwise."""
+    stage = CASES[name][0]
+    mesh, preset = Mesh(MESH), _preset(name)
+
+    def plan_of(manifest: partition.Manifest) -> partition.Plan:
+        laid = partition.mesh_plan(manifest, mesh, preset, persistence_threshold=0)
+        return partition.executable(laid)
+
+    return state_resumes(rank, world, root, plan_of, stage)
+
+
+def test_units_on_their_own_axes_resume_exactly_and_restore_under_zero3_at_world_2_and_1(
+    tmp_path,
+):
+    for index, name in enumerate(list(CASES)[:2]):
+        root = str(tmp_path / f"engine{index}")
+        result = run_world(save_case, 4, root, name)
+        assert result["resumed"], name
+        _, intact = fzero.checkpoint.inspect(root)
+        assert intact, name
+        restores_under_zero3(root, result["saved"], name)
+        assert run_world(state_resume_case, 4, str(tmp_path / f"state{index}"), name), name
