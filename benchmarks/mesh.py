@@ -9,10 +9,11 @@ AdamW. Rows, each in its own processes: ZeRO-3 over the 4 ranks, MiCS (`mics_sha
 2`), hpZ (`zero_hpz_partition_size: 2`), a whole-layer plan (`"strategy":
 "mesh:whole_blocks"`), whole tensors (`"strategy": "whole_tensors"`: uneven shards), MiCS
 with the optimizer state over every rank in either order (`"mesh:optimizer_local_first"`,
-`"mesh:optimizer_node_first"`: the second exchanges the boundary's blocks), and the
-baseline, FSDP2's HSDP (`fully_shard` on a 2-D `DeviceMesh`, replicated over "node",
-sharded over "local"). A row in `REFUSABLE` that fzero refuses prints as refused, with
-the error's first line.
+`"mesh:optimizer_node_first"`: the second exchanges the boundary's blocks), MiCS for
+the blocks beside ZeRO-3 over every rank for the rest (`"mesh:mics_blocks"`: units on
+their own axes), and the baseline, FSDP2's HSDP (`fully_shard` on a 2-D `DeviceMesh`,
+replicated over "node", sharded over "local"). A row in `REFUSABLE` that fzero refuses
+prints as refused, with the error's first line.
 
 Per row: seconds per step (median; a barrier before and after each step) and its ratio to
 HSDP, the largest peak RSS of the ranks, rank 0's collective calls and bytes per step by
@@ -133,6 +134,22 @@ optimizer_local_first = _finer(("local", "node"))  # "strategy": "mesh:optimizer
 optimizer_node_first = _finer(("node", "local"))
 
 
+def _mics_blocks(mesh: partition.Mesh, unit: partition.Unit) -> partition.UnitSharding:
+    """MiCS for the transformer blocks (every kind within "local", replicas across
+    "node"), ZeRO-3 over every rank for the rest (embeddings, norm, head): units on
+    their own axes (`Unit.shard_axes`). Persistent units keep whole parameters."""
+    axes = ("local",) if unit.module.startswith("blocks") else ("node", "local")
+    split = mesh.sharding(*axes)
+    params = mesh.replicated if unit.persistent else split
+    return partition.UnitSharding(params, split, split)
+
+
+mics_blocks = partition.on_mesh(  # "strategy": "mesh:mics_blocks"
+    partition.Mesh({"node": NODES, "local": LOCAL}),
+    partition.Custom("MiCS blocks, ZeRO-3 rest", _mics_blocks, stage=3),
+)
+
+
 Trainer = Callable[[torch.Tensor, torch.Tensor], float]  # one step on a batch: its loss
 Traffic = Callable[[], dict[str, dict[str, tuple[int, int]]]]  # axes -> op -> (calls, bytes)
 
@@ -251,6 +268,7 @@ ROWS: dict[str, Callable[[nn.Module], tuple[Trainer, Traffic]]] = {
     "fzero MiCS + optimizer over local then node": fzero_row("mesh:optimizer_local_first"),
     "fzero MiCS + optimizer over node then local": fzero_row("mesh:optimizer_node_first"),
     "fzero whole tensors": fzero_row("whole_tensors"),  # uneven: each tensor on one rank
+    "fzero MiCS blocks + ZeRO-3 rest": fzero_row("mesh:mics_blocks"),
     BASELINE: hsdp,
 }
 REFUSABLE: tuple[str, ...] = ()  # rows fzero may refuse (printed, not failed)

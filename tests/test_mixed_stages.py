@@ -131,7 +131,8 @@ def _rows(rank: int, world: int, step: int, a: int):
 
 def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
     """Every tensor's fp32 master and optimizer moments, whole (collective over every
-    process): what a restore must give back exactly, whatever the plan. A shard is placed
+    process; NVMe: read back from the swap file): what a restore must give back exactly,
+    whatever the plan. A shard is placed
     at its plan rank's block (on a mesh whose optimizer is split finer than its gradients
     the plan's ranks are not in process order; with replicas a block is filled by each)."""
     plan, out = state.plan, {}
@@ -142,13 +143,14 @@ def _tensor_states(state: fzero.TrainState) -> dict[str, torch.Tensor]:
     else:
         ranks = list(range(world))
     for index, unit in enumerate(plan.units):
-        u = state.units[index]
-        moments = {
-            k: v
-            for k, v in u.optim._asdict().items()
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and k != "step"
-        }
-        for kind, part in {"master": u.master, **moments}.items():
+        with state.resident(index) as u:  # NVMe: read back from the swap file
+            moments = {
+                k: v.clone()
+                for k, v in u.optim._asdict().items()
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and k != "step"
+            }
+            master = u.master.clone()
+        for kind, part in {"master": master, **moments}.items():
             part = part.float().contiguous()
             if part.numel() != unit.numel:  # a shard: gathered over every process
                 parts = [torch.empty_like(part) for _ in range(world)]

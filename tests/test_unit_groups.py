@@ -7,6 +7,7 @@ match a single-process torch.optim run, agree bitwise, hold what the plan says, 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from fzero.partition import Mesh, PlanError, UnitSharding
 from tests._dist import run_world
 from tests.models import Net
 from tests.test_mixed_stages import (
-    LR,
+    OPTIMIZERS,
     _config,
     _rows,
     check_against_torch,
@@ -26,6 +27,7 @@ from tests.test_mixed_stages import (
     sent_and_predicted,
     state_resumes,
     train_both,
+    uniform_case,
 )
 
 MESH = {"node": 2, "local": 2}
@@ -63,14 +65,29 @@ def _laid(name: str) -> partition.MeshPlan:
     return partition.mesh_plan(manifest, Mesh(MESH), _preset(name), persistence_threshold=0)
 
 
-def _engine(name: str, seed: int = 0):
+def _offloaded(stage: int, offload: str) -> dict:
+    """The parity config at `stage` with the optimizer on the host ("cpu"), or it and
+    stage 3's parameter shards in swap files ("nvme", in a new directory per process)."""
+    config = _config(stage)
+    zero = config["zero_optimization"]
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif offload == "nvme":
+        path = tempfile.mkdtemp(prefix="fzero-own-axes-")
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path}
+        config["aio"] = {"block_size": 8192, "thread_count": 2}
+    return config
+
+
+def _engine(name: str, seed: int = 0, offload: str = "none", kind: str = "adamw"):
     stage = CASES[name][0]
     torch.manual_seed(seed)
     return fzero.shard(
         Net(),
         stage=stage,
-        optimizer=fzero.optim.adamw(lr=LR, weight_decay=0.01),
-        config=_config(stage),
+        optimizer=OPTIMIZERS[kind](),
+        config=_offloaded(stage, offload),
         strategy=partition.on_mesh(Mesh(MESH), _preset(name)),
     )
 
@@ -110,14 +127,27 @@ def test_units_on_their_own_axes_lower_to_one_plan_whose_queries_follow_them():
     assert partition.process_groups(partition.as_mesh_plan(plan)) == (WORLD, LOCAL, ("node",))
 
 
+def test_the_drawn_plan_shows_what_each_rank_holds_of_a_unit_on_its_own_axes():
+    """`plot_plan`'s bars of the executable plan equal the mesh plan's, rank by rank:
+    ranks 0 and 2 hold the same block of a MiCS unit, ranks 0 and 1 different ones."""
+    from fzero.partition import _plot
+
+    laid = _laid("mics blocks + zero3 rest")
+    ran, said = _plot.plot_bars(partition.executable(laid)), _plot.plot_bars(laid)
+    for kind in ("params", "grads", "optimizer"):
+        assert ran[kind] == said[kind], kind
+
+
 def test_a_unit_on_its_own_axes_is_refused_by_name_where_not_run():
     plan = partition.executable(_laid("mics blocks + zero3 rest"))
     units = list(plan.units)
     units[1] = dataclasses.replace(units[1], shard_axes=("node", "local"))
     with pytest.raises(PlanError, match=r"unit 'blocks.0': shard_axes is \('node', 'local'\)"):
         partition.validate(dataclasses.replace(plan, units=tuple(units)))
-    units[1] = dataclasses.replace(plan.units[1], optimizer_memory="nvme")
-    with pytest.raises(PlanError, match=r"unit 'blocks\.0': split over .* its optimizer on 'nvme'"):
+    numel = plan.units[1].numel
+    bounds = tuple(numel * r // 4 for r in range(5))
+    units[1] = dataclasses.replace(plan.units[1], bounds=bounds, shard_numel=numel // 4)
+    with pytest.raises(PlanError, match=r"unit 'blocks\.0': split over .* with uneven bounds"):
         partition.validate(dataclasses.replace(plan, units=tuple(units)))
 
     def finer_beside(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
@@ -136,20 +166,44 @@ def test_a_unit_on_its_own_axes_is_refused_by_name_where_not_run():
         )
 
 
+def muon_case(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    try:
+        fzero.shard(
+            Net(),
+            stage=3,
+            optimizer=fzero.optim.muon(lr=0.02),
+            config=_config(3),
+            strategy=partition.on_mesh(Mesh(MESH), _preset(next(iter(CASES)))),
+        )
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_muon_beside_units_on_their_own_axes_is_refused_by_name():
+    message = run_world(muon_case, 4)
+    assert "'muon' needs whole tensors" in message and "unit 'blocks.0'" in message, message
+
+
 # ---- both doors against torch.optim ---------------------------------------------------------
 
 
-def doors_case(rank: int, world: int, names: list[str]) -> dict:
+def doors_case(
+    rank: int, world: int, names: list[str], offload: str = "none", kind: str = "adamw"
+) -> dict:
     out = {}
     for name in names:
         stage = CASES[name][0]
-        engine = _engine(name)
+        engine = _engine(name, offload=offload, kind=kind)
         torch.manual_seed(0)
         model = Net()
         plan = partition.executable(_laid(name))
         assert engine.plan == partition.with_memory(plan, engine.plan.memory), name
-        optimizer = fzero.optim.adamw(lr=LR, weight_decay=0.01)
-        losses, state = train_both(rank, world, engine, model, plan, optimizer, _config(stage))
+        optimizer = OPTIMIZERS[kind]()
+        config = _offloaded(stage, offload)  # parameters in a swap file: the engine's only
+        config["zero_optimization"].pop("offload_param", None)
+        losses, state = train_both(rank, world, engine, model, plan, optimizer, config)
         holdings = [
             (plan.stage_of(u), u.numel, plan.shards_of(u), s.grad.numel(), s.master.numel())
             for u, s in zip(plan.units, state.units)
@@ -165,17 +219,36 @@ def doors_case(rank: int, world: int, names: list[str]) -> dict:
     return out
 
 
-def test_units_on_their_own_axes_match_torch_optim_in_both_doors_on_a_2x2_mesh():
-    results = run_world(doors_case, 4, list(CASES))
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_units_on_their_own_axes_match_torch_optim_in_both_doors_on_a_2x2_mesh(offload):
+    results = run_world(doors_case, 4, list(CASES), offload)
     errors = check_against_torch(results, 4)
     for name, result in results.items():
         shards = set()
         for stage, numel, parts, grad, master in result["holdings"]:
             assert grad == (numel // parts if stage >= 2 else numel), (name, stage, numel)
-            assert master == numel // parts, (name, stage, numel)
+            in_file = offload == "nvme"  # the master in the swap file
+            assert master == (0 if in_file else numel // parts), (name, stage, numel)
             shards.add(parts)
         assert shards == {2, 4}, name  # units do split over different groups
     print("max abs error vs torch.optim, 2x2:", errors)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "norm_sgd"])
+def test_tensor_norms_count_a_shard_of_a_unit_on_its_own_axes_once(kind):
+    """An optimizer that needs each tensor's whole norm (LAMB; `norm_sgd`, whose step
+    scales with the norm itself, so a norm counted twice shows): a MiCS unit's shard is
+    held by two plan ranks, whose sums count once; both doors agree bitwise and match a
+    plain data-parallel (stage 0) run at world 4."""
+    name = next(iter(CASES))
+    result = run_world(doors_case, 4, [name], "none", kind)[name]
+    engine_losses, step_losses = result["losses"]
+    assert engine_losses == step_losses
+    for key, expected in result["engine"].items():
+        assert torch.equal(result["step"][key], expected), key
+    uniform = run_world(uniform_case, 4, 0, kind)
+    error = max((result["engine"][k] - v).abs().max().item() for k, v in uniform.items())
+    assert error <= 1e-6, error
 
 
 def traffic_case(rank: int, world: int, names: list[str]) -> dict:
@@ -195,9 +268,11 @@ def test_units_on_their_own_axes_send_what_comm_volume_predicts():
 # ---- checkpoints ----------------------------------------------------------------------------
 
 
-def save_case(rank: int, world: int, root: str, name: str) -> dict:
+def save_case(rank: int, world: int, root: str, name: str, offload: str = "none") -> dict:
     saved, resumed = engine_resumes(
-        lambda seed: _engine(name, seed=seed), lambda i, a: _rows(rank, world, i, a), root
+        lambda seed: _engine(name, seed=seed, offload=offload),
+        lambda i, a: _rows(rank, world, i, a),
+        root,
     )
     return {"saved": saved, "resumed": resumed}
 
@@ -226,3 +301,7 @@ def test_units_on_their_own_axes_resume_exactly_and_restore_under_zero3_at_world
         assert intact, name
         restores_under_zero3(root, result["saved"], name)
         assert run_world(state_resume_case, 4, str(tmp_path / f"state{index}"), name), name
+    name = next(iter(CASES))  # the optimizer and parameter shards in swap files
+    result = run_world(save_case, 4, str(tmp_path / "nvme"), name, "nvme")
+    assert result["resumed"], name
+    restores_under_zero3(str(tmp_path / "nvme"), result["saved"], name)

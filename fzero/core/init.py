@@ -18,7 +18,7 @@ from torch import Tensor
 from fzero import comm, partition
 from fzero.config import Config, load_config, read_config
 from fzero.core.build import Holding, build_unit_state, values_on_rank
-from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of
+from fzero.core.groups import check_same_plan, gather_optimizer_shards, groups_of, unit_group
 from fzero.core.layout import UnitRuntime, gather_pieces
 from fzero.core.partitioned import gather_whole, is_partitioned, release_partition, shape_of
 from fzero.core.precision import (
@@ -399,9 +399,10 @@ def _full_master_in_pieces(
     residence, plan = state.residence, state.plan
     assert residence is not None
     unit, piece = plan.units[index], residence.sub_group
-    world, part = plan.world_size, unit.shard_numel
+    groups = groups_of(plan)
+    own = unit_group(plan, groups, unit, groups.rank)  # even, no finer split: the plan's
+    world, part, group = own.world, unit.shard_numel, own.group  # or the unit's own axes'
     full = torch.empty(unit.numel, dtype=dtype, device=device)
-    group = groups_of(plan).shard
     with residence.pieces(index) as reader:
         for start in range(0, part, piece):
             stop = min(part, start + piece)

@@ -245,14 +245,21 @@ def add_tensor_squares(
 
 def tensor_norms(sums: Tensor, plan: Plan, group: Any = None) -> list[list[float]]:
     """Every tensor's parameter and direction norms over the ranks of `group` (the plan's
-    shard group; collective once any unit is at stage 1 or more). A unit at stage 0 is
-    whole on every rank, so its tensors' sums are already whole: in a plan with split
-    units too, only the group's first rank adds them to the all-reduce (exactly, not
-    divided)."""
+    shard group, where a process's rank is its plan rank; collective once any unit is at
+    stage 1 or more). A unit at stage 0 is whole on every rank, so its tensors' sums are
+    already whole: in a plan with split units too, only the group's first rank adds them
+    to the all-reduce (exactly, not divided). Likewise a unit on its own axes
+    (`Unit.shard_axes`) has replicas among the plan's ranks: only its replica 0 adds its
+    shard's sums."""
     if plan.stage > 0:
-        whole = [i for i, u in _tensor_units(plan) if plan.stage_of(u) == 0]
-        if whole and comm.get_rank(group) != 0:
-            sums[:, whole] = 0.0
+        rank = comm.get_rank(group)
+        counted_elsewhere = [
+            i
+            for i, u in _tensor_units(plan)
+            if (plan.stage_of(u) == 0 and rank != 0) or plan.unit_replica(u, rank)
+        ]
+        if counted_elsewhere:
+            sums[:, counted_elsewhere] = 0.0
         comm.all_reduce(sums, op="sum", what="tensor norms", group=group)
     return sums.sqrt().tolist()
 

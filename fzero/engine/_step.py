@@ -30,10 +30,13 @@ def unit_grad_stats(
     grad_stats: Callable[[torch.Tensor], GradStats],
 ) -> list[GradStats]:
     """`grad_stats` of every unit's owned gradient, in unit order (NVMe: taken when the
-    last micro-step wrote the gradient; a unit without one has zeros)."""
+    last micro-step wrote the gradient; a unit without one has zeros, as has a replica of
+    a shard its replica 0 counts: `Plan.unit_replica`)."""
     zeros = grad_stats(torch.zeros(1))
     return [
-        (rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros)
+        zeros
+        if plan.unit_replica(rt.unit, rank)
+        else (rt.grad_stats if rt.grad_on_disk and rt.grad_stats else zeros)
         if residency.grad_on_disk(rt.index)
         else grad_stats(owned_grad(plan, rt.unit, rank, rt.grad))
         for rt in units

@@ -601,7 +601,7 @@ def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
     """A unit split over fewer of the plan's shard axes than the plan (`Unit.shard_axes`):
     some of them, in their order, on a plan whose other units' splits are plain (no
     secondary copy, hierarchical gather or finer optimizer split), even, split as
-    stage 1 or more, its states in memory; `numel` its shards' elements."""
+    stage 1 or more; `numel` its shards' elements."""
     where = f"unit {unit.name!r}"
     on = plan.mesh
     axes = unit.shard_axes
@@ -625,8 +625,6 @@ def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
                 ("hpZ's secondary copy in the plan", bool(on.secondary)),
                 ("a hierarchical gather in the plan", on.hierarchical),
                 ("an optimizer split finer than the gradients", bool(on.optimizer_extra)),
-                ("its optimizer on 'nvme'", plan.optimizer_memory(unit) == "nvme"),
-                ("its parameters on 'nvme'", plan.params_memory(unit) == "nvme"),
             )
             if found
         ),
@@ -635,8 +633,8 @@ def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
     if why is not None:
         raise PlanError(
             f"{where}: split over {axes}, fewer axes than the plan's {on.shard}, with {why}; "
-            "fzero runs a unit on its own axes only as an even split at stages 1-3 with its "
-            "states in memory, beside plain splits (not run yet otherwise)"
+            "fzero runs a unit on its own axes only as an even split at stages 1-3 beside "
+            "plain splits (not run yet otherwise)"
         )
     shards = plan.shards_of(unit)
     if unit.numel != unit.shard_numel * shards:

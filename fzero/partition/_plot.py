@@ -86,7 +86,11 @@ def _unit_bars(plan: Plan | MeshPlan, kind: str, index: int, rank: int, base: in
     if isinstance(plan, Plan):
         if not _stage_split(plan, kind, unit):
             return [Bar(index, base, base + unit.numel, "whole")]
-        return _block_bars(unit, index, base, *unit.shard_range(rank), "held")
+        # the optimizer's shard, or the gradients' and parameters' (a finer optimizer
+        # split holds several optimizer shards per gradient shard; a unit on its own
+        # axes the shard of its index along them)
+        held = plan.shard_range(unit, rank) if kind == "optimizer" else plan.grads_range(unit, rank)
+        return _block_bars(unit, index, base, *held, "held")
     split = plan.shardings[index].of(kind)
     if split is None:  # no hpZ secondary copy of this unit
         return []
