@@ -100,7 +100,8 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
         "--preset",
         help="with --mesh: comma-separated presets among zero0..zero3, mics (split within the "
         "last axis, replicated across the others), hpz (zero3 + a secondary copy split within "
-        "the last axis); default all",
+        "the last axis), or module:name naming your own (a partition.Custom, or a rule "
+        "(mesh, unit) -> UnitSharding); default all built-in ones",
     )
     est.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     est.add_argument(

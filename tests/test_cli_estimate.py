@@ -77,6 +77,27 @@ def test_estimate_on_a_mesh(capsys):
     assert "zero3 node+local 29.53 GB 29.53 GB 20 B" in lines
 
 
+def first_layer_in_node(mesh, unit):
+    """A rule of one's own: the first layer MiCS-style within `local`, the second ZeRO-3
+    over every rank (units on their own axes)."""
+    from fzero import partition
+
+    split = mesh.sharding("local") if unit.module == "0" else mesh.split_everywhere
+    return partition.UnitSharding(split, split, split)
+
+
+def test_estimate_on_a_mesh_takes_a_preset_of_ones_own(capsys):
+    """`--preset module:name`: priced beside the built-ins, with the wire bytes on each
+    unit's own axes (the first layer's within `local`, the second's over the world)."""
+    args = ["estimate", "--model", "tests.test_cli_estimate:tiny_model", "--mesh", "node=2,local=2"]
+    own = "tests.test_cli_estimate:first_layer_in_node"
+    assert main([*args, "--preset", f"zero3,{own}", "--persistence-threshold", "0"]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert any(line.startswith(f"{own} - ") for line in lines), lines
+    axes = {line.split()[1] for line in lines if line.startswith(f"{own} ")}
+    assert {"local", "node", "node+local"} <= axes, lines  # within, across, over the world
+
+
 def test_estimate_on_a_mesh_from_a_model(capsys):
     args = ["estimate", "--model", "tests.test_cli_estimate:tiny_model", "--mesh", "node=2,local=2"]
     assert main(args) == 0
@@ -90,7 +111,8 @@ def test_estimate_on_a_mesh_from_a_model(capsys):
     ("extra", "message"),
     [
         (["--mesh", "node=2,local"], "'local' is not 'axis=size'"),
-        (["--mesh", "node=2,local=2", "--preset", "fsdp"], "--preset 'fsdp' is unknown"),
+        (["--mesh", "node=2,local=2", "--preset", "fsdp"], "--preset is 'fsdp'; allowed: zero0"),
+        (["--mesh", "node=2,local=2", "--preset", "tests:nope"], "cannot be loaded"),
         (["--preset", "mics"], "--preset needs --mesh"),
         (["--mesh", "node=2", "--world-sizes", "2"], "give --mesh or --world-sizes"),
         (["--mesh", "node=2,gpu=2", "--preset", "zero3", "--strategy", "x"], "--strategy"),

@@ -64,7 +64,7 @@ def _estimate_table(args: argparse.Namespace) -> str:
         format_mesh_estimate,
         manifest_of_size,
     )
-    from fzero.partition import PRESETS, Mesh, describe, strategy_from_name
+    from fzero.partition import PRESETS, Mesh, describe, preset_from_name, strategy_from_name
 
     if (args.model is None) == (args.params is None):
         raise ValueError("give exactly one of --model module:factory or --params N")
@@ -92,9 +92,8 @@ def _estimate_table(args: argparse.Namespace) -> str:
     if args.mesh is not None:
         mesh = Mesh.parse(args.mesh)
         presets = args.preset.split(",") if args.preset else list(PRESETS)
-        unknown = [p for p in presets if p not in PRESETS]
-        if unknown:
-            raise ValueError(f"--preset {unknown[0]!r} is unknown; allowed: {', '.join(PRESETS)}")
+        for name in presets:  # built-in names, or module:name (errors name the flag)
+            preset_from_name(name, where="--preset")
         rows = estimate_mesh(manifest, mesh, presets, strategy=strategy, **settings)
         return format_mesh_estimate(rows, manifest.numel, mesh)
     world_sizes = args.world_sizes if args.world_sizes is not None else [1, 8, 64]

@@ -223,22 +223,23 @@ def _bytes(num_bytes: int) -> str:
 
 def format_mesh_estimate(rows: Sequence[MeshEstimate], num_params: int, mesh: Mesh) -> str:
     """The tables `fzero estimate --mesh` prints: memory per preset, then wire bytes."""
+    w = max([6, *(len(row.preset) for row in rows)])  # a preset's column: its longest name
     lines = [
         f"model states per rank for {num_params:,} params on mesh {mesh} ({mesh.size} ranks); "
         "the worst rank's; activations not included",
-        f"{'preset':>6} {'offload_optimizer':>17} {'device/rank':>14} {'host/rank':>12} "
+        f"{'preset':>{w}} {'offload_optimizer':>17} {'device/rank':>14} {'host/rank':>12} "
         f"{'worst rank':>10}",
     ]
     for row in rows:
         lines.append(
-            f"{row.preset:>6} {('cpu' if row.offload_optimizer else '-'):>17} "
+            f"{row.preset:>{w}} {('cpu' if row.offload_optimizer else '-'):>17} "
             f"{_gb(row.device_bytes):>14} {_gb(row.host_bytes):>12} {row.rank:>10}"
         )
     operations = ("all_gather", "reduce_scatter", "all_reduce")
     lines += [
         "wire bytes one rank sends per step, by the axes of each collective (ring "
         "algorithms; backward re-gathers every split unit):",
-        f"{'preset':>6} {'axes':<20}" + "".join(f"{op:>15}" for op in operations),
+        f"{'preset':>{w}} {'axes':<20}" + "".join(f"{op:>15}" for op in operations),
     ]
     for row in rows:
         if row.offload_optimizer:
@@ -246,18 +247,19 @@ def format_mesh_estimate(rows: Sequence[MeshEstimate], num_params: int, mesh: Me
         for axes in dict.fromkeys(axes for axes, _ in row.wire_bytes):
             sent = [row.wire_bytes.get((axes, op), 0) for op in operations]
             lines.append(
-                f"{row.preset:>6} {'+'.join(axes):<20}" + "".join(f"{_bytes(b):>15}" for b in sent)
+                f"{row.preset:>{w}} {'+'.join(axes):<20}"
+                + "".join(f"{_bytes(b):>15}" for b in sent)
             )
     timed = [row for row in rows if row.seconds is not None and not row.offload_optimizer]
     if timed:
         lines += [
             "modelled communication per step (ring algorithms, the slowest link of each "
             "collective's axes; one micro-step; not overlapped with compute):",
-            f"{'preset':>6} {'axes':<20}{'ms':>12}",
+            f"{'preset':>{w}} {'axes':<20}{'ms':>12}",
         ]
         for row in timed:
             assert row.seconds is not None
             for axes, seconds in row.seconds.items():
-                lines.append(f"{row.preset:>6} {'+'.join(axes):<20}{1e3 * seconds:>12.1f}")
-            lines.append(f"{row.preset:>6} {'total':<20}{1e3 * sum(row.seconds.values()):>12.1f}")
+                lines.append(f"{row.preset:>{w}} {'+'.join(axes):<20}{1e3 * seconds:>12.1f}")
+            lines.append(f"{row.preset:>{w}} {'total':<20}{1e3 * sum(row.seconds.values()):>12.1f}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ the units out with a strategy and asks a preset how to split each.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -143,10 +144,25 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset_from_name(name: str, where: str = "preset") -> Preset:
-    """A built-in preset by name (`PRESETS`); the error lists the names."""
-    if name not in PRESETS:
-        raise PlanError(f"{where} is {name!r}; allowed: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """A built-in preset by name (`PRESETS`), or `module:name` naming your own: a preset
+    object (`Custom`, `Zero`, ...: anything with `name`, `stage` and a call) or a rule
+    `(mesh, unit) -> UnitSharding` (run as `Custom(name, rule)`, grouped for stage 3).
+    The error lists the names."""
+    if name in PRESETS:
+        return PRESETS[name]
+    allowed = f"allowed: {', '.join(PRESETS)} or 'module:name' naming your preset or rule"
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise PlanError(f"{where} is {name!r}; {allowed}")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise PlanError(f"{where} is {name!r}, which cannot be loaded: {error}") from None
+    if hasattr(found, "stage") and hasattr(found, "name") and callable(found):
+        return found
+    if callable(found):
+        return Custom(name, found)
+    raise PlanError(f"{where} is {name!r}, a {type(found).__name__}: {allowed}")
 
 
 def mesh_plan(
