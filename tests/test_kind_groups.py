@@ -691,14 +691,24 @@ def test_validate_refuses_what_is_not_run_naming_the_unit_kind_and_axes():
     assert "unit 'embed' grads: split over ('node', 'local'), the optimizer state over " in message
     assert "these axes are in the order ('local', 'node') there" in message
 
-    # one unit's optimizer finer, another's as its gradients
+    # one unit's optimizer finer, another's as its gradients: the others run on their own
+    # axes (`Unit.shard_axes`, tests/test_unit_groups.py); two finer splits do not
     def some_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
         finer = ("local", "node") if unit.module == "head" else ("local",)
         return _split(grads=("local",), optimizer=finer)(mesh, unit)
 
-    message = _refusal(some_finer, stage=2)
-    assert "unit 'embed' optimizer: split over ('local',), other units' over " in message
-    assert "one optimizer split finer than the gradients for every unit" in message
+    plan = partition.executable(_mesh_plan(some_finer, stage=2))
+    assert plan.mesh.optimizer_extra == ("node",)
+    axes = {u.module: u.shard_axes for u in plan.units}
+    assert axes["head"] is None and axes["embed"] == ("local",)
+
+    def two_finer(mesh: Mesh, unit: partition.Unit) -> UnitSharding:
+        finer = ("local", "node") if unit.module == "head" else ("local", "pod")
+        return _split(grads=("local",), optimizer=finer)(mesh, unit)
+
+    message = _refusal(two_finer, PODS, stage=2)
+    assert "unit 'head' optimizer: split over ('local', 'node'), other units' over " in message
+    assert "one optimizer split finer than the gradients; other units split" in message
 
 
 def test_the_optimizer_s_axes_in_any_order_around_the_gradients_run_as_an_exchange():

@@ -483,8 +483,8 @@ def reduce_to_optimizer_shards(
     pending: Pending = []
     for index, unit in enumerate(plan.units):
         stage = plan.stage_of(unit)
-        if stage == 0 or index in reduced_whole:
-            continue
+        if stage == 0 or index in reduced_whole or unit.shard_axes is not None:
+            continue  # (a unit on its own axes: reduced over its replicas every time)
         accumulated, part = grads[index], plan.optimizer_in_grads(unit, rank)
         if stage == 1:  # its whole accumulator, reduced into this gradient shard already
             accumulated = accumulated[slice(*plan.grads_range(unit, rank))]

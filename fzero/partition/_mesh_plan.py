@@ -408,13 +408,15 @@ def _check_finer(
     unit whose optimizer is split (over `shard`, its axes of size > 1) is so: its
     gradients split over `group` (stages 2-3) or whole (ZeRO-1: the whole gradient
     reduced at the accumulation boundary over `group`, then over the other axes, as a
-    stage-2 shard is)."""
+    stage-2 shard is); or split over `group` only (`executable` puts it on its own axes:
+    MiCS's, beside the finer units)."""
     where = f"unit {unit.name!r} optimizer: split over {sharding.optimizer.shard}"
-    if shard != finer:
+    if shard != finer and shard != group:  # over the gradients' group: on its own axes
         raise PlanError(
             f"{where}, other units' over {finer} (gradients over {group}); "
-            "fzero runs one optimizer split finer than the gradients for every unit whose "
-            "optimizer state is split"
+            "fzero runs one optimizer split finer than the gradients; other units split "
+            "their optimizer state over the gradients' axes (on their own axes, as MiCS's) "
+            "or not at all"
         )
 
 
@@ -464,12 +466,14 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     outermost first; the optimizer split over S and other axes E, in any order that keeps
     S's (the gradients of stage 2-3 units over S): the plan's ranks are then the
     optimizer's shards, along its axes in its order, and `OnMesh.optimizer_extra` is E
-    (in mesh order). Or units split over different groups, each unit every kind it splits
-    over one group of its own, in mesh order (MiCS's blocks within the node beside ZeRO-3's
-    other units over the world): the plan's ranks are the group along every axis any unit
-    splits over, and a unit on fewer of them says so (`Unit.shard_axes`: its gradients
-    reduce-scattered over them and averaged over the rest, its parameters gathered over
-    them). Anything else is a `PlanError` naming the unit, kind and axes."""
+    (in mesh order); a unit beside them whose optimizer is split over S only is on its
+    own axes S (`Unit.shard_axes`: replicas along E). Or units split over different
+    groups, each unit every kind it splits over one group of its own, in mesh order
+    (MiCS's blocks within the node beside ZeRO-3's other units over the world): the
+    plan's ranks are the group along every axis any unit splits over, and a unit on
+    fewer of them says so (`Unit.shard_axes`: its gradients reduce-scattered over them
+    and averaged over the rest, its parameters gathered over them). Anything else is a
+    `PlanError` naming the unit, kind and axes."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
     validate(plan)
@@ -482,7 +486,17 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     shard = finer or group  # the plan's ranks: the optimizer's shards, in its order
     extra = tuple(a for a in mesh.names if a in finer and a not in group)
     size = mesh.group_size(shard)
-    units = tuple(replace(u, shard_numel=u.numel // size) for u in staged)
+    # beside a finer split, a unit whose optimizer is split over the gradients' group
+    # only is on its own axes (MiCS's, or ZeRO-1/2 within the group)
+    coarse = [
+        bool(finer) and _significant(mesh, s.optimizer.shard) == group for s in plan.shardings
+    ]
+    units = tuple(
+        replace(u, shard_numel=u.numel // mesh.group_size(group), shard_axes=group)
+        if own
+        else replace(u, shard_numel=u.numel // size)
+        for u, own in zip(staged, coarse)
+    )
     hierarchical = any(s.hierarchical_params_gather for s in plan.shardings)
     on = OnMesh(mesh.axes, shard, secondary, plan.preset, hierarchical, extra)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)

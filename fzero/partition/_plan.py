@@ -297,7 +297,7 @@ class Plan:
         (stages 2-3) and parameter shard (stage 3) hold: its shard (`Unit.shard_range`),
         or with a finer optimizer split the `optimizer_extra_size` consecutive optimizer
         shards of its gradient shard (`grads_rank`)."""
-        if self.optimizer_extra_size == 1:
+        if self.optimizer_extra_size == 1 or unit.shard_axes is not None:
             return self.shard_range(unit, rank)
         size = self.optimizer_extra_size * unit.shard_numel
         start = self.grads_rank(rank) * size
@@ -314,6 +314,8 @@ class Plan:
         accumulation boundary's reduce-scatter over `OnMesh.optimizer_extra` leaves there
         (in a `permuted` order, the block another rank's shard, exchanged for this one's:
         the slot holds this rank's optimizer shard's gradient, not these elements')."""
+        if unit.shard_axes is not None:  # its gradient shard is its optimizer's
+            return slice(0, unit.shard_numel)
         start, stop = unit.shard_range(self.rank_in_gradient_order(rank))
         base = self.grads_range(unit, rank)[0]
         return slice(start - base, stop - base)
@@ -599,9 +601,9 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
 
 def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
     """A unit split over fewer of the plan's shard axes than the plan (`Unit.shard_axes`):
-    some of them, in their order, on a plan whose other units' splits are plain (no
-    secondary copy, hierarchical gather or finer optimizer split), even, split as
-    stage 1 or more; `numel` its shards' elements."""
+    some of them, in their order (none of a finer optimizer split's extra axes), on a
+    plan with no secondary copy or hierarchical gather, even, split as stage 1 or more;
+    `numel` its shards' elements."""
     where = f"unit {unit.name!r}"
     on = plan.mesh
     axes = unit.shard_axes
@@ -624,7 +626,10 @@ def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
                 (f"stage {plan.stage_of(unit)} (nothing split)", plan.stage_of(unit) == 0),
                 ("hpZ's secondary copy in the plan", bool(on.secondary)),
                 ("a hierarchical gather in the plan", on.hierarchical),
-                ("an optimizer split finer than the gradients", bool(on.optimizer_extra)),
+                (
+                    f"the plan's optimizer split finer, over {on.optimizer_extra}",
+                    any(a in on.optimizer_extra for a in axes),
+                ),
             )
             if found
         ),
