@@ -87,6 +87,7 @@ OPTIMIZERS = {
     "adamw": lambda: fzero.optim.adamw(lr=LR, weight_decay=0.01),
     "lamb": lambda: fzero.optim.lamb(lr=LR, weight_decay=0.01),  # per-tensor norms
     "norm_sgd": norm_sgd,
+    "muon": lambda: fzero.optim.muon(lr=0.02, weight_decay=0.01),  # whole tensors
 }
 
 

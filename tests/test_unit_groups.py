@@ -179,26 +179,6 @@ def test_a_unit_on_its_own_axes_is_refused_by_name_where_not_run():
         )
 
 
-def muon_case(rank: int, world: int) -> str:
-    torch.manual_seed(0)
-    try:
-        fzero.shard(
-            Net(),
-            stage=3,
-            optimizer=fzero.optim.muon(lr=0.02),
-            config=_config(3),
-            strategy=partition.on_mesh(Mesh(MESH), _preset(next(iter(CASES)))),
-        )
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
-def test_muon_beside_units_on_their_own_axes_is_refused_by_name():
-    message = run_world(muon_case, 4)
-    assert "'muon' needs whole tensors" in message and "unit 'blocks.0'" in message, message
-
-
 # ---- both doors against torch.optim ---------------------------------------------------------
 
 
@@ -258,12 +238,13 @@ def test_units_on_their_own_axes_match_torch_optim_in_both_doors_on_a_2x2_mesh(o
     print("max abs error vs torch.optim, 2x2:", errors)
 
 
-@pytest.mark.parametrize("kind", ["lamb", "norm_sgd"])
-def test_tensor_norms_count_a_shard_of_a_unit_on_its_own_axes_once(kind):
+@pytest.mark.parametrize("kind", ["lamb", "norm_sgd", "muon"])
+def test_tensor_norms_and_whole_tensors_beside_a_unit_on_its_own_axes(kind):
     """An optimizer that needs each tensor's whole norm (LAMB; `norm_sgd`, whose step
     scales with the norm itself, so a norm counted twice shows): a MiCS unit's shard is
-    held by two plan ranks, whose sums count once; both doors agree bitwise and match a
-    plain data-parallel (stage 0) run at world 4."""
+    held by two plan ranks, whose sums count once. One that needs whole tensors (Muon's
+    Newton-Schulz step): a MiCS unit's directions gathered within its group. Both doors
+    agree bitwise and match a plain data-parallel (stage 0) run at world 4."""
     name = next(iter(CASES))
     result = run_world(doors_case, 4, [name], "none", kind)[name]
     engine_losses, step_losses = result["losses"]
@@ -275,10 +256,10 @@ def test_tensor_norms_count_a_shard_of_a_unit_on_its_own_axes_once(kind):
     assert error <= 1e-6, error
 
 
-def traffic_case(rank: int, world: int, names: list[str]) -> dict:
+def traffic_case(rank: int, world: int, names: list[str], kind: str = "adamw") -> dict:
     out = {}
     for name in names:
-        engine = _engine(name)
+        engine = _engine(name, kind=kind)
         out[name] = sent_and_predicted(rank, world, engine, 1, 2)
         engine.destroy()
     return out
@@ -287,6 +268,10 @@ def traffic_case(rank: int, world: int, names: list[str]) -> dict:
 def test_units_on_their_own_axes_send_what_comm_volume_predicts():
     for name, (sent, predicted) in run_world(traffic_case, 4, list(CASES)).items():
         assert sent == predicted, name
+    # Muon: a MiCS unit's whole-tensor directions gathered within its group
+    name = next(iter(CASES))
+    sent, predicted = run_world(traffic_case, 4, [name], "muon")[name]
+    assert sent == predicted, name
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

@@ -105,14 +105,6 @@ class OptimizerApplication:
                 "swap file): its two passes over the swap file and over memory are not run "
                 "together; keep every unit's optimizer on 'nvme' or none"
             )
-        own = next((u for u in plan.units if u.shard_axes is not None), None)
-        if own is not None and isinstance(optimizer.needs, WholeTensors):
-            raise ValueError(
-                f"{optimizer.name!r} needs whole tensors (it declares WholeTensors, as Muon "
-                f"does) and unit {own.name!r} of the plan is split over its own axes "
-                f"{own.shard_axes}: such optimizers are not run with units on different "
-                "groups yet; split every unit over one group of axes"
-            )
         # fzero's native kernels (C on the CPU, CUDA on a GPU) run the update where the
         # state lives: on the host with optimizer offload, else on the compute device
         self.natives: dict[bool, bool] = {}
