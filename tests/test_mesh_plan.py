@@ -387,10 +387,10 @@ def test_presets_name_a_missing_axis():
 
 def test_a_user_preset_states_any_mix_and_validate_says_what_does_not_run():
     """Embeddings MiCS-style, blocks ZeRO-3 with hpZ, the head ZeRO-2: a plan to price
-    (its shard ranges, process groups and bytes are plain queries), which the doors do not
-    run yet (hpZ beside units on their own axes): `validate` and `mesh_plan` refuse it with
-    the reason, so what validates is what runs. Without hpZ it runs (each unit on its own
-    group: `tests/test_unit_groups.py`)."""
+    (its shard ranges, process groups and bytes are plain queries) that the doors run,
+    each unit on its own group (`tests/test_unit_groups.py`); with MiCS's hierarchical
+    gather beside it, `validate` and `mesh_plan` refuse it with the reason, so what
+    validates is what runs."""
 
     def rule(mesh: Mesh, unit) -> UnitSharding:
         if unit.module == "embed":
@@ -399,16 +399,19 @@ def test_a_user_preset_states_any_mix_and_validate_says_what_does_not_run():
             return HpZ()(mesh, unit)
         return Zero(2)(mesh, unit)
 
-    refused = r"unit 'blocks.0' params: a secondary copy \(hpZ\) .* different groups of axes"
-    with pytest.raises(PlanError, match=refused + r" \(\[\('local',\), \('node', 'local'\)\]\)"):
-        mesh_plan(MANIFEST, MESH, Custom("mine", rule))
-
-    def without_hpz(mesh: Mesh, unit) -> UnitSharding:
-        return dataclasses.replace(rule(mesh, unit), params_secondary=None)
-
-    runs = executable(mesh_plan(MANIFEST, MESH, Custom("mine", without_hpz)))
+    runs = executable(mesh_plan(MANIFEST, MESH, Custom("mine", rule)))
     axes = {u.module: u.shard_axes for u in runs.units}
     assert axes["embed"] == ("local",) and axes["head"] is None and runs.world_size == 4
+    assert runs.mesh.secondary == ("local",)  # the blocks' copy; the embeddings need none
+
+    def hierarchical(mesh: Mesh, unit) -> UnitSharding:
+        if unit.module == "embed":
+            return MiCS()(mesh, unit)
+        return MiCS(("node", "local"), True)(mesh, unit)
+
+    refused = r"unit 'blocks.0' params: a hierarchical gather .* different groups of axes"
+    with pytest.raises(PlanError, match=refused + r" \(\[\('local',\), \('node', 'local'\)\]\)"):
+        mesh_plan(MANIFEST, MESH, Custom("mine", hierarchical))
     shardings = tuple(rule(MESH, unit) for unit in ZERO3.units)
     mp = dataclasses.replace(ZERO3, shardings=shardings, preset="mine")
     by_module = {u.module: s for u, s in zip(mp.units, mp.shardings)}

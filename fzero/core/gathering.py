@@ -246,6 +246,7 @@ class Gatherer:
         self.settings, self.timer = settings, timer
         self.trace = trace if trace is not None else UseTrace()
         self.groups = groups_of(plan)
+        self.groups_secondary = plan.mesh.secondary if plan.mesh is not None else ()
         self.rank = self.groups.rank
         self._bind, self._unbind = bind, unbind
         self.units = [GatheredUnit(i, u.numel) for i, u in enumerate(plan.units)]
@@ -439,7 +440,10 @@ class Gatherer:
             if g.state is UnitPhase.GATHERING:  # a prefetch nobody used: let it land first
                 g.work.wait()
                 g.landed()
-            block = secondary_block(self.groups, g.full) if self.phase == "forward" else None
+            # hpZ: a unit split over the secondary's axes alone is its own copy
+            own = self.plan.units[index].shard_axes
+            copies = self.phase == "forward" and (own is None or own != self.groups_secondary)
+            block = secondary_block(self.groups, g.full) if copies else None
             if block is not None:
                 self.secondary[index] = block
         del self.live[index]

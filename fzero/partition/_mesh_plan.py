@@ -150,6 +150,7 @@ def _groups(
             raise
         union, axes = own
         _own_stages(plan, union, axes)
+        _own_secondary(plan)
         return union, (), axes
 
 
@@ -511,8 +512,8 @@ def _own_groups(
     other units over the world; ZeRO-1 units over the node beside ZeRO-3 units over the
     world): the plan's group (every axis any unit splits over, in mesh order) and each
     unit's own axes (None: the plan's, or nothing split). None where some unit's kinds
-    split over different groups, or every unit's over one. A secondary copy (hpZ) or a
-    hierarchical gather beside them is a `PlanError` naming the unit."""
+    split over different groups, or every unit's over one. A hierarchical gather beside
+    them is a `PlanError` naming the unit (hpZ's secondary copy: `_own_secondary`)."""
     mesh = plan.mesh
     per_unit = []
     for sharding in plan.shardings:
@@ -529,16 +530,48 @@ def _own_groups(
         if axes:
             _in_mesh_order(mesh, axes, f"unit {unit.name!r} params, grads and optimizer")
     for unit, sharding in zip(plan.units, plan.shardings):
-        secondary = sharding.params_secondary
-        if (secondary is not None and _significant(mesh, secondary.shard)) or (
-            sharding.hierarchical_params_gather
-        ):
+        if sharding.hierarchical_params_gather:
             raise PlanError(
-                f"unit {unit.name!r} params: a secondary copy (hpZ) or a hierarchical gather "
-                f"where units split over different groups of axes ({found}) is not run yet"
+                f"unit {unit.name!r} params: a hierarchical gather where units split over "
+                f"different groups of axes ({found}) is not run yet"
             )
     union = tuple(a for a in mesh.names if any(a in axes for axes in found))
     return union, [axes if axes and axes != union else None for axes in per_unit]
+
+
+def _own_secondary(plan: MeshPlan) -> tuple[str, ...]:
+    """hpZ's secondary axes beside units on their own axes (() for none): one set S2 for
+    every unit whose parameters are split over more axes than S2, each such unit's
+    secondary over S2; a unit whose parameters are split over S2 itself keeps no copy
+    (its primary serves backward, as hpZ's copy would). A `PlanError` names a unit that
+    differs."""
+    mesh, found = plan.mesh, None
+    for unit, sharding in zip(plan.units, plan.shardings):
+        second = sharding.params_secondary
+        axes = () if second is None else _significant(mesh, second.shard)
+        if axes and axes != _significant(mesh, sharding.params.shard):
+            if found is not None and axes != found[0]:
+                raise PlanError(
+                    f"unit {unit.name!r} params_secondary: {axes}, unit {found[1]!r}: "
+                    f"{found[0]}; fzero runs one secondary split (hpZ) for every unit"
+                )
+            found = (axes, unit.name)
+    if found is None:
+        return ()
+    secondary, first = found
+    _in_mesh_order(mesh, secondary, f"unit {first!r} params_secondary")
+    for unit, sharding in zip(plan.units, plan.shardings):
+        params = _significant(mesh, sharding.params.shard)
+        second = sharding.params_secondary
+        axes = () if second is None else _significant(mesh, second.shard)
+        if params and params != secondary and axes != secondary:
+            raise PlanError(
+                f"unit {unit.name!r} params_secondary: {axes or None}, unit {first!r}: "
+                f"{secondary}; beside hpZ every unit whose parameters are split over more "
+                f"axes than {secondary} keeps its secondary copy over them (a unit split "
+                "over them alone needs none)"
+            )
+    return secondary
 
 
 def _own_stages(
@@ -564,7 +597,7 @@ def _on_own_groups(
         replace(u, shard_numel=u.numel // mesh.group_size(own or union), shard_axes=own)
         for u, own in zip(staged, axes)
     )
-    on = OnMesh(mesh.axes, union, (), plan.preset)
+    on = OnMesh(mesh.axes, union, _own_secondary(plan), plan.preset)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
     return _validate_stage_plan(result)
 
@@ -589,12 +622,13 @@ def as_mesh_plan(plan: Plan) -> MeshPlan:
         else:
             split, optimizer = mesh.sharding(*on.grads_shard), mesh.sharding(*on.shard)
         params = split if stage == 3 else whole
+        copy = secondary if params is split and unit.shard_axes != on.secondary else None
         shardings.append(
             UnitSharding(
                 params,
                 split if stage >= 2 else whole,
                 optimizer if stage >= 1 else whole,
-                secondary if params is split else None,
+                copy,
                 hierarchical_params_gather=on.hierarchical and params is split,
             )
         )

@@ -601,9 +601,9 @@ def _validate_unit(plan: Plan, unit: Unit, specs: dict[str, TensorSpec], placed:
 
 def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
     """A unit split over fewer of the plan's shard axes than the plan (`Unit.shard_axes`):
-    some of them, in their order (none of a finer optimizer split's extra axes), on a
-    plan with no secondary copy or hierarchical gather, even, split as stage 1 or more;
-    `numel` its shards' elements."""
+    some of them, in their order (none of a finer optimizer split's extra axes; all of
+    hpZ's secondary axes), on a plan with no hierarchical gather, even, split as stage 1
+    or more; `numel` its shards' elements."""
     where = f"unit {unit.name!r}"
     on = plan.mesh
     axes = unit.shard_axes
@@ -624,7 +624,10 @@ def _validate_shard_axes(plan: Plan, unit: Unit) -> None:
             for reason, found in (
                 ("uneven bounds", bool(unit.bounds)),
                 (f"stage {plan.stage_of(unit)} (nothing split)", plan.stage_of(unit) == 0),
-                ("hpZ's secondary copy in the plan", bool(on.secondary)),
+                (
+                    f"hpZ's secondary copy over {on.secondary}, not within them",
+                    bool(on.secondary) and not set(on.secondary) <= set(axes),
+                ),
                 ("a hierarchical gather in the plan", on.hierarchical),
                 (
                     f"the plan's optimizer split finer, over {on.optimizer_extra}",
