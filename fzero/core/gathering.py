@@ -365,7 +365,7 @@ class Gatherer:
         unit = self.plan.units[g.index]
         own = unit_group(self.plan, self.groups, unit, self.rank)
         if not g.exact:
-            work = quantized_all_gather(full, shard.contiguous(), group=self.groups.shard)
+            work = quantized_all_gather(full, shard.contiguous(), group=own.group)
         elif own.world == 1:
             work = _Done(full.copy_(shard))
         elif self.plan.mesh is not None and self.plan.mesh.hierarchical and self.groups.hops:

@@ -75,13 +75,15 @@ class Groups(NamedTuple):
 class UnitComm(NamedTuple):
     """Where one unit's gradients are reduced and its parameters gathered: `group` (None:
     every process), its `world` size, this process's `rank` in it (the shard it holds),
-    and `replicate`, the processes holding the same shard (None: none), over which each
-    reduced shard is averaged."""
+    `replicate`, the processes holding the same shard (None: none), over which each
+    reduced shard is averaged, and `hops`: where `group` spans two or more mesh axes,
+    each axis's group and size in mesh order (qgZ reduces one axis at a time)."""
 
     group: Any
     world: int
     rank: int
     replicate: Any
+    hops: tuple[tuple[Any, int], ...] = ()
 
 
 def unit_group(plan: Plan, groups: Groups, unit: Unit, rank: int) -> UnitComm:
@@ -90,7 +92,11 @@ def unit_group(plan: Plan, groups: Groups, unit: Unit, rank: int) -> UnitComm:
     along the plan's other axes."""
     if unit.shard_axes is None:
         return UnitComm(
-            groups.grads, plan.grads_world_size, plan.grads_rank(rank), groups.replicate
+            groups.grads,
+            plan.grads_world_size,
+            plan.grads_rank(rank),
+            groups.replicate,
+            groups.hops,
         )
     return dict(groups.own)[unit.shard_axes]
 
@@ -137,11 +143,14 @@ def _own_groups(
             continue
         rest = tuple(a for a in on.shard if a not in axes) + on.replicate
         rest = tuple(a for a in mesh.names if a in rest)  # in mesh order
+        moving = [a for a in axes if mesh.axis_size(a) > 1]
+        hops = tuple((comm.mesh_group(on.axes, (a,)), mesh.axis_size(a)) for a in moving)
         found[axes] = UnitComm(
             comm.mesh_group(on.axes, axes),
             mesh.group_size(axes),
             mesh.index_in_group(process, axes),
             comm.mesh_group(on.axes, rest),
+            hops if len(hops) > 1 else (),
         )
     return tuple(found.items())
 
@@ -283,16 +292,7 @@ def check_even(plan: Plan, quantized: bool, key: str) -> None:
 
 def check_finer(plan: Plan, quantized: bool, key: str) -> None:
     """Quantized collectives are not run where the optimizer is split finer than the
-    gradients (`Plan.optimizer_extra_size`) or a unit splits over its own axes
-    (`Unit.shard_axes`): refuse naming the key and the plan's or unit's axes."""
-    own = next((u for u in plan.units if u.shard_axes is not None), None)
-    if quantized and own is not None:
-        raise ValueError(
-            f"zero_optimization.{key.split()[0]} is true but unit {own.name!r} of the plan is "
-            f"split over its own axes {own.shard_axes} (the plan's: "
-            f"{plan.mesh.shard if plan.mesh else ()}); quantized collectives are not run with "
-            "units on different groups yet: turn it off, or split every unit over one group"
-        )
+    gradients (`Plan.optimizer_extra_size`): refuse naming the key and the plan's axes."""
     if quantized and plan.optimizer_extra_size > 1:
         assert plan.mesh is not None
         raise ValueError(

@@ -358,7 +358,7 @@ class Reduction:
             bits=self.bits,
             group=own.group,
             replicas=own.replicate,
-            hops=self.groups.hops,
+            hops=own.hops,
             bounds=[self.plan.units[i].bounds for i in indices],
             wire_dtype=self.wire_dtype,
         )
