@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import fzero
 from fzero import comm, partition
 from fzero.partition import Mesh, PlanError, UnitSharding
-from fzero.partition._mesh_plan import publish_hops
+from fzero.partition._mesh_comm import publish_hops
 from tests._dist import run_world
 from tests.models import Net, global_batch, parity_config, torch_reference
 from tests.test_mixed_stages import _per_step, _predicted, _tensor_states, engine_resumes

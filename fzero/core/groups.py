@@ -21,6 +21,8 @@ gathers the same unit is checked where every collective is (`fzero._order_check`
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -69,7 +71,7 @@ class Groups(NamedTuple):
     grads: Any = None
     optimizer: Any = None
     exchange: tuple[int, int] | None = None
-    own: tuple[tuple[tuple[str, ...], UnitComm], ...] = ()
+    own: Mapping[tuple[str, ...], UnitComm] = MappingProxyType({})
 
 
 class UnitComm(NamedTuple):
@@ -98,7 +100,7 @@ def unit_group(plan: Plan, groups: Groups, unit: Unit, rank: int) -> UnitComm:
             groups.replicate,
             groups.hops,
         )
-    return dict(groups.own)[unit.shard_axes]
+    return groups.own[unit.shard_axes]
 
 
 def groups_of(plan: Plan) -> Groups:
@@ -129,9 +131,7 @@ def groups_of(plan: Plan) -> Groups:
     )
 
 
-def _own_groups(
-    plan: Plan, mesh: Mesh, process: int
-) -> tuple[tuple[tuple[str, ...], UnitComm], ...]:
+def _own_groups(plan: Plan, mesh: Mesh, process: int) -> Mapping[tuple[str, ...], UnitComm]:
     """The `UnitComm` of each set of axes some unit splits over on its own, in unit
     order (collective on first use: every process makes them in that order)."""
     on = plan.mesh
@@ -152,7 +152,7 @@ def _own_groups(
             comm.mesh_group(on.axes, rest),
             hops if len(hops) > 1 else (),
         )
-    return tuple(found.items())
+    return MappingProxyType(found)
 
 
 def _exchange(mesh: Mesh, process: int, on: partition.OnMesh) -> tuple[int, int]:

@@ -19,12 +19,12 @@ from fzero.partition._manifest import (
     leaf_modules,
 )
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
+from fzero.partition._mesh_comm import process_groups
 from fzero.partition._mesh_plan import (
     MeshPlan,
     as_mesh_plan,
     executable,
     from_plan,
-    process_groups,
     stage_shardings,
     to_plan,
     validate,

@@ -49,6 +49,13 @@ from dataclasses import dataclass, field, replace
 
 from fzero.partition._manifest import Manifest
 from fzero.partition._mesh import KINDS, Mesh, Sharding, UnitSharding
+from fzero.partition._mesh_groups import (
+    _finer,
+    _in_mesh_order,
+    _own_groups,
+    _own_secondary,
+    _significant,
+)
 from fzero.partition._plan import Memory, OnMesh, Plan, PlanError, Unit
 from fzero.partition._plan import validate as _validate_stage_plan
 
@@ -57,8 +64,6 @@ __all__ = [
     "as_mesh_plan",
     "executable",
     "from_plan",
-    "process_groups",
-    "publish_hops",
     "to_plan",
     "validate",
     "without_unit_axes",
@@ -421,10 +426,6 @@ def _check_finer(
         )
 
 
-def _significant(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(a for a in axes if mesh.axis_size(a) > 1)
-
-
 def without_unit_axes(plan: MeshPlan) -> MeshPlan:
     """`plan` with the axes of size 1 left out of every kind's split and replicas: the
     same groups (an axis of size 1 moves nothing), named as `executable` names them, so
@@ -502,76 +503,6 @@ def executable(plan: MeshPlan | Plan) -> Plan:
     on = OnMesh(mesh.axes, shard, secondary, plan.preset, hierarchical, extra)
     result = Plan(plan.manifest, size, stage, plan.alignment, units, plan.strategy, on, plan.memory)
     return _validate_stage_plan(result)
-
-
-def _own_groups(
-    plan: MeshPlan,
-) -> tuple[tuple[str, ...], list[tuple[str, ...] | None]] | None:
-    """Where units split over different groups of axes, each unit every kind it splits
-    over its one group, in mesh order (MiCS's blocks within the node beside ZeRO-3's
-    other units over the world; ZeRO-1 units over the node beside ZeRO-3 units over the
-    world): the plan's group (every axis any unit splits over, in mesh order) and each
-    unit's own axes (None: the plan's, or nothing split). None where some unit's kinds
-    split over different groups, or every unit's over one. A hierarchical gather beside
-    them is a `PlanError` naming the unit (hpZ's secondary copy: `_own_secondary`)."""
-    mesh = plan.mesh
-    per_unit = []
-    for sharding in plan.shardings:
-        split = {
-            _significant(mesh, sharding.of(kind).shard) for kind in ("params", "grads", "optimizer")
-        } - {()}
-        if len(split) > 1:
-            return None
-        per_unit.append(split.pop() if split else ())
-    found = sorted({axes for axes in per_unit if axes})
-    if len(found) < 2:
-        return None
-    for axes, unit in zip(per_unit, plan.units):
-        if axes:
-            _in_mesh_order(mesh, axes, f"unit {unit.name!r} params, grads and optimizer")
-    for unit, sharding in zip(plan.units, plan.shardings):
-        if sharding.hierarchical_params_gather:
-            raise PlanError(
-                f"unit {unit.name!r} params: a hierarchical gather where units split over "
-                f"different groups of axes ({found}) is not run yet"
-            )
-    union = tuple(a for a in mesh.names if any(a in axes for axes in found))
-    return union, [axes if axes and axes != union else None for axes in per_unit]
-
-
-def _own_secondary(plan: MeshPlan) -> tuple[str, ...]:
-    """hpZ's secondary axes beside units on their own axes (() for none): one set S2 for
-    every unit whose parameters are split over more axes than S2, each such unit's
-    secondary over S2; a unit whose parameters are split over S2 itself keeps no copy
-    (its primary serves backward, as hpZ's copy would). A `PlanError` names a unit that
-    differs."""
-    mesh, found = plan.mesh, None
-    for unit, sharding in zip(plan.units, plan.shardings):
-        second = sharding.params_secondary
-        axes = () if second is None else _significant(mesh, second.shard)
-        if axes and axes != _significant(mesh, sharding.params.shard):
-            if found is not None and axes != found[0]:
-                raise PlanError(
-                    f"unit {unit.name!r} params_secondary: {axes}, unit {found[1]!r}: "
-                    f"{found[0]}; fzero runs one secondary split (hpZ) for every unit"
-                )
-            found = (axes, unit.name)
-    if found is None:
-        return ()
-    secondary, first = found
-    _in_mesh_order(mesh, secondary, f"unit {first!r} params_secondary")
-    for unit, sharding in zip(plan.units, plan.shardings):
-        params = _significant(mesh, sharding.params.shard)
-        second = sharding.params_secondary
-        axes = () if second is None else _significant(mesh, second.shard)
-        if params and params != secondary and axes != secondary:
-            raise PlanError(
-                f"unit {unit.name!r} params_secondary: {axes or None}, unit {first!r}: "
-                f"{secondary}; beside hpZ every unit whose parameters are split over more "
-                f"axes than {secondary} keeps its secondary copy over them (a unit split "
-                "over them alone needs none)"
-            )
-    return secondary
 
 
 def _own_stages(
@@ -668,12 +599,6 @@ def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return found[0], _optimizer_axes(plan, found[0])
 
 
-def _finer(axes: tuple[str, ...], group: tuple[str, ...]) -> bool:
-    """Whether `axes` are `group`'s in its order and more (an optimizer split finer than
-    the gradients: the extra axes anywhere)."""
-    return len(axes) > len(group) and tuple(a for a in axes if a in group) == group
-
-
 def _optimizer_axes(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """The axes (size > 1) a split optimizer state is split over where they are `group`'s
     (the gradients') and more, in the optimizer's order (() when none is): the first such
@@ -708,95 +633,3 @@ def _secondary(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
         return ()
     _in_mesh_order(mesh, axes, f"unit {found[1]!r} params_secondary")
     return axes
-
-
-def _in_mesh_order(mesh: Mesh, axes: tuple[str, ...], where: str) -> None:
-    order = [mesh.names.index(a) for a in axes]
-    if order != sorted(order):
-        raise PlanError(
-            f"{where}: split over {axes}, not in mesh order {mesh.names}; fzero runs "
-            "splits whose axes keep the mesh's order (a process group's ranks are in "
-            "rank order)"
-        )
-
-
-def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
-    """Every set of axes a collective of `plan` runs over, in order of first use: the
-    process subgroups an engine creates (`Mesh.groups(axes)` each), besides the world
-    its control all-reduces (norms, flags) use. Per unit: the parameters' gather
-    (`params.shard`, or each of its axes for a hierarchical gather), hpZ's backward
-    gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
-    all-reduce (`grads.replicate`), the optimizer blocks' exchange where their order
-    differs (`optimizer_exchange`) and the publishing gathers after the update
-    (`publish_hops`). Axes of size 1 are left out (`without_unit_axes`)."""
-    plan = without_unit_axes(plan)
-    found: dict[tuple[str, ...], None] = {}
-    for sharding in plan.shardings:
-        params = sharding.params.shard
-        gathers = [(a,) for a in params] if sharding.hierarchical_params_gather else [params]
-        secondary = sharding.params_secondary
-        for axes in (
-            *gathers,
-            secondary.shard if secondary is not None else (),
-            sharding.grads.shard,
-            sharding.grads.replicate,
-            optimizer_exchange(sharding, _gradients_group(plan), plan.mesh),
-            *publish_hops(sharding, _gradients_group(plan), plan.mesh),
-        ):
-            if axes:
-                found.setdefault(axes, None)
-    return tuple(found)
-
-
-def _gradients_group(plan: MeshPlan) -> tuple[str, ...]:
-    """The axes every unit with split gradients splits them over (() when none, or where
-    units split over different groups of axes, each reduced over its own)."""
-    found = {s.grads.shard for s in plan.shardings if s.grads.shard}
-    return found.pop() if len(found) == 1 else ()
-
-
-def publish_hops(
-    sharding: UnitSharding, gradients: tuple[str, ...] = (), mesh: Mesh | None = None
-) -> tuple[tuple[str, ...], ...]:
-    """The all-gathers that publish a unit's updated parameters, in order, by their axes:
-    the optimizer's axes after the parameters', as one gather; where the optimizer is
-    split finer than split gradients, first over its axes beyond the gradients' (into the
-    gradient shard; in `mesh`'s order where given), then over the gradients'
-    beyond the parameters' (none at stage 3). `gradients`: the axes the plan's other
-    units split their gradients over, which a ZeRO-1 unit's finer optimizer split follows
-    the same way. Axes of size 1 are left to the caller (a gather over them moves
-    nothing). Where the optimizer's axes are in another order than the gradients' then
-    the rest, an exchange runs first (`optimizer_exchange`)."""
-    optimizer, grads = sharding.optimizer.shard, _finer_grads(sharding, gradients)
-    params = sharding.params.shard
-    if grads and len(optimizer) > len(grads):
-        order = optimizer if mesh is None else mesh.names
-        beyond = tuple(a for a in order if a in optimizer and a not in grads)
-        return beyond, grads[len(params) :]
-    return (optimizer[len(params) :],)
-
-
-def _finer_grads(sharding: UnitSharding, gradients: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes a unit's gradients are split over before its update: its own, or a ZeRO-1
-    unit's beside a finer split the plan's others' (`gradients`), as it is reduced."""
-    optimizer, grads = sharding.optimizer.shard, sharding.grads.shard
-    if not grads and 0 < len(gradients) < len(optimizer) and _finer(optimizer, gradients):
-        return gradients
-    return grads
-
-
-def optimizer_exchange(
-    sharding: UnitSharding, gradients: tuple[str, ...], mesh: Mesh
-) -> tuple[str, ...]:
-    """The axes of the exchange a unit's optimizer blocks need (() when none): where its
-    optimizer state is split finer than its gradients (or, ZeRO-1, the plan's others'
-    `gradients`) and, over the axes of size > 1 of `mesh`, in another order than the
-    gradients' axes then the rest in mesh order, the reduced gradient's blocks move to
-    their optimizer shards' ranks at the accumulation boundary and the updated shards
-    back before the publishing gathers, each an all-to-all over the optimizer's axes."""
-    optimizer = _significant(mesh, sharding.optimizer.shard)
-    grads = _significant(mesh, _finer_grads(sharding, gradients))
-    if not grads or len(optimizer) <= len(grads):
-        return ()
-    rest = tuple(a for a in mesh.names if a in optimizer and a not in grads)
-    return optimizer if optimizer != grads + rest else ()

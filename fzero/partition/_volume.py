@@ -23,15 +23,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fzero.partition._manifest import dtype_of
-from fzero.partition._mesh_plan import (
-    MeshPlan,
-    _finer,
-    _gradients_group,
-    as_mesh_plan,
-    optimizer_exchange,
-    publish_hops,
-    without_unit_axes,
-)
+from fzero.partition._mesh_comm import _gradients_group, optimizer_exchange, publish_hops
+from fzero.partition._mesh_groups import _finer
+from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan, without_unit_axes
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets, spans_parts
 
