@@ -26,10 +26,11 @@ Precisions: `fp32`; `bf16` (bf16 compute, partitions and parameters; fp32 master
 Adam states); `bf16-states` (bf16 masters, gradients and Adam states:
 `bf16_master_weights_and_grads`, `bf16_optimizer_states`, with the optimizer on the host
 as DeepSpeed's CPU build needs it). The plain row is one process with the whole model:
-torch AdamW over the two ranks' sequences (their mean loss's gradient), masters in fp32
-for fp32 and bf16 (a bf16 model, fp32 master copies), in bf16 for bf16-states (torch
-rounds to nearest where fzero rounds stochastically: those losses agree to the noise of
-rounding, not to 1e-5).
+torch AdamW over the two ranks' sequences (their mean loss's gradient), clipped as the
+engines clip (DeepSpeed's default `gradient_clipping` 1.0, the norm summed in float64),
+masters in fp32 for fp32 and bf16 (a bf16 model, fp32 master copies), in bf16 for
+bf16-states (torch rounds to nearest where fzero rounds stochastically: those losses
+agree to the noise of rounding, not to 1e-5).
 
 `--infinity` instead runs the largest Llama-shaped model this disk holds (`--size`
 names one, or `fit` picks it from the free disk) from a bf16 checkpoint through
@@ -102,6 +103,7 @@ DISK_RESERVE = 8 * 10**9  # left free for everyone else on the machine
 PRECISIONS = ("fp32", "bf16", "bf16-states")
 SEQUENCE = 64
 LR = 1e-4
+CLIP = 1.0  # DeepSpeed's default gradient_clipping, which the engines apply
 
 
 def llama_config(size: str) -> Any:
@@ -547,6 +549,18 @@ def infinity_table(row: dict[str, Any], size: str, count: int) -> _harness.Table
     return _harness.Table(title, "rank", columns, tuple(rows), tuple(notes))
 
 
+def clip(masters: list[torch.Tensor]) -> None:
+    """Clip the gradients as the engines do: at DeepSpeed's default `gradient_clipping`
+    (1.0; Adam's first step moves a weight whose gradient is near eps by an amount the
+    clip changes), the norm summed in float64 (torch's fp32 `clip_grad_norm_` is 3.6e-5
+    off at 125M elements, which a bf16 run turns into other losses)."""
+    total = math.sqrt(sum(float(m.grad.double().square().sum()) for m in masters))
+    factor = CLIP / (total + 1e-6)
+    if factor < 1.0:
+        for m in masters:
+            m.grad.mul_(factor)
+
+
 def plain(args: argparse.Namespace) -> None:
     """The plain row: the whole model in one process, the two ranks' sequences each step."""
     from transformers import AutoModelForCausalLM
@@ -580,6 +594,7 @@ def plain(args: argparse.Namespace) -> None:
                 losses.append(loss.item())
         for master, g in zip(masters, grads):
             master.grad = (g / 2).to(master.dtype)
+        clip(masters)
         optimizer.step()
         optimizer.zero_grad()
         if masters is not params:
