@@ -259,9 +259,12 @@ def test_bf16_moments_round_and_widen_in_their_fp32_buffers_bit_for_bit(use_nati
         buffer = aligned_empty(residency.swap_buffer_numel(largest))
         moment = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
         buffer[:numel].copy_(moment)
-        rounded = residency.narrow_in_place(buffer, numel, seed)
+        cut = numel // 3  # two tensors' parts, each with its own seed, across chunks
+        spans = [(0, cut, seed), (cut, numel, seed + 7)]
+        rounded = residency.narrow_in_place(buffer, numel, spans)
         assert rounded.data_ptr() == buffer.data_ptr()
-        assert torch.equal(rounded, bf16_stochastic(moment, seed)), numel
+        parts = [bf16_stochastic(moment[a:b], s % 2**64) for a, b, s in spans]
+        assert torch.equal(rounded, torch.cat(parts)), numel
         target = residency.packed(buffer, numel)
         assert target.data_ptr() % ALIGN == 0
         end = target.data_ptr() + -(-2 * numel // ALIGN) * ALIGN

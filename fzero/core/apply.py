@@ -28,7 +28,7 @@ from fzero import native
 from fzero.core import nvme as _nvme
 from fzero.core.groups import groups_of
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import narrowed, round_bf16_, rounding_seed, widened
+from fzero.core.precision import narrowed, round_range_, widened
 from fzero.core.publish import InMemoryShards, ParamShards, Publisher, Timer, untimed
 from fzero.core.residency import Piece, Residency
 from fzero.core.state import optimizer_partition, owned_grad, partition_numel
@@ -452,7 +452,9 @@ class OptimizerApplication:
         `copy` (the parameters' new values, which `publish` takes from it), and the
         master set to those values, which the file then holds exactly."""
         start = self.partition(rt.unit).start + at
-        round_bf16_(rt.master, copy, rounding_seed(self.clock.step, rt.index, 0, start))
+        round_range_(
+            rt.master, copy, unit=rt.unit, index=rt.index, step=self.clock.step, kind=0, start=start
+        )
         rt.master.copy_(copy)
 
     def piece_grad(self, piece: Piece, lent: list[Tensor]) -> Tensor | None:

@@ -10,9 +10,10 @@ fp32 (or `communication_data_type`) whatever these say; a half-precision accumul
 takes each micro-step's reduced gradient rounded into its sum, and the update widens it
 to fp32 unit by unit.
 An update over bf16 tensors runs in fp32 (`widened`) and rounds its results back
-stochastically, from a seed that depends on the step, the unit, the kind of tensor and
-each element's position in the unit only: the same at every stage and world size, and
-again on resume.
+stochastically, each tensor's elements from a seed that depends on the step, the
+tensor's name and the kind of state only, at their position in the tensor
+(`fzero.optim.rounding_seed`): the same at every plan, stage and world size, and again
+on resume.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch import Tensor
 
 from fzero import native, partition
 from fzero.config import Config
-from fzero.optim import DynamicLossScale, StaticLossScale, bf16_stochastic
-from fzero.partition import Memory, Plan
+from fzero.optim import DynamicLossScale, StaticLossScale, bf16_stochastic, rounding_seed
+from fzero.partition import Memory, Plan, Unit
 
 __all__ = [
     "DTYPES",
@@ -41,7 +42,9 @@ __all__ = [
     "narrowed",
     "precision_of",
     "round_bf16_",
-    "rounding_seed",
+    "round_range_",
+    "round_spans_into",
+    "rounding_spans",
     "run_plan",
     "widened",
 ]
@@ -227,13 +230,63 @@ def init_state(optimizer: Any, master: Tensor, dtype: torch.dtype) -> Any:
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-def rounding_seed(step: int, unit: int, kind: int, start: int) -> int:
-    """The seed that rounds kind `kind` (0: master, then the optimizer state's bf16
-    tensors in field order) of unit `unit`'s partition starting at element `start`
-    after step `step`: offset so that the unit's element `start + i` draws the bits the
-    whole unit's element would (`bf16_stochastic` hashes seed + (i + 1) x golden)."""
-    base = ((step * 1_000_003 + unit) * 16 + kind) * 0x2545F4914F6CDD1D
-    return (base + start * _GOLDEN) % 2**64
+def rounding_spans(
+    unit: Unit, index: int, step: int, kind: int, lo: int, hi: int
+) -> list[tuple[int, int, int]]:
+    """Elements [lo, hi) of unit `index`'s buffer as spans `(a, b, seed)`, a and b counted
+    from `lo`: rounding those elements with `bf16_stochastic(x[a:b], seed)` draws for
+    each element of a tensor the bits `fzero.optim.rounding_seed(step, fqn, kind)` gives
+    it at its position in the tensor (so the same at any plan, stage, unit or world
+    size); padding between and after tensors draws from the unit's index (its values
+    are zeros, which round to zero)."""
+    spans: list[tuple[int, int, int]] = []
+    pad = ((step * 1_000_003 + index) * 16 + kind) * 0x2545F4914F6CDD1D
+
+    def gap(a: int, b: int) -> None:
+        spans.append((a - lo, b - lo, (pad + a * _GOLDEN) % 2**64))
+
+    at = lo
+    for offset, numel, start, fqn in _pieces(unit):
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a >= b:
+            continue
+        if at < a:
+            gap(at, a)
+        seed = rounding_seed(step, fqn, kind) + (start + a - offset) * _GOLDEN
+        spans.append((a - lo, b - lo, seed % 2**64))
+        at = b
+    if at < hi:
+        gap(at, hi)
+    return spans
+
+
+def _pieces(unit: Unit) -> list[tuple[int, int, int, str]]:
+    """The unit's tensor pieces `(offset in the buffer, numel, start in the tensor, fqn)`,
+    in buffer order."""
+    return sorted(
+        (pc.offset, pc.numel, pc.start, pl.fqn) for pl in unit.placements for pc in pl.pieces
+    )
+
+
+def round_range_(
+    x: Tensor, out: Tensor, *, unit: Unit, index: int, step: int, kind: int, start: int
+) -> None:
+    """fp32 `x`, elements [start, start + x.numel()) of unit `index`'s buffer, rounded
+    stochastically into bf16 `out` with the documented seeds (`rounding_spans`)."""
+    spans = rounding_spans(unit, index, step, kind, start, start + x.numel())
+    round_spans_into(x, out, spans)
+
+
+def round_spans_into(x: Tensor, out: Tensor, spans: list[tuple[int, int, int]] | None) -> Tensor:
+    """fp32 `x` into bf16 `out` (both flat, or viewed so): stochastically, elements
+    [a, b) of each of `spans` from its seed (`rounding_spans`), or with `spans` None to
+    nearest, as `Tensor.to` rounds; returns `out`."""
+    if spans is None:
+        return out.copy_(x)
+    flat, into = x.reshape(-1), out.view(-1)
+    for a, b, seed in spans:
+        round_bf16_(flat[a:b], into[a:b], seed)
+    return out
 
 
 def round_bf16_(x: Tensor, out: Tensor, seed: int) -> None:
@@ -271,11 +324,12 @@ def widened(rt: Any, *, step: int, start: int) -> Iterator[None]:
     except BaseException:
         rt.master, rt.state = master, state  # the bf16 storage was not touched
         raise
+    where = {"unit": rt.unit, "index": rt.index, "step": step, "start": start}
     if wide_master is not master:
-        round_bf16_(rt.master, master, rounding_seed(step, rt.index, 0, start))
+        round_range_(rt.master, master, kind=0, **where)
     new = rt.state._asdict()
     for kind, k in enumerate(narrow, start=1):
-        round_bf16_(new[k], fields[k], rounding_seed(step, rt.index, kind, start))
+        round_range_(new[k], fields[k], kind=kind, **where)
     rt.master, rt.state = master, rt.state._replace(**{k: fields[k] for k in narrow})
 
 

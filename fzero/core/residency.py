@@ -15,7 +15,7 @@ is loaded. Stages 2-3 keep each unit's gradient accumulator in the file too
 update they are fp32. With bf16 masters (`memory.master`: DeepSpeed's
 `bf16.bf16_master_weights_and_grads`) the master rests there in bf16 too: the step
 rounds the updated master stochastically, as an in-memory bf16 master is rounded (the
-same seed: `fzero.core.precision.rounding_seed`), publishes those bf16 values as the
+same seeds: `fzero.core.precision.rounding_spans`), publishes those bf16 values as the
 parameters, and writes them exactly; a master that comes from elsewhere (a build, a
 checkpoint of fp32 masters) is rounded to nearest, as `Tensor.to` rounds an in-memory
 one. With bf16 gradient accumulators (`memory.grads`: DeepSpeed's
@@ -45,13 +45,12 @@ from fzero import comm
 from fzero.config import Config
 from fzero.core import nvme as _nvme
 from fzero.core.layout import UnitRuntime
-from fzero.core.precision import init_state, rounding_seed
+from fzero.core.precision import init_state, round_spans_into, rounding_spans
 from fzero.core.state import optimizer_partition
 from fzero.core.swap_buffers import (
     BF16_PAGE,
     narrow_in_place,
     packed,
-    round_bf16_into,
     swap_buffer_numel,
     widen_packed,
 )
@@ -372,25 +371,26 @@ class Residency:
         bf16 moment is rounded stochastically first: in place, into the bf16 view of its
         kind's buffer in `buffers` (a swap buffer set: see [Note: bf16 moments in their
         fp32 buffers]), or into a new aligned buffer without one; element i of the piece
-        draws the bits element start + i of the whole partition would, from the seed an
-        in-memory bf16 moment of the same step, unit, kind and element draws
-        (`rounding_seed` of `rounding_step`: not the rank, so the file changes no bit). A
+        draws the bits element start + i of the whole partition would, from the seeds an
+        in-memory bf16 moment of the same step, kind and tensor elements draws
+        (`rounding_spans` of `rounding_step`: not the rank, so the file changes no bit). A
         bf16 master is rounded to nearest the same ways (exact for a master a step
         rounded already)."""
         if self.narrow(kind_index):
-            seed = None  # a master: to nearest
+            numel = tensor.numel()
+            spans = None  # a master: to nearest
             if kind_index > 0:
                 at = optimizer_partition(self.plan, rt.unit, self.rank).start + start
-                seed = rounding_seed(self.rounding_step, rt.index, kind_index, at)
-            numel = tensor.numel()
+                step = self.rounding_step
+                spans = rounding_spans(rt.unit, rt.index, step, kind_index, at, at + numel)
             if buffers is None:
                 staged = _nvme.aligned_empty(numel, torch.bfloat16)
-                tensor = round_bf16_into(tensor, staged, seed)
+                tensor = round_spans_into(tensor, staged, spans)
             else:
                 buffer = buffers[kind_index]
                 if tensor.data_ptr() != buffer.data_ptr():  # the moment into its buffer
                     buffer[:numel].copy_(tensor)
-                tensor = narrow_in_place(buffer, numel, seed)
+                tensor = narrow_in_place(buffer, numel, spans)
         elif tensor.data_ptr() % _nvme.ALIGN:
             tensor = _nvme.aligned_empty(tensor.numel()).copy_(tensor)
         region, offset = self.region(rt, kind_index, slot), start * self.kind_bytes(kind_index)

@@ -33,11 +33,11 @@ __all__ = [
 # buffer's bf16 view from element 0, chunk by chunk in ascending order through a small
 # bf16 buffer: chunk [a, b) writes bytes [2a, 2b), below the fp32 elements not yet read
 # (from byte 4b). Each chunk's rounding draws the bits the whole partition's would
-# (the seed moved by a x golden: `fzero.optim.bf16_stochastic` hashes seed + (i + 1) x
-# golden), and widening is exact, so the values are those of separate bf16 buffers,
-# bit for bit; a unit in the step holds 4 bytes per element per moment instead of 5.
-# A bf16 master travels the same way, rounded to nearest on the way out (the step has
-# rounded it stochastically already: exact then).
+# (each tensor's part with its seed moved by a x golden: `fzero.optim.bf16_stochastic`
+# hashes seed + (i + 1) x golden), and widening is exact, so the values are those of
+# separate bf16 buffers, bit for bit; a unit in the step holds 4 bytes per element per
+# moment instead of 5. A bf16 master travels the same way, rounded to nearest on the way
+# out (the step has rounded it stochastically already: exact then).
 CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
 BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
 GOLDEN = 0x9E3779B97F4A7C15
@@ -81,16 +81,24 @@ def round_bf16_into(tensor: Tensor, out: Tensor, seed: int | None) -> Tensor:
     return bf16_stochastic(tensor, seed, out=out)
 
 
-def narrow_in_place(buffer: Tensor, numel: int, seed: int | None) -> Tensor:
+def narrow_in_place(buffer: Tensor, numel: int, spans: list[tuple[int, int, int]] | None) -> Tensor:
     """The fp32 moment in `buffer`'s first `numel` elements rounded stochastically into
-    the buffer's bf16 view from element 0 (in place, in ascending chunks, each seeded
-    as the whole partition's rounding would be: see the Note above; `seed` None: to
-    nearest, for a master); returns that bf16 view."""
+    the buffer's bf16 view from element 0 (in place, in ascending chunks: see the Note
+    above), elements [a, b) of each of `spans` with its seed as
+    `fzero.core.precision.rounding_spans` gives them (`spans` None: to nearest, for a
+    master); returns that bf16 view."""
     wide, out = buffer[:numel], buffer.view(torch.bfloat16)[:numel]
     chunk = torch.empty(min(numel, CHUNK), dtype=torch.bfloat16)
     for start in range(0, numel, CHUNK):
         stop = min(numel, start + CHUNK)
-        at = None if seed is None else seed + start * GOLDEN
-        part = round_bf16_into(wide[start:stop], chunk[: stop - start], at)
+        if spans is None:
+            part = round_bf16_into(wide[start:stop], chunk[: stop - start], None)
+        else:
+            part = chunk[: stop - start]
+            for a, b, seed in spans:
+                lo, hi = max(a, start), min(b, stop)
+                if lo < hi:  # the span's elements in this chunk, seeded from element lo
+                    at = (seed + (lo - a) * GOLDEN) % 2**64
+                    round_bf16_into(wide[lo:hi], part[lo - start : hi - start], at)
         out[start:stop].copy_(part)
     return out

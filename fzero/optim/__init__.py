@@ -76,7 +76,7 @@ from fzero.optim._registry import (
     optimizer_from_name,
     schedule_from_name,
 )
-from fzero.optim._rounding import bf16_stochastic
+from fzero.optim._rounding import bf16_stochastic, rounding_seed
 from fzero.optim._schedules import (
     LRRangeTest,
     OneCycle,
@@ -162,6 +162,7 @@ __all__ = [
     "muon",
     "muon_needs",
     "optimizer_from_name",
+    "rounding_seed",
     "schedule_from_name",
     "segment_sq_sums",
     "sgd",

@@ -6,14 +6,21 @@ under half a bf16 ulp (0.2%), so round-to-nearest would leave it where it is.
 The random bits are a counter-based hash of (seed, element index) — splitmix64 — so a
 result depends on the seed and the values only, and `fzero.native.bf16_stochastic_`
 computes the same bits in one pass.
+
+fzero's updates over bf16 masters and optimizer states seed each tensor by its name, the
+step and the kind of state (`rounding_seed`), and each element by its position in the
+tensor: the same bits whatever the plan, stage, unit or world size, so a plain loop over
+whole tensors reproduces them.
 """
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import Tensor
 
-__all__ = ["bf16_stochastic"]
+__all__ = ["bf16_stochastic", "rounding_seed"]
 
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
@@ -56,3 +63,15 @@ def bf16_stochastic(x: Tensor, seed: int, out: Tensor | None = None) -> Tensor:
     if out is None:
         return rounded.to(torch.bfloat16)
     return out.copy_(rounded)
+
+
+def rounding_seed(step: int, name: str, kind: int) -> int:
+    """The seed fzero rounds tensor `name` (its fully qualified name) with after update
+    `step` (1 for the first): `kind` 0 for the bf16 master (the parameter), then 1, 2, ...
+    for the optimizer state's bf16 tensors in field order (Adam: `exp_avg`,
+    `exp_avg_sq`). Element i of the tensor's flat view goes where
+    `bf16_stochastic(flat, rounding_seed(step, name, kind))[i]` sends it, whichever
+    part of the tensor a rank holds (a part from element t on rounds with the seed moved
+    by t x golden: `bf16_stochastic` hashes seed + (i + 1) x golden)."""
+    base = ((step * 1_000_003 + zlib.crc32(name.encode())) * 16 + kind) * 0x2545F4914F6CDD1D
+    return base % 2**64
