@@ -54,7 +54,7 @@ BUILT_IN_NAMES = {name.lower() for name in fzero.optim.OPTIMIZERS}
 CORE_MAY_IMPORT = {
     "DynamicLossScale", "LossScaleError", "LossScaleState", "NativeKernel", "Needs",
     "Optimizer", "Schedule", "StaticLossScale", "TensorNorms", "WholeTensors",
-    "adamw", "bf16_stochastic", "clip_coefficient", "optimizer_from_name",
+    "adamw", "bf16_stochastic", "clip_coefficient", "optimizer_from_name", "rounding_seed",
     "schedule_from_name", "segment_sq_sums", "with_overrides",
 }  # fmt: skip
 
