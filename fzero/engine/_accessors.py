@@ -223,6 +223,24 @@ class DeepSpeedAccessors:
         train = micro_batch_size * self.accumulation * self.world_size
         self.batch = BatchSizes(train, micro_batch_size, self.accumulation)
 
+    def module_state_dict(
+        self,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:
+        """DeepSpeed's: the module's own `state_dict` (not collective), without frozen
+        parameters when asked. At stage 3 the parameters there are placeholders, as
+        DeepSpeed's are: the whole weights come from `state_dict()` (collective) or
+        `save_16bit_model`."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
     def get_batch_info(self) -> tuple[int | None, int | None, int]:
         """(train batch size, micro batch size per rank, accumulation steps)."""
         return (

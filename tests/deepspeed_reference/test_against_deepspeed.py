@@ -321,12 +321,14 @@ def test_bf16_gradient_accumulation_trains_as_under_deepspeed(tmp_path, stage):
     assert max(mean, their_mean) < 0.9 * sum(ours[:4]) / 4  # both learn (ten updates)
 
 
-def _full_values(python: str, tmp: Path, name: str, config: dict, fzero: bool) -> list:
-    """tests/ds_scripts/full_grads.py on 2 processes with `config`: per step, the
-    `deepspeed.utils` accessors' values rank 0 read."""
+def _full_values(
+    python: str, tmp: Path, name: str, config: dict, fzero: bool, script: str = "full_grads.py"
+) -> Any:
+    """tests/ds_scripts/`script` (default full_grads.py: per step, the
+    `deepspeed.utils` accessors' values) on 2 processes with `config`: what rank 0 wrote."""
     path, out = tmp / f"{name}.json", tmp / f"{name}-values.json"
     path.write_text(json.dumps(config))
-    script = str(ROOT / "tests" / "ds_scripts" / "full_grads.py")
+    script = str(ROOT / "tests" / "ds_scripts" / script)
     port = str(_port())
     launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", port]  # fmt: skip
@@ -367,6 +369,35 @@ def test_safe_get_full_accessors_return_what_deepspeeds_do(tmp_path, stage):
                 assert len(got) == len(expected), (step, kind, name)
                 error = max(abs(a - b) for a, b in zip(got, expected))
                 assert error <= 1e-6, (step, kind, name, error)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_module_state_dict_returns_what_deepspeeds_does(tmp_path, stage):
+    """`engine.module_state_dict()` (all entries, without frozen parameters, with a
+    prefix) after two steps: the module's own state dict, as DeepSpeed's. At stages 1-2
+    the same keys and weights (1e-6: each its own Adam kernel); at stage 3 the same keys
+    and the same empty placeholders for trained parameters, where a frozen parameter is
+    whole under fzero (which does not partition frozen parameters) and a placeholder
+    under DeepSpeed."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 100,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    script = "module_state.py"
+    theirs = _full_values(DEEPSPEED_PYTHON, tmp_path, "deepspeed", config, False, script)
+    ours = _full_values(sys.executable, tmp_path, "fzero", config, True, script)
+    assert theirs.keys() == ours.keys()
+    for view, entries in theirs.items():
+        assert list(ours[view]) == list(entries), view  # the same keys, in the same order
+        for key, (shape, values) in entries.items():
+            my_shape, mine = ours[view][key]
+            if stage == 3 and key.endswith("2.bias"):  # frozen: whole under fzero
+                assert shape == [0] and my_shape == [2], (view, key)
+                continue
+            assert my_shape == shape, (view, key)
+            assert max((abs(a - b) for a, b in zip(mine, values)), default=0.0) <= 1e-6
 
 
 def _muon_config(stage: int, **top: object) -> dict:
