@@ -124,7 +124,8 @@ def overflow_case(rank, world, stage):
             torch.equal(a, rt.state.exp_avg) for a, rt in zip(state_before, engine.units)
         )
         finite = all(torch.isfinite(rt.master).all() for rt in engine.units)
-        record.append((engine.was_step_skipped(), unchanged, state_same, finite, engine.loss_scale))
+        scale = engine.current_loss_scale
+        record.append((engine.was_step_skipped(), unchanged, state_same, finite, scale))
     return record, engine.skipped_steps, engine.global_steps
 
 
@@ -163,7 +164,7 @@ def collapse_case(rank, world):
             state, _ = step(state, (x[rows], y[rows]))
         except fzero.optim.LossScaleError as error:
             errors["train_step"] = str(error)
-    after = (engine.global_steps, engine.skipped_steps, engine.loss_scale)
+    after = (engine.global_steps, engine.skipped_steps, engine.current_loss_scale)
     return errors, after, (state.counters.global_steps, state.counters.skipped_steps)
 
 

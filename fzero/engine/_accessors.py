@@ -56,8 +56,15 @@ class DeepSpeedAccessors:
     def global_rank(self) -> int:
         return self.rank
 
-    @property
     def loss_scale(self) -> float:
+        """DeepSpeed's: the config's `fp16.loss_scale` (0.0: dynamic, and without fp16);
+        the scale in use now is `current_loss_scale`."""
+        return float(self.config.fp16.loss_scale)
+
+    @property
+    def current_loss_scale(self) -> float:
+        """The loss scale the next backward multiplies by: fp16's dynamic or static
+        scale, 1.0 without fp16 (DeepSpeed's `engine.optimizer.cur_scale`)."""
         return self.loss_scale_state.scale if self.loss_scale_state else 1.0
 
     def was_step_skipped(self) -> bool:

@@ -297,7 +297,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
             self.skipped_steps += 1
             if decision.loss_scale is not None:
                 log.warning("fzero: step %d skipped: gradient overflow; loss scale now %s",
-                            self.global_steps, self.loss_scale)  # fmt: skip
+                            self.global_steps, self.current_loss_scale)  # fmt: skip
             else:
                 log.warning("fzero: step %d skipped: the gradients are not finite (inf or "
                             "NaN); the weights were not updated", self.global_steps)  # fmt: skip

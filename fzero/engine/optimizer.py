@@ -33,7 +33,7 @@ class Engine(Protocol):
     units: list[UnitRuntime]
     residency: Residency
     functional_optimizer: Optimizer
-    loss_scale: float
+    current_loss_scale: float
 
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
@@ -83,7 +83,7 @@ class EngineOptimizer(torch.optim.Optimizer, ZeROOptimizer):
 
     @property
     def loss_scale(self) -> float:
-        return self._engine.loss_scale
+        return self._engine.current_loss_scale
 
     cur_scale = loss_scale
 

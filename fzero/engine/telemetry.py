@@ -64,7 +64,7 @@ class Engine(Protocol):
     global_samples: int
     skipped_steps: int
     loss_scaler: Any
-    loss_scale: float
+    current_loss_scale: float
 
     def get_lr(self) -> list[float]: ...
 
@@ -253,7 +253,7 @@ class Telemetry:
             lr=(engine.get_lr() or [None])[0],
             samples_before=before,
             samples_after=samples,
-            loss_scale=engine.loss_scale if engine.loss_scaler is not None else None,
+            loss_scale=engine.current_loss_scale if engine.loss_scaler is not None else None,
             grad_norm=engine.get_global_grad_norm(),
         )
 
@@ -291,7 +291,7 @@ class Telemetry:
         }
         self.first_step = engine.global_steps + 1
         if engine.loss_scaler is not None:
-            record["loss_scale"] = engine.loss_scale
+            record["loss_scale"] = engine.current_loss_scale
             record["skipped_steps"] = engine.skipped_steps
         if engine.batch is not None:
             record["samples_per_s"] = engine.batch.train_batch_size * every / elapsed

@@ -223,7 +223,7 @@ ACCESSORS = (
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
     "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail",
     "load_universal_checkpoint", "gradient_average", "flops_profiler_enabled",
-    "autotuning_enabled", "curriculum_learning_enabled", "zero_cpu_offload", "mpu",
+    "autotuning_enabled", "curriculum_learning_enabled", "zero_cpu_offload", "mpu", "loss_scale",
 )  # fmt: skip
 for stage in (1, 3):
     settings = {
