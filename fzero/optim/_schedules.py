@@ -46,8 +46,8 @@ constant = Constant()
 def _warmup_gamma(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
     """DeepSpeed's warmup fraction at `last_batch_iteration = iteration` (< warmup steps)."""
     steps = max(2, warmup_num_steps)
-    if warmup_type == "log":
-        return math.log(iteration + 1) / math.log(steps)
+    if warmup_type == "log":  # DeepSpeed's operations, in its order: the same bits
+        return (1.0 / math.log(steps)) * math.log(iteration + 1)
     return iteration / steps
 
 

@@ -83,6 +83,9 @@ engine, *_ = initialize({**base, "scheduler": warmup})
 out["config_lrs"] = train(engine, 6)
 out["config_weights"] = weights(engine.module)
 out["clipping"] = engine.gradient_clipping()
+log_warmup = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}}
+engine, *_ = initialize({**base, "scheduler": log_warmup})  # DeepSpeed's default: "log"
+out["log_warmup_lrs"] = train(engine, 6)
 with tempfile.TemporaryDirectory() as directory:
     engine, *_ = initialize({**base, "scheduler": warmup})
     train(engine, 3)

@@ -77,7 +77,7 @@ def test_the_scheduler_checkpoint_and_clipping_contract_equals_deepspeeds(stage)
     for key in ("no_scheduler_returns", "argument_wins", "clipping"):
         assert ours[key] == theirs[key], key
     for key in [k for k in theirs if k.endswith("_lrs") or k.startswith("resume_lrs")]:
-        assert ours[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
+        assert ours[key] == theirs[key], key  # the same operations: the same bits
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-6)
     for key in ("config_weights", "client_weights"):
         assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
