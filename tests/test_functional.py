@@ -93,7 +93,7 @@ def engine_and_step_case(rank: int, world: int, cases: list[tuple]) -> dict:
             skipped.append((engine.was_step_skipped(), metrics["skipped"]))
             assert metrics["stepped"] != metrics["skipped"]
             assert metrics["grad_norm"] == engine.get_global_grad_norm()
-            assert metrics["loss_scale"] == engine.loss_scale
+            assert metrics["loss_scale"] == engine.current_loss_scale
         assert state.counters.global_steps == engine.global_steps == STEPS
         assert state.counters.micro_steps == engine.micro_steps
         assert state.counters.skipped_steps == engine.skipped_steps
