@@ -926,3 +926,66 @@ def test_fused_lamb_handed_to_initialize_trains_as_it_steps_alone():
     assert result["name"] == "lamb"
     for name, value in model.state_dict().items():
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _batches(indices: list[int], size: int, drop_last: bool = False) -> list[list[int]]:
+    stop = len(indices) - len(indices) % size if drop_last else len(indices)
+    return [indices[i : i + size] for i in range(0, stop, size)]
+
+
+def deepspeed_io_case(rank: int, world: int) -> list[str]:
+    """`engine.deepspeed_io` and `initialize`'s `training_data` loader on this rank,
+    checked against this rank's `DistributedSampler` part; the errors it raises."""
+    data = torch.utils.data.TensorDataset(torch.arange(11).float().unsqueeze(1), torch.arange(11))
+    shuffled = list(torch.utils.data.DistributedSampler(data, world, rank))
+    ordered = list(torch.utils.data.DistributedSampler(data, world, rank, shuffle=False))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, _, loader, _ = fzero.initialize(
+        model=nn.Linear(1, 1), config=config, training_data=data
+    )
+    labels = lambda rows: torch.stack([row[1] for row in rows])  # noqa: E731
+    got = {
+        "initialize": [b[1].tolist() for b in loader],
+        "default": [b[1].tolist() for b in engine.deepspeed_io(data)],
+        "eval": [b[1].tolist() for b in engine.deepspeed_io(data, route="eval")],
+        "sized": [b.tolist() for b in engine.deepspeed_io(data, batch_size=4, collate_fn=labels)],
+    }
+    expected = {
+        "initialize": _batches(shuffled, 2),
+        "default": _batches(shuffled, 2),
+        "eval": _batches(ordered, 2),
+        "sized": _batches(shuffled, 4),
+    }
+    errors = []
+    for bad in ({"route": "test"}, {"dataset": [1, 2]}):
+        try:
+            engine.deepspeed_io(**{"dataset": data, **bad})
+        except ValueError as error:
+            errors.append(str(error))
+    engine.destroy()
+    dropping = {**config, "dataloader_drop_last": True}
+    engine, *_ = fzero.initialize(model=nn.Linear(1, 1), config=dropping)
+    got["drop_last"] = [b[1].tolist() for b in engine.deepspeed_io(data)]
+    expected["drop_last"] = _batches(shuffled, 2, drop_last=True)
+    engine.destroy()
+    for key, value in expected.items():
+        assert got[key] == value, (rank, key, got[key], value)
+    assert shuffled != ordered  # the training route really shuffles
+    return errors
+
+
+def test_deepspeed_io_splits_the_data_over_the_ranks_as_deepspeeds_loader():
+    """Each rank reads its `DistributedSampler` part (seed 0: shuffled for training, in
+    order for eval), in micro-batches unless told otherwise, through the script's
+    `collate_fn`; `initialize`'s loader is the same; the last short batch goes with
+    `dataloader_drop_last`; bad arguments are named. (The same batches as DeepSpeed's
+    loader: `make test-deepspeed`.)"""
+    errors = run_world(deepspeed_io_case, 2)
+    assert errors == [
+        "deepspeed_io: route is 'test'; allowed: train, eval, predict",
+        "deepspeed_io: dataset is a list; expected a torch.utils.data.Dataset "
+        "(map-style or iterable)",
+    ]

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fzero import comm
 from fzero.config import Config, ConfigError
@@ -187,19 +186,11 @@ def initialize(
     )
     if factory is not None and functional is not None:
         engine.lr_scheduler = factory(engine.optimizer)
+    engine.collate_fn = collate_fn
     loader = None
     if training_data is not None:
         if engine.batch is None:
             raise ConfigError("training_data needs a batch size in the config")
-        sampler = torch.utils.data.DistributedSampler(
-            training_data, num_replicas=dist.get_world_size(), rank=dist.get_rank()
-        )
-        loader = torch.utils.data.DataLoader(
-            training_data,
-            batch_size=engine.batch.micro_batch_size,
-            sampler=sampler,
-            drop_last=cfg.dataloader_drop_last,
-            collate_fn=collate_fn,
-        )
+        loader = engine.deepspeed_io(training_data)
     engine.training_dataloader = loader  # DeepSpeed's attribute (None without data)
     return engine, engine.optimizer, loader, engine.lr_scheduler

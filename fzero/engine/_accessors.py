@@ -23,6 +23,9 @@ class DeepSpeedAccessors:
     training_dataloader: Any = None
     """The loader `initialize` built from `training_data` (DeepSpeed's attribute)."""
 
+    collate_fn: Any = None
+    """`initialize`'s `collate_fn`: `deepspeed_io`'s default (DeepSpeed's attribute)."""
+
     module: torch.nn.Module
     rank: int
     world_size: int
@@ -247,6 +250,51 @@ class DeepSpeedAccessors:
                 if not p.requires_grad:
                     state.pop(prefix + name, None)
         return state
+
+    def deepspeed_io(
+        self,
+        dataset: torch.utils.data.Dataset,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> torch.utils.data.DataLoader:
+        """DeepSpeed's: a loader over this rank's part of `dataset`, `batch_size`
+        (default the micro-batch size) rows at a time; a `DistributedSampler` over the
+        ranks (shuffled for `route` "train", in order for "eval" and "predict") unless
+        `data_sampler` is given; `collate_fn` default `initialize`'s; the last short
+        batch dropped when the config's `dataloader_drop_last` says so. The loader reads
+        in this process (`num_local_io_workers` workers when given; DeepSpeed's default
+        of 2 worker processes changes no batch), pinned on a GPU only."""
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            raise ValueError(
+                f"deepspeed_io: dataset is a {type(dataset).__name__}; expected a "
+                "torch.utils.data.Dataset (map-style or iterable)"
+            )
+        if route not in ("train", "eval", "predict"):
+            raise ValueError(f"deepspeed_io: route is {route!r}; allowed: train, eval, predict")
+        if batch_size is None:
+            batch_size = self.train_micro_batch_size_per_gpu()
+            if batch_size is None:
+                raise ValueError(
+                    "deepspeed_io: no batch_size given and the config sets no "
+                    "train_micro_batch_size_per_gpu"
+                )
+        if data_sampler is None and not isinstance(dataset, torch.utils.data.IterableDataset):
+            data_sampler = torch.utils.data.DistributedSampler(
+                dataset, num_replicas=self.world_size, rank=self.rank, shuffle=route == "train"
+            )
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=data_sampler,
+            collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            drop_last=self.dataloader_drop_last(),
+        )
 
     def get_batch_info(self) -> tuple[int | None, int | None, int]:
         """(train batch size, micro batch size per rank, accumulation steps)."""

@@ -251,6 +251,19 @@ out["loader"] = {
     "batches": [b[1].tolist() for b in loader],
     "attribute": engine.training_dataloader is loader,
 }
+# engine.deepspeed_io: the micro-batch by default, a batch size and collate_fn of the
+# script's, the eval route (in order), the config's drop_last
+labels = lambda rows: torch.stack([row[1] for row in rows])  # noqa: E731
+out["deepspeed_io"] = {
+    "default": [b[1].tolist() for b in engine.deepspeed_io(data)],
+    "sized": [b.tolist() for b in engine.deepspeed_io(data, batch_size=4, collate_fn=labels)],
+    "eval": [b[1].tolist() for b in engine.deepspeed_io(data, route="eval")],
+    "length": len(engine.deepspeed_io(data, batch_size=4)),
+}
+engine, *_ = deepspeed.initialize(
+    model=nn.Linear(1, 1), config={**loaded, "dataloader_drop_last": True}
+)
+out["deepspeed_io"]["drop_last"] = [b[1].tolist() for b in engine.deepspeed_io(data)]
 
 # a batch-size ramp: accumulation 1, then 2 (set_train_batch_size), then a smaller micro
 settings = {**config(2, "fp32"), "train_micro_batch_size_per_gpu": 2}
