@@ -526,6 +526,39 @@ def test_the_config_and_the_optimizer_registry_share_one_list_of_params():
         load_config({"optimizer": {"type": "SGD", "params": {"fused": True}}})
 
 
+def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_only():
+    """`amsgrad` false, Lamb's `eps_inside_sqrt` false and `fp32_optimizer_states` true
+    (DeepSpeed's FusedAdam / FusedLamb / CPU Adam arguments) are accepted and change
+    nothing; another value is refused naming the key, the value and the allowed one.
+    `torch_adam` builds torch's AdamW in DeepSpeed, so its default weight decay (0.01)
+    applies where the block leaves it out; Lamb's eps defaults to FusedLamb's 1e-8.
+    (`make test-deepspeed` trains these blocks under DeepSpeed and compares.)"""
+    build = fzero.optim.optimizer_from_name
+    for kind, params in (
+        ("Adam", {"amsgrad": False, "fp32_optimizer_states": True, "foreach": None}),
+        ("Lamb", {"amsgrad": False, "eps_inside_sqrt": False}),
+    ):
+        config = load_config({"optimizer": {"type": kind, "params": params}})
+        assert build(kind, config.optimizer.params).hparams == build(kind, {}).hparams
+    for kind, key, value, allowed in (
+        ("AdamW", "amsgrad", True, "False"),
+        ("Lamb", "eps_inside_sqrt", True, "False"),
+        ("Adam", "fp32_optimizer_states", False, "True"),
+    ):
+        block = {"type": kind, "params": {key: value}}
+        with pytest.raises(ConfigError, match=rf"'optimizer.params.{key}' is {value}; allowed: "
+                           rf"{allowed}"):  # fmt: skip
+            load_config({"optimizer": block})
+        with pytest.raises(ValueError, match=rf"'optimizer.params.{key}' is {value}"):
+            build(kind, {key: value})
+    assert build("AdamW", {"torch_adam": True}).hparams.weight_decay == 0.01
+    assert build("Adam", {"torch_adam": True}).hparams.weight_decay == 0.01  # AdamW mode
+    assert build("Adam", {"torch_adam": True, "adam_w_mode": False}).hparams.weight_decay == 0.0
+    assert build("AdamW", {"torch_adam": True, "weight_decay": 0.2}).hparams.weight_decay == 0.2
+    assert build("AdamW", {}).hparams.weight_decay == 0.0  # FusedAdam's
+    assert build("Lamb", {}).hparams.eps == 1e-8
+
+
 def test_hpz_and_mics_groups_beside_a_whole_world_plan_agree_with_it_or_are_refused():
     """A plan of the whole world runs groups of every rank; a smaller group asks for a
     plan on a mesh (the engine makes one; `fzero.init`/`train_step` are given one)."""

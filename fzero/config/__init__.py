@@ -54,7 +54,7 @@ from fzero.config.monitor import (
 from fzero.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from fzero.config.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
 from fzero.config.zero import ZeroConfig
-from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS
+from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS, check_fixed_params
 
 __all__ = [
     "AUTO",
@@ -490,6 +490,10 @@ def _check(config: Config) -> None:
                 "allowed: Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
             )
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
+        try:
+            check_fixed_params(config.optimizer.params)
+        except ValueError as error:
+            raise ConfigError(f"config key {error}") from None
     if config.scheduler is not None:
         kind = config.scheduler.type.lower().replace("_", "")
         if kind not in SCHEDULE_PARAMS:

@@ -73,6 +73,7 @@ from fzero.optim._registry import (
     OPTIMIZERS,
     SCHEDULE_PARAMS,
     SCHEDULES,
+    check_fixed_params,
     optimizer_from_name,
     schedule_from_name,
 )
@@ -142,6 +143,7 @@ __all__ = [
     "adam_update_",
     "adamw",
     "bf16_stochastic",
+    "check_fixed_params",
     "clip_coefficient",
     "constant",
     "global_norm",

@@ -53,7 +53,7 @@ __all__ = [
 class LambHParams:
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
+    eps: float = 1e-8
     weight_decay: float = 0.0
     bias_correction: bool = True
     max_coeff: float = 10.0
@@ -202,14 +202,14 @@ lamb_native = NativeKernel(direction_=_native_direction_, apply_=_native_apply_)
 def lamb(
     lr: float = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
+    eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
     bias_correction: bool = True,
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
 ) -> Optimizer:
-    """LAMB as DeepSpeed's FusedLamb computes it, with its defaults (eps 1e-6, trust
+    """LAMB as DeepSpeed's FusedLamb computes it, with its defaults (eps 1e-8, trust
     clamp [0.01, 10], the bias corrected in the step size)."""
     hp = LambHParams(lr, tuple(betas), eps, weight_decay, bias_correction, max_coeff, min_coeff)
     if not 0 <= min_coeff <= max_coeff:

@@ -29,6 +29,7 @@ __all__ = [
     "OPTIMIZER_PARAMS",
     "SCHEDULES",
     "SCHEDULE_PARAMS",
+    "check_fixed_params",
     "optimizer_from_name",
     "schedule_from_name",
 ]
@@ -40,7 +41,29 @@ _ALLOWED = "Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion"
 # "gram" is its own Newton-Schulz variant)
 _MUON_DEEPSPEED = {"muon_lr", "ns_method"}
 # DeepSpeed's switches that pick an implementation of Adam there and change nothing here
-_IMPLEMENTATION_ONLY = ("torch_adam", "fused")
+# (`torch_adam` also changes AdamW's default weight decay: `_TORCH_ADAMW_DECAY`)
+_IMPLEMENTATION_ONLY = ("torch_adam", "fused", "foreach")
+# Keys DeepSpeed's optimizers take that fzero's run only at the value given here (the
+# reason says why): accepted at it, refused otherwise
+_FIXED = {
+    "amsgrad": (
+        False,
+        "fzero's Adam and LAMB, as DeepSpeed's FusedAdam and FusedLamb, have no AMSGrad variant",
+    ),
+    "eps_inside_sqrt": (
+        False,
+        "fzero's LAMB adds eps to the square root of the second moment, FusedLamb's default",
+    ),
+    "fp32_optimizer_states": (
+        True,
+        "bf16 moments are the config's 'bf16.bf16_optimizer_states' in fzero",
+    ),
+}
+_ADAM_FIXED = ("amsgrad", "fp32_optimizer_states")
+_LAMB_FIXED = ("amsgrad", "eps_inside_sqrt")
+# torch.optim.AdamW's default weight decay: what DeepSpeed builds for Adam in AdamW mode
+# with `torch_adam` true and no `weight_decay` given (FusedAdam's default is 0.0)
+_TORCH_ADAMW_DECAY = 0.01
 
 
 def _arguments(fn: Any) -> set[str]:
@@ -50,9 +73,13 @@ def _arguments(fn: Any) -> set[str]:
 # What an `optimizer` block's `params` may hold, per type (the one list: the config
 # validates against it, `optimizer_from_name` builds from it)
 OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
-    "adam": frozenset(_arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY}),
-    "adamw": frozenset(_arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY}),
-    "lamb": frozenset(_arguments(lamb)),
+    "adam": frozenset(
+        _arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY, *_ADAM_FIXED}
+    ),
+    "adamw": frozenset(
+        _arguments(adam) - {"decoupled"} | {"adam_w_mode", *_IMPLEMENTATION_ONLY, *_ADAM_FIXED}
+    ),
+    "lamb": frozenset(_arguments(lamb) | set(_LAMB_FIXED)),
     "sgd": frozenset(_arguments(sgd)),
     "muon": frozenset(_arguments(muon) | _MUON_DEEPSPEED),
     # DeepSpeed hands these to torch.optim.Adagrad (or, offloaded, DeepSpeedCPUAdagrad)
@@ -73,20 +100,38 @@ SCHEDULE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
+def check_fixed_params(params: Mapping[str, Any]) -> None:
+    """Raise ValueError for an optimizer param fzero runs only at one value (`amsgrad`
+    and `eps_inside_sqrt` false, `fp32_optimizer_states` true) given another, naming it,
+    the value, and why."""
+    for key, (allowed, why) in _FIXED.items():
+        if key in params and params[key] != allowed:
+            raise ValueError(
+                f"'optimizer.params.{key}' is {params[key]!r}; allowed: {allowed!r} ({why})"
+            )
+
+
 def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
     """Build an optimizer from a DeepSpeed `optimizer` block's `type` and `params`
     (`type` one of Adam, AdamW, Lamb, SGD, Muon, Adagrad, Lion, any case).
 
     As in DeepSpeed, type `Adam` uses decoupled weight decay (AdamW) unless
-    `adam_w_mode` is false; `AdamW` is always decoupled; `torch_adam` and
-    `fused` only pick an implementation there and change nothing here.
+    `adam_w_mode` is false; `AdamW` is always decoupled; `fused` and `foreach` only
+    pick an implementation there and change nothing here, and `torch_adam` likewise
+    but for the default weight decay in AdamW mode: torch.optim.AdamW's 0.01, which
+    DeepSpeed then builds (else FusedAdam's 0.0). `amsgrad` (false), LAMB's
+    `eps_inside_sqrt` (false) and `fp32_optimizer_states` (true) are accepted at the value
+    fzero runs (`check_fixed_params`).
     """
     key = name.lower()
-    p = {k: v for k, v in params.items() if k not in _IMPLEMENTATION_ONLY}
+    check_fixed_params(params)
+    p = {k: v for k, v in params.items() if k not in (*_IMPLEMENTATION_ONLY, *_FIXED)}
     if key in ("adam", "adamw"):
         decoupled = key == "adamw" or bool(p.pop("adam_w_mode", True))
         if key == "adamw":
             p.pop("adam_w_mode", None)
+        if decoupled and params.get("torch_adam") and "weight_decay" not in p:
+            p["weight_decay"] = _TORCH_ADAMW_DECAY
         return adam(**p, decoupled=decoupled)
     if key == "lamb":
         return lamb(**p)

@@ -9,7 +9,8 @@ step counts, whether it was applied, its lr, and whether the weights stay finite
 model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
 default; the config's schedules at DeepSpeed's defaults, OneCycle's stairs and cycled
-betas; DeepSpeed's engine accessors of the config; and a batch-size ramp
+betas; the optimizer blocks' defaults (torch_adam's AdamW, Lamb's eps); DeepSpeed's
+engine accessors of the config; and a batch-size ramp
 (`set_train_batch_size`, `set_train_micro_batch_size`). Prints one JSON line.
 """
 
@@ -210,6 +211,39 @@ for name, params in SCHEDULES:
         "weights": weights(engine, 0).tolist(),
     }  # fmt: skip
 out["schedules"] = schedules
+# the config's optimizer blocks at DeepSpeed's defaults where a script leaves them out:
+# torch_adam builds torch's AdamW (weight decay 0.01 by default, FusedAdam's 0.0), the
+# switches that only pick an implementation and amsgrad false change nothing; weights
+# after three steps from non-zero ones (weight decay shows)
+BLOCKS = (
+    ("AdamW", {"lr": 0.05, "torch_adam": True}),
+    ("Adam", {"lr": 0.05, "torch_adam": True, "adam_w_mode": False, "foreach": None}),
+    ("AdamW", {"lr": 0.05, "amsgrad": False, "weight_decay": 0.1}),
+    ("Adam", {"lr": 0.05, "amsgrad": False, "fp32_optimizer_states": True}),
+    ("Adagrad", {}),
+)
+blocks = {}
+for name, params in BLOCKS:
+    torch.manual_seed(0)
+    settings = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+                "optimizer": {"type": name, "params": params}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+    blocks[f"{name} {json.dumps(params)}"] = weights(engine, 0).tolist()
+out["optimizer blocks"] = blocks
+# Lamb's default eps (DeepSpeed builds FusedLamb, which has no CPU kernel: its signature)
+if args.fzero:
+    settings = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {}}}
+    engine, optimizer, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+    out["Lamb eps"] = optimizer.param_groups[0]["eps"]
+else:
+    import inspect
+
+    from deepspeed.ops.lamb import FusedLamb
+
+    out["Lamb eps"] = inspect.signature(FusedLamb).parameters["eps"].default
 ACCESSORS = (
     "dp_world_size", "mp_world_size", "zero_optimization_partition_gradients",
     "zero_optimization_partition_weights", "dynamic_loss_scale", "wall_clock_breakdown",

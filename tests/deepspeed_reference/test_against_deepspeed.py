@@ -117,7 +117,8 @@ def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_de
     lrs after them, the weights kept or not as DeepSpeed's; `module.apply` inside
     `zero.Init` sees whole parameters (and with `override_module_apply` false, not); the
     config's schedules give the same lrs, betas and weights (DeepSpeed's defaults, and
-    OneCycle's stairs and cycled betas);
+    OneCycle's stairs and cycled betas); the optimizer blocks' defaults where a config
+    leaves them out (`torch_adam`'s AdamW decays by 0.01; `amsgrad` false; Lamb's eps);
     every `zero_optimization`, `checkpoint` and `aio` key DeepSpeed knows, at its
     default, initialises, and so do its other top-level keys at their defaults (or
     switched off), training alike; the engine's config accessors say what DeepSpeed's
@@ -135,6 +136,10 @@ def test_nonfinite_steps_module_apply_config_keys_accessors_and_batch_ramp_as_de
             flat = _flat(mine[key]), _flat(schedule[key])
             assert flat[0] == pytest.approx(flat[1], rel=0, abs=1e-5), (name, key)
     assert not ours.pop("schedules")
+    for name, trained in theirs.pop("optimizer blocks").items():
+        mine = ours["optimizer blocks"].pop(name)
+        assert mine == pytest.approx(trained, rel=0, abs=1e-5), name
+    assert not ours.pop("optimizer blocks")
     top = ours.pop("top-level keys"), theirs.pop("top-level keys")
     assert top[0].pop("weights") == pytest.approx(top[1].pop("weights"), rel=0, abs=1e-5)
     assert top[0] == top[1]
