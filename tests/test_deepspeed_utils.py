@@ -191,9 +191,9 @@ def test_a_function_that_saved_a_zero3_weight_reads_its_attributes_in_backward()
         torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7)
 
 
-def checkpoint_case(rank, world, tmp):
+def checkpoint_case(rank, world, tmp, stage=2):
     torch.manual_seed(0)
-    engine, *_ = fzero.initialize(model=Awkward(), config=_config(2))
+    engine, *_ = fzero.initialize(model=Awkward(), config=_config(stage))
     x = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
@@ -221,6 +221,46 @@ def test_zero_to_fp32_reads_fzero_checkpoints(tmp_path):
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "fp32")
     with pytest.raises(NotImplementedError, match="hold no pickle"):
         zero_to_fp32.get_optim_files(str(tmp_path))
+    half = tmp_path / "fp16"
+    zero_to_fp32.convert_zero_checkpoint_to_state_dict(tmp_path, half, "torch.float16")
+    written = load_file(half / "model.safetensors")
+    assert all(torch.equal(written[k], v.half()) for k, v in got.items() if v.is_floating_point())
+    with pytest.raises(ValueError, match=r"output dtype 'int8' is not supported; allowed: "):
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict(tmp_path, half, "int8")
+
+
+def test_save_checkpoint_writes_deepspeeds_conversion_scripts_that_run(tmp_path):
+    """A ZeRO checkpoint's directory holds `zero_to_fp32.py` and `zero_to_torch.py`, as
+    DeepSpeed's does: run from anywhere they write the model (fp32; `--dtype bf16`), and
+    `import zero_to_fp32` in the directory gives the converter's functions. A stage-0
+    fp32 run's has none (DeepSpeed writes them with ZeRO or bf16 checkpoints)."""
+    import subprocess
+    import sys
+
+    state = run_world(checkpoint_case, 2, str(tmp_path))
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        assert (tmp_path / name).stat().st_mode & 0o100, name  # executable
+    runs = (
+        [str(tmp_path / "zero_to_fp32.py"), str(tmp_path), str(tmp_path / "fp32")],
+        [str(tmp_path / "zero_to_torch.py"), str(tmp_path), str(tmp_path / "bf16"), "--dtype",
+         "bf16", "-t", "t1"],
+        ["-c", "import zero_to_fp32; zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict("
+         "'.', 'imported', safe_serialization=True)"],
+    )  # fmt: skip
+    for argv in runs:
+        done = subprocess.run(
+            [sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    for out, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("imported", None)):
+        written = load_file(tmp_path / out / "model.safetensors")
+        assert written.keys() == state.keys()
+        for key, value in state.items():
+            expected = value.to(dtype) if dtype and value.is_floating_point() else value
+            assert torch.equal(written[key], expected), (out, key)
+    plain = tmp_path / "stage0"
+    run_world(checkpoint_case, 2, str(plain), 0)
+    assert sorted(p.name for p in plain.iterdir()) == ["latest", "t1"]
 
 
 def test_moe_helpers_leave_groups_of_a_model_without_experts_as_they_are():

@@ -67,7 +67,8 @@ class CheckpointMethods:
         are left out; load it with `load_module_strict=False` into a model that has them.
         With `async_save` the state is copied to host memory and written by a background
         thread; the next save, load or the process exit waits for it and raises its
-        error."""
+        error. For a ZeRO or bf16 run rank 0 also writes DeepSpeed's conversion scripts
+        into `save_dir` (`python save_dir/zero_to_fp32.py save_dir out_dir`)."""
         from fzero.engine import checkpoint_io as _engine_io
 
         return _engine_io.save_checkpoint(

@@ -53,6 +53,7 @@ from fzero.core.publish import install, rolled_back
 from fzero.core.residency import Residency
 from fzero.core.state import TrainState
 from fzero.core.swap_pieces import master_copy
+from fzero.engine.recovery_scripts import write_recovery_scripts
 from fzero.optim import Optimizer
 from fzero.partition import Plan
 
@@ -180,10 +181,12 @@ def save_checkpoint(
     async_save: bool = False,
     exclude_frozen_parameters: bool = False,
 ) -> str:
-    """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
+    """See `Engine.save_checkpoint`. Returns the checkpoint's directory. Rank 0 writes
+    DeepSpeed's conversion scripts into `save_dir` (`recovery_scripts`) for a ZeRO or
+    bf16 run, as DeepSpeed's does."""
     wait_for_save(engine)
     engine.residency.check_usable()  # a failed in-place step: nothing whole to save
-    return save(
+    directory = save(
         save_dir,
         engine.train_state,
         optimizer=engine.functional_optimizer,
@@ -197,6 +200,10 @@ def save_checkpoint(
         ),
         owner=engine,
     )
+    # DeepSpeed's rank 0 copies its conversion scripts beside each ZeRO (or bf16) checkpoint
+    if engine.rank == 0 and (engine.plan.stage >= 1 or engine.config.bf16.enabled):
+        write_recovery_scripts(os.fspath(save_dir))
+    return directory
 
 
 def _tags(load_dir: str) -> list[str]:

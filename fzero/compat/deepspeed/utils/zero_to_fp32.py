@@ -1,5 +1,8 @@
-"""`deepspeed.utils.zero_to_fp32` over fzero checkpoints: the whole fp32 model from a
-sharded checkpoint, with DeepSpeed's function names, arguments and returns.
+"""`deepspeed.utils.zero_to_fp32` over fzero checkpoints: the whole model from a sharded
+checkpoint, in fp32 or (`convert_zero_checkpoint_to_state_dict`) fp16 or bf16, with
+DeepSpeed's function names, arguments and returns. `save_checkpoint` writes scripts that
+run this command line into the save directory, as DeepSpeed copies its own there
+(`fzero.engine.recovery_scripts`).
 
 Differences, each said where it applies: the files written are safetensors
 (`model.safetensors`, HF-style shards past `max_shard_size`), never `pytorch_model.bin`,
@@ -24,7 +27,9 @@ from fzero.checkpoint import consolidate, consolidated_state_dict
 from fzero.checkpoint._format import read_latest
 
 __all__ = [
+    "OUTPUT_DTYPE_NAMES",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "get_model_state_file",
     "get_optim_files",
@@ -32,6 +37,30 @@ __all__ = [
 ]
 
 log = logging.getLogger("fzero")
+
+# DeepSpeed's names for the dtypes a converted checkpoint may be written in
+OUTPUT_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _output_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`dtype` as a torch dtype: one of `OUTPUT_DTYPE_NAMES` (any case, "torch." allowed)
+    or their torch dtypes; anything else is an error naming it and the choices."""
+    found = dtype
+    if isinstance(dtype, str):
+        found = OUTPUT_DTYPE_NAMES.get(dtype.removeprefix("torch.").lower())
+    if found not in set(OUTPUT_DTYPE_NAMES.values()):
+        raise ValueError(
+            f"output dtype {dtype!r} is not supported; allowed: {sorted(OUTPUT_DTYPE_NAMES)}"
+        )
+    assert isinstance(found, torch.dtype)
+    return found
 
 
 def _tag(checkpoint_dir: str, tag: str | None) -> str:
@@ -65,6 +94,41 @@ def get_fp32_state_dict_from_zero_checkpoint(
     )
 
 
+def convert_zero_checkpoint_to_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dtype: str | torch.dtype = torch.float32,
+    max_shard_size: str | int | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> None:
+    """Write the model, its floating tensors in `dtype` (float32, float16 or bfloat16, by
+    name or torch dtype; other tensors keep theirs), to `output_dir/model.safetensors`
+    (or HF-style shards with `model.safetensors.index.json` past `max_shard_size`; None:
+    one file). DeepSpeed writes `pytorch_model.bin` unless `safe_serialization`; fzero
+    writes no pickle, so the file is safetensors either way, and the log says so."""
+    checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
+    cast = _output_dtype(dtype)
+    tag = _tag(checkpoint_dir, tag)
+    if not safe_serialization:
+        log.warning(
+            "fzero: convert_zero_checkpoint_to_state_dict writes model.safetensors in %s, "
+            "not pytorch_model.bin (fzero writes no pickle); transformers' from_pretrained "
+            "and safetensors.torch.load_file read it",
+            output_dir,
+        )
+    limit = max_shard_size if max_shard_size is not None else 2**62
+    consolidate(
+        checkpoint_dir,
+        output_dir,
+        tag,
+        dtype=cast,
+        max_shard_size=limit,
+        exclude_frozen=exclude_frozen_parameters,
+    )
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -73,27 +137,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> None:
-    """Write the fp32 model to `output_dir/model.safetensors` (or HF-style shards with
-    `model.safetensors.index.json` past `max_shard_size`; None: one file). DeepSpeed
-    writes `pytorch_model.bin` unless `safe_serialization`; fzero writes no pickle, so
-    the file is safetensors either way, and the log says so."""
-    checkpoint_dir, output_dir = os.fspath(checkpoint_dir), os.fspath(output_dir)
-    tag = _tag(checkpoint_dir, tag)
-    if not safe_serialization:
-        log.warning(
-            "fzero: convert_zero_checkpoint_to_fp32_state_dict writes model.safetensors "
-            "in %s, not pytorch_model.bin (fzero writes no pickle); "
-            "transformers' from_pretrained and safetensors.torch.load_file read it",
-            output_dir,
-        )
-    limit = max_shard_size if max_shard_size is not None else 2**62
-    consolidate(
+    """`convert_zero_checkpoint_to_state_dict` in fp32."""
+    convert_zero_checkpoint_to_state_dict(
         checkpoint_dir,
         output_dir,
+        torch.float32,
+        max_shard_size,
+        safe_serialization,
         tag,
-        dtype="fp32",
-        max_shard_size=limit,
-        exclude_frozen=exclude_frozen_parameters,
+        exclude_frozen_parameters,
     )
 
 
@@ -132,9 +184,9 @@ def get_optim_files(checkpoint_dir: str) -> list[str]:
     return _pickle_paths("get_optim_files")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """DeepSpeed's `zero_to_fp32.py` command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser(description: str) -> argparse.ArgumentParser:
+    """The arguments DeepSpeed's `zero_to_fp32.py` and `zero_to_torch.py` share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("checkpoint_dir")
     parser.add_argument("output_dir")
     parser.add_argument("--max_shard_size", default="5GB")
@@ -142,10 +194,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-t", "--tag", default=None)
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None, *, with_dtype: bool = False) -> None:
+    """DeepSpeed's `zero_to_fp32.py` command line; `with_dtype`: its `zero_to_torch.py`'s,
+    which asks for `--dtype` (float32, float16 or bfloat16)."""
+    what = "to float32, float16 or bfloat16" if with_dtype else "to float32"
+    parser = _parser(f"Convert a ZeRO checkpoint {what} weights (safetensors).")
+    if with_dtype:
+        parser.add_argument("--dtype", required=True, choices=sorted(OUTPUT_DTYPE_NAMES))
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(
+    convert_zero_checkpoint_to_state_dict(
         args.checkpoint_dir,
         args.output_dir,
+        dtype=args.dtype if with_dtype else torch.float32,
         max_shard_size=args.max_shard_size,
         safe_serialization=args.safe_serialization,
         tag=args.tag,
