@@ -555,10 +555,42 @@ def test_on_device_and_deepspeeds_other_top_level_names(deepspeed):
     with pytest.raises(NotImplementedError, match=r"init_inference .*not supported by fzero"):
         deepspeed.init_inference(nn.Linear(2, 2))
     assert not hasattr(deepspeed, "PipelineModule")
-    with pytest.raises(AttributeError, match="DeepSpeedConfig is DeepSpeed's config object"):
-        deepspeed.DeepSpeedConfig  # noqa: B018
+    with pytest.raises(AttributeError, match="InferenceEngine is DeepSpeed-Inference"):
+        deepspeed.InferenceEngine  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         deepspeed.nope  # noqa: B018
+
+
+def test_deepspeed_config_reads_a_config_as_deepspeeds_does(deepspeed, tmp_path):
+    """`DeepSpeedConfig(path or dict)` (DeepSpeed's monitor tutorial builds its
+    `MonitorMaster` from one): batch sizes resolved over world size 1 without a process
+    group, DeepSpeed's defaults (clipping 1.0) and names (`optimizer_name` lower-cased
+    for its own optimizers); what fzero refuses is refused; an attribute fzero does not
+    serve says so. (`make test-deepspeed` runs the tutorial's monitor under both.)"""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    assert deepspeed.DeepSpeedConfig is DeepSpeedConfig
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": '
+        '"AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}, "csv_monitor": '
+        f'{{"enabled": true, "output_path": "{tmp_path}", "job_name": "run"}}}}'
+    )
+    config = DeepSpeedConfig(str(path))
+    sizes = (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+             config.gradient_accumulation_steps, config.world_size)  # fmt: skip
+    assert sizes == (8, 4, 2, 1)
+    assert (config.zero_optimization_stage, config.zero_enabled) == (2, True)
+    assert (config.optimizer_name, config.optimizer_params) == ("adamw", {"lr": 0.1})
+    assert config.gradient_clipping == 1.0 and config.scheduler_name is None
+    assert config.monitor_config.enabled and config.monitor_config.csv_monitor.enabled
+    assert not config.monitor_config.tensorboard.enabled
+    with pytest.raises(AttributeError, match=r"DeepSpeedConfig\.pipeline is not served"):
+        config.pipeline  # noqa: B018
+    with pytest.raises(DeepSpeedConfigError, match="train_micro_batch_size_per_gpu needs"):
+        DeepSpeedConfig({"steps_per_print": 5})
+    with pytest.raises(DeepSpeedConfigError, match="hybrid_engine"):
+        DeepSpeedConfig({"train_batch_size": 2, "hybrid_engine": {"enabled": True}})
 
 
 def test_initialize_without_an_optimizer_runs_forward_only():

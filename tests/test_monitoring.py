@@ -552,6 +552,10 @@ def test_the_progress_bar_keeps_other_output_above_it(capsys):
     assert "fzero Net" in err and "1/4" in err and "loss=2.5000" in err
 
 
+def _csv_config(tmp_path: Path) -> dict:
+    return {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"}}
+
+
 def test_deepspeeds_names_are_served(tmp_path):
     from fzero import compat
 
@@ -566,15 +570,18 @@ def test_deepspeeds_names_are_served(tmp_path):
         assert get_model_profile is monitoring.get_model_profile
         assert dist.comms_logger is monitoring.comms_logger()
         assert callable(dist.log_summary) and callable(dist.configure)
-        config = load_config(
-            {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"}}
-        )
+        config = load_config(_csv_config(tmp_path))
         master = MonitorMaster(config)
         assert master.enabled
         master.write_events([("Train/Samples/custom", 1.5, 8)])
         csvMonitor(config.csv_monitor).write_events([("Train/Samples/custom", 2.5, 16)])
+        engine = fzero.shard(
+            nn.Linear(2, 2), config={**_csv_config(tmp_path), "steps_per_print": 0}
+        )
+        engine.monitor.write_events([("Train/Samples/custom", 3.5, 24)])  # DeepSpeed's name
+        engine.destroy()
         rows = (tmp_path / "j" / "Train_Samples_custom.csv").read_text().splitlines()
-        assert rows == ["step,custom", "8,1.5", "16,2.5"]
+        assert rows == ["step,custom", "8,1.5", "16,2.5", "24,3.5"]
     finally:
         if not was:
             compat.uninstall()

@@ -20,7 +20,7 @@ from fzero.engine.optimizer import EngineOptimizer
 from fzero.optim import Optimizer, adagrad, adam, adamw, lamb, lion, sgd
 from fzero.partition import Plan
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "with_deepspeed_defaults"]
 
 log = logging.getLogger("fzero")
 
@@ -76,7 +76,7 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[Optimizer, list[dict[st
     return base, groups
 
 
-def _with_deepspeed_defaults(cfg: Config, source: Any) -> Config:
+def with_deepspeed_defaults(cfg: Config, source: Any) -> Config:
     """DeepSpeed's defaults where they differ from fzero's: a config that does not name
     `gradient_clipping` clips at 1.0 (DeepSpeed since 0.19, `GRADIENT_CLIPPING_DEFAULT`),
     so a DeepSpeed script trains as under DeepSpeed. `fzero.shard` and `train_step` clip
@@ -143,7 +143,7 @@ def initialize(
             "no config: pass config=... or set args.deepspeed_config / args.fzero_config"
         )
     comm.init_distributed(required=dist_init_required)
-    cfg = _with_deepspeed_defaults(config_of(source), source)
+    cfg = with_deepspeed_defaults(config_of(source), source)
     if getattr(args, "metrics_file", None):
         cfg = dataclasses.replace(cfg, metrics_file=args.metrics_file)
     if getattr(args, "no_progress", False):

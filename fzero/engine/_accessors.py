@@ -43,6 +43,15 @@ class DeepSpeedAccessors:
     _skipped_last: bool
     _step_applied: bool
     _global_grad_norm: float | None
+    telemetry: Any
+
+    @property
+    def monitor(self) -> Any:
+        """DeepSpeed's `engine.monitor`: the config's monitors (`tensorboard`,
+        `csv_monitor`, `wandb`, `comet`); `write_events([(name, value, samples)])` writes
+        a script's own events beside the engine's, on rank 0; `enabled` says whether any
+        is on."""
+        return self.telemetry.monitor
 
     def train(self, mode: bool = True) -> Any:
         self.module.train(mode)

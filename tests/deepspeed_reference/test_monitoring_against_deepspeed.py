@@ -2,8 +2,10 @@
 trained with `tensorboard`, `csv_monitor`, `comms_logger` and `flops_profiler` on, run
 on 2 processes under DeepSpeed (torchrun) and under fzero (`fzero run --as-deepspeed`).
 Every event DeepSpeed writes, fzero writes under the same name at the same sample
-counts, with the same values (to fp32 rounding of two Adam kernels); both print their
-communication summary and FLOPs profile, at the same step. Run by `make test-deepspeed`."""
+counts, with the same values (to fp32 rounding of two Adam kernels), the script's own
+events (a `MonitorMaster` of `DeepSpeedConfig(path).monitor_config`, `engine.monitor`)
+too; both print their communication summary and FLOPs profile, at the same step. Run by
+`make test-deepspeed`."""
 
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def test_the_monitors_write_deepspeeds_events(tmp_path):
     ours = read_run(tmp_path / "fzero" / "logs" / "gpt").series
     # DeepSpeed 0.19.8 writes lr (and the timers); its docs' train_loss no longer (fzero does)
     assert "lr" in theirs and "train_loss" in ours
+    # the script's own events, through DeepSpeedConfig's MonitorMaster and engine.monitor
+    assert "Custom/last_loss" in theirs and "Custom/batch_size" in theirs
     for name, points in theirs.items():
         if name.startswith("elapsed_time_ms"):  # timers: DeepSpeed's own names
             continue

@@ -1,7 +1,9 @@
 """A GPT-shaped language model trained as a DeepSpeed user would, with the config's
 monitors, communication logger and FLOPs profiler on: runs the same under DeepSpeed
 (`torchrun ... gpt_monitored.py --deepspeed_config ds.json`) and under fzero
-(`fzero run --as-deepspeed -n 2 gpt_monitored.py --deepspeed_config ds.json`). Prints
+(`fzero run --as-deepspeed -n 2 gpt_monitored.py --deepspeed_config ds.json`). It logs
+events of its own both ways DeepSpeed's monitor tutorial shows: a `MonitorMaster` of
+`DeepSpeedConfig(path).monitor_config`, and the engine's `engine.monitor`. Prints
 `deepspeed.comm.log_summary()` at the end and writes rank 0's losses to `--out`."""
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 
 import deepspeed
 import torch
+from deepspeed.monitor.monitor import MonitorMaster
+from deepspeed.runtime.config import DeepSpeedConfig
 from torch import nn
 from torch.nn import functional as F
 
@@ -78,6 +82,8 @@ def main() -> None:
     )
     rank = engine.global_rank
     micro = engine.train_micro_batch_size_per_gpu()
+    ds_config = DeepSpeedConfig(args.deepspeed_config)  # the monitor tutorial's way
+    monitor = MonitorMaster(ds_config.monitor_config)
     losses = []
     for step in range(args.steps):
         for _ in range(engine.gradient_accumulation_steps()):
@@ -87,6 +93,9 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        monitor.write_events([("Custom/last_loss", losses[-1], engine.global_samples)])
+        batch_size = ds_config.train_batch_size
+        engine.monitor.write_events([("Custom/batch_size", batch_size, engine.global_samples)])
     deepspeed.comm.log_summary()
     if rank == 0 and args.out:
         with open(args.out, "w") as f:

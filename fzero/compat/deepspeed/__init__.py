@@ -5,7 +5,8 @@ Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `zero`, `comm`,
 `accelerator`, `checkpointing`, `utils` (logger, zero_to_fp32, safe_get_full_*), `ops.adam`,
 `ops.adagrad`, `ops.lion`, `ops.lamb`, `runtime.engine`, `runtime.lr_schedules`,
-`runtime.base_optimizer`, `runtime.utils` (`see_memory_usage`), the memory estimators of
+`runtime.base_optimizer`, `runtime.config` (`DeepSpeedConfig`, also at the top),
+`runtime.utils` (`see_memory_usage`), the memory estimators of
 `runtime.zero.stage3` and `runtime.zero.stage_1_and_2`,
 `runtime.activation_checkpointing.checkpointing` (`checkpointing`), `moe.utils`,
 `launcher.runner`, `comm.log_summary`/`configure` (the communication logger),
@@ -14,7 +15,7 @@ Accelerate, Lightning, TRL, PEFT) use, served by fzero: `initialize`,
 DeepSpeed. What fzero does not do is refused by name: `deepspeed.moe.layer`,
 `deepspeed.pipe` and `runtime.sequence_parallel` on import, `tp_model_init` and
 `init_inference` when called, DeepSpeed's other top-level names (`PipelineModule`,
-`DeepSpeedConfig`, ...) as an AttributeError saying what each is.
+`InferenceEngine`, ...) as an AttributeError saying what each is.
 `tests/test_client_names.py` scans the installed clients for
 every `deepspeed.*` name they reference and checks each is one or the other.
 """
@@ -39,6 +40,7 @@ from fzero.compat.deepspeed import (
 )
 from fzero.compat.deepspeed.accelerator import get_accelerator
 from fzero.compat.deepspeed.comm import init_distributed
+from fzero.compat.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from fzero.compat.deepspeed.utils import OnDevice, log_dist, logger
 from fzero.compat.initialize import initialize
 from fzero.engine import Engine as DeepSpeedEngine
@@ -85,7 +87,6 @@ _NOT_SERVED = {
     "DeepSpeedHybridEngine": "the RLHF hybrid engine",
     "DeepSpeedTransformerLayer": "the fused transformer kernel",
     "DeepSpeedTransformerConfig": "the fused transformer kernel",
-    "DeepSpeedConfig": "DeepSpeed's config object (fzero.load_config reads the same JSON)",
     "DeepSpeedDataLoader": "DeepSpeed's loader (initialize(training_data=...) builds one)",
     "set_autotp_mode": "AutoTP tensor parallelism",
     "autotuning": "the autotuner",
@@ -104,6 +105,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "OnDevice",
     "__version__",

@@ -1,14 +1,23 @@
-"""`deepspeed.runtime`: the engine class, the schedule names, `zero`, `utils` and
-`activation_checkpointing`, as Accelerate, Transformers and Megatron-style code look
-them up."""
+"""`deepspeed.runtime`: the engine class, the schedule names, `config`
+(`DeepSpeedConfig`), `zero`, `utils` and `activation_checkpointing`, as Accelerate,
+Transformers and Megatron-style code look them up."""
 
 from fzero.compat.deepspeed.runtime import (
     activation_checkpointing,
     base_optimizer,
+    config,
     engine,
     lr_schedules,
     utils,
     zero,
 )
 
-__all__ = ["activation_checkpointing", "base_optimizer", "engine", "lr_schedules", "utils", "zero"]
+__all__ = [
+    "activation_checkpointing",
+    "base_optimizer",
+    "config",
+    "engine",
+    "lr_schedules",
+    "utils",
+    "zero",
+]
