@@ -532,7 +532,9 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
     nothing; another value is refused naming the key, the value and the allowed one.
     `torch_adam` builds torch's AdamW in DeepSpeed, so its default weight decay (0.01)
     applies where the block leaves it out; Lamb's eps defaults to FusedLamb's 1e-8.
-    (`make test-deepspeed` trains these blocks under DeepSpeed and compares.)"""
+    (`make test-deepspeed` trains these blocks under DeepSpeed and compares.) A value of
+    the wrong type is refused naming the key, the value and the type ("auto" is left
+    for `resolve_auto`, and refused where an optimizer is built from it)."""
     build = fzero.optim.optimizer_from_name
     for kind, params in (
         ("Adam", {"amsgrad": False, "fp32_optimizer_states": True, "foreach": None}),
@@ -551,6 +553,20 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
             load_config({"optimizer": block})
         with pytest.raises(ValueError, match=rf"'optimizer.params.{key}' is {value}"):
             build(kind, {key: value})
+    for kind, key, value, want in (
+        ("AdamW", "lr", "1e-3", "a number"),  # JSON written with quotes
+        ("Lamb", "betas", [0.9, 0.99, 0.9], "a list of 2 numbers"),
+        ("SGD", "nesterov", 1, "true or false"),
+        ("Muon", "exclude", ["embed", 3], "a list of strings"),
+    ):
+        block = {"type": kind, "params": {key: value}}
+        with pytest.raises(
+            ConfigError, match=rf"'optimizer.params.{key}' is .*; it must be {want}"
+        ):
+            load_config({"optimizer": block})
+    load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
+    with pytest.raises(ValueError, match=r"'optimizer.params.lr' is still \"auto\""):
+        build("AdamW", {"lr": "auto"})
     assert build("AdamW", {"torch_adam": True}).hparams.weight_decay == 0.01
     assert build("Adam", {"torch_adam": True}).hparams.weight_decay == 0.01  # AdamW mode
     assert build("Adam", {"torch_adam": True, "adam_w_mode": False}).hparams.weight_decay == 0.0

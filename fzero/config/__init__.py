@@ -54,7 +54,12 @@ from fzero.config.monitor import (
 from fzero.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from fzero.config.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
 from fzero.config.zero import ZeroConfig
-from fzero.optim import OPTIMIZER_PARAMS, SCHEDULE_PARAMS, check_fixed_params
+from fzero.optim import (
+    OPTIMIZER_PARAMS,
+    SCHEDULE_PARAMS,
+    check_fixed_params,
+    check_param_types,
+)
 
 __all__ = [
     "AUTO",
@@ -492,6 +497,7 @@ def _check(config: Config) -> None:
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
         try:
             check_fixed_params(config.optimizer.params)
+            check_param_types(kind, config.optimizer.params, allow_auto=True)
         except ValueError as error:
             raise ConfigError(f"config key {error}") from None
     if config.scheduler is not None:

@@ -74,6 +74,7 @@ from fzero.optim._registry import (
     SCHEDULE_PARAMS,
     SCHEDULES,
     check_fixed_params,
+    check_param_types,
     optimizer_from_name,
     schedule_from_name,
 )
@@ -144,6 +145,7 @@ __all__ = [
     "adamw",
     "bf16_stochastic",
     "check_fixed_params",
+    "check_param_types",
     "clip_coefficient",
     "constant",
     "global_norm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_PARAMS",
     "check_fixed_params",
+    "check_param_types",
     "optimizer_from_name",
     "schedule_from_name",
 ]
@@ -100,6 +102,56 @@ SCHEDULE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
+_BUILDERS = {"adam": adam, "adamw": adam, "lamb": lamb, "sgd": sgd, "muon": muon,
+             "adagrad": adagrad, "lion": lion}  # fmt: skip
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value can be the argument annotated `hint` (an int is a float)."""
+    if hint is float:
+        return _number(value)
+    if hint is int or hint is bool or hint is str:
+        return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and isinstance(value, list | tuple):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(item, args[0]) for item in value)
+        return len(value) == len(args) and all(map(_fits, value, args))
+    return typing.get_origin(hint) is not tuple
+
+
+_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
+def check_param_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
+    """Raise ValueError for an optimizer param of type `kind` (a key of `OPTIMIZER_PARAMS`)
+    whose value its builder cannot take — a string where a number goes, as in
+    `"lr": "1e-3"`, or three betas — naming the key, the value and the type; `"auto"`
+    (Transformers' placeholder) is allowed only with `allow_auto`."""
+    hints = typing.get_type_hints(_BUILDERS[kind])
+    for key, value in params.items():
+        hint = hints.get(key)
+        if hint is None:  # DeepSpeed's switches and names: checked where they are read
+            continue
+        if value == "auto":
+            if allow_auto:
+                continue
+            raise ValueError(
+                f"'optimizer.params.{key}' is still \"auto\"; resolve it (fzero.resolve_auto, "
+                "or Transformers' Trainer does) or give a value"
+            )
+        if not _fits(value, hint):
+            args = typing.get_args(hint)
+            want = _WORDS.get(hint) or (
+                f"a list of {len(args)} numbers" if Ellipsis not in args else "a list of strings"
+            )
+            raise ValueError(f"'optimizer.params.{key}' is {value!r}; it must be {want}")
+
+
 def check_fixed_params(params: Mapping[str, Any]) -> None:
     """Raise ValueError for an optimizer param fzero runs only at one value (`amsgrad`
     and `eps_inside_sqrt` false, `fp32_optimizer_states` true) given another, naming it,
@@ -125,6 +177,8 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
     """
     key = name.lower()
     check_fixed_params(params)
+    if key in _BUILDERS:
+        check_param_types(key, params)
     p = {k: v for k, v in params.items() if k not in (*_IMPLEMENTATION_ONLY, *_FIXED)}
     if key in ("adam", "adamw"):
         decoupled = key == "adamw" or bool(p.pop("adam_w_mode", True))
