@@ -564,6 +564,16 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
             ConfigError, match=rf"'optimizer.params.{key}' is .*; it must be {want}"
         ):
             load_config({"optimizer": block})
+    for params, message in (
+        ({"warmup_max_lr": "1e-3"}, "'scheduler.params.warmup_max_lr' is '1e-3'; it must be a "
+         "number or null"),
+        ({"warmup_type": "cubic"}, "'scheduler.params.warmup_type' is 'cubic'; it must be one "
+         "of 'log', 'linear'"),  # DeepSpeed warns and warms up logarithmically
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config({"scheduler": {"type": "WarmupLR", "params": params}})
+    steps = {"warmup_num_steps": 1e3, "total_num_steps": 1e4}  # JSON's 1e3: DeepSpeed's too
+    load_config({"scheduler": {"type": "WarmupDecayLR", "params": steps}})
     load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
     with pytest.raises(ValueError, match=r"'optimizer.params.lr' is still \"auto\""):
         build("AdamW", {"lr": "auto"})

@@ -59,6 +59,7 @@ from fzero.optim import (
     SCHEDULE_PARAMS,
     check_fixed_params,
     check_param_types,
+    check_schedule_types,
 )
 
 __all__ = [
@@ -508,6 +509,10 @@ def _check(config: Config) -> None:
                 "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
             )
         _check_params("scheduler", kind, config.scheduler.params, SCHEDULE_PARAMS[kind])
+        try:
+            check_schedule_types(kind, config.scheduler.params, allow_auto=True)
+        except ValueError as error:
+            raise ConfigError(f"config key {error}") from None
 
 
 def _check_compute_grad_norm(config: Config) -> None:

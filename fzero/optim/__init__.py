@@ -75,6 +75,7 @@ from fzero.optim._registry import (
     SCHEDULES,
     check_fixed_params,
     check_param_types,
+    check_schedule_types,
     optimizer_from_name,
     schedule_from_name,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "bf16_stochastic",
     "check_fixed_params",
     "check_param_types",
+    "check_schedule_types",
     "clip_coefficient",
     "constant",
     "global_norm",

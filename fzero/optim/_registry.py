@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "SCHEDULE_PARAMS",
     "check_fixed_params",
     "check_param_types",
+    "check_schedule_types",
     "optimizer_from_name",
     "schedule_from_name",
 ]
@@ -110,29 +112,49 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value can be the argument annotated `hint` (an int is a float)."""
-    if hint is float:
+def _fits(value: Any, hint: Any, *, whole: bool = False) -> bool:
+    """Whether a JSON value can be the argument annotated `hint`: an int is a float, and
+    with `whole` a float is an int (DeepSpeed's schedules take `1e5` steps)."""
+    if hint is float or (whole and hint is int):
         return _number(value)
     if hint is int or hint is bool or hint is str:
         return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is tuple and isinstance(value, list | tuple):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm, whole=whole) for arm in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple and isinstance(value, list | tuple):
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_fits(item, args[0]) for item in value)
         return len(value) == len(args) and all(map(_fits, value, args))
-    return typing.get_origin(hint) is not tuple
+    return origin is not tuple
 
 
 _WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
 
-def check_param_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
-    """Raise ValueError for an optimizer param of type `kind` (a key of `OPTIMIZER_PARAMS`)
-    whose value its builder cannot take — a string where a number goes, as in
-    `"lr": "1e-3"`, or three betas — naming the key, the value and the type; `"auto"`
-    (Transformers' placeholder) is allowed only with `allow_auto`."""
-    hints = typing.get_type_hints(_BUILDERS[kind])
+def _wanted(hint: Any, whole: bool) -> str:
+    """What `_fits` asks of a value for `hint`, in words."""
+    if whole and hint is int:
+        return "a number"
+    if hint in _WORDS:
+        return _WORDS[hint]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _wanted(a, whole) for a in args)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return "a list of strings"
+    return f"a list of {len(args)} numbers"
+
+
+def _check_types(
+    block: str, hints: dict[str, Any], params: Mapping[str, Any], allow_auto: bool, whole: bool
+) -> None:
     for key, value in params.items():
         hint = hints.get(key)
         if hint is None:  # DeepSpeed's switches and names: checked where they are read
@@ -141,15 +163,30 @@ def check_param_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool 
             if allow_auto:
                 continue
             raise ValueError(
-                f"'optimizer.params.{key}' is still \"auto\"; resolve it (fzero.resolve_auto, "
+                f"'{block}.params.{key}' is still \"auto\"; resolve it (fzero.resolve_auto, "
                 "or Transformers' Trainer does) or give a value"
             )
-        if not _fits(value, hint):
-            args = typing.get_args(hint)
-            want = _WORDS.get(hint) or (
-                f"a list of {len(args)} numbers" if Ellipsis not in args else "a list of strings"
+        if not _fits(value, hint, whole=whole):
+            raise ValueError(
+                f"'{block}.params.{key}' is {value!r}; it must be {_wanted(hint, whole)}"
             )
-            raise ValueError(f"'optimizer.params.{key}' is {value!r}; it must be {want}")
+
+
+def check_schedule_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
+    """`check_param_types` for a scheduler block of type `kind` (a key of `SCHEDULES`):
+    step counts may be any number (`1e5`), as DeepSpeed's schedules take them; a
+    `warmup_type` other than log or linear is refused (DeepSpeed warns and warms up
+    logarithmically)."""
+    hints = typing.get_type_hints(SCHEDULES[kind])
+    _check_types("scheduler", hints, params, allow_auto, True)
+
+
+def check_param_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
+    """Raise ValueError for an optimizer param of type `kind` (a key of `OPTIMIZER_PARAMS`)
+    whose value its builder cannot take — a string where a number goes, as in
+    `"lr": "1e-3"`, or three betas — naming the key, the value and the type; `"auto"`
+    (Transformers' placeholder) is allowed only with `allow_auto`."""
+    _check_types("optimizer", typing.get_type_hints(_BUILDERS[kind]), params, allow_auto, False)
 
 
 def check_fixed_params(params: Mapping[str, Any]) -> None:
@@ -222,10 +259,12 @@ def _muon_from(params: dict[str, Any]) -> Optimizer:
 
 def schedule_from_name(name: str, params: Mapping[str, Any]) -> Schedule:
     """Build a schedule from a DeepSpeed `scheduler` block's `type` and `params`."""
-    cls = SCHEDULES.get(name.lower().replace("_", ""))
+    key = name.lower().replace("_", "")
+    cls = SCHEDULES.get(key)
     if cls is None:
         raise ValueError(
             f"scheduler type {name!r} is unknown; allowed: WarmupLR, WarmupDecayLR, "
             "WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
         )
+    check_schedule_types(key, params)
     return cls(**params)
