@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -327,7 +328,13 @@ def test_bf16_gradient_accumulation_trains_as_under_deepspeed(tmp_path, stage):
 
 
 def _full_values(
-    python: str, tmp: Path, name: str, config: dict, fzero: bool, script: str = "full_grads.py"
+    python: str,
+    tmp: Path,
+    name: str,
+    config: dict,
+    fzero: bool,
+    script: str = "full_grads.py",
+    *extra: str,
 ) -> Any:
     """tests/ds_scripts/`script` (default full_grads.py: per step, the
     `deepspeed.utils` accessors' values) on 2 processes with `config`: what rank 0 wrote."""
@@ -343,7 +350,7 @@ def _full_values(
     done = _launch(
         python,
         [*launcher, *_script_argv(python, script), "--deepspeed_config", str(path),
-         "--out", str(out)],
+         "--out", str(out), *extra],
         cwd=ROOT, env=env, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -403,6 +410,47 @@ def test_module_state_dict_returns_what_deepspeeds_does(tmp_path, stage):
                 continue
             assert my_shape == shape, (view, key)
             assert max((abs(a - b) for a, b in zip(mine, values)), default=0.0) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_conversion_scripts_in_a_save_directory_write_what_deepspeeds_do(tmp_path, stage):
+    """The scripts each engine writes beside its checkpoint, run as Transformers' docs
+    say (`python ckpt/zero_to_fp32.py ckpt out --safe_serialization`, and
+    `zero_to_torch.py ... --dtype bf16`), each by its own Python: the same tensors under
+    the same names (1e-6: each its own Adam kernel; bf16 to one rounding step), the
+    buffer included, and the frozen bias, which DeepSpeed leaves out at stage 1 (it saves
+    frozen parameters with stage 2 and 3 checkpoints only) and fzero writes."""
+    from safetensors.torch import load_file
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 100,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    written = {}
+    for name, python, fzero in (("deepspeed", DEEPSPEED_PYTHON, False),
+                                ("fzero", sys.executable, True)):  # fmt: skip
+        save = tmp_path / f"{name}-ckpt"
+        _full_values(python, tmp_path, name, config, fzero, "module_state.py", "--save", str(save))
+        for script, out, extra in (("zero_to_fp32.py", "fp32", []),
+                                   ("zero_to_torch.py", "bf16", ["--dtype", "bf16"])):  # fmt: skip
+            done = _launch(
+                python,
+                [python, str(save / script), str(save), str(tmp_path / name / out),
+                 "--safe_serialization", *extra],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
+            )  # fmt: skip
+            assert done.returncode == 0, (name, script, done.stderr[-3000:])
+            written[name, out] = load_file(tmp_path / name / out / "model.safetensors")
+    for out, tolerance in (("fp32", 1e-6), ("bf16", 1e-2)):
+        theirs, ours = written["deepspeed", out], written["fzero", out]
+        assert "2.bias" in ours and "scale" in ours and "scale" in theirs
+        assert ("2.bias" in theirs) == (stage > 1)  # DeepSpeed's stage 1 drops frozen ones
+        assert sorted(set(ours) - {"2.bias"}) == sorted(set(theirs) - {"2.bias"})
+        for key, value in theirs.items():
+            assert ours[key].dtype == value.dtype and ours[key].shape == value.shape, key
+            torch.testing.assert_close(ours[key], value, rtol=tolerance, atol=tolerance)
 
 
 def _muon_config(stage: int, **top: object) -> dict:

@@ -1,6 +1,7 @@
 """`engine.module_state_dict()` after two steps, with and without frozen parameters and
 with a prefix: rank 0 writes each entry's shape and values to `--out` as JSON. The
-model has a buffer and a frozen bias. Run under DeepSpeed and under
+model has a buffer and a frozen bias. With `--save DIR` the engine also saves a
+checkpoint there (for its conversion scripts). Run under DeepSpeed and under
 `fzero run --as-deepspeed` with the same config."""
 
 import argparse
@@ -16,6 +17,7 @@ def main():
     parser.add_argument("--deepspeed_config", type=str, required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", type=str, required=True)
+    parser.add_argument("--save", type=str, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -40,6 +42,8 @@ def main():
     if engine.global_rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f)
+    if args.save:
+        engine.save_checkpoint(args.save)
 
 
 if __name__ == "__main__":
