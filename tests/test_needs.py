@@ -53,7 +53,8 @@ BUILT_IN_NAMES = {name.lower() for name in fzero.optim.OPTIMIZERS}
 # optimizer's pieces; `adamw` is the documented default of `train_step`.
 CORE_MAY_IMPORT = {
     "DynamicLossScale", "LossScaleError", "LossScaleState", "NativeKernel", "Needs",
-    "Optimizer", "Schedule", "StaticLossScale", "TensorNorms", "WholeTensors",
+    "Optimizer", "ROUNDING_STRIDE", "Schedule", "StaticLossScale", "TensorNorms",
+    "WholeTensors",
     "adamw", "bf16_stochastic", "clip_coefficient", "optimizer_from_name", "rounding_seed",
     "schedule_from_name", "segment_sq_sums", "with_overrides",
 }  # fmt: skip

@@ -27,7 +27,13 @@ from torch import Tensor
 
 from fzero import native, partition
 from fzero.config import Config
-from fzero.optim import DynamicLossScale, StaticLossScale, bf16_stochastic, rounding_seed
+from fzero.optim import (
+    ROUNDING_STRIDE,
+    DynamicLossScale,
+    StaticLossScale,
+    bf16_stochastic,
+    rounding_seed,
+)
 from fzero.partition import Memory, Plan, Unit
 
 __all__ = [
@@ -227,9 +233,6 @@ def init_state(optimizer: Any, master: Tensor, dtype: torch.dtype) -> Any:
     return state._replace(**fields) if fields else state
 
 
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
 def rounding_spans(
     unit: Unit, index: int, step: int, kind: int, lo: int, hi: int
 ) -> list[tuple[int, int, int]]:
@@ -243,7 +246,7 @@ def rounding_spans(
     pad = ((step * 1_000_003 + index) * 16 + kind) * 0x2545F4914F6CDD1D
 
     def gap(a: int, b: int) -> None:
-        spans.append((a - lo, b - lo, (pad + a * _GOLDEN) % 2**64))
+        spans.append((a - lo, b - lo, (pad + a * ROUNDING_STRIDE) % 2**64))
 
     at = lo
     for offset, numel, start, fqn in _pieces(unit):
@@ -252,7 +255,7 @@ def rounding_spans(
             continue
         if at < a:
             gap(at, a)
-        seed = rounding_seed(step, fqn, kind) + (start + a - offset) * _GOLDEN
+        seed = rounding_seed(step, fqn, kind) + (start + a - offset) * ROUNDING_STRIDE
         spans.append((a - lo, b - lo, seed % 2**64))
         at = b
     if at < hi:

@@ -9,12 +9,11 @@ from torch import Tensor
 
 from fzero import native
 from fzero.core import nvme as _nvme
-from fzero.optim import bf16_stochastic
+from fzero.optim import ROUNDING_STRIDE, bf16_stochastic
 
 __all__ = [
     "BF16_PAGE",
     "CHUNK",
-    "GOLDEN",
     "narrow_in_place",
     "packed",
     "round_bf16_into",
@@ -33,14 +32,13 @@ __all__ = [
 # buffer's bf16 view from element 0, chunk by chunk in ascending order through a small
 # bf16 buffer: chunk [a, b) writes bytes [2a, 2b), below the fp32 elements not yet read
 # (from byte 4b). Each chunk's rounding draws the bits the whole partition's would
-# (each tensor's part with its seed moved by a x golden: `fzero.optim.bf16_stochastic`
-# hashes seed + (i + 1) x golden), and widening is exact, so the values are those of
+# (each tensor's part with its seed moved by a x `fzero.optim.ROUNDING_STRIDE`: `bf16_stochastic`
+# hashes seed + (i + 1) x the stride), and widening is exact, so the values are those of
 # separate bf16 buffers, bit for bit; a unit in the step holds 4 bytes per element per
 # moment instead of 5. A bf16 master travels the same way, rounded to nearest on the way
 # out (the step has rounded it stochastically already: exact then).
 CHUNK = 1 << 20  # elements widened or rounded at a time (4 MiB of fp32)
 BF16_PAGE = _nvme.ALIGN // 2  # bf16 elements per 4 KiB
-GOLDEN = 0x9E3779B97F4A7C15
 
 
 def swap_buffer_numel(largest: int) -> int:
@@ -98,7 +96,7 @@ def narrow_in_place(buffer: Tensor, numel: int, spans: list[tuple[int, int, int]
             for a, b, seed in spans:
                 lo, hi = max(a, start), min(b, stop)
                 if lo < hi:  # the span's elements in this chunk, seeded from element lo
-                    at = (seed + (lo - a) * GOLDEN) % 2**64
+                    at = (seed + (lo - a) * ROUNDING_STRIDE) % 2**64
                     round_bf16_into(wide[lo:hi], part[lo - start : hi - start], at)
         out[start:stop].copy_(part)
     return out

@@ -39,7 +39,7 @@ GRAD = "grad"  # the gradient accumulator's kind name (the others: `Residency.ki
 # over the master's piece) from the checkpoint's slices, read by byte range once their
 # checksums have passed, and writes it to the next slot with `Residency.write_kind` at
 # the piece's offset: a bf16 moment's piece is rounded from the seed the whole unit's
-# write gives its first element (`seed += start * GOLDEN`), so the file holds the
+# write gives its first element (`seed += start * ROUNDING_STRIDE`), so the file holds the
 # whole-unit load's bits. The loaded master reaches the parameters through a copy in
 # the compute dtype filled piece by piece (`master_copy`), as the step's does.
 

@@ -79,7 +79,7 @@ from fzero.optim._registry import (
     optimizer_from_name,
     schedule_from_name,
 )
-from fzero.optim._rounding import bf16_stochastic, rounding_seed
+from fzero.optim._rounding import ROUNDING_STRIDE, bf16_stochastic, rounding_seed
 from fzero.optim._schedules import (
     LRRangeTest,
     OneCycle,
@@ -103,6 +103,7 @@ from fzero.optim._sgd import (
 __all__ = [
     "OPTIMIZERS",
     "OPTIMIZER_PARAMS",
+    "ROUNDING_STRIDE",
     "SCHEDULES",
     "SCHEDULE_PARAMS",
     "AdagradHParams",

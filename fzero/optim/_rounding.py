@@ -20,9 +20,13 @@ import zlib
 import torch
 from torch import Tensor
 
-__all__ = ["bf16_stochastic", "rounding_seed"]
+__all__ = ["ROUNDING_STRIDE", "bf16_stochastic", "rounding_seed"]
 
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+ROUNDING_STRIDE = 0x9E3779B97F4A7C15
+"""How far the seed moves per element (splitmix64's golden gamma): `bf16_stochastic` of
+`x[a:]` with `seed + a * ROUNDING_STRIDE` (mod 2^64) draws the bits it draws for those
+elements of `x` with `seed`, so a tensor rounds alike in one piece or in many."""
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _signed(value: int) -> int:
@@ -37,10 +41,10 @@ def _shift_right(z: Tensor, bits: int) -> Tensor:
 
 
 def _noise(numel: int, seed: int, device: torch.device) -> Tensor:
-    """The top 16 bits of splitmix64(seed + (i + 1) * golden) for i < numel, int64 (the
+    """The top 16 bits of splitmix64(seed + (i + 1) * ROUNDING_STRIDE) for i < numel, int64 (the
     products wrap modulo 2^64, as the C kernel's uint64_t arithmetic does)."""
     z = torch.arange(1, numel + 1, dtype=torch.int64, device=device)
-    z = z.mul_(_signed(_GOLDEN)).add_(_signed(seed))
+    z = z.mul_(_signed(ROUNDING_STRIDE)).add_(_signed(seed))
     z = (z ^ _shift_right(z, 30)).mul_(_signed(_MIX1))
     z = (z ^ _shift_right(z, 27)).mul_(_signed(_MIX2))
     z = z ^ _shift_right(z, 31)
