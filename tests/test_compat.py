@@ -593,6 +593,19 @@ def test_deepspeed_config_reads_a_config_as_deepspeeds_does(deepspeed, tmp_path)
         DeepSpeedConfig({"train_batch_size": 2, "hybrid_engine": {"enabled": True}})
 
 
+def test_repeating_loader_starts_its_loader_again(deepspeed):
+    """`deepspeed.runtime.dataloader.RepeatingLoader`: past the loader's end it starts a
+    new pass; `DeepSpeedDataLoader` says where the same loader is."""
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader, RepeatingLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(5))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    batches = [batch[0].tolist() for _, batch in zip(range(5), RepeatingLoader(loader))]
+    assert batches == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+    with pytest.raises(NotImplementedError, match=r"engine\.deepspeed_io\(dataset\)"):
+        DeepSpeedDataLoader(data, batch_size=2)
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

@@ -1,11 +1,13 @@
 """`deepspeed.runtime`: the engine class, the schedule names, `config`
-(`DeepSpeedConfig`), `zero`, `utils` and `activation_checkpointing`, as Accelerate,
-Transformers and Megatron-style code look them up."""
+(`DeepSpeedConfig`), `dataloader` (`RepeatingLoader`), `zero`, `utils` and
+`activation_checkpointing`, as Accelerate, Transformers and Megatron-style code look them
+up."""
 
 from fzero.compat.deepspeed.runtime import (
     activation_checkpointing,
     base_optimizer,
     config,
+    dataloader,
     engine,
     lr_schedules,
     utils,
@@ -16,6 +18,7 @@ __all__ = [
     "activation_checkpointing",
     "base_optimizer",
     "config",
+    "dataloader",
     "engine",
     "lr_schedules",
     "utils",
