@@ -606,6 +606,39 @@ def test_repeating_loader_starts_its_loader_again(deepspeed):
         DeepSpeedDataLoader(data, batch_size=2)
 
 
+def tput_case(rank, world):
+    compat.install()
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=config)
+    timer = engine.tput_timer
+    seen = [(timer.batch_size, timer.initialized, timer.avg_samples_per_sec())]
+    for _ in range(7):
+        engine.backward(engine(torch.randn(2, 3)).sum())
+        engine.step()
+    seen.append((timer.micro_step_count, timer.global_step_count, timer.avg_samples_per_sec()))
+    timer.update_epoch_count()
+    seen.append((timer.epoch_count, timer.micro_step_count))
+    engine.destroy()
+    return seen
+
+
+def test_tput_timer_counts_as_deepspeeds():
+    """`engine.tput_timer` (DeepSpeed-Chat calls `update_epoch_count()` each epoch):
+    micro-steps, optimizer steps at the boundary, epochs; the rate once steps are timed
+    (`make test-deepspeed` compares the counts with DeepSpeed's)."""
+    before, after, epoch = run_world(tput_case, 1)
+    assert before == (4, False, float("-inf"))
+    assert after[:2] == (7, 3) and after[2] > 0
+    assert epoch == (1, 0)
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

@@ -83,7 +83,7 @@ def test_steps_per_print_logs_loss_lr_scale_throughput_and_breakdown():
     lines = text.splitlines()
     assert [line.split()[3] for line in lines] == ["2", "4"], text  # all of it, if not
     pattern = (
-        r"\[fzero Net\] step 4 \| steps 3-4: loss (\d+\.\d{4}), [\d.]+ samples/s \| "
+        r"\[fzero Net(?:#\d+)?\] step 4 \| steps 3-4: loss (\d+\.\d{4}), [\d.]+ samples/s \| "
         r"lr 0\.001 loss_scale \d+ skipped \d+ \| "
         r"model states [\d.]+ MB \(plan [\d.]+ MB, max over ranks\), peak \d+ MB \| "
         r"ms/step: backward [\d.]+ comm [\d.]+ forward [\d.]+ step [\d.]+"

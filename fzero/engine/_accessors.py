@@ -46,6 +46,12 @@ class DeepSpeedAccessors:
     telemetry: Any
 
     @property
+    def tput_timer(self) -> Any:
+        """DeepSpeed's throughput timer (`fzero.engine.throughput.ThroughputTimer`):
+        `update_epoch_count()`, `avg_samples_per_sec()`, its step and epoch counts."""
+        return self.telemetry.throughput
+
+    @property
     def monitor(self) -> Any:
         """DeepSpeed's `engine.monitor`: the config's monitors (`tensorboard`,
         `csv_monitor`, `wandb`, `comet`); `write_events([(name, value, samples)])` writes

@@ -275,7 +275,7 @@ class Engine(DeepSpeedAccessors, CheckpointMethods):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps, self._step_applied = self.micro_steps + 1, False
         if not boundary:
-            return
+            return self.telemetry.micro_step()
         try:
             with self.timers("step"):
                 decision = take_step(

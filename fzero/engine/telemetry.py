@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from fzero import _logs, comm, monitoring
+from fzero.engine.throughput import ThroughputTimer
 from fzero.partition import MemoryEstimate, Plan
 
 
@@ -137,6 +138,12 @@ class Telemetry:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         _logs.set_level(engine.config.log_level)  # before the engine's first line
+        config = engine.config
+        self.throughput = ThroughputTimer(  # DeepSpeed's engine.tput_timer
+            engine.batch.train_batch_size if engine.batch is not None else None,
+            steps_per_output=config.steps_per_print or None,
+            enabled=(config.timers or {}).get("throughput", {}).get("enabled", True),
+        )
         self.timers: Timers = engine.timers
         self.losses: list[float] = []  # rank 0's micro-batch losses since the last report
         self.step_losses: list[float] = []  # ... since the last optimizer step
@@ -184,8 +191,9 @@ class Telemetry:
     # ---- hooks the engine calls ----------------------------------------------------------
 
     def forward(self, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager[None]:
-        """Around the module's forward: counts tokens; the FLOPs profiler's window opens
-        here at its step."""
+        """Around the module's forward: counts tokens, starts the throughput timer; the
+        FLOPs profiler's window opens here at its step."""
+        self.throughput.start()
         self.tokens += count_tokens(args, kwargs)
         if self.flops is not None:
             return self.flops.forward(self.engine.global_steps, count_samples(args, kwargs))
@@ -202,8 +210,14 @@ class Telemetry:
         if self.flops is not None:
             self.flops.backward_done()
 
+    def micro_step(self) -> None:
+        """After a `step()` off the accumulation boundary: the throughput timer stops."""
+        self.throughput.stop(global_step=False)
+
     def step(self) -> None:
-        """After each optimizer step: monitors, the bar; every `steps_per_print`, report."""
+        """After each optimizer step: the throughput timer, monitors, the bar; every
+        `steps_per_print`, report."""
+        self.throughput.stop(global_step=True)
         engine = self.engine
         if self.comms is not None:
             self.comms.note_step(self._key, skipped=engine.was_step_skipped())

@@ -9,8 +9,8 @@ step counts, whether it was applied, its lr, and whether the weights stay finite
 model built under `zero.Init` that re-initialises its layers by `module.apply`, seen
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
 default; the config's schedules at DeepSpeed's defaults, OneCycle's stairs and cycled
-betas; the optimizer blocks' defaults (torch_adam's AdamW, Lamb's eps); DeepSpeed's
-engine accessors of the config; and a batch-size ramp
+betas; the optimizer blocks' defaults (torch_adam's AdamW, Lamb's eps); the throughput
+timer's counts; DeepSpeed's engine accessors of the config; and a batch-size ramp
 (`set_train_batch_size`, `set_train_micro_batch_size`). Prints one JSON line.
 """
 
@@ -233,6 +233,19 @@ for name, params in BLOCKS:
         engine.step()
     blocks[f"{name} {json.dumps(params)}"] = weights(engine, 0).tolist()
 out["optimizer blocks"] = blocks
+# the throughput timer scripts read and advance (DeepSpeed-Chat's update_epoch_count)
+settings = {**config(2, "fp32"), "gradient_accumulation_steps": 2, "steps_per_print": 3}
+engine, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=settings)
+timer = engine.tput_timer
+counts = [[timer.initialized, timer.batch_size, timer.start_step, timer.steps_per_output]]
+for _ in range(2):
+    for _ in range(5):
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+        counts.append([timer.epoch_count, timer.micro_step_count, timer.global_step_count])
+    timer.update_epoch_count()
+counts.append([timer.epoch_count, timer.micro_step_count, timer.avg_samples_per_sec() > 0])
+out["tput_timer"] = counts
 # Lamb's default eps (DeepSpeed builds FusedLamb, which has no CPU kernel: its signature)
 if args.fzero:
     settings = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {}}}
