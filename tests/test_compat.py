@@ -625,6 +625,7 @@ def tput_case(rank, world):
     seen.append((timer.micro_step_count, timer.global_step_count, timer.avg_samples_per_sec()))
     timer.update_epoch_count()
     seen.append((timer.epoch_count, timer.micro_step_count))
+    seen.append((engine.has_moe_layers, str(engine.communication_data_type)))
     engine.destroy()
     return seen
 
@@ -632,11 +633,13 @@ def tput_case(rank, world):
 def test_tput_timer_counts_as_deepspeeds():
     """`engine.tput_timer` (DeepSpeed-Chat calls `update_epoch_count()` each epoch):
     micro-steps, optimizer steps at the boundary, epochs; the rate once steps are timed
-    (`make test-deepspeed` compares the counts with DeepSpeed's)."""
-    before, after, epoch = run_world(tput_case, 1)
+    (`make test-deepspeed` compares the counts with DeepSpeed's). DeepSpeed's
+    `has_moe_layers` and `communication_data_type` answer too."""
+    before, after, epoch, other = run_world(tput_case, 1)
     assert before == (4, False, float("-inf"))
     assert after[:2] == (7, 3) and after[2] > 0
     assert epoch == (1, 0)
+    assert other == (False, "torch.float32")  # fzero reduces in fp32 unless told
 
 
 def test_initialize_without_an_optimizer_runs_forward_only():

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fzero.config import BatchSizes
+from fzero.core.precision import gradient_wire_dtype
 
 __all__ = ["DeepSpeedAccessors"]
 
@@ -352,6 +353,17 @@ class DeepSpeedAccessors:
 
     def curriculum_learning_enabled(self) -> bool:
         return False
+
+    has_moe_layers = False
+    """DeepSpeed's attribute: fzero trains no mixture-of-experts layers (`deepspeed.moe`
+    layers are refused)."""
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients travel in when reduced over ranks: the config's
+        `communication_data_type`, else fp32 (fzero's; DeepSpeed's default is the
+        compute dtype)."""
+        return gradient_wire_dtype(self.config)
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release every gathered unit (kept for generation or prefetched), as

@@ -271,6 +271,7 @@ ACCESSORS = (
     "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail",
     "load_universal_checkpoint", "gradient_average", "flops_profiler_enabled",
     "autotuning_enabled", "curriculum_learning_enabled", "zero_cpu_offload", "mpu", "loss_scale",
+    "has_moe_layers",
 )  # fmt: skip
 for stage in (1, 3):
     settings = {
