@@ -642,6 +642,29 @@ def test_tput_timer_counts_as_deepspeeds():
     assert other == (False, "torch.float32")  # fzero reduces in fp32 unless told
 
 
+def test_deepspeeds_timers_time_and_log(deepspeed, capsys):
+    """`deepspeed.utils.timer`: named timers summing their intervals in ms until reset,
+    a running one counted to now and left running, `log`'s line; refusing a double
+    start (`make test-deepspeed` compares the arithmetic with DeepSpeed's)."""
+    from deepspeed.utils.timer import NoopTimer, SynchronizedWallClockTimer, trim_mean
+
+    timers = SynchronizedWallClockTimer()
+    for _ in range(2):
+        timers("fwd").start()
+        time.sleep(0.01)
+        timers("fwd").stop()
+    assert timers("fwd").elapsed(reset=False) >= 20.0
+    timers.log(["fwd", "missing"], normalizer=2.0)
+    assert re.fullmatch(r"time \(ms\) \| fwd: \d+\.\d\d\n", capsys.readouterr().out)
+    assert timers("fwd").elapsed() == 0  # log reset it
+    timers("bwd").start()
+    with pytest.raises(RuntimeError, match="bwd timer has already been started"):
+        timers("bwd").start()
+    assert timers("bwd").elapsed() >= 0 and timers("bwd").started_
+    assert trim_mean([9.0, 1.0, 2.0, 3.0], 0.25) == 2.5
+    assert NoopTimer()("x").elapsed() == 0
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

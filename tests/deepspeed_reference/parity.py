@@ -10,7 +10,8 @@ model built under `zero.Init` that re-initialises its layers by `module.apply`, 
 whole; and a config with every `zero_optimization`, `checkpoint` and `aio` key at its
 default; the config's schedules at DeepSpeed's defaults, OneCycle's stairs and cycled
 betas; the optimizer blocks' defaults (torch_adam's AdamW, Lamb's eps); the throughput
-timer's counts; DeepSpeed's engine accessors of the config; and a batch-size ramp
+timer's counts; DeepSpeed's timers; the engine accessors of the config; and a batch-size
+ramp
 (`set_train_batch_size`, `set_train_micro_batch_size`). Prints one JSON line.
 """
 
@@ -246,6 +247,24 @@ for _ in range(2):
     timer.update_epoch_count()
 counts.append([timer.epoch_count, timer.micro_step_count, timer.avg_samples_per_sec() > 0])
 out["tput_timer"] = counts
+# DeepSpeed's timers as research code uses them: named timers, elapsed ms and its reset,
+# the trimmed mean (the durations themselves vary, their arithmetic does not)
+from deepspeed.utils.timer import SynchronizedWallClockTimer, trim_mean  # noqa: E402
+
+timers = SynchronizedWallClockTimer()
+for _ in range(3):
+    timers("fwd").start()
+    timers("fwd").stop()
+running = timers("bwd")
+running.start()
+out["timers"] = {
+    "names": sorted(timers.get_timers()),
+    "counted": len(timers("fwd").event_timers),
+    "positive": timers("fwd").elapsed(reset=True) >= 0,
+    "after reset": timers("fwd").elapsed(),
+    "still running": running.elapsed() >= 0 and running.started_,
+    "trim_mean": trim_mean([5.0, 1.0, 3.0, 100.0, 2.0, 4.0, 0.0, 3.0, 3.0, 3.0], 0.1),
+}
 # Lamb's default eps (DeepSpeed builds FusedLamb, which has no CPU kernel: its signature)
 if args.fzero:
     settings = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {}}}

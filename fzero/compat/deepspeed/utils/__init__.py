@@ -3,8 +3,9 @@
 Served: `logger`, `log_dist` (and the `logging` submodule Lightning sets the level
 through), `OnDevice` (`init_on_device`), `zero_to_fp32`, the `safe_get_full_*` /
 `safe_set_full_*` tensor accessors, the ZeRO-3 leaf-module flags, `groups` (data
-parallel), `is_initialized`. Refused by name when called: the local-shard and
-gradient-setting accessors, and every group that is not data parallel.
+parallel), `is_initialized`, `timer` (DeepSpeed's timers). Refused by name when called:
+the local-shard and gradient-setting accessors, and every group that is not data
+parallel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fzero.compat.deepspeed.utils import (
     init_on_device,
     logging,
     tensor_fragment,
+    timer,
     zero_to_fp32,
 )
 from fzero.compat.deepspeed.utils.init_on_device import OnDevice
@@ -68,6 +70,7 @@ __all__ = [
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "tensor_fragment",
+    "timer",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
     "z3_leaf_parameter",
