@@ -665,6 +665,26 @@ def test_deepspeeds_timers_time_and_log(deepspeed, capsys):
     assert NoopTimer()("x").elapsed() == 0
 
 
+def test_the_safe_globals_scripts_import_are_served(deepspeed):
+    """Scripts on torch >= 2.6 import DeepSpeed's `LossScaler` and `ZeroStageEnum` at
+    start for `torch.serialization.add_safe_globals`; the dynamic scaler halves after
+    its hysteresis and grows after a window of clean steps (DeepSpeed 0.19's rule)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum])
+    assert ZeroStageEnum(3) is ZeroStageEnum.weights is ZeroStageEnum.max_stage
+    scaler = DynamicLossScaler(16, 2, 1, 2, False)
+    scales = []
+    for overflow in (True, True, False, False, False, True):
+        scaler.update_scale(overflow)
+        scales.append(scaler.cur_scale)
+    assert scales == [16, 8, 8, 8, 16, 16]
+    with pytest.raises(Exception, match="loss scale already at minimum"):
+        at_min = DynamicLossScaler(1, 2, 1, 1, False)
+        at_min.update_scale(True)
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

@@ -156,10 +156,10 @@ def test_dynamic_loss_scale_hysteresis_and_window():
     assert (s.scale, s.hysteresis) == (16.0, 1)
     s = scaler.update(s, True)  # second halves the scale
     assert (s.scale, s.hysteresis) == (8.0, 1)
-    s = scaler.update(s, False)
-    s = scaler.update(s, False)
+    for _ in range(3):
+        s = scaler.update(s, False)
     assert s.scale == 8.0
-    s = scaler.update(s, False)  # window of 3 good iterations: grow, restore hysteresis
+    s = scaler.update(s, False)  # after a window of 3 good iterations: grow, restore hysteresis
     assert (s.scale, s.hysteresis) == (16.0, 2)
     for _ in range(6):
         s = scaler.update(s, True)
@@ -167,13 +167,15 @@ def test_dynamic_loss_scale_hysteresis_and_window():
 
 
 def test_dynamic_loss_scale_grows_after_first_window():
+    """DeepSpeed 0.19's rule: a clean step grows the scale when `window` clean steps came
+    before it (`make test-deepspeed` steps DeepSpeed's `DynamicLossScaler` the same way)."""
     scaler = fo.DynamicLossScale(initial_scale_power=1, window=2)
     s = scaler.init()
     scales = []
-    for _ in range(4):
+    for _ in range(5):
         s = scaler.update(s, False)
         scales.append(s.scale)
-    assert scales == [2.0, 4.0, 4.0, 8.0]
+    assert scales == [2.0, 2.0, 4.0, 4.0, 8.0]
 
 
 def test_consecutive_hysteresis_restores_after_each_good_step():

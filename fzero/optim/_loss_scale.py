@@ -1,9 +1,10 @@
 """Loss scaling for fp16 as a pure state transition (Micikevicius et al. 2018).
 
-Dynamic scaling follows DeepSpeed's `DynamicLossScaler.update_scale`: on an
+Dynamic scaling follows DeepSpeed's `DynamicLossScaler.update_scale` (0.19's): on an
 overflow the step is skipped and, once `hysteresis` overflows have been
-absorbed, the scale is divided by `factor` (not below `min_scale`); after
-`window` iterations without overflow it is multiplied by `factor`. The
+absorbed, the scale is divided by `factor` (not below `min_scale`); a clean step that
+follows `window` clean steps (counted from the last overflow, or from the start)
+multiplies it by `factor`: the first growth comes at the `window + 1`-th clean step. The
 hysteresis budget is restored at each growth (or after every good step with
 `consecutive_hysteresis`). A static scale never changes and never skips. An overflow
 with the scale already at `min_scale` and the hysteresis spent cannot lower it: the run
@@ -62,7 +63,8 @@ class DynamicLossScale:
         else:
             if self.consecutive_hysteresis:
                 hysteresis = self.hysteresis
-            if (iteration - last_overflow) % self.window == 0:
+            stable = iteration - last_overflow - 1  # clean steps before this one
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     hysteresis = self.hysteresis
                 scale *= self.factor

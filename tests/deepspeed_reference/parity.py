@@ -265,6 +265,21 @@ out["timers"] = {
     "still running": running.elapsed() >= 0 and running.started_,
     "trim_mean": trim_mean([5.0, 1.0, 3.0, 100.0, 2.0, 4.0, 0.0, 3.0, 3.0, 3.0], 0.1),
 }
+# the names scripts hand torch.serialization.add_safe_globals, and DeepSpeed's dynamic
+# loss scaler stepped through overflows (hysteresis 2, window 2)
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+
+torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum])
+scaler, scales = DynamicLossScaler(2**16, 2, 1, 2, False), []
+for overflow in (True, False, False, False, True, True, False, True, True):
+    scaler.update_scale(overflow)
+    scales.append([scaler.cur_scale, scaler.cur_hysteresis, scaler.cur_iter])
+out["loss scaler"] = {
+    "dynamic": scales,
+    "static": [LossScaler(8).loss_scale, LossScaler().has_overflow([])],
+    "stages": [[e.name, int(e)] for e in ZeroStageEnum] + [ZeroStageEnum.max_stage.name],
+}
 # Lamb's default eps (DeepSpeed builds FusedLamb, which has no CPU kernel: its signature)
 if args.fzero:
     settings = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {}}}

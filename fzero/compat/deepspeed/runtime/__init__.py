@@ -1,7 +1,7 @@
 """`deepspeed.runtime`: the engine class, the schedule names, `config`
-(`DeepSpeedConfig`), `dataloader` (`RepeatingLoader`), `zero`, `utils` and
-`activation_checkpointing`, as Accelerate, Transformers and Megatron-style code look them
-up."""
+(`DeepSpeedConfig`), `dataloader` (`RepeatingLoader`), `fp16` (`loss_scaler`), `zero`,
+`utils` and `activation_checkpointing`, as Accelerate, Transformers and Megatron-style
+code look them up."""
 
 from fzero.compat.deepspeed.runtime import (
     activation_checkpointing,
@@ -9,6 +9,7 @@ from fzero.compat.deepspeed.runtime import (
     config,
     dataloader,
     engine,
+    fp16,
     lr_schedules,
     utils,
     zero,
@@ -20,6 +21,7 @@ __all__ = [
     "config",
     "dataloader",
     "engine",
+    "fp16",
     "lr_schedules",
     "utils",
     "zero",

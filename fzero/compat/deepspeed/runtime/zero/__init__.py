@@ -1,8 +1,9 @@
 """`deepspeed.runtime.zero`: `Init` and `GatheredParameters` (fzero's `deepspeed.zero`),
-`partition_parameters`, whose construction hooks Transformers patches, and DeepSpeed's
-memory estimators in `stage3` and `stage_1_and_2`."""
+`partition_parameters`, whose construction hooks Transformers patches, `config`
+(`ZeroStageEnum`), and DeepSpeed's memory estimators in `stage3` and `stage_1_and_2`."""
 
 from fzero.compat.deepspeed.runtime.zero import (
+    config,
     offload_config,
     partition_parameters,
     stage3,
@@ -14,6 +15,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "config",
     "offload_config",
     "partition_parameters",
     "register_external_parameter",
