@@ -685,6 +685,24 @@ def test_the_safe_globals_scripts_import_are_served(deepspeed):
         at_min.update_scale(True)
 
 
+def test_move_to_device_moves_nested_tensors_and_in_place_where_asked(deepspeed):
+    """`deepspeed.runtime.utils.move_to_device`: tensors in nested lists, tuples and
+    dicts on the device, other values as they are; a tensor `criterion_func` accepts
+    keeps its identity (its data swapped), as DeepSpeed's."""
+    from deepspeed.runtime.utils import move_to_device
+
+    pair, other, asked = torch.ones(2), torch.zeros(1), []
+
+    def criterion(t: torch.Tensor) -> bool:
+        asked.append(t.numel())
+        return t.numel() == 2
+
+    moved = move_to_device({"a": [pair, 3], "b": (other,)}, "cpu", criterion)
+    assert isinstance(moved["b"], tuple) and moved["a"][1] == 3
+    assert moved["a"][0] is pair and torch.equal(moved["b"][0], other)
+    assert sorted(asked) == [1, 2]  # every tensor, and only tensors, asked
+
+
 def test_initialize_without_an_optimizer_runs_forward_only():
     result = run_world(forward_only_case, 2)
     assert result["same_output"] and result["optimizer"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +21,20 @@ _GIB = 2**30
 _GAP = " " * 9  # DeepSpeed's line continuation inside its f-string leaves these
 
 
-def move_to_device(item: Any, device: torch.device | str) -> Any:
+def move_to_device(
+    item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool] | None = None
+) -> Any:
     """`item` (a tensor, or lists, tuples and dicts of them) with every tensor on
-    `device`; anything else as it is."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), item)
+    `device`; anything else as it is. A tensor `criterion_func` accepts is moved in
+    place (its data swapped, the same object returned), as DeepSpeed's does."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if criterion_func is not None and criterion_func(t):
+            t.data = t.to(device).data
+            return t
+        return t.to(device)
+
+    return pytree.tree_map_only(torch.Tensor, move, item)
 
 
 def _resident_bytes() -> int:
