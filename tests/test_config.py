@@ -556,7 +556,7 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
     for kind, key, value, want in (
         ("AdamW", "lr", "1e-3", "a number"),  # JSON written with quotes
         ("Lamb", "betas", [0.9, 0.99, 0.9], "a list of 2 numbers"),
-        ("SGD", "nesterov", 1, "true or false"),
+        ("SGD", "nesterov", "yes", r"true or false \(or 1 or 0\)"),
         ("Muon", "exclude", ["embed", 3], "a list of strings"),
     ):
         block = {"type": kind, "params": {key: value}}
@@ -575,6 +575,7 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
     steps = {"warmup_num_steps": 1e3, "total_num_steps": 1e4}  # JSON's 1e3: DeepSpeed's too
     load_config({"scheduler": {"type": "WarmupDecayLR", "params": steps}})
     load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
+    assert build("Adam", {"bias_correction": 0}).hparams.bias_correction is False
     with pytest.raises(ValueError, match=r"'optimizer.params.lr' is still \"auto\""):
         build("AdamW", {"lr": "auto"})
     assert build("AdamW", {"torch_adam": True}).hparams.weight_decay == 0.01

@@ -117,8 +117,10 @@ def _fits(value: Any, hint: Any, *, whole: bool = False) -> bool:
     with `whole` a float is an int (DeepSpeed's schedules take `1e5` steps)."""
     if hint is float or (whole and hint is int):
         return _number(value)
-    if hint is int or hint is bool or hint is str:
-        return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+    if hint is bool:  # JSON's true and false, or 0 and 1 (which DeepSpeed takes too)
+        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+    if hint is int or hint is str:
+        return isinstance(value, hint) and not isinstance(value, bool)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
         return value in args
@@ -133,7 +135,8 @@ def _fits(value: Any, hint: Any, *, whole: bool = False) -> bool:
     return origin is not tuple
 
 
-_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+_WORDS = {float: "a number", int: "an integer", bool: "true or false (or 1 or 0)",
+          str: "a string"}  # fmt: skip
 
 
 def _wanted(hint: Any, whole: bool) -> str:
@@ -217,6 +220,9 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
     if key in _BUILDERS:
         check_param_types(key, params)
     p = {k: v for k, v in params.items() if k not in (*_IMPLEMENTATION_ONLY, *_FIXED)}
+    if key in _BUILDERS:  # a switch given as 1 or 0 is held as a bool
+        hints = typing.get_type_hints(_BUILDERS[key])
+        p = {k: bool(v) if hints.get(k) is bool else v for k, v in p.items()}
     if key in ("adam", "adamw"):
         decoupled = key == "adamw" or bool(p.pop("adam_w_mode", True))
         if key == "adamw":
