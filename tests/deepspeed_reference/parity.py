@@ -280,6 +280,19 @@ out["loss scaler"] = {
     "static": [LossScaler(8).loss_scale, LossScaler().has_overflow([])],
     "stages": [[e.name, int(e)] for e in ZeroStageEnum] + [ZeroStageEnum.max_stage.name],
 }
+# RepeatingLoader past its loader's end, and move_to_device with a criterion
+from deepspeed.runtime.dataloader import RepeatingLoader  # noqa: E402
+from deepspeed.runtime.utils import move_to_device  # noqa: E402
+
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(5)), 2)
+pair = torch.ones(2)
+nested = move_to_device(
+    [pair, (torch.zeros(1),)], "cpu", lambda t: torch.is_tensor(t) and t.numel() == 2
+)
+out["loaders and devices"] = {
+    "repeating": [b[0].tolist() for _, b in zip(range(5), RepeatingLoader(loader))],
+    "moved": [nested[0] is pair, type(nested[1]).__name__, nested[1][0].tolist()],
+}
 # Lamb's default eps (DeepSpeed builds FusedLamb, which has no CPU kernel: its signature)
 if args.fzero:
     settings = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb", "params": {}}}
