@@ -553,29 +553,26 @@ def test_optimizer_params_deepspeed_takes_at_one_value_here_are_accepted_there_o
             load_config({"optimizer": block})
         with pytest.raises(ValueError, match=rf"'optimizer.params.{key}' is {value}"):
             build(kind, {key: value})
-    for kind, key, value, want in (
-        ("AdamW", "lr", "1e-3", "a number"),  # JSON written with quotes
-        ("Lamb", "betas", [0.9, 0.99, 0.9], "a list of 2 numbers"),
-        ("SGD", "nesterov", "yes", r"true or false \(or 1 or 0\)"),
-        ("Muon", "exclude", ["embed", 3], "a list of strings"),
-    ):
-        block = {"type": kind, "params": {key: value}}
-        with pytest.raises(
-            ConfigError, match=rf"'optimizer.params.{key}' is .*; it must be {want}"
-        ):
-            load_config({"optimizer": block})
+    for kind, key, want in (
+        ("AdamW", {"lr": "1e-3"}, "'optimizer.params.lr' must be a number, found '1e-3'"),
+        ("Lamb", {"betas": [0.9, 0.99, 0.9]},
+         "'optimizer.params.betas' must be a list of 2 values, found [0.9, 0.99, 0.9]"),
+        ("SGD", {"nesterov": "yes"}, "'optimizer.params.nesterov' must be true or false"),
+        ("Muon", {"exclude": ["embed", 3]}, "'optimizer.params.exclude[1]' must be a string"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(want)):
+            load_config({"optimizer": {"type": kind, "params": key}})
     for params, message in (
-        ({"warmup_max_lr": "1e-3"}, "'scheduler.params.warmup_max_lr' is '1e-3'; it must be a "
-         "number or null"),
-        ({"warmup_type": "cubic"}, "'scheduler.params.warmup_type' is 'cubic'; it must be one "
-         "of 'log', 'linear'"),  # DeepSpeed warns and warms up logarithmically
+        ({"warmup_max_lr": "1e-3"}, "'scheduler.params.warmup_max_lr' must be a number, "
+         "found '1e-3'"),
+        ({"warmup_type": "cubic"}, "'scheduler.params.warmup_type' is 'cubic'; allowed: "
+         "['log', 'linear']"),  # DeepSpeed warns and warms up logarithmically
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config({"scheduler": {"type": "WarmupLR", "params": params}})
     steps = {"warmup_num_steps": 1e3, "total_num_steps": 1e4}  # JSON's 1e3: DeepSpeed's too
     load_config({"scheduler": {"type": "WarmupDecayLR", "params": steps}})
     load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
-    assert build("Adam", {"bias_correction": 0}).hparams.bias_correction is False
     with pytest.raises(ValueError, match=r"'optimizer.params.lr' is still \"auto\""):
         build("AdamW", {"lr": "auto"})
     assert build("AdamW", {"torch_adam": True}).hparams.weight_decay == 0.01

@@ -41,7 +41,7 @@ from fzero.config._base import (
     no_effect_object,
     only_default,
 )
-from fzero.config._parse import parse_section, unknown_key
+from fzero.config._parse import convert, parse_section, unknown_key
 from fzero.config.batch import BatchSizes, accumulation_steps, batch_sizes, batch_sizes_or_none
 from fzero.config.monitor import (
     CometConfig,
@@ -55,11 +55,11 @@ from fzero.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParam
 from fzero.config.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
 from fzero.config.zero import ZeroConfig
 from fzero.optim import (
+    OPTIMIZER_HINTS,
     OPTIMIZER_PARAMS,
+    SCHEDULE_HINTS,
     SCHEDULE_PARAMS,
     check_fixed_params,
-    check_param_types,
-    check_schedule_types,
 )
 
 __all__ = [
@@ -341,6 +341,14 @@ def _check_params(
             raise unknown_key(key, allowed, f"{block}.params.({kind}).")
 
 
+def _check_types(block: str, params: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
+    """Each param's value against its builder's annotation (the config's own check of
+    every key): `"lr": "1e-3"` or three betas are refused naming the key."""
+    for key, value in params.items():
+        if key in hints:
+            convert(value, hints[key], f"{block}.params.{key}")
+
+
 def _take_max_grad_norm(raw: dict[str, Any]) -> dict[str, Any]:
     """Move `optimizer.params.max_grad_norm` to `gradient_clipping`, with a warning."""
     params = (raw.get("optimizer") or {}).get("params") or {}
@@ -498,9 +506,9 @@ def _check(config: Config) -> None:
         _check_params("optimizer", kind, config.optimizer.params, OPTIMIZER_PARAMS[kind])
         try:
             check_fixed_params(config.optimizer.params)
-            check_param_types(kind, config.optimizer.params, allow_auto=True)
         except ValueError as error:
             raise ConfigError(f"config key {error}") from None
+        _check_types("optimizer", config.optimizer.params, OPTIMIZER_HINTS[kind])
     if config.scheduler is not None:
         kind = config.scheduler.type.lower().replace("_", "")
         if kind not in SCHEDULE_PARAMS:
@@ -509,10 +517,7 @@ def _check(config: Config) -> None:
                 "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
             )
         _check_params("scheduler", kind, config.scheduler.params, SCHEDULE_PARAMS[kind])
-        try:
-            check_schedule_types(kind, config.scheduler.params, allow_auto=True)
-        except ValueError as error:
-            raise ConfigError(f"config key {error}") from None
+        _check_types("scheduler", config.scheduler.params, SCHEDULE_HINTS[kind])
 
 
 def _check_compute_grad_norm(config: Config) -> None:

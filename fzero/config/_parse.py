@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 from fzero.config._base import AUTO, ConfigError
 
-__all__ = ["ALIASES", "NOT_SUPPORTED", "Switch", "parse_section", "unknown_key"]
+__all__ = ["ALIASES", "NOT_SUPPORTED", "Switch", "convert", "parse_section", "unknown_key"]
 
 
 class Switch(typing.NamedTuple):
@@ -129,8 +129,9 @@ def unknown_key(key: str, known: set[str] | frozenset[str], where: str) -> Confi
     return ConfigError(f"unknown config key {where + key!r}; known keys here: {sorted(known)}")
 
 
-def _convert(value: Any, hint: Any, key: str) -> Any:
-    """Check/convert one JSON value to the field's annotated type."""
+def convert(value: Any, hint: Any, key: str) -> Any:
+    """Check/convert one JSON value to the field's annotated type (`key` names it in the
+    error); "auto" passes as it is."""
     if value == AUTO:
         return AUTO
     origin = typing.get_origin(hint)
@@ -143,7 +144,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _convert(value, option, key)
+                return convert(value, option, key)
             except ConfigError as error:
                 errors.append(str(error))
         raise ConfigError(errors[0])
@@ -174,11 +175,22 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"config key {key!r} must be a string, found {value!r}")
         return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"config key {key!r} must be a list, found {value!r}")
+        items = typing.get_args(hint)
+        if len(items) == 2 and items[1] is Ellipsis:
+            items = (items[0],) * len(value)
+        elif len(value) != len(items):
+            raise ConfigError(
+                f"config key {key!r} must be a list of {len(items)} values, found {value!r}"
+            )
+        return tuple(convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, items)))
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"config key {key!r} must be a list, found {value!r}")
         (item,) = typing.get_args(hint)
-        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"config key {key!r} must be an object, found {value!r}")
@@ -199,7 +211,7 @@ def parse_section(cls: type, raw: Mapping[str, Any], where: str) -> Any:
         if name in known:
             if name in values:
                 raise ConfigError(f"config key {where + name!r} is given twice (once as {key!r})")
-            values[name] = _convert(value, hints[name], where + key)
+            values[name] = convert(value, hints[name], where + key)
             _check_default(fields[name], values[name], where + key)
         elif name in unsupported:
             switch = unsupported[name]

@@ -69,13 +69,13 @@ from fzero.optim._loss_scale import (
 )
 from fzero.optim._muon import MuonHParams, MuonState, muon, muon_needs
 from fzero.optim._registry import (
+    OPTIMIZER_HINTS,
     OPTIMIZER_PARAMS,
     OPTIMIZERS,
+    SCHEDULE_HINTS,
     SCHEDULE_PARAMS,
     SCHEDULES,
     check_fixed_params,
-    check_param_types,
-    check_schedule_types,
     optimizer_from_name,
     schedule_from_name,
 )
@@ -102,9 +102,11 @@ from fzero.optim._sgd import (
 
 __all__ = [
     "OPTIMIZERS",
+    "OPTIMIZER_HINTS",
     "OPTIMIZER_PARAMS",
     "ROUNDING_STRIDE",
     "SCHEDULES",
+    "SCHEDULE_HINTS",
     "SCHEDULE_PARAMS",
     "AdagradHParams",
     "AdagradState",
@@ -147,8 +149,6 @@ __all__ = [
     "adamw",
     "bf16_stochastic",
     "check_fixed_params",
-    "check_param_types",
-    "check_schedule_types",
     "clip_coefficient",
     "constant",
     "global_norm",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -28,12 +27,12 @@ from fzero.optim._sgd import sgd
 
 __all__ = [
     "OPTIMIZERS",
+    "OPTIMIZER_HINTS",
     "OPTIMIZER_PARAMS",
     "SCHEDULES",
+    "SCHEDULE_HINTS",
     "SCHEDULE_PARAMS",
     "check_fixed_params",
-    "check_param_types",
-    "check_schedule_types",
     "optimizer_from_name",
     "schedule_from_name",
 ]
@@ -108,88 +107,26 @@ _BUILDERS = {"adam": adam, "adamw": adam, "lamb": lamb, "sgd": sgd, "muon": muon
              "adagrad": adagrad, "lion": lion}  # fmt: skip
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+OPTIMIZER_HINTS: dict[str, dict[str, Any]] = {
+    kind: typing.get_type_hints(build) for kind, build in _BUILDERS.items()
+}
+"""Each optimizer type's params by their annotated types (the config checks a block's
+values against them)."""
+SCHEDULE_HINTS: dict[str, dict[str, Any]] = {
+    kind: typing.get_type_hints(cls) for kind, cls in SCHEDULES.items()
+}
+"""Each schedule type's params by their annotated types."""
 
 
-def _fits(value: Any, hint: Any, *, whole: bool = False) -> bool:
-    """Whether a JSON value can be the argument annotated `hint`: an int is a float, and
-    with `whole` a float is an int (DeepSpeed's schedules take `1e5` steps)."""
-    if hint is float or (whole and hint is int):
-        return _number(value)
-    if hint is bool:  # JSON's true and false, or 0 and 1 (which DeepSpeed takes too)
-        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
-    if hint is int or hint is str:
-        return isinstance(value, hint) and not isinstance(value, bool)
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Literal:
-        return value in args
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arm, whole=whole) for arm in args)
-    if hint is type(None):
-        return value is None
-    if origin is tuple and isinstance(value, list | tuple):
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_fits(item, args[0]) for item in value)
-        return len(value) == len(args) and all(map(_fits, value, args))
-    return origin is not tuple
-
-
-_WORDS = {float: "a number", int: "an integer", bool: "true or false (or 1 or 0)",
-          str: "a string"}  # fmt: skip
-
-
-def _wanted(hint: Any, whole: bool) -> str:
-    """What `_fits` asks of a value for `hint`, in words."""
-    if whole and hint is int:
-        return "a number"
-    if hint in _WORDS:
-        return _WORDS[hint]
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _wanted(a, whole) for a in args)
-    if len(args) == 2 and args[1] is Ellipsis:
-        return "a list of strings"
-    return f"a list of {len(args)} numbers"
-
-
-def _check_types(
-    block: str, hints: dict[str, Any], params: Mapping[str, Any], allow_auto: bool, whole: bool
-) -> None:
+def _refuse_auto(block: str, params: Mapping[str, Any]) -> None:
+    """Raise naming a param still "auto" (Transformers' placeholder, resolved before an
+    optimizer or schedule is built)."""
     for key, value in params.items():
-        hint = hints.get(key)
-        if hint is None:  # DeepSpeed's switches and names: checked where they are read
-            continue
-        if value == "auto":
-            if allow_auto:
-                continue
+        if isinstance(value, str) and value == "auto":
             raise ValueError(
                 f"'{block}.params.{key}' is still \"auto\"; resolve it (fzero.resolve_auto, "
                 "or Transformers' Trainer does) or give a value"
             )
-        if not _fits(value, hint, whole=whole):
-            raise ValueError(
-                f"'{block}.params.{key}' is {value!r}; it must be {_wanted(hint, whole)}"
-            )
-
-
-def check_schedule_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
-    """`check_param_types` for a scheduler block of type `kind` (a key of `SCHEDULES`):
-    step counts may be any number (`1e5`), as DeepSpeed's schedules take them; a
-    `warmup_type` other than log or linear is refused (DeepSpeed warns and warms up
-    logarithmically)."""
-    hints = typing.get_type_hints(SCHEDULES[kind])
-    _check_types("scheduler", hints, params, allow_auto, True)
-
-
-def check_param_types(kind: str, params: Mapping[str, Any], *, allow_auto: bool = False) -> None:
-    """Raise ValueError for an optimizer param of type `kind` (a key of `OPTIMIZER_PARAMS`)
-    whose value its builder cannot take — a string where a number goes, as in
-    `"lr": "1e-3"`, or three betas — naming the key, the value and the type; `"auto"`
-    (Transformers' placeholder) is allowed only with `allow_auto`."""
-    _check_types("optimizer", typing.get_type_hints(_BUILDERS[kind]), params, allow_auto, False)
 
 
 def check_fixed_params(params: Mapping[str, Any]) -> None:
@@ -217,12 +154,8 @@ def optimizer_from_name(name: str, params: Mapping[str, Any]) -> Optimizer:
     """
     key = name.lower()
     check_fixed_params(params)
-    if key in _BUILDERS:
-        check_param_types(key, params)
+    _refuse_auto("optimizer", params)
     p = {k: v for k, v in params.items() if k not in (*_IMPLEMENTATION_ONLY, *_FIXED)}
-    if key in _BUILDERS:  # a switch given as 1 or 0 is held as a bool
-        hints = typing.get_type_hints(_BUILDERS[key])
-        p = {k: bool(v) if hints.get(k) is bool else v for k, v in p.items()}
     if key in ("adam", "adamw"):
         decoupled = key == "adamw" or bool(p.pop("adam_w_mode", True))
         if key == "adamw":
@@ -272,5 +205,5 @@ def schedule_from_name(name: str, params: Mapping[str, Any]) -> Schedule:
             f"scheduler type {name!r} is unknown; allowed: WarmupLR, WarmupDecayLR, "
             "WarmupCosineLR, OneCycle, LRRangeTest, WarmupExpDecayExp"
         )
-    check_schedule_types(key, params)
+    _refuse_auto("scheduler", params)
     return cls(**params)
