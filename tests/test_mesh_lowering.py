@@ -1,11 +1,12 @@
-"""Every mesh plan `validate` accepts is one the doors run, holding what it says.
+"""Every split per kind `validate` accepts is one the doors run, holding what it says.
 
-Both doors run `partition.executable(mesh_plan)`. Over every way of splitting each kind
+`partition.mesh_plan` lowers a preset's per-kind splits (a `KindPlan`) to the `Plan`
+both doors run (`executable`). Over every way of splitting each kind
 of a unit on a 2x2 mesh (each kind over no axis, one axis or both in either order, with
 or without hpZ's secondary copy) — every unit alike, or one unit so beside units split
 as ZeRO-3, MiCS or the optimizer over the world with the gradients in the node — a plan
 `validate` accepts must lower, and each rank must hold of each kind exactly the elements
-the mesh plan says (`kind_slices`) in the plan the doors run; a plan it refuses must be
+the split says (`kind_slices`) in the plan the doors run; a plan it refuses must be
 refused naming the unit and the kind."""
 
 from __future__ import annotations
@@ -17,23 +18,15 @@ import re
 import pytest
 
 from fzero import partition
-from fzero.partition import (
-    KINDS,
-    Mesh,
-    MeshPlan,
-    PlanError,
-    UnitSharding,
-    as_mesh_plan,
-    executable,
-    kind_slices,
-    validate,
-)
+from fzero.partition import KINDS, Mesh, PlanError, UnitSharding, kind_slices, validate
+from fzero.partition._mesh_plan import KindPlan, as_kind_plan, executable
+from fzero.partition._queries import _slices_in
 from tests.test_mesh_plan import MANIFEST  # five tensors in two groups
 
 MESH = Mesh({"node": 2, "local": 2})
 SPLITS = [(), ("node",), ("local",), ("node", "local"), ("local", "node")]
 SECONDARY = [None, ("node",), ("local",)]
-BASE = partition.mesh_plan(MANIFEST, MESH, "zero3", persistence_threshold=0)
+BASE = as_kind_plan(partition.mesh_plan(MANIFEST, MESH, "zero3", persistence_threshold=0))
 OTHERS = {
     "alike": None,
     "zero3": BASE.shardings[0],
@@ -52,8 +45,18 @@ def _sharding(params, grads, optimizer, secondary) -> UnitSharding:
     )
 
 
-def _held(plan: MeshPlan, rank: int, kind: str) -> set[tuple[str, int]]:
+def _held(plan: partition.Plan, rank: int, kind: str) -> set[tuple[str, int]]:
     return {(s.fqn, i) for s in kind_slices(plan, rank, kind) for i in range(s.start, s.stop)}
+
+
+def _said(plan: KindPlan, rank: int, kind: str) -> set[tuple[str, int]]:
+    """What `plan` says process `rank` holds of `kind`."""
+    found = set()
+    for index, (unit, sharding) in enumerate(zip(plan.units, plan.shardings)):
+        if sharding.of(kind) is not None:
+            for s in _slices_in(index, unit, *plan.shard_range(index, kind, rank)):
+                found |= {(s.fqn, i) for i in range(s.start, s.stop)}
+    return found
 
 
 def _cases():
@@ -64,7 +67,7 @@ def _cases():
             yield name, one, (one,) + (rest,) * (len(BASE.units) - 1)
 
 
-def _check_ranges(plan: partition.Plan, mp: MeshPlan) -> None:
+def _check_ranges(plan: partition.Plan, mp: KindPlan) -> None:
     """The ranges the doors use, per process and unit: its gradient (and stage 3's
     parameter) shard `Plan.grads_range` and its optimizer shard `Plan.shard_range` of its
     plan rank, as the mesh plan says (also where the optimizer's order is not the
@@ -95,18 +98,17 @@ def test_every_plan_validate_accepts_lowers_to_what_it_says():
             assert any(kind in message for kind in KINDS), (one, message)
             continue
         accepted += 1
-        stage_plan = executable(mp)
-        ran = as_mesh_plan(stage_plan)  # what both doors run, said per kind
+        stage_plan = executable(mp)  # what both doors run, which says it per kind again
         for rank, kind in itertools.product(range(MESH.size), KINDS[:3]):
-            assert _held(ran, rank, kind) == _held(mp, rank, kind), (name, one, rank, kind)
+            assert _held(stage_plan, rank, kind) == _said(mp, rank, kind), (name, one, rank, kind)
         _check_ranges(stage_plan, mp)
         for index, sharding in enumerate(shardings):
             second = sharding.params_secondary
             if second is None or second.shard == sharding.params.shard:
                 continue  # as fine as the primary: the primary serves backward
-            assert ran.shardings[index].params_secondary is not None, (name, one)
+            assert stage_plan.shardings[index].params_secondary is not None, (name, one)
             for rank in range(MESH.size):
-                assert _held(ran, rank, "params_secondary") == _held(
+                assert _held(stage_plan, rank, "params_secondary") == _said(
                     mp, rank, "params_secondary"
                 ), (name, one, rank)
     # ZeRO-0..3, MiCS, HSDP, hpZ, the finer optimizer splits and units on their own axes

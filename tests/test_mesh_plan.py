@@ -1,5 +1,7 @@
 """Plans on a mesh: the mesh, per-kind shardings, presets, validation, serialisation, and
-the study tools (memory, communication, format) over them. Pure and single-process."""
+the study tools (memory, communication, format) over them. Pure and single-process.
+A plan on a mesh is a `Plan` like any other: `mesh_plan` lowers a preset's per-kind
+splits to it, and `Plan.sharding_of` / `Plan.kind_range` say them again."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from fzero.partition import (
     Manifest,
     Mesh,
     MeshError,
-    MeshPlan,
     MiCS,
     PlanError,
     Sharding,
@@ -27,16 +28,13 @@ from fzero.partition import (
     Zero,
     comm_volume,
     describe,
-    executable,
     format_comm_volume,
     format_plan,
     from_bytes,
-    from_plan,
     from_zero_config,
     kind_slices,
     local_slices,
     memory_per_rank,
-    mesh_plan_from_bytes,
     per_tensor_dim0,
     process_groups,
     to_bytes,
@@ -44,6 +42,8 @@ from fzero.partition import (
     validate,
     volume_by_axes,
 )
+from fzero.partition._mesh_plan import KindPlan, as_kind_plan
+from fzero.partition._wire import encode_manifest, encode_memory, encode_unit
 
 
 def plan(manifest, **options):
@@ -159,8 +159,9 @@ def test_zero_presets_on_one_axis_are_todays_plans(strategy_fn, world, stage):
         options["strategy"] = strategy_fn
     today = plan(MANIFEST, world_size=world, stage=stage, **options)
     mesh_version = mesh_plan(MANIFEST, Mesh.single(world), f"zero{stage}", **options)
-    assert mesh_version == from_plan(today)
-    assert to_plan(mesh_version) == today
+    assert mesh_version.units == today.units and mesh_version.shardings == today.shardings
+    assert mesh_version.world_size == mesh_version.processes == world
+    assert to_plan(mesh_version) == today and to_plan(today) is today
     split_kinds = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads")}.get(stage, KINDS[:3])
     for index, unit in enumerate(today.units):
         for kind, rank in itertools.product(KINDS[:3], range(world)):
@@ -169,7 +170,8 @@ def test_zero_presets_on_one_axis_are_todays_plans(strategy_fn, world, stage):
                 if kind in split_kinds and not (kind == "params" and unit.persistent)
                 else (0, unit.numel)
             )
-            assert mesh_version.shard_range(index, kind, rank) == expected
+            assert mesh_version.kind_range(index, kind, rank) == expected
+            assert today.kind_range(index, kind, rank) == expected
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -219,7 +221,7 @@ def test_every_element_is_held_once_per_replica_of_each_kind(mp):
     """For each kind, the ranks of one group along its shard axes (one replica) hold every
     element of every tensor exactly once; all replicas hold the same blocks; blocks are
     the unit over the group size."""
-    mesh = mp.mesh
+    mesh = mp.process_mesh
     for index, (unit, sharding) in enumerate(zip(mp.units, mp.shardings)):
         for kind in KINDS:
             split = sharding.of(kind)
@@ -230,7 +232,7 @@ def test_every_element_is_held_once_per_replica_of_each_kind(mp):
             for group in mesh.groups(split.shard):
                 held = {}
                 for rank in group:
-                    lo, hi = mp.shard_range(index, kind, rank)
+                    lo, hi = mp.kind_range(index, kind, rank)
                     assert hi - lo == block
                     for s in kind_slices(mp, rank, kind):
                         if s.unit == index:
@@ -244,8 +246,8 @@ def test_every_element_is_held_once_per_replica_of_each_kind(mp):
                 assert set(held) == expected
             for rank in range(mesh.size):  # replicas: same position, same block
                 twin = mesh.group(rank, split.replicate)
-                assert {mp.shard_range(index, kind, r) for r in twin} == {
-                    mp.shard_range(index, kind, rank)
+                assert {mp.kind_range(index, kind, r) for r in twin} == {
+                    mp.kind_range(index, kind, rank)
                 }
 
 
@@ -254,30 +256,31 @@ def test_each_kind_nests_in_the_one_it_comes_from(mp):
     """What makes a plan executable: a rank's optimizer block lies in its gradient block
     (the update reads only reduced gradients it holds), its gradient block in its
     parameter block. (hpZ's secondary is cut from the gathered whole: it need not nest.)"""
-    for index, rank in itertools.product(range(len(mp.units)), range(mp.world_size)):
-        ranges = {k: mp.shard_range(index, k, rank) for k in KINDS[:3]}
+    for index, rank in itertools.product(range(len(mp.units)), range(mp.processes)):
+        ranges = {k: mp.kind_range(index, k, rank) for k in KINDS[:3]}
         assert ranges["params"][0] <= ranges["grads"][0] <= ranges["optimizer"][0]
         assert ranges["optimizer"][1] <= ranges["grads"][1] <= ranges["params"][1]
 
 
 def test_kind_slices_of_a_stage_plan_are_its_local_slices():
     today = plan(MANIFEST, world_size=4, stage=3)
-    mp = from_plan(today)
+    on_mesh = mesh_plan(MANIFEST, MESH, "zero3")
     for rank, kind in itertools.product(range(4), KINDS[:3]):
-        assert kind_slices(mp, rank, kind) == local_slices(today, rank)
-    with pytest.raises(PlanError, match="use kind_slices"):
-        local_slices(mp, 0)
+        assert kind_slices(today, rank, kind) == local_slices(today, rank)
+        assert kind_slices(on_mesh, rank, kind) == local_slices(on_mesh, rank)
 
 
 # --- validate ----------------------------------------------------------------------------
 
 
-def _with(mp: MeshPlan, index: int | None = 0, **kinds) -> MeshPlan:
-    """`mp` with unit `index`'s kinds replaced (None: every unit's)."""
+def _with(mp, index: int | None = 0, **kinds):
+    """The plan `mesh_plan` makes of `mp`'s units on `MESH` with unit `index`'s kinds
+    replaced (None: every unit's), through a user's preset."""
     shardings = list(mp.shardings)
     for at in range(len(shardings)) if index is None else [index]:
         shardings[at] = dataclasses.replace(shardings[at], **kinds)
-    return dataclasses.replace(mp, shardings=tuple(shardings))
+    by_name = {unit.name: split for unit, split in zip(mp.units, shardings)}
+    return mesh_plan(mp.manifest, MESH, Custom("edited", lambda mesh, unit: by_name[unit.name]))
 
 
 ZERO3 = mesh_plan(MANIFEST, MESH, "zero3")
@@ -342,37 +345,39 @@ def test_validate_accepts_what_zero_and_fsdp_run():
     # ZeRO-2 within the node only (grads and states over local, params whole)
     hsdp2 = _with(ZERO3, None, params=WHOLE, grads=LOCAL, optimizer=LOCAL)
     assert validate(hsdp2) is hsdp2
-    assert hsdp2.shard_range(0, "params", 3) == (0, numel)
+    assert hsdp2.kind_range(0, "params", 3) == (0, numel)
     # ranks 1 and 3 share a local index: the same half on both nodes
-    assert hsdp2.shard_range(0, "grads", 1) == hsdp2.shard_range(0, "grads", 3)
-    assert hsdp2.shard_range(0, "optimizer", 1) == (numel // 2, numel)
+    assert hsdp2.kind_range(0, "grads", 1) == hsdp2.kind_range(0, "grads", 3)
+    assert hsdp2.kind_range(0, "optimizer", 1) == (numel // 2, numel)
     # states finer than gradients, the gradients' axes first (the optimizer over the
     # world, the gradients within the node): ranges that nest, run by both doors
     # (tests/test_kind_groups.py)
     finer = _with(ZERO3, None, params=WHOLE, grads=LOCAL, optimizer=MESH.sharding("local", "node"))
-    start, stop = finer.shard_range(0, "optimizer", 2)  # inside rank 2's gradient half
-    grad_start, grad_stop = finer.shard_range(0, "grads", 2)
+    start, stop = finer.kind_range(0, "optimizer", 2)  # inside rank 2's gradient half
+    grad_start, grad_stop = finer.kind_range(0, "grads", 2)
     assert grad_start <= start < stop <= grad_stop and stop - start == numel // 4
     assert validate(finer) is finer
-    # hpZ's secondary may equal the primary (zero_hpz_partition_size = world size)
+    # hpZ's secondary may equal the primary (zero_hpz_partition_size = world size): the
+    # primary serves backward, so the plan that runs keeps no copy
     same = _with(ZERO3, None, params_secondary=EVERY)
-    assert validate(same) is same
-    for rank in range(MESH.size):
-        assert same.shard_range(0, "params_secondary", rank) == same.shard_range(0, "params", rank)
+    assert same.mesh.secondary == () and same.shardings == ZERO3.shardings
 
 
 def test_validate_checks_the_plan_around_the_shardings():
+    """The per-kind form `mesh_plan` lowers (and format 2 holds) is checked whole."""
+    said = as_kind_plan(ZERO3)
+    assert isinstance(said, KindPlan) and said.shardings == ZERO3.shardings
     with pytest.raises(PlanError, match="5 shardings for 4 units"):
-        validate(dataclasses.replace(ZERO3, shardings=(*ZERO3.shardings, ZERO3.shardings[0])))
+        validate(dataclasses.replace(said, shardings=(*said.shardings, said.shardings[0])))
     with pytest.raises(PlanError, match="mesh is a dict"):
-        validate(dataclasses.replace(ZERO3, mesh={"node": 2, "local": 2}))
-    persistent = dataclasses.replace(ZERO3.units[0], persistent=True)
+        validate(dataclasses.replace(said, mesh={"node": 2, "local": 2}))
+    persistent = dataclasses.replace(said.units[0], persistent=True)
     with pytest.raises(PlanError, match=r"unit 'embed' is persistent .* split over"):
-        validate(dataclasses.replace(ZERO3, units=(persistent, *ZERO3.units[1:])))
-    short = dataclasses.replace(ZERO3.units[0], numel=ZERO3.units[0].numel - 16)
+        validate(dataclasses.replace(said, units=(persistent, *said.units[1:])))
+    short = dataclasses.replace(said.units[0], numel=said.units[0].numel - 16)
     with pytest.raises(PlanError, match="unit 'embed': numel"):
-        validate(dataclasses.replace(ZERO3, units=(short, *ZERO3.units[1:])))
-    with pytest.raises(PlanError, match="expected a Plan or a MeshPlan"):
+        validate(dataclasses.replace(said, units=(short, *said.units[1:])))
+    with pytest.raises(PlanError, match=r"expected a partition\.Plan, found str"):
         validate("plan")
 
 
@@ -399,7 +404,7 @@ def test_a_user_preset_states_any_mix_and_validate_says_what_does_not_run():
             return HpZ()(mesh, unit)
         return Zero(2)(mesh, unit)
 
-    runs = executable(mesh_plan(MANIFEST, MESH, Custom("mine", rule)))
+    runs = mesh_plan(MANIFEST, MESH, Custom("mine", rule))
     axes = {u.module: u.shard_axes for u in runs.units}
     assert axes["embed"] == ("local",) and axes["head"] is None and runs.world_size == 4
     assert runs.mesh.secondary == ("local",)  # the blocks' copy; the embeddings need none
@@ -412,8 +417,7 @@ def test_a_user_preset_states_any_mix_and_validate_says_what_does_not_run():
     refused = r"unit 'blocks.0' params: a hierarchical gather .* different groups of axes"
     with pytest.raises(PlanError, match=refused + r" \(\[\('local',\), \('node', 'local'\)\]\)"):
         mesh_plan(MANIFEST, MESH, Custom("mine", hierarchical))
-    shardings = tuple(rule(MESH, unit) for unit in ZERO3.units)
-    mp = dataclasses.replace(ZERO3, shardings=shardings, preset="mine")
+    mp = runs
     by_module = {u.module: s for u, s in zip(mp.units, mp.shardings)}
     assert by_module["embed"].grads == LOCAL
     assert by_module["blocks.0"].params_secondary == LOCAL
@@ -440,42 +444,69 @@ def test_process_groups_per_preset():
 # --- serialisation -----------------------------------------------------------------------
 
 
+def _format2(plan) -> bytes:
+    """`plan` as an earlier fzero wrote a plan on a mesh: format 2, said per kind."""
+    said = as_kind_plan(plan)
+    shardings = [
+        {
+            **{
+                k: None if s.of(k) is None else [list(s.of(k).shard), list(s.of(k).replicate)]
+                for k in KINDS
+            },
+            "hierarchical_params_gather": s.hierarchical_params_gather,
+        }
+        for s in said.shardings
+    ]
+    return msgpack.packb(
+        {
+            "format": 2,
+            "manifest": encode_manifest(said.manifest),
+            "mesh": [list(axis) for axis in said.mesh.axes],
+            "alignment": said.alignment,
+            "strategy": said.strategy,
+            "preset": said.preset,
+            "units": [encode_unit(u) for u in said.units],
+            "shardings": shardings,
+            **encode_memory(said.memory),
+        }
+    )
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
-def test_mesh_plans_round_trip_through_msgpack(name):
+def test_plans_on_a_mesh_round_trip_through_msgpack(name):
+    """One wire format for every plan (1); format 2, which an earlier fzero wrote for a
+    plan on a mesh, loads as the plan it runs as."""
     mp = mesh_plan(MANIFEST, Mesh({"pod": 2, "node": 2, "local": 2}), name)
     data = to_bytes(mp)
-    assert msgpack.unpackb(data)["format"] == 2
-    assert mesh_plan_from_bytes(data) == mp
-    assert hash(mesh_plan_from_bytes(data)) == hash(mp)
-    with pytest.raises(
-        PlanError, match=r"format 2; this function reads 1 \(.*mesh_plan_from_bytes"
-    ):
-        from_bytes(data)
+    assert msgpack.unpackb(data)["format"] == 1
+    assert from_bytes(data) == mp and hash(from_bytes(data)) == hash(mp)
+    assert from_bytes(_format2(mp)) == mp
 
 
-def test_old_plans_load_as_one_axis_mesh_plans():
+def test_old_plans_load_as_they_were():
     today = plan(describe(torch.nn.Linear(4, 3)), world_size=2, stage=2)
     old = to_bytes(today)
     assert msgpack.unpackb(old)["format"] == 1
-    loaded = mesh_plan_from_bytes(old)
-    assert loaded.mesh == Mesh({"dp": 2}) and loaded.preset == "zero2"
-    assert loaded.units == today.units and to_plan(loaded) == today
-    assert from_bytes(old) == today
+    loaded = from_bytes(old)
+    assert loaded == today and loaded.process_mesh == Mesh({"dp": 2})
+    assert loaded.preset == "zero2"
 
 
-def test_bytes_that_are_not_a_mesh_plan():
+def test_bytes_that_are_not_a_plan():
     with pytest.raises(PlanError, match="format 3; this fzero reads 1 and 2"):
-        mesh_plan_from_bytes(msgpack.packb({"format": 3}))
+        from_bytes(msgpack.packb({"format": 3}))
     with pytest.raises(PlanError, match="not an fzero plan"):
-        mesh_plan_from_bytes(msgpack.packb({"format": 2, "manifest": {}}))
-    raw = msgpack.unpackb(to_bytes(ZERO3))
+        from_bytes(msgpack.packb({"format": 2, "manifest": {}}))
+    raw = msgpack.unpackb(_format2(ZERO3))
     raw["mesh"] = [["node", 2], ["local", 0]]
     with pytest.raises(MeshError, match="axis 'local' has size 0"):
-        mesh_plan_from_bytes(msgpack.packb(raw))
-    raw = msgpack.unpackb(to_bytes(ZERO3))
+        from_bytes(msgpack.packb(raw))
+    raw = msgpack.unpackb(_format2(ZERO3))
     raw["shardings"][1]["grads"] = [["local"], ["node"]]
     with pytest.raises(PlanError, match=r"unit 'blocks.0' params: split over"):
-        mesh_plan_from_bytes(msgpack.packb(raw))
+        from_bytes(msgpack.packb(raw))
+    with pytest.raises(PlanError, match=r"plan is a KindPlan; expected a partition\.Plan"):
+        to_bytes(as_kind_plan(ZERO3))
 
 
 # --- DeepSpeed's keys --------------------------------------------------------------------
@@ -554,7 +585,7 @@ def _rows(rows):
 def test_comm_volume_on_one_axis_is_todays(stage):
     options = {"persistence_threshold": 20} if stage == 3 else {}
     today = plan(MANIFEST, world_size=4, stage=stage, **options)
-    mp = from_plan(today)
+    mp = mesh_plan(MANIFEST, Mesh.single(4), f"zero{stage}", **options)
     regathered = [i for i, u in enumerate(today.units) if stage == 3 and not u.persistent]
     settings = {
         "accumulation_steps": 3,
@@ -566,7 +597,7 @@ def test_comm_volume_on_one_axis_is_todays(stage):
     }
     expected = [dataclasses.replace(r, axes=("dp",)) for r in comm_volume(today, **settings)]
     assert comm_volume(mp, **settings) == expected
-    assert comm_volume(from_plan(plan(MANIFEST, world_size=1, stage=stage))) == []
+    assert comm_volume(mesh_plan(MANIFEST, Mesh.single(1), f"zero{stage}", **options)) == []
 
 
 def test_hsdp_reduces_within_the_node_and_all_reduces_across():
@@ -643,7 +674,8 @@ def test_memory_on_one_axis_is_todays(stage):
     today = plan(MANIFEST, world_size=4, stage=stage, persistence_threshold=20)
     for rank, precision in itertools.product(range(4), ("float32", "bfloat16")):
         expected = memory_per_rank(today, rank, param_dtype=precision)
-        assert memory_per_rank(from_plan(today), rank, param_dtype=precision) == expected
+        on_one_axis = mesh_plan(MANIFEST, Mesh.single(4), f"zero{stage}", persistence_threshold=20)
+        assert memory_per_rank(on_one_axis, rank, param_dtype=precision) == expected
 
 
 def test_mics_holds_the_model_over_the_shard_group():
@@ -675,8 +707,8 @@ def test_format_plan_shows_each_kind_and_rank():
     text = format_plan(mesh_plan(BIG, MESH, "hpz"))
     lines = text.splitlines()
     assert lines[0] == (
-        "plan: strategy=flat_even preset=hpz mesh=node=2 x local=2 (4 ranks) alignment=16 "
-        "units=3 params=3,072"
+        "plan: strategy=flat_even preset=hpz stage=3 mesh=node=2 x local=2 (4 processes; 4 "
+        "shards over node, local) alignment=16 units=3 params=3,072"
     )
     assert "    params_secondary shard(local) replicate(node)" in text
     assert "    grads            shard(node, local)" in text
@@ -685,7 +717,7 @@ def test_format_plan_shows_each_kind_and_rank():
         "params_secondary[0:512); updates blocks.0.w[512:768]" in lines
     )
     assert lines[-1].startswith("padding: 0 elements (0.0% of the unit buffers)")
-    assert format_plan(from_plan(plan(BIG, world_size=2, stage=1))).count("whole") == 6
+    assert format_plan(mesh_plan(BIG, Mesh.single(2), "zero1")).count("whole") == 6
 
 
 def test_format_comm_volume_adds_axes_on_a_mesh():

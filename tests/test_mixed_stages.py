@@ -360,7 +360,13 @@ def test_the_plan_carries_each_units_stage_and_its_queries_follow_it():
     assert stages == {"embed": 1, "blocks.0": 3, "blocks.1": 3, "head": 3}
     assert plan.stage == 3 and plan.mixed
     assert partition.from_bytes(partition.to_bytes(plan)) == plan
-    assert partition.to_plan(partition.from_plan(plan)) == plan
+    assert partition.to_plan(plan) is plan  # a plan of the whole world already
+    by_name = dict(zip((u.name for u in plan.units), plan.stages))
+    said = partition.Custom(
+        "mixed", lambda mesh, unit: partition.stage_shardings(mesh, by_name[unit.name], False)
+    )
+    on_mesh = partition.mesh_plan(manifest, partition.Mesh.single(2), said, persistence_threshold=0)
+    assert on_mesh.shardings == plan.shardings and partition.to_plan(on_mesh) == plan
     uniform = partition.plan(manifest, **options)
     assert partition.plan_digest(uniform) != partition.plan_digest(plan)
     memory = partition.memory_per_rank(plan, 0)

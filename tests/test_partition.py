@@ -165,7 +165,7 @@ def test_a_strategy_returning_a_mesh_plan_of_another_size_is_named():
 
     with pytest.raises(
         PlanError,
-        match=r"'fixed' returned a MeshPlan on mesh node=2 x local=2 \(4 processes\) "
+        match=r"'fixed' returned a plan on mesh node=2 x local=2 \(4 processes\) "
         r"for world_size=64",
     ):
         plan(manifest, world_size=64, stage=3, strategy=fixed)

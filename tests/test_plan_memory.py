@@ -16,7 +16,7 @@ from torch import nn
 import fzero
 from fzero import partition
 from fzero.partition import Memory, PlanError
-from fzero.partition._mesh_plan import as_mesh_plan
+from fzero.partition._mesh_plan import as_kind_plan
 from tests._dist import run_world
 
 STEPS, MICRO = 4, 2
@@ -44,9 +44,8 @@ def test_memory_round_trips_and_plans_that_say_nothing_keep_their_bytes():
     mesh = partition.mesh_plan(
         _manifest(), partition.Mesh({"node": 2, "local": 2}), "mics", memory=said
     )
-    assert partition.mesh_plan_from_bytes(partition.to_bytes(mesh)) == mesh
-    assert partition.executable(mesh).memory == said
-    assert as_mesh_plan(partition.executable(mesh)).memory == said
+    assert partition.from_bytes(partition.to_bytes(mesh)) == mesh
+    assert mesh.memory == said and as_kind_plan(mesh).memory == said
 
 
 @pytest.mark.parametrize(

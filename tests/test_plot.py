@@ -170,7 +170,7 @@ def test_mesh_plan_bars_are_each_ranks_block():
 
 @LAYOUTS
 def test_mesh_plan_bars_hold_the_real_elements_and_pad_the_rest(preset, strategy):
-    """Each rank's row is, per unit, its block `shard_range(unit, kind, rank)` cut into
+    """Each rank's row is, per unit, its block `kind_range(unit, kind, rank)` cut into
     no gaps or overlaps: the tensor pieces `kind_slices` lists, pale where the kind is split
     over no axis, and grey padding between and after them."""
     plan = _mesh_plan(preset, strategy)
@@ -183,7 +183,7 @@ def test_mesh_plan_bars_hold_the_real_elements_and_pad_the_rest(preset, strategy
                 if sharding.of(kind) is None:
                     assert unit_bars == []
                     continue
-                lo, hi = (bases[index] + x for x in plan.shard_range(index, kind, rank))
+                lo, hi = (bases[index] + x for x in plan.kind_range(index, kind, rank))
                 assert [b.start for b in unit_bars] == [lo] + [b.stop for b in unit_bars[:-1]]
                 assert unit_bars[-1].stop == hi
                 real = "whole" if not sharding.of(kind).shard else "held"
@@ -215,7 +215,7 @@ def test_mesh_plan_padding_bars_are_where_format_plan_reports_padding(preset, st
         group = plan.mesh.group(0, plan.shardings[index].optimizer.shard)
         padded = 0
         for rank in range(plan.world_size):
-            lo, hi = plan.shard_range(index, "optimizer", rank)
+            lo, hi = plan.kind_range(index, "optimizer", rank)
             lengths = {"held": 0, "padding": 0}
             for bar in rows[rank]:
                 if bar.unit == index:

@@ -15,6 +15,7 @@ import fzero
 import fzero.core.whole_tensors
 from fzero import partition
 from fzero.partition import Plan, PlanError
+from fzero.partition._mesh_plan import as_kind_plan
 from tests._dist import run_world
 from tests.models import Net, global_batch
 from tests.test_muon import HP, reference_run
@@ -54,8 +55,8 @@ def test_bad_bounds_are_refused_by_name():
     broken = [unit.__class__(**{**unit.__dict__, "bounds": (0, 200, 104)})]
     with pytest.raises(PlanError, match="unit 'embed': bounds \\[0, 200, 104\\] are not 3"):
         partition.validate(Plan(manifest, 2, 2, 16, (*broken, *plan.units[1:]), "x"))
-    with pytest.raises(PlanError, match="uneven shards"):
-        partition.from_plan(plan)
+    with pytest.raises(PlanError, match="uneven shards"):  # no equal blocks per kind
+        as_kind_plan(plan)
 
 
 def _config(stage: int) -> dict:

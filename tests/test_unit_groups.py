@@ -75,7 +75,7 @@ def _preset(name: str) -> partition.Custom:
     return partition.Custom(name.replace(" ", "_"), rule, stage=stage)
 
 
-def _laid(name: str) -> partition.MeshPlan:
+def _laid(name: str) -> partition.Plan:
     manifest = partition.describe(Net())
     return partition.mesh_plan(manifest, Mesh(MESH), _preset(name), persistence_threshold=0)
 
@@ -131,7 +131,7 @@ def test_units_on_their_own_axes_lower_to_one_plan_whose_queries_follow_them():
     )
     # the wire format keeps the axes; lowering again gives the same plan
     assert partition.from_bytes(partition.to_bytes(plan)) == plan
-    assert partition.executable(partition.as_mesh_plan(plan)) == plan
+    assert partition.executable(plan) is plan
     rows = partition.comm_volume(plan, accumulation_steps=2)
     axes = {(r.operation, r.what, r.axes) for r in rows}
     assert ("reduce_scatter", "gradients", LOCAL) in axes  # the blocks within the node
@@ -139,7 +139,7 @@ def test_units_on_their_own_axes_lower_to_one_plan_whose_queries_follow_them():
     assert ("all_reduce", "gradients across replicas", ("node",)) in axes
     assert ("all_gather", "parameters for forward", LOCAL) in axes
     assert "over=local" in partition.format_plan(plan)
-    assert partition.process_groups(partition.as_mesh_plan(plan)) == (WORLD, LOCAL, ("node",))
+    assert partition.process_groups(plan) == (WORLD, LOCAL, ("node",))
 
 
 def test_the_drawn_plan_shows_what_each_rank_holds_of_a_unit_on_its_own_axes():

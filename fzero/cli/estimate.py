@@ -13,7 +13,6 @@ from fzero.partition import (
     Manifest,
     MemoryEstimate,
     Mesh,
-    MeshPlan,
     Plan,
     TensorSpec,
     comm_time,
@@ -51,10 +50,11 @@ class EstimateRow:
     comm_seconds: float | None = None
 
 
-def worst_rank(plan: Plan | MeshPlan, **settings: object) -> tuple[int, MemoryEstimate]:
-    """The rank holding the most model-state bytes on the device (then on the host; the
-    lowest such rank) under `plan`, with its `memory_per_rank(plan, rank, **settings)`."""
-    ranks = range(plan.world_size)
+def worst_rank(plan: Plan, **settings: object) -> tuple[int, MemoryEstimate]:
+    """The rank (a process: on a mesh, of its `processes`) holding the most model-state
+    bytes on the device (then on the host; the lowest such rank) under `plan`, with its
+    `memory_per_rank(plan, rank, **settings)`."""
+    ranks = range(plan.processes)
     estimates = [(memory_per_rank(plan, r, **settings), r) for r in ranks]  # type: ignore[arg-type]
     memory, rank = max(estimates, key=lambda e: (e[0].device, e[0].host, -e[1]))
     return rank, memory

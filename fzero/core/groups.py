@@ -1,8 +1,8 @@
 """The process groups a plan runs on.
 
 A plan without a mesh runs on every process: its rank is the process's, its collectives
-use the default group. A plan on a mesh (`fzero.partition.OnMesh`, made by
-`fzero.partition.executable` from a `MeshPlan`) runs its gathers and reductions within
+use the default group. A plan on a mesh (`fzero.partition.OnMesh`, as
+`fzero.partition.mesh_plan` makes it) runs its gathers and reductions within
 the group along its `shard` axes, where the process's rank in the plan is its index;
 the processes along the other axes hold the same shards, and each reduced gradient shard
 is averaged over them by one all-reduce (MiCS/HSDP). With hpZ's `secondary` axes,
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fzero import comm, partition
-from fzero.partition import Mesh, MeshPlan, Plan, Unit
+from fzero.partition import Mesh, Plan, Unit
 
 __all__ = [
     "Groups",
@@ -303,7 +303,7 @@ def check_finer(plan: Plan, quantized: bool, key: str) -> None:
         )
 
 
-def check_same_plan(plan: Plan | MeshPlan, where: str) -> None:
+def check_same_plan(plan: Plan, where: str) -> None:
     """Raise `comm.RankDisagreement` on every rank unless every process holds a plan equal
     to `plan` (collective, through the process group's store: no collective a rank with
     another plan could pair wrongly). Whoever builds a plan for a run calls it before

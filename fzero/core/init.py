@@ -40,7 +40,7 @@ from fzero.core.state import (
 from fzero.core.swap_units import SwapFileUnits
 from fzero.optim import Optimizer, optimizer_from_name, schedule_from_name
 from fzero.optim._schedules import Schedule
-from fzero.partition import MeshPlan, Plan
+from fzero.partition import Plan
 
 __all__ = [
     "ModelStream",
@@ -59,7 +59,7 @@ __all__ = [
 
 def init(
     model: torch.nn.Module,
-    plan: Plan | MeshPlan,
+    plan: Plan,
     optimizer: Optimizer,
     *,
     precision: str | Precision = "fp32",
@@ -67,7 +67,7 @@ def init(
     seed: int | None = None,
 ) -> TrainState:
     """This rank's `TrainState` for `model` under `plan` (collective: every rank starts
-    from rank 0's weights; a `MeshPlan` runs as `partition.executable` makes it).
+    from rank 0's weights).
     `precision` is the compute dtype's name (`fp32`, `bf16`, `fp16`; masters and
     optimizer states as the config's `bf16` block says, else fp32) or a
     `fzero.Precision` (e.g. `Precision("bf16", master="bf16", states="bf16")`:
@@ -82,7 +82,7 @@ def init(
     `fzero.init_context()` is adopted from its partitions one unit at a time (they are
     dropped from the model as they are: read its weights from the state after)."""
     check_optimizer(optimizer)
-    plan = partition.executable(plan)
+    plan = partition.validate(plan)
     cfg = config_for_plan(config, plan)
     plan, dtypes = run_plan(plan, cfg, precision_of(cfg, precision), door="fzero.init")
     comm.init_distributed(report_s=cfg.collective_report_s)

@@ -53,7 +53,7 @@ from fzero.core.state import Counters, TrainState, UnitState, owned_grad, partit
 from fzero.core.swap_units import SwapFileUnits
 from fzero.core.update import decide_step, grad_stats, skips_nonfinite
 from fzero.optim import Optimizer, adamw
-from fzero.partition import MeshPlan, Placement, Plan
+from fzero.partition import Placement, Plan
 
 __all__ = ["train_step"]
 
@@ -66,7 +66,7 @@ GradFn = Callable[[dict[str, Tensor], Any], tuple[Tensor, Mapping[str, Tensor]]]
 
 def train_step(
     loss_fn: LossFn | None = None,
-    plan: Plan | MeshPlan | None = None,
+    plan: Plan | None = None,
     optimizer: Optimizer | None = None,
     config: Config | Mapping[str, Any] | str | None = None,
     *,
@@ -118,7 +118,7 @@ def train_step(
         raise TypeError("train_step takes exactly one of loss_fn and grad_fn")
     if plan is None:
         raise TypeError("train_step needs the plan the state was built with (plan=...)")
-    plan = partition.executable(plan)  # a MeshPlan runs as on its shard group
+    plan = partition.validate(plan)
     cfg = config_for_plan(config, plan)
     plan, _ = run_plan(plan, cfg, precision_of(cfg), door="fzero.train_step")  # (`_take`)
     check_same_plan(plan, "fzero.train_step")

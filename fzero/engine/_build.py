@@ -49,7 +49,7 @@ def plan_for(
     `unit_stages` says so. DeepSpeed's `zero_hpz_partition_size` and
     `mics_shard_size` make it a plan on a mesh (`partition.from_zero_config`: hpZ's
     secondary copy within groups of that many ranks, or MiCS's shard groups), laid out
-    by the same strategy; a strategy may also return a `MeshPlan` itself. Where its
+    by the same strategy; a strategy may also return a plan on a mesh (`mesh_plan`'s). Where its
     states live and their dtypes are the plan's, what it leaves unsaid the config's
     offload devices and `precision`'s (`run_plan`, which also gives the precision the
     engine runs). Every rank must hold the same plan: checked (`where` names the engine in
@@ -82,10 +82,9 @@ def plan_for(
         keys, world_size, ranks_per_node=int(per_node) if per_node else None
     )
     if preset.name != f"zero{zero.stage}":  # hpZ or MiCS groups
-        laid_out = partition.mesh_plan(
+        plan = partition.mesh_plan(
             manifest, mesh, preset, strategy=strategy or partition.flat_even, **options
         )
-        plan = partition.executable(laid_out)
         if config.unit_stages:
             plan = partition.set_unit_stages(plan, config.unit_stages)
     else:

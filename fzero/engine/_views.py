@@ -6,6 +6,7 @@ shards)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -157,10 +158,12 @@ def memory_held(runtime: Runtime) -> MemoryEstimate:
 
 
 def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEstimate:
-    """What the plan says this rank holds (`partition.memory_per_rank`); with the units
-    stage 3 keeps gathered for generation (`stage3_eval_live_parameters`)."""
+    """What the plan says this rank holds between steps (`partition.memory_per_rank`);
+    with the units stage 3 keeps gathered for generation (`stage3_eval_live_parameters`).
+    hpZ's secondary copy lives from a unit's forward to its backward only: it is
+    `memory_per_rank`'s `params_secondary` (the step's peak), not counted here."""
     precision = runtime.precision
-    return partition.memory_per_rank(
+    planned = partition.memory_per_rank(
         runtime.plan,
         runtime.rank,
         param_dtype=partition.dtype_name(precision.compute_dtype),
@@ -171,6 +174,7 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
         eval_live_parameters=eval_live_parameters,
         swap_gradients=runtime.residency.swap_gradients,
     )
+    return dataclasses.replace(planned, params_secondary=0)
 
 
 def train_state(

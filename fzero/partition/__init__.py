@@ -20,16 +20,7 @@ from fzero.partition._manifest import (
 )
 from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
 from fzero.partition._mesh_comm import process_groups
-from fzero.partition._mesh_plan import (
-    MeshPlan,
-    as_mesh_plan,
-    executable,
-    from_plan,
-    stage_shardings,
-    to_plan,
-    validate,
-    without_unit_axes,
-)
+from fzero.partition._mesh_plan import executable, stage_shardings, to_plan, validate
 from fzero.partition._plan import (
     MEMORY_KINDS,
     Memory,
@@ -92,7 +83,7 @@ from fzero.partition._strategies import (
 )
 from fzero.partition._time import AxisTime, Link, comm_time, format_comm_time, parse_link
 from fzero.partition._volume import Collective, comm_volume, format_comm_volume, volume_by_axes
-from fzero.partition._wire import from_bytes, mesh_plan_from_bytes, to_bytes
+from fzero.partition._wire import from_bytes, to_bytes
 
 __all__ = [
     "BUILT_IN",
@@ -112,7 +103,6 @@ __all__ = [
     "MemoryEstimate",
     "Mesh",
     "MeshError",
-    "MeshPlan",
     "MiCS",
     "OnMesh",
     "Piece",
@@ -129,7 +119,6 @@ __all__ = [
     "UnitGroup",
     "UnitSharding",
     "Zero",
-    "as_mesh_plan",
     "comm_time",
     "comm_volume",
     "describe",
@@ -141,7 +130,6 @@ __all__ = [
     "format_comm_volume",
     "format_plan",
     "from_bytes",
-    "from_plan",
     "from_zero_config",
     "grads_split",
     "group_units",
@@ -150,7 +138,6 @@ __all__ = [
     "local_slices",
     "memory_per_rank",
     "mesh_plan",
-    "mesh_plan_from_bytes",
     "module_key",
     "on_mesh",
     "optimizer_state_slots",
@@ -181,6 +168,5 @@ __all__ = [
     "with_memory",
     "with_unit_memory",
     "with_unit_stages",
-    "without_unit_axes",
     "written_slices",
 ]

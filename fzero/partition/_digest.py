@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import msgpack
 
 from fzero.partition._mesh import KINDS
-from fzero.partition._mesh_plan import MeshPlan
 from fzero.partition._plan import Plan
 from fzero.partition._wire import encode_manifest, encode_memory, encode_unit
 from fzero.partition._wire import to_bytes as _to_bytes
@@ -38,48 +37,39 @@ def _hex(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def plan_digest(plan: Plan | MeshPlan) -> str:
+def plan_digest(plan: Plan) -> str:
     """A 32-character digest of `plan`'s msgpack encoding: equal plans, equal digests."""
     return _hex(_to_bytes(plan))
 
 
-def _encoded_parts(plan: Plan | MeshPlan) -> list[tuple[str, dict[str, Any]]]:
-    if isinstance(plan, MeshPlan):
-        header: dict[str, Any] = {
-            "mesh": [list(axis) for axis in plan.mesh.axes],
-            "alignment": plan.alignment,
-            "strategy": plan.strategy,
-            "preset": plan.preset,
-            "units": len(plan.units),
-            "memory": list(encode_memory(plan.memory).get("memory", ())),
-        }
-    else:
-        mesh = plan.mesh
-        header = {
-            "world_size": plan.world_size,
-            "stage": plan.stage,
-            "alignment": plan.alignment,
-            "strategy": plan.strategy,
-            "units": len(plan.units),
-            "mesh": None if mesh is None else [[list(a) for a in mesh.axes], list(mesh.shard)],
-            "secondary": None if mesh is None else list(mesh.secondary),
-            "hierarchical": None if mesh is None else mesh.hierarchical,
-            "optimizer_extra": None if mesh is None else list(mesh.optimizer_extra),
-            "memory": list(encode_memory(plan.memory).get("memory", ())),
-        }
+def _encoded_parts(plan: Plan) -> list[tuple[str, dict[str, Any]]]:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan is a {type(plan).__name__}; expected a partition.Plan")
+    mesh = plan.mesh
+    header = {
+        "world_size": plan.world_size,
+        "stage": plan.stage,
+        "alignment": plan.alignment,
+        "strategy": plan.strategy,
+        "units": len(plan.units),
+        "mesh": None if mesh is None else [[list(a) for a in mesh.axes], list(mesh.shard)],
+        "secondary": None if mesh is None else list(mesh.secondary),
+        "hierarchical": None if mesh is None else mesh.hierarchical,
+        "optimizer_extra": None if mesh is None else list(mesh.optimizer_extra),
+        "memory": list(encode_memory(plan.memory).get("memory", ())),
+    }
     parts = [("the plan's header", header), ("the manifest", encode_manifest(plan.manifest))]
     for index, unit in enumerate(plan.units):
         fields = encode_unit(unit)
-        if isinstance(plan, MeshPlan):
-            sharding = plan.shardings[index]
-            for kind in KINDS:
-                of = sharding.of(kind)
-                fields[f"{kind} split over"] = None if of is None else list(of.shard)
+        sharding = plan.sharding_of(unit)  # each kind's axes, as the message names them
+        for kind in KINDS:
+            of = sharding.of(kind)
+            fields[f"{kind} split over"] = None if of is None else list(of.shard)
         parts.append((f"unit {index} ({unit.name!r}, module {unit.module!r})", fields))
     return parts
 
 
-def plan_parts(plan: Plan | MeshPlan) -> tuple[PlanPart, ...]:
+def plan_parts(plan: Plan) -> tuple[PlanPart, ...]:
     """`plan` as named parts in a fixed order — its header (world size, stage, mesh,
     strategy, unit count, memory), its manifest, then each unit — each with a digest."""
     return tuple(
@@ -87,7 +77,7 @@ def plan_parts(plan: Plan | MeshPlan) -> tuple[PlanPart, ...]:
     )
 
 
-def part_fields(plan: Plan | MeshPlan, index: int) -> dict[str, str]:
+def part_fields(plan: Plan, index: int) -> dict[str, str]:
     """Part `index` of `plan_parts(plan)` as field name -> its value as text (long values
     shortened to their first and last 60 characters)."""
     parts = _encoded_parts(plan)

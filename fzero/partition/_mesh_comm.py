@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from fzero.partition._mesh import Mesh, UnitSharding
 from fzero.partition._mesh_groups import _finer, _significant
-from fzero.partition._mesh_plan import MeshPlan, without_unit_axes
+from fzero.partition._mesh_plan import KindPlan, as_kind_plan, without_unit_axes
+from fzero.partition._plan import Plan
 
 __all__ = ["optimizer_exchange", "process_groups", "publish_hops"]
 
 
-def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
+def process_groups(plan: Plan | KindPlan) -> tuple[tuple[str, ...], ...]:
     """Every set of axes a collective of `plan` runs over, in order of first use: the
     process subgroups an engine creates (`Mesh.groups(axes)` each), besides the world
     its control all-reduces (norms, flags) use. Per unit: the parameters' gather
@@ -20,7 +21,12 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
     gather (`params_secondary.shard`), the gradients' reduce-scatter (`grads.shard`) and
     all-reduce (`grads.replicate`), the optimizer blocks' exchange where their order
     differs (`optimizer_exchange`) and the publishing gathers after the update
-    (`publish_hops`). Axes of size 1 are left out (`without_unit_axes`)."""
+    (`publish_hops`). Axes of size 1 are left out (`without_unit_axes`). A plan of the
+    whole world (no mesh) runs on the world alone: ()."""
+    if isinstance(plan, Plan):
+        if plan.mesh is None:
+            return ()
+        plan = as_kind_plan(plan)
     plan = without_unit_axes(plan)
     found: dict[tuple[str, ...], None] = {}
     for sharding in plan.shardings:
@@ -40,7 +46,7 @@ def process_groups(plan: MeshPlan) -> tuple[tuple[str, ...], ...]:
     return tuple(found)
 
 
-def _gradients_group(plan: MeshPlan) -> tuple[str, ...]:
+def _gradients_group(plan: KindPlan) -> tuple[str, ...]:
     """The axes every unit with split gradients splits them over (() when none, or where
     units split over different groups of axes, each reduced over its own)."""
     found = {s.grads.shard for s in plan.shardings if s.grads.shard}

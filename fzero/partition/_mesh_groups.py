@@ -2,7 +2,7 @@
 (`_significant`), an optimizer split finer than a group (`_finer`), mesh order
 (`_in_mesh_order`), and where units split over different groups of their own, the
 plan's group, each unit's axes (`_own_groups`) and hpZ's one secondary split beside
-them (`_own_secondary`). `executable` lowers a plan from these (`plan` is a `MeshPlan`:
+them (`_own_secondary`). `executable` lowers a plan from these (`plan` is a `KindPlan`:
 typed `Any` here, as this module sits below `_mesh_plan` in the import graph)."""
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""A plan on a mesh: today's units (flat buffers, tensor placements), and per unit and
-per kind of state the mesh axes it is split over and replicated over.
+"""A plan said per kind: the units (flat buffers, tensor placements) on every process
+of a mesh, and per unit and kind of state the mesh axes it is split over and replicated
+over (`KindPlan`). It is what a mesh preset declares (`mesh_plan` lowers it at once) and
+the view of any `Plan` that per-kind arithmetic reads (`as_kind_plan`, whose
+`shardings` are `Plan.shardings`); `executable` lowers it to the `Plan` both doors run,
+and every plan a user sees is that one type.
 
 The unit layout is the one a stage plan has: a buffer of `numel = world_size *
 shard_numel` elements, `Unit.shard_range(rank)` the finest split (over every axis, in
@@ -7,7 +11,7 @@ mesh order). A kind split over axes of group size g holds `numel / g` elements: 
 `Mesh.index_in_group(rank, shard)` of g equal blocks, a multiple of the alignment
 because g divides the world size. A kind split over every axis in mesh order holds
 exactly `Unit.shard_range(rank)`: today's ZeRO-1/2/3 are the one-axis case
-(`from_plan`, `to_plan`).
+(`to_plan`).
 
 What is executable (`validate`), as ZeRO and FSDP run it:
 
@@ -60,10 +64,9 @@ from fzero.partition._plan import Memory, OnMesh, Plan, PlanError, Unit
 from fzero.partition._plan import validate as _validate_stage_plan
 
 __all__ = [
-    "MeshPlan",
-    "as_mesh_plan",
+    "KindPlan",
+    "as_kind_plan",
     "executable",
-    "from_plan",
     "to_plan",
     "validate",
     "without_unit_axes",
@@ -71,13 +74,12 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class MeshPlan:
-    """A sharding plan on a mesh: plain data, hashable, serialisable (format 2).
-
-    `units[i]` is laid out as in a stage plan; `shardings[i]` says how each kind of its
-    state is split. `strategy` names the layout's function, `preset` the shardings'.
-    `memory`: where its states live and their dtypes, as a stage plan's (`Memory`).
-    """
+class KindPlan:
+    """A plan said per kind on a mesh (format 2 on the wire, which `from_bytes` lowers):
+    `units[i]` is laid out as in a plan of `mesh.size` ranks; `shardings[i]` says how
+    each kind of its state is split. `strategy` names the layout's function, `preset`
+    the shardings'. `memory`: where its states live and their dtypes (`Memory`). Not a
+    plan a door runs or a query takes: `executable` makes that `Plan`."""
 
     manifest: Manifest
     mesh: Mesh
@@ -106,15 +108,15 @@ class MeshPlan:
         return position * block, (position + 1) * block
 
 
-def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
-    """Check every invariant; return the plan or raise `PlanError` naming the unit, the
-    kind and the axis at fault. A stage `Plan` is checked as `_plan.validate` does; a
-    `MeshPlan` as one (its units on `mesh.size` ranks), then each unit's shardings (see
-    the module docstring)."""
+def validate(plan: Plan) -> Plan:
+    """Check every invariant of `plan` (see `fzero.partition._plan.validate`); return it
+    or raise `PlanError` naming the unit, the kind and the axis at fault. A plan said
+    per kind (`KindPlan`) is checked as one of its units on `mesh.size` ranks, then each
+    unit's shardings (see the module docstring): what `executable` lowers."""
     if isinstance(plan, Plan):
         return _validate_stage_plan(plan)
-    if not isinstance(plan, MeshPlan):
-        raise PlanError(f"expected a Plan or a MeshPlan, found {type(plan).__name__}")
+    if not isinstance(plan, KindPlan):
+        raise PlanError(f"expected a partition.Plan, found {type(plan).__name__}")
     if not isinstance(plan.mesh, Mesh):
         raise PlanError(f"mesh is a {type(plan.mesh).__name__}; expected partition.Mesh")
     if len(plan.shardings) != len(plan.units):
@@ -127,17 +129,17 @@ def validate(plan: Plan | MeshPlan) -> Plan | MeshPlan:
     for unit, sharding in zip(plan.units, plan.shardings):
         _validate_sharding(plan.mesh, unit, sharding)
     _check_runs(plan)
-    return plan
+    return plan  # type: ignore[return-value]  # a KindPlan, checked
 
 
-def _check_runs(plan: MeshPlan) -> None:
+def _check_runs(plan: KindPlan) -> None:
     """What both doors run (`executable`), checked here so that a plan `validate`
     accepts is one they run: the errors name the unit, kind and axes."""
     _groups(plan)
 
 
 def _groups(
-    plan: MeshPlan,
+    plan: KindPlan,
 ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[str, ...] | None] | None]:
     """How the doors run `plan`: (the group S every split is over, the optimizer's axes
     where it is split over S and more (else ()), None), checked unit by unit; or, where
@@ -178,7 +180,7 @@ def _check_no_unit_stage(units: tuple[Unit, ...]) -> None:
         )
 
 
-def _layout(plan: MeshPlan) -> Plan:
+def _layout(plan: KindPlan) -> Plan:
     """The units as a stage-3 plan (which allows persistent units), to check the layout."""
     return Plan(
         plan.manifest, plan.mesh.size, 3, plan.alignment, plan.units, plan.strategy,
@@ -284,38 +286,17 @@ def stage_shardings(mesh: Mesh, stage: int, persistent: bool) -> UnitSharding:
     )
 
 
-def from_plan(plan: Plan, axis: str = "dp") -> MeshPlan:
-    """Today's stage plan as a mesh plan with the one axis `{axis: world_size}`: the same
-    units, so the same shard ranges (`MeshPlan.shard_range(i, kind, r) ==
-    Unit.shard_range(r)` for every kind the stage splits). Uneven units have no mesh
-    plan (a `PlanError`)."""
-    _validate_stage_plan(plan)
-    _check_even(plan.units)
-    mesh = Mesh.single(plan.world_size, axis)
-    shardings = tuple(stage_shardings(mesh, plan.stage_of(u), False) for u in plan.units)
-    return MeshPlan(
-        plan.manifest,
-        mesh,
-        plan.alignment,
-        tuple(_without_stage(u) for u in plan.units),
-        shardings,
-        strategy=plan.strategy,
-        preset="custom" if plan.mixed else f"zero{plan.stage}",
-        memory=plan.memory,
-    )
-
-
-def _without_stage(unit: Unit) -> Unit:
-    """A stage plan's unit as a mesh plan's: its stage is in its shardings."""
-    return unit if unit.stage is None else replace(unit, stage=None)
-
-
-def to_plan(plan: MeshPlan) -> Plan:
-    """The stage plan a mesh plan equals, for an engine that runs one group over the
-    world; a `PlanError` names the unit, kind and axes that need process subgroups.
+def to_plan(plan: Plan | KindPlan) -> Plan:
+    """The plan of the whole world (no `mesh`) that a plan on a mesh equals, for an engine
+    that runs one group over the world; a `PlanError` names the unit, kind and axes that
+    need process subgroups. A plan without a mesh is returned as it is.
 
     Equal means every kind of every unit is whole or split over every axis of size > 1
     in mesh order; units split as different ZeRO stages keep theirs (`Unit.stage`)."""
+    if isinstance(plan, Plan):
+        if plan.mesh is None:
+            return _validate_stage_plan(plan)
+        plan = as_kind_plan(plan)
     validate(plan)
     stage, units = _staged_units(plan, _unit_stages(plan, None))
     result = Plan(
@@ -326,7 +307,7 @@ def to_plan(plan: MeshPlan) -> Plan:
 
 
 def _unit_stages(
-    plan: MeshPlan, group: tuple[str, ...] | None, finer: tuple[str, ...] = ()
+    plan: KindPlan, group: tuple[str, ...] | None, finer: tuple[str, ...] = ()
 ) -> list[int]:
     """The ZeRO stage each unit is split as over `group` (default every axis): each kind
     split over the whole group or whole (the optimizer over `finer` where given: `group`'s
@@ -335,7 +316,7 @@ def _unit_stages(
     return [_unit_stage(plan.mesh, u, s, group, finer) for u, s in zip(plan.units, plan.shardings)]
 
 
-def _staged_units(plan: MeshPlan, stages: list[int]) -> tuple[int, tuple[Unit, ...]]:
+def _staged_units(plan: KindPlan, stages: list[int]) -> tuple[int, tuple[Unit, ...]]:
     """The stage plan's stage (the largest any unit is split as (`stages`, in unit
     order); a persistent unit's whole params count as stage 3's) and its units: a unit
     at the plan's stage as it is, a stage-2 unit of a stage-3 plan persistent (params
@@ -392,7 +373,7 @@ def _unit_stage(
 
 _WORLD_ONLY = (
     "it needs process subgroups (one per axis); a stage plan has one group, the world "
-    "(partition.executable runs it on subgroups)"
+    "(partition.mesh_plan runs it on subgroups)"
 )
 _ONE_GROUP = (
     "fzero runs plans whose every split is over one group of axes (each unit ZeRO-0/1/2/3 "
@@ -426,7 +407,7 @@ def _check_finer(
         )
 
 
-def without_unit_axes(plan: MeshPlan) -> MeshPlan:
+def without_unit_axes(plan: KindPlan) -> KindPlan:
     """`plan` with the axes of size 1 left out of every kind's split and replicas: the
     same groups (an axis of size 1 moves nothing), named as `executable` names them, so
     that rules comparing axes (a finer optimizer split, the gradients' group) read a
@@ -453,11 +434,12 @@ def without_unit_axes(plan: MeshPlan) -> MeshPlan:
     return replace(plan, shardings=shardings)
 
 
-def executable(plan: MeshPlan | Plan) -> Plan:
-    """The plan both doors run for `plan`: a stage plan over the group of ranks along the
-    axes every kind is split over (its `world_size`), with `OnMesh` saying where those
-    ranks lie and which axes hold replicas (MiCS/HSDP: gradients reduce-scattered within
-    the group, then all-reduced across replicas) and hpZ's secondary split. ZeRO-1/2/3
+def executable(plan: KindPlan | Plan) -> Plan:
+    """The plan both doors run for `plan` (said per kind): a stage plan over the group of
+    ranks along the axes every kind is split over (its `world_size`), with `OnMesh`
+    saying where those ranks lie and which axes hold replicas (MiCS/HSDP: gradients
+    reduce-scattered within the group, then all-reduced across replicas) and hpZ's
+    secondary split. ZeRO-1/2/3
     on every axis give the stage plan `to_plan` gives, on the mesh. A stage `Plan` is
     returned as it is.
 
@@ -506,7 +488,7 @@ def executable(plan: MeshPlan | Plan) -> Plan:
 
 
 def _own_stages(
-    plan: MeshPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
+    plan: KindPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
 ) -> list[int]:
     """Each unit's ZeRO stage over its own group of axes (`_own_groups`)."""
     return [
@@ -516,7 +498,7 @@ def _own_stages(
 
 
 def _on_own_groups(
-    plan: MeshPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
+    plan: KindPlan, union: tuple[str, ...], axes: list[tuple[str, ...] | None]
 ) -> Plan:
     """The stage plan of a mesh plan whose units split over different groups of axes
     (`_own_groups`): its ranks the group along `union`, each unit on its own axes
@@ -533,46 +515,25 @@ def _on_own_groups(
     return _validate_stage_plan(result)
 
 
-def as_mesh_plan(plan: Plan) -> MeshPlan:
-    """The mesh plan a stage plan runs as: `from_plan` for a plan of the whole world, and
-    for one on a mesh (`executable`'s) its units on every process with each kind split
-    over its shard axes or whole, as the stage says, hpZ's secondary where it has one."""
+def as_kind_plan(plan: Plan) -> KindPlan:
+    """`plan` said per kind (what per-kind arithmetic reads: `comm_volume`, the
+    process groups, the pictures): its units on every process of `Plan.process_mesh`,
+    each with `Plan.sharding_of`. A unit with uneven shards has no such view (a
+    `PlanError`): a kind's blocks on a mesh are equal."""
     _validate_stage_plan(plan)
-    on = plan.mesh
-    if on is None:
-        return from_plan(plan)
-    mesh = Mesh(on.axes)
-    whole = mesh.replicated
-    secondary = mesh.sharding(*on.secondary) if on.secondary else None
-    units, shardings = [], []
-    for unit in plan.units:
-        stage = plan.stage_of(unit)
-        if unit.shard_axes is not None:  # its own axes: a plain split over them
-            split = mesh.sharding(*unit.shard_axes)
-            optimizer = split
-        else:
-            split, optimizer = mesh.sharding(*on.grads_shard), mesh.sharding(*on.shard)
-        params = split if stage == 3 else whole
-        copy = secondary if params is split and unit.shard_axes != on.secondary else None
-        shardings.append(
-            UnitSharding(
-                params,
-                split if stage >= 2 else whole,
-                optimizer if stage >= 1 else whole,
-                copy,
-                hierarchical_params_gather=on.hierarchical and params is split,
-            )
-        )
-        units.append(
-            replace(unit, shard_numel=unit.numel // mesh.size, stage=None, shard_axes=None)
-        )
-    return MeshPlan(
-        plan.manifest, mesh, plan.alignment, tuple(units), tuple(shardings), plan.strategy,
-        on.preset, plan.memory,
+    _check_even(plan.units)
+    mesh = plan.process_mesh
+    units = tuple(
+        replace(unit, shard_numel=unit.numel // mesh.size, stage=None, shard_axes=None)
+        for unit in plan.units
+    )
+    return KindPlan(
+        plan.manifest, Mesh(mesh.axes), plan.alignment, units, plan.shardings, plan.strategy,
+        plan.preset, plan.memory,
     )  # fmt: skip
 
 
-def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _shard_group(plan: KindPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The one set of axes (size > 1) any unit's gradients and parameters are split over
     (or, where none are, its optimizer state), and the axes the optimizer state is split
     over where they are more (`_optimizer_axes`; () when none); a `PlanError` names two
@@ -593,13 +554,13 @@ def _shard_group(plan: MeshPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
                         f"unit {unit.name!r} {kind}: split over {axes}, unit {found[1]!r} "
                         f"{found[2]} over {found[0]}; {_ONE_GROUP}"
                     )
-    if found is None:
-        return _significant(mesh, mesh.names), ()
+    if found is None:  # on one process, every axis (of size 1): the split said
+        return _significant(mesh, mesh.names) or mesh.names, ()
     _in_mesh_order(mesh, found[0], f"unit {found[1]!r} {found[2]}")
     return found[0], _optimizer_axes(plan, found[0])
 
 
-def _optimizer_axes(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
+def _optimizer_axes(plan: KindPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """The axes (size > 1) a split optimizer state is split over where they are `group`'s
     (the gradients') and more, in the optimizer's order (() when none is): the first such
     unit's (`_check_finer` asks the same of the rest). Any axis in neither is a pure
@@ -614,7 +575,7 @@ def _optimizer_axes(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     return ()
 
 
-def _secondary(plan: MeshPlan, group: tuple[str, ...]) -> tuple[str, ...]:
+def _secondary(plan: KindPlan, group: tuple[str, ...]) -> tuple[str, ...]:
     """hpZ's secondary axes, one set for every unit with split params (they must agree)."""
     mesh, found = plan.mesh, None
     for unit, sharding in zip(plan.units, plan.shardings):

@@ -13,8 +13,14 @@ al. 2020, section 5).
 A plan may run on a mesh of more processes than it has ranks (`OnMesh`): its
 `world_size` ranks are then one group along the mesh's `shard` axes, and each such group
 holds the same shards (replicas along the other axes: MiCS/HSDP), optionally with
-ZeRO++ hpZ's `secondary` parameter split within fewer ranks. `fzero.partition.executable`
-makes such a plan from a `MeshPlan`.
+ZeRO++ hpZ's `secondary` parameter split within fewer ranks (`fzero.partition.mesh_plan`
+makes such a plan from a preset that says each kind's axes).
+
+Whatever made it, the plan is one type and says everything the doors run: per unit and
+kind of state, the axes it is split over (`Plan.sharding_of`, JAX's `PartitionSpec`;
+`Plan.kind_range` the elements a process holds), where it lives (`Plan.params_memory`,
+`Plan.optimizer_memory`: JAX's `memory_kind`) and its dtype (`Plan.master_dtype`,
+`Plan.states_dtype`, `Plan.grads_dtype`).
 """
 
 from __future__ import annotations
@@ -26,13 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fzero.partition._manifest import Manifest, TensorSpec
-from fzero.partition._placement import (
-    MEMORY_KINDS,
-    Memory,
-    OnMesh,
-    PlanError,
-    validate_on_mesh,
-)
+from fzero.partition._mesh import Mesh, OnMesh, UnitSharding, validate_on_mesh
+from fzero.partition._placement import MEMORY_KINDS, Memory, PlanError
 from fzero.partition._plan_checks import validate_memory, validate_shard_axes
 
 __all__ = [
@@ -256,6 +257,76 @@ class Plan:
             return self.grads_world_size
         sizes = dict(self.mesh.axes)
         return math.prod(sizes[axis] for axis in unit.shard_axes)
+
+    @property
+    def process_mesh(self) -> Mesh:
+        """The processes the plan runs on, as a mesh: `mesh` (an `OnMesh` is a `Mesh`), or
+        for a plan of the whole world the one axis `dp` of `world_size` ranks."""
+        return self.mesh if self.mesh is not None else Mesh.single(self.world_size)
+
+    @property
+    def preset(self) -> str:
+        """The name of the placement: the mesh preset's (`OnMesh.preset`), else
+        "zero<stage>", or "custom" where units say their own stages."""
+        if self.mesh is not None:
+            return self.mesh.preset
+        return "custom" if self.mixed else f"zero{self.stage}"
+
+    def sharding_of(self, unit: Unit | int) -> UnitSharding:
+        """How each kind of `unit`'s state (a `Unit` of this plan or its index) is split
+        over `process_mesh`'s axes, as JAX's `PartitionSpec` says it per array: the
+        optimizer state (and master) over the mesh's `shard` axes (or the unit's own
+        `shard_axes`) from stage 1, the gradients over the gradients' axes from stage 2,
+        the parameters from stage 3 (a persistent unit's whole), hpZ's secondary copy over
+        `OnMesh.secondary`; each whole (replicated) otherwise. `kind_range` says which
+        elements a process holds."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        mesh, stage = self.process_mesh, self.stage_of(unit)
+        on = self.mesh
+        if on is None:
+            split = optimizer = mesh.split_everywhere
+        elif unit.shard_axes is not None:  # its own axes: a plain split over them
+            split = optimizer = mesh.sharding(*unit.shard_axes)
+        else:
+            split, optimizer = mesh.sharding(*on.grads_shard), mesh.sharding(*on.shard)
+        whole = mesh.replicated
+        params = split if stage == 3 else whole
+        secondary = None
+        if on is not None and on.secondary and stage == 3 and unit.shard_axes != on.secondary:
+            secondary = mesh.sharding(*on.secondary)
+        return UnitSharding(
+            params,
+            split if stage >= 2 else whole,
+            optimizer if stage >= 1 else whole,
+            secondary,
+            hierarchical_params_gather=on is not None and on.hierarchical and stage == 3,
+        )
+
+    @property
+    def shardings(self) -> tuple[UnitSharding, ...]:
+        """Every unit's `sharding_of`, in unit order: the plan said per unit and kind."""
+        return tuple(self.sharding_of(unit) for unit in self.units)
+
+    def kind_range(self, unit: Unit | int, kind: str, process: int) -> tuple[int, int]:
+        """`(start, stop)` of `unit`'s buffer (a `Unit` of this plan or its index) that
+        process `process` (a rank of `process_mesh`) holds of `kind`, one of
+        `partition.KINDS`: its block along the kind's shard axes (`sharding_of`), the
+        whole buffer for a kind split over none. A unit without hpZ's secondary copy has
+        no `params_secondary` (a `PlanError`)."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        split = self.sharding_of(unit).of(kind)
+        if split is None:
+            raise PlanError(f"unit {unit.name!r} has no {kind}")
+        if not split.shard:
+            return 0, unit.numel
+        mesh = self.process_mesh
+        position = mesh.index_in_group(process, split.shard)
+        if unit.bounds:  # uneven shards: the whole world's, one per process
+            return unit.shard_range(position)
+        block = unit.numel // mesh.group_size(split.shard)
+        return position * block, (position + 1) * block
 
     def shard_index(self, unit: Unit, rank: int) -> int:
         """The shard of `unit` plan rank `rank` holds (`Unit.shard_range`'s index): `rank`,

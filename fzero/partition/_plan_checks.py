@@ -140,7 +140,7 @@ def validate_shard_axes(plan: Any, unit: Any) -> None:
     if on is None:
         raise PlanError(
             f"{where}: shard_axes is {axes!r} but the plan is not on a mesh; a unit splits "
-            "over fewer axes than its plan only on a mesh (fzero.partition.executable)"
+            "over fewer axes than its plan only on a mesh (fzero.partition.mesh_plan)"
         )
     inside = tuple(a for a in on.shard if a in (axes or ()))
     if not isinstance(axes, tuple) or not axes or inside != axes or axes == on.shard:

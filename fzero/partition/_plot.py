@@ -5,14 +5,15 @@ one row per rank, the units' flat buffers end to end along the x axis. A rank's 
 a unit is drawn in the unit's colour where it holds real elements, paler where every
 rank keeps the whole unit (the kind is split over no axis), and grey where it is padding.
 
-- A stage `Plan`: parameters, gradients, optimizer state, each titled sharded or
-  replicated at the plan's stage; a row holds the rank's shard of each unit the stage
-  splits, and each unit it keeps whole drawn pale end to end, padding included.
-- A `MeshPlan`: the same panels, and one for hpZ's secondary copy of the parameters
-  when any unit has one; a row is labelled with the rank's mesh coordinate and holds its
-  block `MeshPlan.shard_range(unit, kind, rank)` of each unit (a whole block's padding
-  grey too); a title names the axes the kind is split and replicated over ("mixed"
-  when units differ).
+- A plan of the whole world: parameters, gradients, optimizer state, each titled
+  sharded or replicated at the plan's stage; a row holds the rank's shard of each unit
+  the stage splits, and each unit it keeps whole drawn pale end to end, padding
+  included.
+- A plan on a mesh: the same panels, and one for hpZ's secondary copy of the parameters
+  when any unit has one; a row is a process, labelled with its mesh coordinate, and
+  holds its block `Plan.kind_range(unit, kind, process)` of each unit (a whole block's
+  padding grey too); a title names the axes the kind is split and replicated over
+  ("mixed" when units differ).
 
 `plot_bars(plan)` is the picture as data, pure and without matplotlib: per kind and
 rank, the rectangles. `plot_plan` needs matplotlib (`pip install fzero[bench]`).
@@ -25,7 +26,6 @@ import itertools
 from typing import Any, Literal, NamedTuple
 
 from fzero.partition._mesh import KINDS, Sharding
-from fzero.partition._mesh_plan import MeshPlan
 from fzero.partition._plan import Plan, Unit
 
 __all__ = ["Bar", "plot_bars", "plot_plan"]
@@ -80,10 +80,11 @@ def _block_bars(unit: Unit, index: int, base: int, lo: int, hi: int, fill: Fill)
     return bars
 
 
-def _unit_bars(plan: Plan | MeshPlan, kind: str, index: int, rank: int, base: int) -> list[Bar]:
-    """What `rank` holds of `kind` of unit `index` (buffer at `base`) as rectangles."""
+def _unit_bars(plan: Plan, kind: str, index: int, rank: int, base: int) -> list[Bar]:
+    """What `rank` (a process on a mesh) holds of `kind` of unit `index` (buffer at
+    `base`) as rectangles."""
     unit = plan.units[index]
-    if isinstance(plan, Plan):
+    if plan.mesh is None:
         if not _stage_split(plan, kind, unit):
             return [Bar(index, base, base + unit.numel, "whole")]
         # the optimizer's shard, or the gradients' and parameters' (a finer optimizer
@@ -91,25 +92,26 @@ def _unit_bars(plan: Plan | MeshPlan, kind: str, index: int, rank: int, base: in
         # axes the shard of its index along them)
         held = plan.shard_range(unit, rank) if kind == "optimizer" else plan.grads_range(unit, rank)
         return _block_bars(unit, index, base, *held, "held")
-    split = plan.shardings[index].of(kind)
+    split = plan.sharding_of(unit).of(kind)
     if split is None:  # no hpZ secondary copy of this unit
         return []
-    lo, hi = plan.shard_range(index, kind, rank)
+    lo, hi = plan.kind_range(unit, kind, rank)
     return _block_bars(unit, index, base, lo, hi, "held" if split.shard else "whole")
 
 
-def _kinds(plan: Plan | MeshPlan) -> tuple[str, ...]:
-    """The kinds drawn: a stage plan's three; a mesh plan's kinds some unit has."""
-    if isinstance(plan, Plan):
+def _kinds(plan: Plan) -> tuple[str, ...]:
+    """The kinds drawn: a world plan's three; on a mesh the kinds some unit has."""
+    if plan.mesh is None:
         return KINDS[:3]
     return tuple(k for k in KINDS if any(s.of(k) is not None for s in plan.shardings))
 
 
-def plot_bars(plan: Plan | MeshPlan) -> dict[str, tuple[tuple[Bar, ...], ...]]:
+def plot_bars(plan: Plan) -> dict[str, tuple[tuple[Bar, ...], ...]]:
     """The picture `plot_plan` draws, as data: for each kind drawn (a name in
-    `partition.KINDS`), for each rank, its rectangles in buffer order."""
-    if not isinstance(plan, (Plan, MeshPlan)):
-        raise TypeError(f"plan is a {type(plan).__name__}; expected a Plan or a MeshPlan")
+    `partition.KINDS`), for each rank (each process, on a mesh), its rectangles in
+    buffer order."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan is a {type(plan).__name__}; expected a partition.Plan")
     bases, offset = [], 0
     for unit in plan.units:
         bases.append(offset)
@@ -121,7 +123,7 @@ def plot_bars(plan: Plan | MeshPlan) -> dict[str, tuple[tuple[Bar, ...], ...]]:
                 for index, base in enumerate(bases)
                 for bar in _unit_bars(plan, kind, index, rank, base)
             )
-            for rank in range(plan.world_size)
+            for rank in range(plan.processes)
         )
         for kind in _kinds(plan)
     }
@@ -135,9 +137,9 @@ def _axes_text(split: Sharding) -> str:
     return ", ".join(parts)
 
 
-def _title(plan: Plan | MeshPlan, kind: str) -> str:
+def _title(plan: Plan, kind: str) -> str:
     """A panel's title: the kind, and how it is split."""
-    if isinstance(plan, Plan):
+    if plan.mesh is None:
         split = {_stage_split(plan, kind, u) for u in plan.units}
         if len(split) > 1:
             return f"{LABELS[kind]} (mixed: sharded in some units)"
@@ -148,9 +150,9 @@ def _title(plan: Plan | MeshPlan, kind: str) -> str:
     return f"{LABELS[kind]}: {_axes_text(found.pop())}"
 
 
-def _rank_label(plan: Plan | MeshPlan, rank: int) -> str:
+def _rank_label(plan: Plan, rank: int) -> str:
     """A row's label: the rank, and on a mesh its coordinate ("rank 3 (node=1, local=1)")."""
-    if isinstance(plan, Plan):
+    if plan.mesh is None:
         return f"rank {rank}"
     where = ", ".join(f"{axis}={c}" for axis, c in plan.mesh.coordinate(rank).items())
     return f"rank {rank} ({where})"
@@ -173,7 +175,7 @@ def _draw_block(ax: Any, block: list[Bar], row: tuple[float, float], colour: Any
             ax.broken_barh(over, row, **styles[fill])
 
 
-def plot_plan(plan: Plan | MeshPlan, *, width: float = 10.0) -> bytes:
+def plot_plan(plan: Plan, *, width: float = 10.0) -> bytes:
     """The plan as a PNG image (bytes): see the module docstring."""
     panels = plot_bars(plan)
     try:
@@ -186,8 +188,8 @@ def plot_plan(plan: Plan | MeshPlan, *, width: float = 10.0) -> bytes:
             "plot_plan needs matplotlib: pip install fzero[bench] (or matplotlib)"
         ) from error
     colours = plt.get_cmap("tab10").colors
-    ranks = range(plan.world_size)
-    height = 1.0 + 0.35 * plan.world_size * len(panels)
+    ranks = range(plan.processes)
+    height = 1.0 + 0.35 * plan.processes * len(panels)
     figure, axes = plt.subplots(len(panels), 1, figsize=(width, height), sharex=True)
     for ax, (kind, rows) in zip(axes, panels.items()):
         for rank, bars in enumerate(rows):
@@ -197,7 +199,7 @@ def plot_plan(plan: Plan | MeshPlan, *, width: float = 10.0) -> bytes:
         ax.set_yticks(ranks, [_rank_label(plan, rank) for rank in ranks])
         ax.invert_yaxis()
         ax.set_title(_title(plan, kind), fontsize=9)
-    if isinstance(plan, Plan):
+    if plan.mesh is None:
         layout = f"stage {plan.stage}{' (mixed)' if plan.mixed else ''}; "
     else:  # the mesh makes the line too long for one
         layout = f"preset {plan.preset}, mesh {plan.mesh})\n("

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from fzero.partition._manifest import Manifest
 from fzero.partition._mesh import Mesh, UnitSharding
-from fzero.partition._mesh_plan import MeshPlan, stage_shardings, validate
+from fzero.partition._mesh_plan import KindPlan, executable, stage_shardings
 from fzero.partition._plan import Memory, Plan, PlanError, Unit
 from fzero.partition._strategies import Strategy, flat_even, plan
 
@@ -173,11 +173,15 @@ def mesh_plan(
     strategy: Strategy | Callable[..., Plan] = flat_even,
     memory: Memory | None = None,
     **options: object,
-) -> MeshPlan:
+) -> Plan:
     """Lay `manifest` out with `strategy` on `mesh.size` ranks (with `options`, as
     `plan` runs it, grouped for `preset.stage`), split every unit as `preset` says, and
-    validate. `mesh_plan(m, Mesh.single(W), "zero2")` is `from_plan(plan(m,
-    world_size=W, stage=2))`. To hand it to an engine as its `strategy`, use
+    return the `Plan` both doors run: its ranks the group along the axes the kinds are
+    split over (`world_size`), `mesh` (an `OnMesh`) where they lie on the
+    `processes`, `shardings` each unit's split per kind again. `mesh_plan(m,
+    Mesh.single(W), "zero2")` is `plan(m, world_size=W, stage=2)` on that mesh
+    (`to_plan` gives the latter). A split the doors do not run is a `PlanError` naming
+    the unit, kind and axes. To hand it to an engine as its `strategy`, use
     `on_mesh(mesh, preset)`: the engine passes `world_size` and `stage`, which the mesh
     and the preset decide here. `memory`: where its states live and their dtypes
     (`Memory`), as `plan` takes it."""
@@ -191,7 +195,7 @@ def mesh_plan(
         )
     chosen = preset_from_name(preset) if isinstance(preset, str) else preset
     layout = plan(manifest, world_size=mesh.size, stage=chosen.stage, strategy=strategy, **options)
-    result = MeshPlan(
+    said = KindPlan(
         manifest,
         mesh,
         layout.alignment,
@@ -201,8 +205,7 @@ def mesh_plan(
         preset=chosen.name,
         memory=memory if memory is not None else Memory(),
     )
-    validate(result)
-    return result
+    return executable(said)
 
 
 def on_mesh(
@@ -210,7 +213,7 @@ def on_mesh(
     preset: Preset | str = "zero3",
     *,
     strategy: Strategy | Callable[..., Plan] = flat_even,
-) -> Callable[..., MeshPlan]:
+) -> Callable[..., Plan]:
     """A strategy the engine (or `plan`) takes: lays a model out with `mesh_plan(manifest,
     mesh, preset, strategy=strategy, **options)`, passing on every option it is given
     (`persistence_threshold`, `leaf_modules`, `unit_numel`, ...). The `world_size` it is
@@ -220,7 +223,7 @@ def on_mesh(
 
     def strategy_on_mesh(
         manifest: Manifest, *, world_size: int, stage: int, **options: object
-    ) -> MeshPlan:
+    ) -> Plan:
         if world_size != mesh.size:
             raise PlanError(
                 f"on_mesh({mesh}, {chosen.name!r}): the run has {world_size} ranks, the mesh "

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh import KINDS
-from fzero.partition._mesh_plan import MeshPlan
+from fzero.partition._mesh_plan import KindPlan
 from fzero.partition._plan import MEMORY_KINDS, Memory, Plan, PlanError, Unit
 
 __all__ = [
@@ -48,14 +47,10 @@ class LocalSlice:
 def local_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
     """The part of every tensor that `rank` owns, in unit then buffer order.
 
-    Ownership is the plan's partition; whether a state is actually held
-    sharded depends on the stage (`Plan.shards_*`). A plan on a mesh splits each kind
-    its own way: ask `kind_slices`.
+    Ownership is the plan's partition (a plan rank's optimizer shard); whether a state is
+    actually held sharded depends on the stage (`Plan.stage_of`). On a mesh each kind is
+    split its own way, per process: ask `kind_slices`.
     """
-    if isinstance(plan, MeshPlan):
-        raise PlanError(
-            "a MeshPlan splits each kind its own way: use kind_slices(plan, rank, kind)"
-        )
     _check_rank(plan, rank)
     found = []
     for index, unit in enumerate(plan.units):
@@ -72,16 +67,16 @@ def written_slices(plan: Plan, rank: int) -> tuple[LocalSlice, ...]:
     )
 
 
-def kind_slices(plan: MeshPlan, rank: int, kind: str) -> tuple[LocalSlice, ...]:
-    """The part of every tensor that `rank` holds of `kind` (one of `KINDS`) under a mesh
-    plan, in unit then buffer order; `shard_offset` counts from the start of the rank's
-    block of that kind (`MeshPlan.shard_range`). Units without a `params_secondary` have
-    no slices of it."""
-    _check_rank(plan, rank)
+def kind_slices(plan: Plan, rank: int, kind: str) -> tuple[LocalSlice, ...]:
+    """The part of every tensor that process `rank` (a rank of `plan.process_mesh`) holds
+    of `kind` (one of `KINDS`), in unit then buffer order; `shard_offset` counts from the
+    start of the process's block of that kind (`Plan.kind_range`). Units without a
+    `params_secondary` have no slices of it."""
+    _check_process(plan, rank)
     found = []
-    for index, (unit, sharding) in enumerate(zip(plan.units, plan.shardings)):
-        if sharding.of(kind) is not None:
-            found += _slices_in(index, unit, *plan.shard_range(index, kind, rank))
+    for index, unit in enumerate(plan.units):
+        if plan.sharding_of(unit).of(kind) is not None:
+            found += _slices_in(index, unit, *plan.kind_range(unit, kind, rank))
     return tuple(sorted(found, key=lambda s: (s.unit, s.shard_offset)))
 
 
@@ -100,7 +95,7 @@ def _slices_in(index: int, unit: Unit, lo: int, hi: int) -> list[LocalSlice]:
     return found
 
 
-def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
+def reduction_buckets(plan: Plan | KindPlan, bucket_numel: int) -> tuple[tuple[int, ...], ...]:
     """Unit indices grouped into gradient-reduction buckets, in launch order.
 
     Backward produces gradients roughly in reverse unit order, so buckets take
@@ -135,22 +130,22 @@ def reduction_buckets(plan: Plan | MeshPlan, bucket_numel: int) -> tuple[tuple[i
     return tuple(buckets)
 
 
-def _grads_group(plan: Plan | MeshPlan, index: int) -> tuple[str, ...] | None:
+def _grads_group(plan: Plan | KindPlan, index: int) -> tuple[str, ...] | None:
     """The axes unit `index`'s gradients are reduced over, where units differ in them."""
-    if isinstance(plan, MeshPlan):
+    if isinstance(plan, KindPlan):
         return plan.shardings[index].grads.shard
     return plan.units[index].shard_axes
 
 
-def _grads_dtype(plan: Plan | MeshPlan, index: int) -> str:
+def _grads_dtype(plan: Plan | KindPlan, index: int) -> str:
     unit = plan.units[index]
     return plan.memory.grads if unit.grads_dtype is None else unit.grads_dtype
 
 
-def grads_split(plan: Plan | MeshPlan, index: int) -> bool:
+def grads_split(plan: Plan | KindPlan, index: int) -> bool:
     """Whether unit `index`'s gradients are split over ranks (reduce-scattered every
     micro-step: stages 2-3), not whole (all-reduced at the accumulation boundary)."""
-    if isinstance(plan, MeshPlan):
+    if isinstance(plan, KindPlan):
         return bool(plan.shardings[index].grads.shard)
     return plan.stage_of(index) >= 2
 
@@ -283,7 +278,7 @@ class MemoryEstimate:
 
 
 def memory_per_rank(
-    plan: Plan | MeshPlan,
+    plan: Plan,
     rank: int,
     *,
     param_dtype: str = "float32",
@@ -315,8 +310,9 @@ def memory_per_rank(
     unless `swap_gradients` is False (the config's `offload_optimizer.swap_gradients`),
     are in the swap file; stage 3's parameter shards where `Plan.params_memory` says.
 
-    On a mesh each kind holds its unit's buffer over the group size of its shard axes
-    (`MeshPlan.shard_range`), plus hpZ's secondary copy in `params_secondary`. MiCS (Zhang
+    On a mesh `rank` is a process (of `plan.processes`) and each kind holds its unit's
+    buffer over the group size of its shard axes (`Plan.kind_range`), plus hpZ's
+    secondary copy in `params_secondary`. MiCS (Zhang
     et al. 2022, arXiv:2205.00119): every model state over the shard-group size, not the world
     size; ZeRO++ hpZ (Wang et al. 2023, arXiv:2306.10209): ZeRO-3's states plus a parameter copy
     over the ranks of a node.
@@ -326,7 +322,7 @@ def memory_per_rank(
     elements and at most the gathered units' size, in `params_kept` (the bound that
     makes ZeRO-3 generation fast, counted where it is paid).
     """
-    _check_rank(plan, rank)
+    _check_process(plan, rank)
     if eval_live_parameters < 0:
         raise PlanError(f"eval_live_parameters is {eval_live_parameters}; it must be >= 0")
     param_size = dtype_of(param_dtype).itemsize
@@ -398,31 +394,26 @@ class _Holding:
     grads_dtype: str
 
 
-def _splits_grads(plan: Plan | MeshPlan) -> bool:
+def _splits_grads(plan: Plan) -> bool:
     """Whether every unit's gradients are split (stages 2-3): then a swap file holds the
     gradient accumulators of the units whose optimizer state it holds (a unit at stage
     0-1 keeps every accumulator in memory: whole gradients are all-reduced at the
     boundary)."""
-    if isinstance(plan, MeshPlan):
-        return all(plan.mesh.group_size(s.grads.shard) > 1 for s in plan.shardings)
     return plan.stage >= 2 and not plan.runs_stage(lambda s: s < 2)
 
 
-def _gathered_numel(plan: Plan | MeshPlan) -> int:
+def _gathered_numel(plan: Plan) -> int:
     """Elements of the units stage 3 gathers whole for a forward (not persistent)."""
-    if isinstance(plan, MeshPlan):
-        split = [u for u, s in zip(plan.units, plan.shardings) if s.params.shard]
-        return sum(u.numel for u in split if not u.persistent)
     return sum(u.numel for u in plan.units if plan.stage_of(u) == 3)
 
 
-def _unit_holdings(plan: Plan | MeshPlan, rank: int) -> list[_Holding]:
-    """What `rank` holds of each unit: under a stage plan each unit as its own stage
-    (`Plan.stage_of`), with masters apart from the parameters where stage-3 shards are
-    coarser than the optimizer's (`Plan.optimizer_extra_size`); under a mesh plan each
-    kind its unit's buffer over its shard axes' group (blocks are equal: any rank)."""
-    if isinstance(plan, MeshPlan):
-        return [_mesh_holding(plan, unit, s) for unit, s in zip(plan.units, plan.shardings)]
+def _unit_holdings(plan: Plan, rank: int) -> list[_Holding]:
+    """What `rank` holds of each unit: each unit as its own stage (`Plan.stage_of`); on a
+    mesh each kind its unit's buffer over its shard axes' group (`Plan.sharding_of`:
+    blocks are equal, so any process), with masters apart from the parameters where
+    those are split coarser than the optimizer state."""
+    if plan.mesh is not None:
+        return [_mesh_holding(plan, unit) for unit in plan.units]
     out = []
     for unit in plan.units:
         full, stage = unit.numel, plan.stage_of(unit)
@@ -434,7 +425,7 @@ def _unit_holdings(plan: Plan | MeshPlan, rank: int) -> list[_Holding]:
                 secondary=0,
                 grads=stop - start if stage >= 2 else full,
                 optimizer=shard if stage >= 1 else full,
-                apart=shard if stage == 3 and plan.optimizer_extra_size > 1 else 0,
+                apart=0,
                 params_where=plan.params_memory(unit),
                 optimizer_where=plan.optimizer_memory(unit),
                 master=plan.master_dtype(unit),
@@ -445,26 +436,26 @@ def _unit_holdings(plan: Plan | MeshPlan, rank: int) -> list[_Holding]:
     return out
 
 
-def _mesh_holding(plan: MeshPlan, unit: Unit, sharding: Any) -> _Holding:
-    mesh, memory = plan.mesh, plan.memory
+def _mesh_holding(plan: Plan, unit: Unit) -> _Holding:
+    mesh, sharding = plan.process_mesh, plan.sharding_of(unit)
     numel = {}
     for kind in KINDS:
         split = sharding.of(kind)
         numel[kind] = 0 if split is None else unit.numel // mesh.group_size(split.shard)
-    params, optimizer = sharding.params.shard, sharding.optimizer.shard
-    apart = numel["optimizer"] if params and len(optimizer) > len(params) else 0
-    params_where = (unit.params_memory or memory.params) if params else "device"
+    params = sharding.params.shard
     return _Holding(
         params=numel["params"],
         secondary=numel["params_secondary"],
         grads=numel["grads"],
         optimizer=numel["optimizer"],
-        apart=apart,
-        params_where=params_where,
-        optimizer_where=unit.optimizer_memory or memory.optimizer,
-        master=unit.master_dtype or memory.master,
-        states=unit.states_dtype or memory.states,
-        grads_dtype=unit.grads_dtype or memory.grads,
+        # the run keeps a stage-3 unit's master apart from its parameter shard wherever
+        # the plan splits some optimizer state finer than the gradients (`core.apply`)
+        apart=numel["optimizer"] if params and plan.optimizer_extra_size > 1 else 0,
+        params_where=plan.params_memory(unit),
+        optimizer_where=plan.optimizer_memory(unit),
+        master=plan.master_dtype(unit),
+        states=plan.states_dtype(unit),
+        grads_dtype=plan.grads_dtype(unit),
     )
 
 
@@ -538,14 +529,22 @@ def _check_rank(plan: Plan, rank: int) -> None:
         raise ValueError(f"rank {rank} is out of range for world_size {plan.world_size}")
 
 
-def format_plan(plan: Plan | MeshPlan) -> str:
+def _check_process(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.processes:
+        raise ValueError(
+            f"rank {rank} is out of range for the plan's {plan.processes} processes"
+            + (f" (mesh {plan.mesh})" if plan.mesh is not None else "")
+        )
+
+
+def format_plan(plan: Plan) -> str:
     """A table of units: tensors, buffer size and which elements each rank owns, with the
     padding each rank's shard carries; then the plan's padding (elements every rank
     allocates beyond the model) and its imbalance (the most elements a rank owns over
     the mean), which equal shards turn into padding. A plan on a mesh shows, per unit,
     each kind's axes and block, and per rank (with its mesh coordinate) the buffer range
     of each kind and the tensor elements its optimizer block updates."""
-    if isinstance(plan, MeshPlan):
+    if plan.mesh is not None:
         return _format_mesh_plan(plan)
     lines = [
         f"plan: strategy={plan.strategy} stage={plan.stage} world_size={plan.world_size} "
@@ -600,18 +599,22 @@ def _memory_text(memory: Memory) -> str:
     return f" memory={','.join(said)}" if said else ""
 
 
-def _format_mesh_plan(plan: MeshPlan) -> str:
-    mesh = plan.mesh
+def _format_mesh_plan(plan: Plan) -> str:
+    mesh = plan.process_mesh
     lines = [
-        f"plan: strategy={plan.strategy} preset={plan.preset} mesh={mesh} "
-        f"({mesh.size} ranks) alignment={plan.alignment} units={len(plan.units)} "
-        f"params={plan.manifest.numel:,}" + _memory_text(plan.memory)
+        f"plan: strategy={plan.strategy} preset={plan.preset} stage={plan.stage} mesh={mesh} "
+        f"({mesh.size} processes; {plan.world_size} shards over {', '.join(plan.mesh.shard)}) "
+        f"alignment={plan.alignment} units={len(plan.units)} params={plan.manifest.numel:,}"
+        + _memory_text(plan.memory)
     ]
-    kinds = [k for k in KINDS if any(s.of(k) is not None for s in plan.shardings)]
+    shardings = plan.shardings
+    kinds = [k for k in KINDS if any(s.of(k) is not None for s in shardings)]
     updates = [kind_slices(plan, rank, "optimizer") for rank in range(mesh.size)]
-    for index, (unit, sharding) in enumerate(zip(plan.units, plan.shardings)):
+    for index, (unit, sharding) in enumerate(zip(plan.units, shardings)):
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         flags = " persistent" if unit.persistent else ""
+        flags += f" stage={unit.stage}" if unit.stage is not None else ""
+        flags += f" over={'+'.join(unit.shard_axes)}" if unit.shard_axes is not None else ""
         flags += " hierarchical-gather" if sharding.hierarchical_params_gather else ""
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
@@ -628,10 +631,11 @@ def _format_mesh_plan(plan: MeshPlan) -> str:
                 f"{kind}[{lo}:{hi})"
                 for kind in kinds
                 if sharding.of(kind) is not None
-                for lo, hi in [plan.shard_range(index, kind, rank)]
+                for lo, hi in [plan.kind_range(unit, kind, rank)]
             )
             owned = [s for s in updates[rank] if s.unit == index]
-            empty = "(none)" if unit.shard_size(rank) == 0 else "(padding only)"
+            low, high = plan.kind_range(unit, "optimizer", rank)
+            empty = "(none)" if high == low else "(padding only)"
             text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or empty
             lines.append(f"    rank {rank} ({where}): {ranges}; updates {text}")
     buffers = sum(u.numel for u in plan.units)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fzero.partition._manifest import Manifest, TensorSpec
-from fzero.partition._mesh_plan import MeshPlan, executable
 from fzero.partition._plan import (
     Memory,
     Piece,
@@ -342,8 +341,8 @@ def plan(
     **options: object,
 ) -> Plan:
     """Run `strategy` (a built-in or your own function) with `options` and validate what
-    it returns. A strategy may return a `MeshPlan` of `world_size` processes (its stage
-    `stage`): the result is then the plan both doors run for it (`executable`). A
+    it returns. A strategy may return a plan on a mesh of `world_size` processes
+    (`mesh_plan`'s, at stage `stage`): its ranks are then its shard group's. A
     strategy whose signature takes neither an option it is given nor `**options` is an
     error naming both (it would otherwise fail inside, or the option would be lost).
     The engine passes `persistence_threshold` at stage 3 (the config's
@@ -369,22 +368,19 @@ def plan(
         _check_unit_stages(unit_stages, stage)
     _check_accepts(strategy, options)
     result = strategy(manifest, world_size=world_size, stage=stage, **options)
-    if isinstance(result, MeshPlan) and result.mesh.size == world_size:
-        result = executable(result)
-        world_size = result.world_size  # the ranks of its shard group
-    if isinstance(result, MeshPlan):
-        raise PlanError(
-            f"strategy {getattr(strategy, '__name__', strategy)!r} returned a MeshPlan on "
-            f"mesh {result.mesh} ({result.mesh.size} processes) for world_size={world_size}; "
-            "a mesh plan runs on as many processes as its mesh has: build the mesh from "
-            "the world_size the strategy is given"
-        )
     if not isinstance(result, Plan):
         raise PlanError(
             f"strategy {getattr(strategy, '__name__', strategy)!r} returned "
-            f"{type(result).__name__}, expected fzero.partition.Plan or MeshPlan"
+            f"{type(result).__name__}, expected fzero.partition.Plan"
         )
-    if result.mesh is not None and result.processes == world_size:  # `executable`'s already
+    if result.mesh is not None and result.processes != world_size:
+        raise PlanError(
+            f"strategy {getattr(strategy, '__name__', strategy)!r} returned a plan on "
+            f"mesh {result.mesh} ({result.processes} processes) for world_size={world_size}; "
+            "a plan on a mesh runs on as many processes as its mesh has: build the mesh "
+            "from the world_size the strategy is given"
+        )
+    if result.mesh is not None:  # `mesh_plan`'s: its ranks are its shard group's
         world_size = result.world_size
     if (result.manifest, result.world_size, result.stage) != (manifest, world_size, stage):
         raise PlanError(

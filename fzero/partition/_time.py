@@ -30,7 +30,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fzero.partition._mesh_plan import MeshPlan
 from fzero.partition._plan import Plan, PlanError
 from fzero.partition._volume import Collective, comm_volume
 
@@ -108,7 +107,7 @@ def _seconds(row: Collective, link: Link, algorithm: str) -> float:
 
 
 def comm_time(
-    plan: Plan | MeshPlan | list[Collective],
+    plan: Plan | list[Collective],
     *,
     links: Mapping[str, str | float | Link],
     algorithm: str = "ring",

@@ -8,7 +8,7 @@ input, an all-reduce's tensor). What one rank puts on the wire with ring algorit
 `wire_bytes`: (W-1)/W of that for an all-gather or reduce-scatter, twice it for an
 all-reduce.
 
-On a mesh (a `MeshPlan`, or a plan `executable` made from one) every row also names the
+On a mesh (a `KindPlan`, or a plan `executable` made from one) every row also names the
 `axes` it runs over, and its `world_size` is the size of that group: HSDP/MiCS
 reduce-scatters gradients over the shard axes and all-reduces the shard over the replica
 axes every micro-step (as FSDP2's HSDP; DeepSpeed's MiCS waits for the accumulation
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fzero.partition._manifest import dtype_of
 from fzero.partition._mesh_comm import _gradients_group, optimizer_exchange, publish_hops
 from fzero.partition._mesh_groups import _finer
-from fzero.partition._mesh_plan import MeshPlan, as_mesh_plan, without_unit_axes
+from fzero.partition._mesh_plan import KindPlan, as_kind_plan, without_unit_axes
 from fzero.partition._plan import Plan, PlanError, Unit
 from fzero.partition._queries import grads_split, reduction_buckets, spans_parts
 
@@ -67,7 +67,7 @@ _QUANT_BLOCK = 256  # elements per fp32 scale of a quantized collective (fzero.c
 
 
 def comm_volume(
-    plan: Plan | MeshPlan,
+    plan: Plan,
     *,
     accumulation_steps: int = 1,
     param_dtype: str = "float32",
@@ -130,7 +130,7 @@ def comm_volume(
     A world of 1 issues nothing. A step an fp16 overflow skips sends neither the norm
     nor new parameters.
 
-    Under a `MeshPlan` or a plan on a mesh, per unit and per axes (see `_mesh_volume`;
+    On a mesh, per unit and per axes (see `_mesh_volume`;
     qgZ over a shard group of several axes is hierarchical: one all-to-all pair per axis).
     """
     if accumulation_steps < 1:
@@ -147,16 +147,15 @@ def comm_volume(
         raise PlanError(
             f"whole_tensors names {unknown[0]!r}, which is not a tensor of the plan's manifest"
         )
-    if isinstance(plan, Plan) and plan.mesh is not None:
-        plan = as_mesh_plan(plan)
-    if isinstance(plan, MeshPlan):
+    if plan.mesh is not None:
+        said = as_kind_plan(plan)
         return _mesh_volume(
-            without_unit_axes(plan),
+            without_unit_axes(said),
             steps=accumulation_steps,
             param_bytes=dtype_of(param_dtype).itemsize,
             bucket_numel=bucket_numel,
             regathered=sorted(set(regathered)),
-            control=_control(plan, loss_scaling, norms),
+            control=_control(said, loss_scaling, norms),
             scatter_as_all_reduce=scatter_as_all_reduce,
             quantized=(quantized_weights, quantized_gradients, quantized_gradient_bits),
             grad_bytes=grad_bytes,
@@ -274,7 +273,7 @@ def _add_split_reductions(
         add("reduce", "gradients", sum(_owners(u) for u in uneven) * steps, size)
 
 
-def _control(plan: MeshPlan, loss_scaling: bool, norms: bool) -> list[tuple[str, int, bool]]:
+def _control(plan: KindPlan, loss_scaling: bool, norms: bool) -> list[tuple[str, int, bool]]:
     """The control all-reduces of one step: (what, bytes, over the world) once each; the
     norms sum each shard once, over the axes the state is split over."""
     rows = [("gradient norm", 8, False)]
@@ -287,7 +286,7 @@ def _control(plan: MeshPlan, loss_scaling: bool, norms: bool) -> list[tuple[str,
 
 
 def _mesh_volume(
-    plan: MeshPlan,
+    plan: KindPlan,
     *,
     steps: int,
     param_bytes: int,
@@ -426,7 +425,7 @@ _EXCHANGES = {
 
 
 def _add_directions(
-    plan: MeshPlan,
+    plan: KindPlan,
     index: int,
     gradients: tuple[str, ...],
     taken: frozenset[str],
@@ -453,7 +452,7 @@ def _add_directions(
 
 
 def _add_exchange(
-    plan: MeshPlan,
+    plan: KindPlan,
     index: int,
     gradients: tuple[str, ...],
     size: int,
@@ -471,14 +470,14 @@ def _add_exchange(
         add("all_to_all", _EXCHANGES[what], axes, 1, numel * size)
 
 
-def _zero1(plan: MeshPlan, index: int) -> bool:
+def _zero1(plan: KindPlan, index: int) -> bool:
     """Whether unit `index` is ZeRO-1: its gradients whole, its optimizer state split."""
     sharding = plan.shardings[index]
     return not sharding.grads.shard and plan.mesh.group_size(sharding.optimizer.shard) > 1
 
 
 def _add_quantized_reduction(
-    plan: MeshPlan,
+    plan: KindPlan,
     bucket: tuple[int, ...],
     steps: int,
     bits: int,
@@ -498,7 +497,7 @@ def _add_quantized_reduction(
 
 
 def _add_gathers(
-    plan: MeshPlan,
+    plan: KindPlan,
     index: int,
     what: str,
     steps: int,

@@ -1,7 +1,8 @@
-"""A plan's wire format: msgpack (no pickle); format 1 is a stage `Plan` (every
-checkpoint before meshes holds one); format 2 a `MeshPlan`. Fields a plan leaves at their
-defaults (memory, `OnMesh.optimizer_extra`, ...) are written only when set, so older plans
-keep their bytes and digests."""
+"""A plan's wire format: msgpack (no pickle). `to_bytes` writes format 1, a `Plan`
+(every checkpoint holds one); `from_bytes` reads it and format 2, the per-kind plans an
+earlier fzero wrote for a mesh (`KindPlan`), as the `Plan` they run as. Fields a plan
+leaves at their defaults (memory, `OnMesh.optimizer_extra`, ...) are written only when
+set, so older plans keep their bytes and digests."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 import msgpack
 
 from fzero.partition._manifest import Manifest, TensorSpec
-from fzero.partition._mesh import KINDS, Mesh, MeshError, Sharding, UnitSharding
-from fzero.partition._mesh_plan import MeshPlan, from_plan, validate
+from fzero.partition._mesh import Mesh, MeshError, Sharding, UnitSharding
+from fzero.partition._mesh_plan import KindPlan, executable
 from fzero.partition._plan import (
     Memory,
     OnMesh,
@@ -33,12 +34,11 @@ __all__ = [
     "encode_memory",
     "encode_unit",
     "from_bytes",
-    "mesh_plan_from_bytes",
     "to_bytes",
 ]
 
 FORMAT_VERSION = 1
-MESH_FORMAT_VERSION = 2  # format 1: a stage plan (`Plan`), read as a one-axis mesh plan
+MESH_FORMAT_VERSION = 2  # an earlier fzero's per-kind plan on a mesh: read, never written
 
 
 def encode_manifest(manifest: Manifest) -> dict[str, Any]:
@@ -168,15 +168,16 @@ def _decode_on_mesh(raw: dict[str, Any] | None) -> OnMesh | None:
 
 
 def from_bytes(data: bytes) -> Plan:
-    """Read a plan written by `to_bytes`; raise `PlanError` on any other input (a plan
-    on a mesh, format 2, is read by `mesh_plan_from_bytes`)."""
+    """Read a plan written by `to_bytes` (format 1), or a plan said per kind on a mesh
+    that an earlier fzero wrote (format 2) as the `Plan` it runs as; raise `PlanError`
+    on any other input."""
     try:
         raw = msgpack.unpackb(data)
-        if raw.get("format") != FORMAT_VERSION:
-            raise PlanError(
-                f"plan format {raw.get('format')!r}; this function reads {FORMAT_VERSION} "
-                "(a plan on a mesh, format 2, is read by partition.mesh_plan_from_bytes)"
-            )
+        version = raw.get("format")
+        if version == MESH_FORMAT_VERSION:
+            return _from_kind_bytes(raw)
+        if version != FORMAT_VERSION:
+            raise PlanError(f"plan format {version!r}; this fzero reads 1 and 2")
         plan = Plan(
             manifest=decode_manifest(raw["manifest"]),
             world_size=raw["world_size"],
@@ -187,81 +188,44 @@ def from_bytes(data: bytes) -> Plan:
             mesh=_decode_on_mesh(raw.get("mesh")),
             memory=decode_memory(raw),
         )
-    except PlanError:
+    except (PlanError, MeshError):
         raise
     except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
         raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
     return _validate_stage_plan(plan)
 
 
-def _encode_sharding(sharding: Sharding | None) -> list[list[str]] | None:
-    return None if sharding is None else [list(sharding.shard), list(sharding.replicate)]
-
-
 def _decode_sharding(raw: list[list[str]] | None) -> Sharding | None:
     return None if raw is None else Sharding(tuple(raw[0]), tuple(raw[1]))
 
 
-def to_bytes(plan: Plan | MeshPlan) -> bytes:
-    """Serialise a plan with msgpack (no pickle): a stage `Plan` as format 1 (what
-    `from_bytes` reads), a `MeshPlan` as format 2 (`mesh_plan_from_bytes`)."""
-    if isinstance(plan, Plan):
-        return _stage_plan_to_bytes(plan)
-    shardings = [
-        {
-            **{kind: _encode_sharding(s.of(kind)) for kind in KINDS},
-            "hierarchical_params_gather": s.hierarchical_params_gather,
-        }
-        for s in plan.shardings
-    ]
-    return msgpack.packb(
-        {
-            "format": MESH_FORMAT_VERSION,
-            "manifest": encode_manifest(plan.manifest),
-            "mesh": [list(axis) for axis in plan.mesh.axes],
-            "alignment": plan.alignment,
-            "strategy": plan.strategy,
-            "preset": plan.preset,
-            "units": [encode_unit(u) for u in plan.units],
-            "shardings": shardings,
-            **encode_memory(plan.memory),
-        }
+def to_bytes(plan: Plan) -> bytes:
+    """Serialise a plan with msgpack (no pickle), as format 1 (what `from_bytes` reads)."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan is a {type(plan).__name__}; expected a partition.Plan")
+    return _stage_plan_to_bytes(plan)
+
+
+def _from_kind_bytes(raw: dict[str, Any]) -> Plan:
+    """A format-2 plan (units on every process of a mesh, each kind's split) as the plan
+    it runs as (`executable`)."""
+    plan = KindPlan(
+        manifest=decode_manifest(raw["manifest"]),
+        mesh=Mesh((name, size) for name, size in raw["mesh"]),
+        alignment=raw["alignment"],
+        units=tuple(decode_unit(u) for u in raw["units"]),
+        shardings=tuple(
+            UnitSharding(
+                params=_decode_sharding(s["params"]),
+                grads=_decode_sharding(s["grads"]),
+                optimizer=_decode_sharding(s["optimizer"]),
+                params_secondary=_decode_sharding(s["params_secondary"]),
+                hierarchical_params_gather=s["hierarchical_params_gather"],
+            )
+            for s in raw["shardings"]
+        ),
+        strategy=raw["strategy"],
+        preset=raw["preset"],
+        memory=decode_memory(raw),
     )
-
-
-def mesh_plan_from_bytes(data: bytes) -> MeshPlan:
-    """Read a plan written by `to_bytes`: format 2 as it was; format 1 (a stage plan, as
-    every checkpoint before meshes holds) as the one-axis mesh plan `from_plan` makes.
-    Anything else is a `PlanError`."""
-    try:
-        raw = msgpack.unpackb(data)
-        version = raw.get("format")
-        if version == 1:
-            return from_plan(from_bytes(data))
-        if version != MESH_FORMAT_VERSION:
-            raise PlanError(f"plan format {version!r}; this fzero reads 1 and 2")
-        plan = MeshPlan(
-            manifest=decode_manifest(raw["manifest"]),
-            mesh=Mesh((name, size) for name, size in raw["mesh"]),
-            alignment=raw["alignment"],
-            units=tuple(decode_unit(u) for u in raw["units"]),
-            shardings=tuple(
-                UnitSharding(
-                    params=_decode_sharding(s["params"]),
-                    grads=_decode_sharding(s["grads"]),
-                    optimizer=_decode_sharding(s["optimizer"]),
-                    params_secondary=_decode_sharding(s["params_secondary"]),
-                    hierarchical_params_gather=s["hierarchical_params_gather"],
-                )
-                for s in raw["shardings"]
-            ),
-            strategy=raw["strategy"],
-            preset=raw["preset"],
-            memory=decode_memory(raw),
-        )
-    except (PlanError, MeshError):
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as error:
-        raise PlanError(f"bytes are not an fzero plan: {error!r}") from error
-    validate(plan)
-    return plan
+    return executable(plan)
