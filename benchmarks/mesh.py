@@ -46,7 +46,7 @@ import _harness
 
 import fzero
 from fzero import partition
-from fzero.partition import Manifest, MeshPlan, Plan, flat_even
+from fzero.partition import Manifest, Plan, flat_even
 
 WIDTH, DEPTH, HEADS, VOCAB, SEQ, MICRO = 256, 4, 4, 1024, 64, 8
 LR, DECAY = 1e-3, 0.01
@@ -115,7 +115,7 @@ def whole_blocks(manifest: Manifest, *, world_size: int, stage: int, **options: 
     return flat_even(manifest, world_size=world_size, stage=stage)
 
 
-def _finer(order: tuple[str, str]) -> Callable[..., MeshPlan]:
+def _finer(order: tuple[str, str]) -> Callable[..., Plan]:
     """MiCS's ZeRO-3 within the node (parameters and gradients over "local") with the
     optimizer state over every rank, along `order`: a quarter per rank; in the order
     ("node", "local") each rank's quarter lies in another rank's gradient half, and the

@@ -5,8 +5,9 @@ torch's `DeviceMesh` and JAX's `Mesh` do: rank 3 is `node=1, local=1`, and the r
 along `local` through rank 2 are `(2, 3)`. A `Sharding` says which axes a kind of state
 (parameters, gradients, optimizer state) is split over and which it is replicated
 over, as JAX's `PartitionSpec` does per array; a `UnitSharding` says it for all kinds of
-one plan unit. All of it is plain data: the engine turns `Mesh.groups(axes)` into one
-process subgroup per set of axes.
+one plan unit. `OnMesh` is a mesh that also says where a plan's ranks lie on it (the
+axes its states are split over). All of it is plain data: the engine turns
+`Mesh.groups(axes)` into one process subgroup per set of axes.
 """
 
 from __future__ import annotations
@@ -257,26 +258,26 @@ class UnitSharding:
 
 @dataclass(frozen=True)
 class OnMesh(Mesh):
-    """Where a plan's ranks lie on a mesh of processes (`axes`: name and size, row-major,
-    the last fastest, as `partition.Mesh`). The plan's rank `i` is every process whose
-    index along the `shard` axes (row-major in that order) is `i`; the processes along
-    the other axes hold the same shards (replicas: their gradients are averaged by an
-    all-reduce over those axes). `secondary`: stage 3's parameters are kept after forward
-    split over these axes only (a subset of `shard`: ZeRO++ hpZ), and backward gathers
-    from that copy. `preset` names the mesh plan it came from. `hierarchical`: stage 3's
-    parameter gathers run one all-gather per `shard` axis, the outermost first (MiCS's
-    hierarchical all-gather: fewer, larger messages over the slow axis).
-    `optimizer_extra`: the axes of `shard` (in mesh order) that only the optimizer state
-    (and fp32 master) is split over; gradients and stage 3's parameters are split over
-    the other axes of `shard` (`grads_shard`), each such shard holding
-    `Plan.optimizer_extra_size` optimizer shards (the optimizer split over the world, the
-    gradients within a node: the gradients reduce-scattered over their axes every
-    micro-step, then over these at the accumulation boundary into the optimizer's shard).
-    `shard` is the optimizer's order: with the extra axes last (`grads_shard` then
-    `optimizer_extra`) a rank's optimizer shard lies in its gradient shard; in another
-    order (`permuted`: the optimizer over ("node", "local"), the gradients over
-    ("local",)) it lies in another rank's, and the boundary's blocks are exchanged with
-    it (`Plan.rank_in_gradient_order`)."""
+    """Where a plan's ranks lie on a mesh of processes: a `Mesh` (its `axes`: name and size,
+    row-major, the last fastest; every `Mesh` query answers for its processes). The
+    plan's rank `i` is every process whose index along the `shard` axes (row-major in
+    that order) is `i`; the processes along the other axes hold the same shards
+    (replicas: their gradients are averaged by an all-reduce over those axes).
+    `secondary`: stage 3's parameters are kept after forward split over these axes only
+    (a subset of `shard`: ZeRO++ hpZ), and backward gathers from that copy. `preset`
+    names the preset that split it (`mesh_plan`'s). `hierarchical`: stage 3's parameter
+    gathers run one all-gather per `shard` axis, the outermost first (MiCS's hierarchical
+    all-gather: fewer, larger messages over the slow axis). `optimizer_extra`: the axes
+    of `shard` (in mesh order) that only the optimizer state (and fp32 master) is split
+    over; gradients and stage 3's parameters are split over the other axes of `shard`
+    (`grads_shard`), each such shard holding `Plan.optimizer_extra_size` optimizer shards
+    (the optimizer split over the world, the gradients within a node: the gradients
+    reduce-scattered over their axes every micro-step, then over these at the
+    accumulation boundary into the optimizer's shard). `shard` is the optimizer's order:
+    with the extra axes last (`grads_shard` then `optimizer_extra`) a rank's optimizer
+    shard lies in its gradient shard; in another order (`permuted`: the optimizer over
+    ("node", "local"), the gradients over ("local",)) it lies in another rank's, and the
+    boundary's blocks are exchanged with it (`Plan.rank_in_gradient_order`)."""
 
     axes: tuple[tuple[str, int], ...]
     shard: tuple[str, ...]

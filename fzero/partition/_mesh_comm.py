@@ -1,4 +1,4 @@
-"""Which groups of mesh axes a mesh plan's collectives run over, per unit: the process
+"""Which groups of mesh axes a plan's collectives run over on a mesh, per unit: the process
 subgroups an engine creates (`process_groups`), the gathers that publish a unit's
 updated parameters (`publish_hops`) and the optimizer blocks' exchange where their
 order differs from the gradients' (`optimizer_exchange`). Pure functions of the plan."""

@@ -8,7 +8,7 @@ input, an all-reduce's tensor). What one rank puts on the wire with ring algorit
 `wire_bytes`: (W-1)/W of that for an all-gather or reduce-scatter, twice it for an
 all-reduce.
 
-On a mesh (a `KindPlan`, or a plan `executable` made from one) every row also names the
+On a mesh (a plan `mesh_plan` made, said per kind: `KindPlan`) every row also names the
 `axes` it runs over, and its `world_size` is the size of that group: HSDP/MiCS
 reduce-scatters gradients over the shard axes and all-reduces the shard over the replica
 axes every micro-step (as FSDP2's HSDP; DeepSpeed's MiCS waits for the accumulation
