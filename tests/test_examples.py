@@ -165,7 +165,7 @@ def test_readme_functional_api_example_runs_as_written(tmp_path):
 def test_custom_partitioning_example_trains_a_mesh_plan_through_both_doors(tmp_path):
     script = ROOT / "examples" / "custom_partitioning.py"
     out = _fzero_run(script, "--steps", "30", "--out", str(tmp_path), processes=4)
-    assert "preset=mics_small_whole mesh=node=2 x local=2 (4 ranks)" in out
+    assert "preset=mics_small_whole stage=3 mesh=node=2 x local=2 (4 processes; 2 shards" in out
     assert "params           whole replicate(node, local)" in out  # the small unit
     assert "gradients across replicas       node" in out
     match = re.search(r"loss ([\d.]+) -> ([\d.]+) \(train_step\), ([\d.]+) -> ([\d.]+)", out)
