@@ -403,6 +403,8 @@ def test_unit_parameter_memory_is_checked():
     said = partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"master": "bf16"}})
     assert [said.master_dtype(u) for u in said.units] == ["bf16", "fp32", "fp32"]
     assert partition.from_bytes(partition.to_bytes(said)) == said
+    lines = partition.format_plan(said).splitlines()  # a unit says what it keeps its own way
+    assert lines[1].endswith(" memory=master:bf16") and "memory=" not in lines[0] + lines[4]
     with pytest.raises(PlanError, match=r"unit '0': states_dtype is 'fp16'; allowed"):
         partition.plan(_manifest(), world_size=2, stage=3, unit_memory={"0": {"states": "fp16"}})
     with pytest.raises(PlanError, match=r"states_dtype is 'bf16' with its optimizer on 'nvme'"):

@@ -142,6 +142,19 @@ def test_units_on_their_own_axes_lower_to_one_plan_whose_queries_follow_them():
     assert partition.process_groups(plan) == (WORLD, LOCAL, ("node",))
 
 
+def test_a_unit_on_its_own_axes_beside_a_finer_split_keeps_no_master_apart():
+    """Beside units whose optimizer state is a quarter of their gradient half, a MiCS unit's
+    optimizer, gradient and parameter shards are one half: its fp32 master is its
+    parameter shard, as in any ZeRO-3 plan, and only the finer units' masters are apart
+    (what a run holds: `memory_held() == memory_planned()` in the doors' tests)."""
+    plan = _laid("blocks' optimizer over the world + mics")
+    finer = [u for u in plan.units if plan.optimizer_finer(u)]
+    own = [u for u in plan.units if u.shard_axes is not None]
+    assert finer and own and all(not plan.optimizer_finer(u) for u in own)
+    memory = partition.memory_per_rank(plan, 0)
+    assert memory.master == sum(u.numel // 4 * 4 for u in finer)  # fp32 quarters only
+
+
 def test_the_drawn_plan_shows_what_each_rank_holds_of_a_unit_on_its_own_axes():
     """`plot_plan`'s bars of the executable plan equal the mesh plan's, rank by rank:
     ranks 0 and 2 hold the same block of a MiCS unit, ranks 0 and 1 different ones."""

@@ -244,7 +244,7 @@ class OptimizerApplication:
             return torch.empty(
                 rt.master.numel(), dtype=self.compute_dtype, pin_memory=self.residency.pin
             )
-        if rt.full is None and self.plan.optimizer_extra_size == 1:
+        if rt.full is None and not self.plan.optimizer_finer(rt.unit):
             return rt.param_shard  # stage 3: the unit's compute-dtype shard itself
         if self.plan.stage_of(rt.unit) == 0 or self.world_size == 1:
             return rt.full[self.partition(rt.unit)]

@@ -19,9 +19,9 @@ From the unit's values (its flat fp32 buffer, the same on every rank) a rank kee
 - a zeroed gradient accumulator in `Holding.grad_dtype` (the whole buffer at stages 0-1
   — a view of the reduction's bucket when given —, the gradient shard at stages 2-3);
 
-With the optimizer split finer than the gradients (`Plan.optimizer_extra_size`), a
-parameter and gradient shard is `Plan.grads_range`, the master and optimizer state the
-shard within it.
+With the optimizer split finer than the gradients (`Plan.optimizer_finer`: the unit's
+optimizer shard a part of its gradient shard), a parameter and gradient shard is
+`Plan.grads_range`, the master and optimizer state the shard within it.
 - the optimizer's initial state over the master, in `state_dtype`.
 
 `Holding` says where and in which dtypes (the precision and the offload settings).
@@ -158,7 +158,7 @@ def build_unit_state(
     unit = plan.units[index]
     part = optimizer_partition(plan, unit, rank)
     compute, whole = holding.compute_dtype, plan.stage_of(unit) < 3
-    serves = holding.master_serves and (whole or plan.optimizer_extra_size == 1)
+    serves = holding.master_serves and (whole or not plan.optimizer_finer(unit))
     held = slice(*plan.grads_range(unit, rank))  # stage 3's parameter shard
     if values_from or values.numel() != unit.numel:
         if whole or not values_from <= part.start <= part.stop <= values_from + values.numel():

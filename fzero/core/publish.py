@@ -109,8 +109,7 @@ class Publisher:
                 # next unit read into while the write was in flight)
                 reused = rt.index in self.swapped and written is None
                 value = value.to(self.compute_dtype, copy=reused)
-                finer = self.plan.optimizer_extra_size > 1 and rt.unit.shard_axes is None
-                if finer:  # optimizer shards of the param shard
+                if self.plan.optimizer_finer(rt.unit):  # optimizer shards of the param shard
                     value = value.to(self.device)
                     value = gather_to_grads_shard(value, self.plan, self.groups, what=_updated(rt))
                 self.param_shards.store_param_shard(rt, value, wait=False)

@@ -246,6 +246,17 @@ class Plan:
             return index
         return _reorder(index, dict(self.mesh.axes), self.mesh.gradient_order, self.mesh.shard)
 
+    def optimizer_finer(self, unit: Unit | int) -> bool:
+        """Whether `unit`'s (a `Unit` of this plan or its index) optimizer shard is a part
+        of its gradient shard (and stage 3's parameter shard) rather than all of it: the
+        plan splits the optimizer state finer than the gradients (`optimizer_extra_size`
+        > 1) and the unit is not on its own `shard_axes` (whose optimizer, gradients and
+        parameters are split alike). Where it is not, a stage-3 fp32 master can be the
+        parameter shard itself."""
+        if isinstance(unit, int):
+            unit = self.units[unit]
+        return self.optimizer_extra_size > 1 and unit.shard_axes is None
+
     def grads_rank(self, rank: int) -> int:
         """Plan rank `rank`'s index in the gradients' group (`grads_world_size` ranks)."""
         return self.rank_in_gradient_order(rank) // self.optimizer_extra_size

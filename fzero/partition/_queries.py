@@ -448,9 +448,8 @@ def _mesh_holding(plan: Plan, unit: Unit) -> _Holding:
         secondary=numel["params_secondary"],
         grads=numel["grads"],
         optimizer=numel["optimizer"],
-        # the run keeps a stage-3 unit's master apart from its parameter shard wherever
-        # the plan splits some optimizer state finer than the gradients (`core.apply`)
-        apart=numel["optimizer"] if params and plan.optimizer_extra_size > 1 else 0,
+        # a stage-3 master apart from the parameter shard it is a part of
+        apart=numel["optimizer"] if params and plan.optimizer_finer(unit) else 0,
         params_where=plan.params_memory(unit),
         optimizer_where=plan.optimizer_memory(unit),
         master=plan.master_dtype(unit),
@@ -553,9 +552,7 @@ def format_plan(plan: Plan) -> str:
     ]
     slices = [local_slices(plan, rank) for rank in range(plan.world_size)]
     for index, unit in enumerate(plan.units):
-        flags = " persistent" if unit.persistent else ""
-        flags += f" stage={unit.stage}" if unit.stage is not None else ""
-        flags += f" over={'+'.join(unit.shard_axes)}" if unit.shard_axes is not None else ""
+        flags = _unit_flags(unit)
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
@@ -589,6 +586,29 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+_UNIT_MEMORY = {  # a unit's own memory fields, named as `Memory`'s
+    "params": "params_memory",
+    "optimizer": "optimizer_memory",
+    "master": "master_dtype",
+    "states": "states_dtype",
+    "grads": "grads_dtype",
+}
+
+
+def _unit_flags(unit: Unit) -> str:
+    """What a unit says beyond its layout: persistent, its own stage, its own axes, and
+    where its states live or their dtypes where it differs from the plan's `memory`."""
+    flags = " persistent" if unit.persistent else ""
+    flags += f" stage={unit.stage}" if unit.stage is not None else ""
+    flags += f" over={'+'.join(unit.shard_axes)}" if unit.shard_axes is not None else ""
+    said = [
+        f"{name}:{getattr(unit, field)}"
+        for name, field in _UNIT_MEMORY.items()
+        if getattr(unit, field) is not None
+    ]
+    return flags + (f" memory={','.join(said)}" if said else "")
+
+
 def _memory_text(memory: Memory) -> str:
     """The fields of `memory` off their defaults, as " memory=optimizer:nvme,states:bf16"."""
     said = [
@@ -612,9 +632,7 @@ def _format_mesh_plan(plan: Plan) -> str:
     updates = [kind_slices(plan, rank, "optimizer") for rank in range(mesh.size)]
     for index, (unit, sharding) in enumerate(zip(plan.units, shardings)):
         padding = unit.numel - sum(pc.numel for pl in unit.placements for pc in pl.pieces)
-        flags = " persistent" if unit.persistent else ""
-        flags += f" stage={unit.stage}" if unit.stage is not None else ""
-        flags += f" over={'+'.join(unit.shard_axes)}" if unit.shard_axes is not None else ""
+        flags = _unit_flags(unit)
         flags += " hierarchical-gather" if sharding.hierarchical_params_gather else ""
         lines.append(
             f"  unit {index} {unit.name!r} module={unit.module or '<root>'} group={unit.group} "
