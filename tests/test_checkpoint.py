@@ -549,6 +549,26 @@ def test_client_state_of_another_type_is_named(tmp_path):
         encode_client_state({"opt": {"fn": print}}, {})
 
 
+def test_client_state_keeps_tuples_lists_and_tensors_as_they_were():
+    """DeepSpeed pickles `client_state`, so a tuple comes back a tuple; msgpack has one
+    array type, and fzero marks tuples so that they do too (lists stay lists)."""
+    from fzero.checkpoint._index import decode_client_state, encode_client_state, pack, unpack
+
+    value = {
+        "betas": (0.9, 0.95),
+        "history": [1, (2, [3, (4,)])],
+        "empty": (),
+        "shape": (torch.tensor([1.5, 2.5]), "x"),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    body = unpack(pack({"client_state": encode_client_state(value, tensors)}), "index")
+    back = decode_client_state(body["client_state"], tensors)
+    assert back["betas"] == (0.9, 0.95) and type(back["betas"]) is tuple
+    assert back["history"] == [1, (2, [3, (4,)])] and type(back["history"]) is list
+    assert type(back["history"][1][1]) is list and back["empty"] == ()
+    assert torch.equal(back["shape"][0], value["shape"][0]) and back["shape"][1] == "x"
+
+
 # ---- crash safety -------------------------------------------------------------------------
 
 CRASH_SCRIPT = textwrap.dedent(

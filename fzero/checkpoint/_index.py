@@ -39,6 +39,7 @@ __all__ = ["FORMAT_VERSION", "decode_client_state", "encode_client_state", "pack
 
 FORMAT_VERSION = 1
 _TENSOR_REF = "__fzero_tensor__"
+_TUPLE = "__fzero_tuple__"  # msgpack has one array type: a tuple is marked, a list is not
 
 
 def pack(body: dict[str, Any]) -> bytes:
@@ -72,8 +73,8 @@ def unpack(raw: bytes, path: str) -> dict[str, Any]:
 def encode_client_state(value: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     """`value` as msgpack-able data; tensors move to `tensors` and leave a reference.
 
-    Allowed: None, bool, int, float, str, bytes, lists/tuples (read back as
-    lists), dicts with str keys, tensors.
+    Allowed: None, bool, int, float, str, bytes, lists, tuples (read back as tuples,
+    as a pickled client_state is), dicts with str keys, tensors.
     """
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return value
@@ -82,7 +83,8 @@ def encode_client_state(value: Any, tensors: dict[str, torch.Tensor], path: str 
         tensors[key] = value.detach().cpu().contiguous()
         return {_TENSOR_REF: key}
     if isinstance(value, list | tuple):
-        return [encode_client_state(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
+        items = [encode_client_state(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
+        return {_TUPLE: items} if isinstance(value, tuple) else items
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -104,5 +106,7 @@ def decode_client_state(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if set(value) == {_TENSOR_REF}:
             return tensors[value[_TENSOR_REF]]
+        if set(value) == {_TUPLE}:
+            return tuple(decode_client_state(v, tensors) for v in value[_TUPLE])
         return {k: decode_client_state(v, tensors) for k, v in value.items()}
     return value
