@@ -130,6 +130,18 @@ def test_mesh_errors_name_the_axis_and_value(axes, message):
         Mesh(axes)
 
 
+def test_where_a_plan_lies_is_a_mesh():
+    """`OnMesh` answers every `Mesh` query for its processes; its constructors split the
+    plan's ranks over every axis."""
+    on = partition.OnMesh.parse("node=2,local=2")
+    assert isinstance(on, Mesh) and on.shard == ("node", "local") and on.size == 4
+    assert on.group(2, ("local",)) == MESH.group(2, ("local",)) and str(on) == str(MESH)
+    assert partition.OnMesh.single(3) == partition.OnMesh((("dp", 3),), ("dp",))
+    with pytest.raises(MeshError, match="axis 'dp' has size 0"):
+        partition.OnMesh.single(0)
+    assert mesh_plan(MANIFEST, MESH, "zero3").mesh == dataclasses.replace(on, preset="zero3")
+
+
 def test_mesh_lookups_fail_by_name():
     with pytest.raises(MeshError, match=r"axis 'rack' is not in the mesh \(node=2 x local=2\)"):
         MESH.group(0, ("rack",))

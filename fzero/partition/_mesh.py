@@ -286,6 +286,19 @@ class OnMesh(Mesh):
     hierarchical: bool = False
     optimizer_extra: tuple[str, ...] = ()
 
+    @classmethod
+    def single(cls, world_size: int, axis: str = "dp") -> OnMesh:
+        """Every process along `axis`, the plan's ranks split over it: where a plan of the
+        whole world's ranks lie (`Plan.process_mesh` of one has this mesh's axes)."""
+        return cls(Mesh.single(world_size, axis).axes, (axis,))
+
+    @classmethod
+    def parse(cls, text: str) -> OnMesh:
+        """`"node=2,local=2"` as the mesh the plan's ranks split over every axis of, in
+        mesh order (as `Mesh.parse` reads it): ZeRO over the whole mesh."""
+        mesh = Mesh.parse(text)
+        return cls(mesh.axes, mesh.names)
+
     @property
     def processes(self) -> int:
         """Processes the plan runs on: the product of the axis sizes."""
