@@ -48,6 +48,21 @@ def test_whole_tensors_splits_no_tensor_pads_nothing_and_reports_the_imbalance()
     assert "padding: 0 elements" in text and "imbalance 3.33x" in text
 
 
+def test_uneven_units_on_a_mesh_hold_their_bounds_per_process():
+    """Owners within the node, replicas across it: each process holds its plan rank's
+    uneven part, as the same plan of the node alone says."""
+    world = partition.plan(
+        partition.describe(Net()), world_size=2, stage=3, strategy=partition.whole_tensors
+    )
+    on = partition.OnMesh((("node", 2), ("local", 2)), ("local",))
+    plan = partition.validate(dataclasses.replace(world, mesh=on))
+    held = [partition.memory_per_rank(plan, process) for process in range(4)]
+    assert held == [partition.memory_per_rank(world, process % 2) for process in range(4)]
+    assert held[0] != held[1]  # uneven: the owners hold different amounts
+    for process, unit in zip(range(4), plan.units):
+        assert plan.kind_range(unit, "optimizer", process) == unit.shard_range(process % 2)
+
+
 def test_bad_bounds_are_refused_by_name():
     manifest = partition.describe(Net())
     plan = partition.plan(manifest, world_size=2, stage=2, strategy=partition.whole_tensors)

@@ -13,16 +13,16 @@ From the unit's values (its flat fp32 buffer, the same on every rank) a rank kee
   (`params`), and its optimizer partition as the master — a view of `params` where
   the master is the compute dtype and held on the compute device, else a copy;
 - stage 3: its shard as the master, and its parameter shard in the compute dtype
-  (`params`), except where the master itself serves (fp32 compute, master on the
-  compute device, parameter shards not offloaded, and the optimizer split as the
-  parameters: held once);
+  (`params`), except where the master itself serves (the master in the compute dtype,
+  on the compute device, parameter shards not offloaded, and the optimizer split as
+  the parameters, `Plan.optimizer_finer` false: held once);
 - a zeroed gradient accumulator in `Holding.grad_dtype` (the whole buffer at stages 0-1
   — a view of the reduction's bucket when given —, the gradient shard at stages 2-3);
+- the optimizer's initial state over the master, in `state_dtype`.
 
 With the optimizer split finer than the gradients (`Plan.optimizer_finer`: the unit's
 optimizer shard a part of its gradient shard), a parameter and gradient shard is
 `Plan.grads_range`, the master and optimizer state the shard within it.
-- the optimizer's initial state over the master, in `state_dtype`.
 
 `Holding` says where and in which dtypes (the precision and the offload settings).
 """

@@ -163,9 +163,10 @@ def memory_planned(runtime: Runtime, eval_live_parameters: int = 0) -> MemoryEst
     hpZ's secondary copy lives from a unit's forward to its backward only: it is
     `memory_per_rank`'s `params_secondary` (the step's peak), not counted here."""
     precision = runtime.precision
+    on_mesh = runtime.plan.mesh is not None  # its rank is then a process's
     planned = partition.memory_per_rank(
         runtime.plan,
-        runtime.rank,
+        comm.get_rank() if on_mesh else runtime.rank,
         param_dtype=partition.dtype_name(precision.compute_dtype),
         grad_dtype="plan",  # each unit in its own (`Plan.grads_dtype`)
         optimizer=runtime.optimizer,  # off the device: unit by unit, as the plan says

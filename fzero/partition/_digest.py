@@ -51,6 +51,7 @@ def _encoded_parts(plan: Plan) -> list[tuple[str, dict[str, Any]]]:
         "stage": plan.stage,
         "alignment": plan.alignment,
         "strategy": plan.strategy,
+        "preset": None if mesh is None else mesh.preset,
         "units": len(plan.units),
         "mesh": None if mesh is None else [[list(a) for a in mesh.axes], list(mesh.shard)],
         "secondary": None if mesh is None else list(mesh.secondary),

@@ -518,10 +518,12 @@ def _on_own_groups(
 def as_kind_plan(plan: Plan) -> KindPlan:
     """`plan` said per kind (what per-kind arithmetic reads: `comm_volume`, the
     process groups, the pictures): its units on every process of `Plan.process_mesh`,
-    each with `Plan.sharding_of`. A unit with uneven shards has no such view (a
-    `PlanError`): a kind's blocks on a mesh are equal."""
+    each with `Plan.sharding_of`. A plan of the whole world with uneven shards has no
+    such view (a `PlanError`: a kind's blocks on a mesh are equal); on a mesh uneven
+    units keep their `bounds`, which the queries read through `Plan.kind_range`."""
     _validate_stage_plan(plan)
-    _check_even(plan.units)
+    if plan.mesh is None:
+        _check_even(plan.units)
     mesh = plan.process_mesh
     units = tuple(
         replace(unit, shard_numel=unit.numel // mesh.size, stage=None, shard_axes=None)

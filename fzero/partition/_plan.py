@@ -334,7 +334,7 @@ class Plan:
             return 0, unit.numel
         mesh = self.process_mesh
         position = mesh.index_in_group(process, split.shard)
-        if unit.bounds:  # uneven shards: the whole world's, one per process
+        if unit.bounds:  # uneven shards: one per plan rank (the index along the shard axes)
             return unit.shard_range(position)
         block = unit.numel // mesh.group_size(split.shard)
         return position * block, (position + 1) * block

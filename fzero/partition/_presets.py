@@ -272,7 +272,7 @@ def from_zero_config(
       effect, as in DeepSpeed, where hpZ and MiCS are parts of stage 3.
 
     The engine builds its plan from these keys with this function; `fzero.init` and
-    `train_step` are given the mesh plan itself.
+    `train_step` are given the plan `mesh_plan` returns.
     """
     stage = _int_key(zero, "stage", 0)
     hpz = _int_key(zero, "zero_hpz_partition_size", 1)

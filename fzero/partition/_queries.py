@@ -409,11 +409,11 @@ def _gathered_numel(plan: Plan) -> int:
 
 def _unit_holdings(plan: Plan, rank: int) -> list[_Holding]:
     """What `rank` holds of each unit: each unit as its own stage (`Plan.stage_of`); on a
-    mesh each kind its unit's buffer over its shard axes' group (`Plan.sharding_of`:
-    blocks are equal, so any process), with masters apart from the parameters where
-    those are split coarser than the optimizer state."""
+    mesh (`rank` a process) each kind its block along its shard axes
+    (`Plan.kind_range`), with masters apart from the parameters where those are split
+    coarser than the optimizer state (`Plan.optimizer_finer`)."""
     if plan.mesh is not None:
-        return [_mesh_holding(plan, unit) for unit in plan.units]
+        return [_mesh_holding(plan, unit, rank) for unit in plan.units]
     out = []
     for unit in plan.units:
         full, stage = unit.numel, plan.stage_of(unit)
@@ -436,12 +436,14 @@ def _unit_holdings(plan: Plan, rank: int) -> list[_Holding]:
     return out
 
 
-def _mesh_holding(plan: Plan, unit: Unit) -> _Holding:
-    mesh, sharding = plan.process_mesh, plan.sharding_of(unit)
+def _mesh_holding(plan: Plan, unit: Unit, process: int) -> _Holding:
+    """What `process` holds of `unit` on a mesh: each kind's `Plan.kind_range`."""
+    sharding = plan.sharding_of(unit)
     numel = {}
     for kind in KINDS:
         split = sharding.of(kind)
-        numel[kind] = 0 if split is None else unit.numel // mesh.group_size(split.shard)
+        start, stop = (0, 0) if split is None else plan.kind_range(unit, kind, process)
+        numel[kind] = stop - start
     params = sharding.params.shard
     return _Holding(
         params=numel["params"],

@@ -298,7 +298,8 @@ def _mesh_volume(
     grad_bytes: int = _GRAD_BYTES,
     whole_tensors: frozenset[str] = frozenset(),
 ) -> list[Collective]:
-    """`comm_volume` of a mesh plan: the engine's rules with each kind's axes.
+    """`comm_volume` of a plan on a mesh (said per kind: `as_kind_plan`): the engine's
+    rules with each kind's axes.
 
     - gradients whole on every rank (`grads.shard` empty): all-reduced over the world once
       per step, in buckets (stage 0); where the optimizer is split (ZeRO-1), once per step
