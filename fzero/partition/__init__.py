@@ -10,6 +10,7 @@ comm_time(m, links={"node": "25Gbps", "local": "400GBps"})  # modelled seconds p
 """
 
 from fzero.partition._digest import PlanPart, part_fields, plan_digest, plan_parts
+from fzero.partition._format import format_plan
 from fzero.partition._manifest import (
     Manifest,
     TensorSpec,
@@ -50,7 +51,6 @@ from fzero.partition._queries import (
     LocalSlice,
     MemoryEstimate,
     Read,
-    format_plan,
     grads_split,
     kind_slices,
     local_slices,
