@@ -49,17 +49,22 @@ def format_plan(plan: Plan) -> str:
             lines.append(
                 f"    rank {rank}: {text}" + (f" (+{pad:,} padding)" if pad else "") + also
             )
+    lines.append(_padding_line(plan, owned_numel(plan), "owned"))
+    return "\n".join(lines)
+
+
+def _padding_line(plan: Plan, owned: list[int], what: str) -> str:
+    """The plan's padding (elements every rank allocates beyond the model) and the
+    imbalance of `owned`, the elements each rank owns (`what`)."""
     buffers = sum(u.numel for u in plan.units)
     padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
-    owned = owned_numel(plan)
     mean = sum(owned) / len(owned)
     imbalance = max(owned) / mean if mean else 1.0
-    lines.append(
+    return (
         f"padding: {padding:,} elements ({100 * padding / max(buffers, 1):.1f}% of the unit "
-        f"buffers); owned per rank: min {min(owned):,}, max {max(owned):,} "
+        f"buffers); {what} per rank: min {min(owned):,}, max {max(owned):,} "
         f"(imbalance {imbalance:.2f}x)"
     )
-    return "\n".join(lines)
 
 
 _UNIT_MEMORY = {  # a unit's own memory fields, named as `Memory`'s
@@ -132,14 +137,6 @@ def _format_mesh_plan(plan: Plan) -> str:
             empty = "(none)" if high == low else "(padding only)"
             text = ", ".join(f"{s.fqn}[{s.start}:{s.stop}]" for s in owned) or empty
             lines.append(f"    rank {rank} ({where}): {ranges}; updates {text}")
-    buffers = sum(u.numel for u in plan.units)
-    padding = buffers - sum(pc.numel for u in plan.units for pl in u.placements for pc in pl.pieces)
     owned_by = [sum(s.numel for s in slices) for slices in updates]
-    mean = sum(owned_by) / len(owned_by)
-    imbalance = max(owned_by) / mean if mean else 1.0
-    lines.append(
-        f"padding: {padding:,} elements ({100 * padding / max(buffers, 1):.1f}% of the unit "
-        f"buffers); optimizer elements per rank: min {min(owned_by):,}, max "
-        f"{max(owned_by):,} (imbalance {imbalance:.2f}x)"
-    )
+    lines.append(_padding_line(plan, owned_by, "optimizer elements"))
     return "\n".join(lines)
