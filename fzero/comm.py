@@ -31,6 +31,7 @@ from fzero._watch import Watch, Watched
 from fzero._watch_settings import WatchSettings
 
 __all__ = [
+    "UNSTAGED_BYTES",
     "RankDisagreement",
     "ReduceOp",
     "WatchSettings",
@@ -38,7 +39,6 @@ __all__ = [
     "agree",
     "all_gather_bytes",
     "all_gather_into",
-    "all_gather_into_unstaged",
     "all_reduce",
     "all_to_all_into",
     "backend_device",
@@ -298,7 +298,23 @@ def all_gather_into(
 ):
     """Concatenate every rank's equal-size `shard` into `output` (rank order). `what`
     (here and below): what the collective is for, named if it goes wrong; `group`: a
-    subgroup (`mesh_group`) instead of every process."""
+    subgroup (`mesh_group`) instead of every process.
+
+    Over gloo an `output` of `UNSTAGED_BYTES` or more on the host is filled by one
+    broadcast from each rank straight into its slice: gloo's all-gather gathers into a
+    flat buffer of `output`'s size and then copies it out (`ProcessGroupGloo`'s
+    allgather), so a 98 MB gather held 196 MB. The same bytes reach each rank, in
+    `world` collectives instead of one, counted and checked as the one all-gather.
+    NCCL writes `output` in place: one all-gather there."""
+    if _unstaged(output, group):
+        return _issue(
+            "all_gather",
+            output,
+            what,
+            async_op,
+            lambda a: _broadcast_parts(output, shard, a, group),
+            group,
+        )
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _issue(
         "all_gather",
@@ -310,24 +326,62 @@ def all_gather_into(
     )
 
 
-def all_gather_into_unstaged(
-    output: torch.Tensor, shard: torch.Tensor, *, what: str = "", group: Any = None
-) -> None:
-    """`all_gather_into` (synchronous, `output` flat) without an `output`-sized copy.
-    Gloo's all-gather of host tensors gathers into a flat buffer of `output`'s size and
-    then copies it into `output` (`ProcessGroupGloo`'s allgather: a 98 MB gather peaks
-    at 196 MB), so over gloo each rank's `shard` is broadcast from that rank straight
-    into its slice of `output` instead: the same bytes reach each rank, in `world`
-    collectives instead of one. NCCL writes `output` in place: one all-gather there."""
-    if dist.get_backend(group) != "gloo":
-        all_gather_into(output, shard, what=what, group=group)
-        return
-    size, rank = shard.numel(), get_rank(group)
-    for source in range(get_world_size(group)):
-        part = output[source * size : (source + 1) * size]
-        if source == rank:
-            part.copy_(shard.reshape(-1))
-        broadcast_from(part, source, what=f"{what} (rank {source}'s part)", group=group)
+UNSTAGED_BYTES = 1 << 20
+"""The size from which `all_gather_into` avoids gloo's staging copy (below it the copy
+is small and one collective is quicker than `world`)."""
+
+
+def _unstaged(output: torch.Tensor, group: Any) -> bool:
+    return (
+        output.device.type == "cpu"
+        and output.numel() * output.element_size() >= UNSTAGED_BYTES
+        and dist.get_backend(group) == "gloo"
+    )
+
+
+def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, group: Any):
+    """Each rank's `shard` broadcast from it into its slice of flat `output`: the work
+    of all of them (`_Works`) with `async_op`, else None once they landed."""
+    size, rank = shard.numel(), dist.get_rank(group)
+    flat = output.view(-1)
+    flat[rank * size : (rank + 1) * size].copy_(shard.reshape(-1))
+    works = _Works(
+        [
+            dist.broadcast(
+                flat[source * size : (source + 1) * size],
+                src=_global_rank(group, source),
+                async_op=True,
+                group=group,
+            )
+            for source in range(dist.get_world_size(group))
+        ]
+    )
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
+class _Works:
+    """Several of torch's `Work`s in flight as one: `wait` (with a `timeout`, raising
+    torch's timeout error while any is still running), `is_completed`, `get_future`."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        return True
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all([work.get_future() for work in self.works])
 
 
 def reduce_scatter_into(

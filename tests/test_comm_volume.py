@@ -5,6 +5,7 @@ accumulation, fp16, LAMB and stage 3's backward re-gathers."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +212,57 @@ def test_the_metrics_file_has_the_bytes_each_report_moved(tmp_path):
     # plus the previous report's own two all-reduces (tokens, memory: 8 + 24 bytes)
     assert second["all_gather"] == numel * 4
     assert second["all_reduce"] == numel * 4 + 8 + 4 + 32
+
+
+def large_gather_case(rank: int, world: int) -> dict[str, Any]:
+    staged = []
+    dist = torch.distributed
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)  # what `comm.all_gather_into` calls for one all-gather
+
+    def spy(output, shard, **kwargs):
+        staged.append(output.numel())
+        return real(output, shard, **kwargs)
+
+    def part(r: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(dtype)
+
+    comm.init_distributed()
+    setattr(dist, name, spy)
+    got: dict[str, Any] = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for numel in (comm.UNSTAGED_BYTES // dtype.itemsize, 4):  # a rank's 1 MiB; tiny
+                before = comm.traffic().get("all_gather", (0, 0))
+                whole = torch.empty(numel * world, dtype=dtype)
+                work = comm.all_gather_into(
+                    whole, part(rank, numel, dtype), async_op=True, what="a gather"
+                )
+                work.wait()
+                calls, size = comm.traffic()["all_gather"]
+                expected = torch.cat([part(r, numel, dtype) for r in range(world)])
+                got[f"{dtype} {numel}"] = (
+                    bool(torch.equal(whole, expected)),
+                    calls - before[0],
+                    size - before[1],
+                )
+    finally:
+        setattr(dist, name, real)
+        dist.destroy_process_group()
+    got["staged"] = staged
+    return got
+
+
+def test_a_large_gather_over_gloo_is_one_counted_all_gather_without_gloos_staged_copy():
+    """Gloo's all-gather copies its whole output once more (a 98 MB gather held 196 MB):
+    an output of `UNSTAGED_BYTES` or more is one broadcast per rank into its slice, the
+    same values, counted as the one all-gather it is; smaller ones stay one all-gather."""
+    got = run_world(large_gather_case, 2)
+    mib = comm.UNSTAGED_BYTES
+    assert got == {
+        f"torch.float32 {mib // 4}": (True, 1, 2 * mib),
+        "torch.float32 4": (True, 1, 32),
+        f"torch.bfloat16 {mib // 2}": (True, 1, 2 * mib),
+        "torch.bfloat16 4": (True, 1, 16),
+        "staged": [8, 8],  # only the tiny gathers took gloo's all-gather
+    }

@@ -26,7 +26,7 @@ source first runs the recorded copy, so what the block sees is always what it wr
 The bytes go straight into the partition (converted piece by piece where the dtypes
 differ) after the block's whole copy is released, so a load holds the share, one
 parameter whole and nothing else model-sized (gathered without gloo's staging copy:
-`comm.all_gather_into_unstaged`).
+`comm.all_gather_into`).
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def gather_whole(p: torch.nn.Parameter, *, what: str = "") -> Tensor:
     else:
         padded = torch.empty(part.numel() * store.world, dtype=part.dtype, device=device)
         name = what or f"parameter ds_id {p.ds_id} {tuple(p.ds_shape)}"
-        comm.all_gather_into_unstaged(padded, part, what=f"gathering partitioned {name}")
+        comm.all_gather_into(padded, part, what=f"gathering partitioned {name}")
         whole = padded[: p.ds_numel]
     return whole.view(p.ds_shape)
 
