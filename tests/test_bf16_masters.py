@@ -225,9 +225,13 @@ def test_bf16_masters_and_states_match_a_plain_pytorch_reference():
     assert differ < total * 0.05, (differ, total)
 
 
-def strategies_case(rank: int, world: int, cases: list[tuple[int, str]]) -> dict:
+def strategies_case(rank: int, world: int, cases: list[tuple]) -> dict:
+    from fzero.core import apply
+
     results = {}
-    for stage, strategy in cases:
+    whole = apply.WIDENED_PIECE
+    for stage, strategy, *piece in cases:
+        apply.WIDENED_PIECE = piece[0] if piece else whole
         torch.manual_seed(0)
         optimizer = fzero.optim.adamw(lr=LR, weight_decay=DECAY)
         engine = fzero.shard(
@@ -236,16 +240,20 @@ def strategies_case(rank: int, world: int, cases: list[tuple[int, str]]) -> dict
         )  # fmt: skip
         losses = [_micro(engine, rank, world, s)[0] for s in range(3)]
         weights = engine.state_dict(dtype=torch.float32)
-        results[(stage, strategy)] = {"losses": losses, "weights": weights}
+        results[(stage, strategy, *piece)] = {"losses": losses, "weights": weights}
         engine.destroy()
+    apply.WIDENED_PIECE = whole
     return results
 
 
 def test_bf16_rounding_is_the_same_whatever_the_plan():
     """The seeds follow each tensor, not the unit layout: tensors cut into rows and
     interleaved (`per_tensor_dim0`), whole on owners (`whole_tensors`) or flat
-    (`flat_even`), at stages 1 and 3, give the same bf16 weights and losses, bit for bit."""
-    cases = [(3, "flat_even"), (3, "per_tensor_dim0"), (3, "whole_tensors"), (1, "flat_even")]
+    (`flat_even`), at stages 1 and 3, give the same bf16 weights and losses, bit for bit;
+    so do updates widened to fp32 a few elements at a time (`WIDENED_PIECE`), which
+    large units take."""
+    cases = [(3, "flat_even"), (3, "per_tensor_dim0"), (3, "whole_tensors"), (1, "flat_even"),
+             (3, "flat_even", 7), (1, "flat_even", 64)]  # fmt: skip
     results = run_world(strategies_case, 2, cases)
     base = results[cases[0]]
     for case in cases[1:]:
