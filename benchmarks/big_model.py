@@ -260,6 +260,7 @@ def worker(args: argparse.Namespace) -> None:
     # read by Transformers while alive; without it (`--whole`) no zero.Init
     keep = None if args.whole else HfDeepSpeedConfig(config)  # noqa: F841
     base = _status_kb("VmRSS")
+    at_base = {f: _status_kb(f) for f in ("VmRSS", "RssAnon", "RssFile")}
     peaks, seconds = {}, {}
     reset_peak()
     start = time.perf_counter()
@@ -274,9 +275,12 @@ def worker(args: argparse.Namespace) -> None:
     seconds["initialize"] = time.perf_counter() - start
     peaks["initialize"] = _status_kb("VmHWM") - base
     phases: dict[str, int] = {}  # the steps' peak, by where in a step it was reached
+    where = _PeakWhere(base) if args.where else None
 
     def phase(name: str, call: Any) -> Any:
         reset_peak()
+        if where is not None:
+            where.enter(name)
         result = call()
         phases[name] = max(phases.get(name, 0), _status_kb("VmHWM") - base)
         return result
@@ -292,7 +296,11 @@ def worker(args: argparse.Namespace) -> None:
     seconds["steps"] = time.perf_counter() - start
     peaks["steps"] = max(phases.values())
     mine: dict[str, Any] = {"peaks_kb": peaks, "seconds": seconds, "losses": losses}
+    mine["base_kb"] = at_base
+    mine["rss_kb"] = {f: _status_kb(f) for f in ("VmRSS", "RssAnon", "RssFile")}
     mine["phases_kb"] = phases
+    if where is not None:
+        mine["where"] = where.stop()
     if hasattr(engine, "memory_planned"):  # fzero: what its plan says a rank holds
         planned = engine.memory_planned()
         mine["planned"] = planned.total - planned.nvme  # in memory: swap files are not RSS
@@ -613,6 +621,7 @@ def row_command(args: argparse.Namespace, name: str, out: str) -> list[str]:
     common = [
         __file__, "--checkpoint", args.checkpoint, "--precision", precision,
         "--steps", str(args.steps), "--json", out, "--zero", args.zero,
+        *(["--where"] if args.where else []),
     ]  # fmt: skip
     if system == "plain":
         return [sys.executable, *common, "--role", "plain"]
@@ -662,6 +671,11 @@ def table(
             if rank == 0 and "phases_kb" in mine:
                 where = ", ".join(f"{k} {v * 1024 / mb:.0f}" for k, v in mine["phases_kb"].items())
                 notes.append(f"{name}:r0 the steps' peak MB by phase: {where}")
+            for phase, found in mine.get("where", {}).items():  # --where
+                notes.append(
+                    f"{name}:r{rank} {phase}: {found['rss_kb'] * 1024 / mb:.0f} MB above base "
+                    "at " + " < ".join(reversed(found["stack"]))
+                )
             losses = mine["losses"] if rank == 0 else []
             rows.append((f"{name}:r{rank}", (
                 peaks["load"], load_target, peaks["initialize"], peaks["steps"], step_target,
@@ -702,7 +716,7 @@ def main() -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--where", action="store_true", help="--infinity: where each phase's peak RSS was seen"
+        "--where", action="store_true", help="where each phase's peak RSS was seen (fzero frames)"
     )
     parser.add_argument(
         "--ckpt", action="store_true", help="--infinity: save and load a checkpoint after the steps"
