@@ -490,3 +490,28 @@ def test_nvme_steps_hold_the_step_pipeline_only_in_the_step(tmp_path):
     assert peaks["between"] <= 3 * part_kb, peaks  # no pool buffer, and a margin
     assert peaks["backward"] <= 8 * part_kb, peaks
     assert peaks["step"] <= 14 * part_kb, peaks  # 8 pool buffers, 6 bf16 shard writes
+
+
+def test_fixing_the_mmap_threshold_leaves_a_users_own_setting_alone(monkeypatch):
+    """glibc reads `MALLOC_MMAP_THRESHOLD_` (or the `glibc.malloc.mmap_threshold` tunable)
+    at start; fzero's `mallopt` would overwrite it, so with either set it does not call it."""
+    from fzero.core import nvme as _nvme
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, option: int, value: int) -> int:
+            calls.append((option, value))
+            return 1
+
+    monkeypatch.setattr(_nvme, "_libc", Libc())
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    _nvme.map_large_buffers()
+    assert calls == [(-3, 2**20)]  # M_MMAP_THRESHOLD, 1 MiB
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    _nvme.map_large_buffers()
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    _nvme.map_large_buffers()
+    assert calls == [(-3, 2**20)]

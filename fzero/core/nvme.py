@@ -115,8 +115,13 @@ def map_large_buffers(threshold: int = 2**20) -> None:
     heap keeps what it frees. Offloading allocates and frees such buffers all the time,
     so resident memory grew to the size offload exists to avoid: a 100.7M-parameter
     model with NVMe offload peaked at 1.82 GB with the moving threshold and 0.79 GB
-    with it fixed at 1 MiB (`benchmarks/offload.py`). A no-op without glibc.
+    with it fixed at 1 MiB (`benchmarks/offload.py`). A no-op without glibc, and where
+    the user set the threshold (`MALLOC_MMAP_THRESHOLD_`, or `glibc.malloc.mmap_threshold`
+    in `GLIBC_TUNABLES`): theirs stays.
     """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in tunables:
+        return
     if _libc is not None and hasattr(_libc, "mallopt"):
         _libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 
