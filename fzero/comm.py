@@ -17,6 +17,7 @@ import datetime
 import gc
 import logging
 import os
+import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -363,21 +364,29 @@ def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, 
 
 
 class _Works:
-    """Several of torch's `Work`s in flight as one: `wait` (with a `timeout`, raising
-    torch's timeout error while any is still running), `is_completed`, `get_future`."""
+    """Several of torch's `Work`s in flight as one: `wait` (with a `timeout`: one deadline
+    for all of them, raising torch's timeout error while any is still running),
+    `is_completed` (also once one of them failed: `Watched` then reports the failure,
+    not a slice of waiting), `get_future`."""
 
     def __init__(self, works: list[Any]) -> None:
-        self.works = works
+        self.works, self.failed = works, False
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        return self.failed or all(work.is_completed() for work in self.works)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for work in self.works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=timeout)
+            try:
+                if deadline is None:
+                    work.wait()
+                else:  # at least 1 ms: a zero timeout is torch's "no timeout"
+                    left = max(deadline - time.monotonic(), 1e-3)
+                    work.wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError:
+                self.failed = self.failed or bool(work.is_completed())
+                raise
         return True
 
     def get_future(self) -> Any:

@@ -433,3 +433,31 @@ def test_an_unsliced_wait_is_reported_from_its_progress(tmp_path, recorder):
     # the first report can come before rank 1's answer says where it is when the machine
     # is loaded (seen once: "outside fzero's operations"); the next, 4 s on, names it
     assert any("rank 1 is in a data loader (" in line for line in lines), lines
+
+
+def test_a_rank_late_to_a_large_gather_is_named_at_the_collective_timeout(tmp_path):
+    """Over gloo a gather of 1 MiB or more is one broadcast from each rank
+    (`comm.all_gather_into`). A rank that does not come, here the first broadcast's
+    source, is named as for one all-gather: at the collective timeout, with where it
+    is, on the ranks that wait for it."""
+    ranks = launch(
+        tmp_path,
+        """
+        def late(step):
+            if rank == 0 and step == 2:
+                time.sleep(12)
+            whole = torch.empty(4 * 2**18)
+            fzero.comm.all_gather_into(whole, torch.ones(2**18), what="a large gather")
+
+        run_steps(action=late)
+        """,
+        world=4,
+        FZERO_CHECK_COLLECTIVES="0",
+        FZERO_TIMEOUT_S="4",
+    )
+    got = ranks[1].result
+    assert got["error"] == "RankDisagreement", got
+    assert "rank(s) [0] did not arrive in collective" in got["message"], got
+    assert "(a large gather) within the collective timeout (4 s" in got["message"], got
+    assert "rank 0 is in its own code" in got["message"], got
+    assert got["seconds"] < WITHIN_S, got
