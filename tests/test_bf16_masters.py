@@ -341,3 +341,37 @@ def test_bf16_precision_errors_name_the_value():
         fzero.Precision("fp16", master="bf16").check()
     with pytest.raises(ValueError, match=r"precision states is 'fp8'; allowed: \['bf16', 'fp32'\]"):
         fzero.Precision("bf16", states="fp8").check()
+
+
+def returned_state_case(rank: int, world: int) -> dict:
+    from fzero.core import apply
+
+    whole, results = apply.WIDENED_PIECE, {}
+    masters_only = {"enabled": True, "bf16_master_weights_and_grads": True}
+    sgd = fzero.optim.sgd(lr=LR, momentum=0.9)
+
+    def update_(grad, state, param, **overrides):  # the momentum returned anew, not in place
+        return sgd.update_(grad, state._replace(momentum_buffer=state.momentum_buffer.clone()),
+                           param, **overrides)  # fmt: skip
+
+    for name, optimizer in (
+        ("in place", sgd),
+        ("returned", sgd._replace(update_=update_, native=None)),
+    ):
+        apply.WIDENED_PIECE = 7
+        torch.manual_seed(0)
+        engine = fzero.shard(Net(), optimizer=optimizer, config=_config(3, bf16=masters_only))
+        losses = [_micro(engine, rank, world, s)[0] for s in range(3)]
+        results[name] = (losses, engine.state_dict(dtype=torch.float32))
+        engine.destroy()
+    apply.WIDENED_PIECE = whole
+    return results
+
+
+def test_a_state_the_update_returns_anew_is_kept_in_pieces():
+    """A bf16 master beside fp32 momentum, updated in pieces: an optimizer whose `update_`
+    returns its state's tensors anew (not in place) trains as the in-place one does."""
+    got = run_world(returned_state_case, 1)
+    assert got["returned"][0] == got["in place"][0]
+    for name, value in got["in place"][1].items():
+        assert torch.equal(got["returned"][1][name], value), name

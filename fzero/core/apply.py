@@ -54,8 +54,7 @@ script set there since the optimizer was built (torch reads its groups every ste
 
 
 WIDENED_PIECE = 1 << 20
-"""Elements of a partition widened to fp32 at once to update a bf16 master or state in
-memory (`OptimizerApplication.update_unit`): 16 MiB of fp32 copies for Adam, whatever the unit."""
+"""Elements a bf16 master or state in memory is widened to fp32 at once to update it."""
 
 
 class StepClock(NamedTuple):
@@ -189,38 +188,40 @@ class OptimizerApplication:
     def _update_widened_in_pieces(
         self, rt: UnitRuntime, factor: float, group_values: GroupValues
     ) -> None:
-        """A unit with a bf16 master or state in memory, updated `WIDENED_PIECE` elements
-        of its partition at a time, each widened to fp32, updated from the unit's step
-        count and rounded back (`widened`: the rounding seeds follow the element, so the
-        bits are those of the whole partition at once). fp32 copies of a piece, not of
-        the partition: at the Llama benchmark's output layer (12.3M elements a rank)
-        the step held 196 MB of copies (master, two moments, the gradient)."""
+        """A bf16 master or state in memory updated `WIDENED_PIECE` elements at a time,
+        each widened to fp32, updated from the unit's step count and rounded back
+        (`widened`; the seeds follow the element: the bits of the whole partition at
+        once), so fp32 copies are a piece's (the whole output layer's held 196 MB on
+        the Llama benchmark). An error in a piece leaves the pieces before it updated."""
         master, state = rt.master, rt.state
-        numel, start = master.numel(), self.partition(rt.unit).start
-        sliced = [
-            k for k, v in state._asdict().items() if isinstance(v, Tensor) and v.numel() == numel
-        ]
+        start = self.partition(rt.unit).start
+        items = state._asdict().items()
+        sliced = [k for k, v in items if isinstance(v, Tensor) and v.shape == master.shape]
         owned = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
-        fields = {k: v for k, v in state._asdict().items() if k not in sliced}
+        fields = {k: v for k, v in items if k not in sliced}
         try:
-            for a in range(0, max(numel, 1), WIDENED_PIECE):  # an empty part: one step
-                b = min(a + WIDENED_PIECE, numel)
-                rt.master = master[a:b]
-                rt.state = state._replace(**{k: getattr(state, k)[a:b] for k in sliced})
+            for a in range(0, max(master.numel(), 1), WIDENED_PIECE):  # empty: one step
+                b = min(a + WIDENED_PIECE, master.numel())
+                views = {k: getattr(state, k)[a:b] for k in sliced}
+                rt.master, rt.state = master[a:b], state._replace(**views)
                 grad = self._piece_step_grad(rt, owned[a:b])
                 with widened(rt, step=self.clock.step, start=start + a):
                     self._update_unit(rt, factor, group_values, written=None, grad=grad)
                 done = rt.state._asdict()
+                for k, view in views.items():  # a state the update returned anew: kept
+                    if done[k].data_ptr() != view.data_ptr():
+                        view.copy_(done[k])
                 fields = {k: v for k, v in done.items() if k not in sliced}
         finally:
             rt.master, rt.state = master, state._replace(**fields)
 
     def _piece_step_grad(self, rt: UnitRuntime, grad: Tensor) -> Tensor:
-        """`step_grad` for a piece of the partition's gradient `grad`: in fp32 where the
-        optimizer runs (a copy of the piece where it is another dtype or on the device)."""
-        if self.residency.offloaded[rt.index] and self.residency.pin:
+        """`step_grad` for a piece `grad` of the partition's gradient."""
+        if not self.residency.offloaded[rt.index]:
+            return grad if grad.dtype == torch.float32 else grad.float()
+        if self.residency.pin:
             return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
-        return grad.to("cpu" if self.residency.offloaded[rt.index] else grad.device, torch.float32)
+        return grad.to("cpu", torch.float32, copy=True)
 
     def widened_if_narrow(self, rt: UnitRuntime) -> contextlib.AbstractContextManager[None]:
         """fp32 copies of a bf16 master and state inside, rounded back after (else as is)."""

@@ -120,7 +120,7 @@ def map_large_buffers(threshold: int = 2**20) -> None:
     in `GLIBC_TUNABLES`): theirs stays.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in tunables:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "glibc.malloc.mmap_threshold" in tunables:
         return
     if _libc is not None and hasattr(_libc, "mallopt"):
         _libc.mallopt(_M_MMAP_THRESHOLD, threshold)
