@@ -308,6 +308,13 @@ def all_gather_into(
     `world` collectives instead of one, counted and checked as the one all-gather.
     NCCL writes `output` in place: one all-gather there."""
     if _unstaged(output, group):
+        size, world = shard.numel(), dist.get_world_size(group)
+        if output.numel() != size * world:  # before it counts as issued
+            raise ValueError(
+                f"all_gather_into ({what or 'a gather'}): the output has {output.numel():,} "
+                f"elements; expected the world size {world} x the shard's {size:,} = "
+                f"{size * world:,}"
+            )
         return _issue(
             "all_gather",
             output,
@@ -343,7 +350,7 @@ def _unstaged(output: torch.Tensor, group: Any) -> bool:
 def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, group: Any):
     """Each rank's `shard` broadcast from it into its slice of flat `output`: the work
     of all of them (`_Works`) with `async_op`, else None once they landed."""
-    size, rank = shard.numel(), dist.get_rank(group)
+    size, rank, world = shard.numel(), dist.get_rank(group), dist.get_world_size(group)
     flat = output.view(-1)
     flat[rank * size : (rank + 1) * size].copy_(shard.reshape(-1))
     works = _Works(
@@ -354,7 +361,7 @@ def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, 
                 async_op=True,
                 group=group,
             )
-            for source in range(dist.get_world_size(group))
+            for source in range(world)
         ]
     )
     if async_op:

@@ -246,6 +246,10 @@ def large_gather_case(rank: int, world: int) -> dict[str, Any]:
                     calls - before[0],
                     size - before[1],
                 )
+        try:  # an output of the wrong size: named, not gathered into part of it
+            comm.all_gather_into(torch.empty(2**20), torch.ones(2**18), what="a bad gather")
+        except ValueError as error:
+            got["wrong size"] = str(error)
     finally:
         setattr(dist, name, real)
         dist.destroy_process_group()
@@ -265,4 +269,6 @@ def test_a_large_gather_over_gloo_is_one_counted_all_gather_without_gloos_staged
         f"torch.bfloat16 {mib // 2}": (True, 1, 2 * mib),
         "torch.bfloat16 4": (True, 1, 16),
         "staged": [8, 8],  # only the tiny gathers took gloo's all-gather
+        "wrong size": "all_gather_into (a bad gather): the output has 1,048,576 elements; "
+        "expected the world size 2 x the shard's 262,144 = 524,288",
     }
