@@ -37,6 +37,7 @@ __all__ = [
     "ReduceOp",
     "WatchSettings",
     "Watched",
+    "Works",
     "agree",
     "all_gather_bytes",
     "all_gather_into",
@@ -349,11 +350,11 @@ def _unstaged(output: torch.Tensor, group: Any) -> bool:
 
 def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, group: Any):
     """Each rank's `shard` broadcast from it into its slice of flat `output`: the work
-    of all of them (`_Works`) with `async_op`, else None once they landed."""
+    of all of them (`Works`) with `async_op`, else None once they landed."""
     size, rank, world = shard.numel(), dist.get_rank(group), dist.get_world_size(group)
     flat = output.view(-1)
     flat[rank * size : (rank + 1) * size].copy_(shard.reshape(-1))
-    works = _Works(
+    works = Works(
         [
             dist.broadcast(
                 flat[source * size : (source + 1) * size],
@@ -370,14 +371,15 @@ def _broadcast_parts(output: torch.Tensor, shard: torch.Tensor, async_op: bool, 
     return None
 
 
-class _Works:
-    """Several of torch's `Work`s in flight as one: `wait` (with a `timeout`: one deadline
-    for all of them, raising torch's timeout error while any is still running),
-    `is_completed` (also once one of them failed: `Watched` then reports the failure,
-    not a slice of waiting), `get_future`."""
+class Works:
+    """Several collectives in flight as one (torch's `Work`s, or fzero's `Watched`):
+    `wait` (with a `timeout`: one deadline for all of them, raising torch's timeout
+    error while any is still running), `is_completed` (also once one of them failed:
+    `Watched` then reports the failure, not a slice of waiting), `get_future`. `keep`:
+    a tensor they read, alive until they landed."""
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works, self.failed = works, False
+    def __init__(self, works: list[Any], keep: torch.Tensor | None = None) -> None:
+        self.works, self.keep, self.failed = works, keep, False
 
     def is_completed(self) -> bool:
         return self.failed or all(work.is_completed() for work in self.works)
@@ -394,6 +396,7 @@ class _Works:
             except RuntimeError:
                 self.failed = self.failed or bool(work.is_completed())
                 raise
+        self.keep = None
         return True
 
     def get_future(self) -> Any:

@@ -204,7 +204,7 @@ class OptimizerApplication:
                 b = min(a + WIDENED_PIECE, master.numel())
                 views = {k: getattr(state, k)[a:b] for k in sliced}
                 rt.master, rt.state = master[a:b], state._replace(**views)
-                grad = self._piece_step_grad(rt, owned[a:b])
+                grad = self.step_grad(rt, owned[a:b])
                 with widened(rt, step=self.clock.step, start=start + a):
                     self._update_unit(rt, factor, group_values, written=None, grad=grad)
                 done = rt.state._asdict()
@@ -214,14 +214,6 @@ class OptimizerApplication:
                 fields = {k: v for k, v in done.items() if k not in sliced}
         finally:
             rt.master, rt.state = master, state._replace(**fields)
-
-    def _piece_step_grad(self, rt: UnitRuntime, grad: Tensor) -> Tensor:
-        """`step_grad` for a piece `grad` of the partition's gradient."""
-        if not self.residency.offloaded[rt.index]:
-            return grad if grad.dtype == torch.float32 else grad.float()
-        if self.residency.pin:
-            return torch.empty(grad.shape, dtype=torch.float32, pin_memory=True).copy_(grad)
-        return grad.to("cpu", torch.float32, copy=True)
 
     def widened_if_narrow(self, rt: UnitRuntime) -> contextlib.AbstractContextManager[None]:
         """fp32 copies of a bf16 master and state inside, rounded back after (else as is)."""
@@ -247,11 +239,12 @@ class OptimizerApplication:
         self.residency.give_back(self.residency.lent)
         return written
 
-    def step_grad(self, rt: UnitRuntime) -> Tensor:
-        """The gradient of the rank's optimizer partition in fp32, where the optimizer runs
-        (offload: a host copy, made per step; a half-precision accumulator, `Memory.grads`:
-        an fp32 copy of this unit's part, made per step)."""
-        grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
+    def step_grad(self, rt: UnitRuntime, grad: Tensor | None = None) -> Tensor:
+        """The gradient of the rank's optimizer partition (or of `grad`, a piece of it) in
+        fp32, where the optimizer runs (offload: a host copy, made per step; a
+        half-precision accumulator, `Memory.grads`: an fp32 copy, made per step)."""
+        if grad is None:
+            grad = owned_grad(self.plan, rt.unit, self.rank, rt.grad, for_update=True)
         # in memory where the optimizer is; NVMe: read into a host swap buffer
         if not self.residency.offloaded[rt.index] or self.residency.grad_on_disk(rt.index):
             return grad if grad.dtype == torch.float32 else grad.float()

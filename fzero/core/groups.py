@@ -214,7 +214,7 @@ def gather_unit(
         if stop > start:
             part = full[start:stop]
             works.append(comm.broadcast_from(part, owner, async_op=True, what=what, group=group))
-    done = _Parts(works)
+    done = comm.Works(works)
     if async_op:
         return done
     done.wait()
@@ -250,7 +250,7 @@ def gather_optimizer_shards(
         )
     held = gather_to_grads_shard(shard, plan, groups, what=what)
     work = comm.all_gather_into(full, held, async_op=async_op, what=what, group=groups.grads)
-    return _Parts([work], keep=held) if async_op else None
+    return comm.Works([work], keep=held) if async_op else None
 
 
 def gather_to_grads_shard(shard: Tensor, plan: Plan, groups: Groups, *, what: str = "") -> Tensor:
@@ -263,19 +263,6 @@ def gather_to_grads_shard(shard: Tensor, plan: Plan, groups: Groups, *, what: st
     held = torch.empty(numel, dtype=shard.dtype, device=shard.device)
     comm.all_gather_into(held, shard, what=what, group=groups.optimizer)
     return held
-
-
-class _Parts:
-    """Several collectives in flight as one (`wait()` waits for each, in order); `keep`:
-    a tensor they read, alive until they land."""
-
-    def __init__(self, works: list[Any], keep: Tensor | None = None) -> None:
-        self.works, self.keep = works, keep
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works, self.keep = [], None
 
 
 def check_even(plan: Plan, quantized: bool, key: str) -> None:
